@@ -79,6 +79,18 @@ class TrainConfig:
         default=True, metadata={"help": "keep XLA's compiled graphs in the checkpoints, for the next session"}
     )
     compile: bool = field(default=True, metadata={"help": "torch.compile the model on CUDA (XLA compiles anyway)"})
+    grad_accum_loop: bool = field(
+        default=True, metadata={"help": "XLA: run a step's micro-batches as one compiled loop, the step one graph "
+                                "(off: one graph per micro-step)"}
+    )
+    activation_checkpointing: str = field(
+        default="auto", metadata={"help": "recompute each block's activations in the backward pass: on, off, or "
+                                  "auto (on where the TPU's memory needs it: gpt2-medium and up on 16 GB devices)"}
+    )
+    scan_layers: str = field(
+        default="auto", metadata={"help": "XLA: compile one block for the whole stack (torch_xla scan; needs jax and "
+                                  "torchax): on, off, or auto (on a TPU with SDPA attention, 12+ layers)"}
+    )
     time_budget: float = field(
         default=0.0,
         metadata={"help": "seconds this session may train before its final checkpoint (0: 9 h less a margin)"},
@@ -138,6 +150,9 @@ class TrainConfig:
             raise UserError(f"--max-steps must be positive, got {self.max_steps}")
         if self.time_budget < 0:
             raise UserError(f"--time-budget must be >= 0, got {self.time_budget}")
+        for name in ("activation_checkpointing", "scan_layers"):
+            if getattr(self, name) not in ("auto", "on", "off"):
+                raise UserError(f"{_flag(name)} must be auto, on or off, got {getattr(self, name)!r}")
         if self.on_data_change not in ("error", "new-epoch"):
             raise UserError(f"--on-data-change must be error or new-epoch, got {self.on_data_change!r}")
 

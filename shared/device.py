@@ -7,22 +7,17 @@ torch_xla is imported only by `XlaRuntime`, so importing this module stays cheap
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
+import re
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-# bf16 peak FLOP/s per device as torch_xla/torch count devices (TPU v3 and v2 expose 2 cores per chip).
+# bf16 peak FLOP/s per GPU, matched against torch.cuda.get_device_name.
 PEAK_BF16_FLOPS = {
-    "TPU v2": 22.5e12,
-    "TPU v3": 61.5e12,
-    "TPU v4": 137.5e12,
-    "TPU v5 lite": 197e12,
-    "TPU v5e": 197e12,
-    "TPU v5p": 459e12,
-    "TPU v6 lite": 918e12,
-    "TPU v6e": 918e12,
     "H100": 989e12,
     "H200": 989e12,
     "A100": 312e12,
@@ -32,9 +27,81 @@ PEAK_BF16_FLOPS = {
 }
 
 
+@dataclass(frozen=True)
+class TpuGeneration:
+    """What the trainer needs to know of a TPU generation (Google Cloud's per-chip figures, docs/tpu-throughput.md)."""
+
+    name: str  # "v3", "v5e", ...
+    peak_bf16_per_chip: float
+    devices_per_chip: int  # torch_xla devices per chip: v2/v3 expose each of a chip's 2 TensorCores
+    hbm_gib_per_device: float
+    pallas_flash_attention: bool  # Mosaic (Pallas) compiles the bf16 flash-attention kernel
+
+    @property
+    def peak_bf16_per_device(self) -> float:
+        return self.peak_bf16_per_chip / self.devices_per_chip
+
+
+TPU_GENERATIONS = {g.name: g for g in (
+    TpuGeneration("v2", 45e12, 2, 8, False),
+    TpuGeneration("v3", 123e12, 2, 16, False),
+    TpuGeneration("v4", 275e12, 1, 32, True),
+    TpuGeneration("v5e", 197e12, 1, 16, True),
+    TpuGeneration("v5p", 459e12, 1, 95, True),
+    TpuGeneration("v6e", 918e12, 1, 32, True),
+)}
+
+# TPU_ACCELERATOR_TYPE / the metadata server's accelerator type ("v3-8", "v5litepod-8", "v6e-8", "v5p-8"), or
+# a PJRT device_kind ("TPU v3", "TPU v5 lite", "TPU v6 lite", "TPU v5"), to a generation name.
+_ACCELERATOR_TYPE = re.compile(r"^(?:tpu)?v(\d)(litepod|lite|e|p)?(?:-\d+)?$")
+_DEVICE_KIND = re.compile(r"^tpu v(\d)\s*(lite|e|p)?", re.IGNORECASE)
+
+
+def _generation_name(major: str, variant: str | None) -> str | None:
+    name = f"v{major}" + {"litepod": "e", "lite": "e", "e": "e", "p": "p"}.get(variant or "", "")
+    if name == "v5":  # PJRT calls a v5p just "TPU v5"
+        name = "v5p"
+    return name if name in TPU_GENERATIONS else None
+
+
+def parse_tpu_generation(text: str) -> str | None:
+    """"v3-8", "v5litepod-8", "v6e-8", "TPU v5 lite", ... -> "v3", "v5e", "v6e"; None when not a known TPU."""
+    text = (text or "").strip()
+    m = _ACCELERATOR_TYPE.match(text.lower()) or _DEVICE_KIND.match(text)
+    return _generation_name(m.group(1), m.group(2) and m.group(2).lower()) if m else None
+
+
+def detect_tpu_generation(env: dict | None = None, device_attributes: dict | None = None,
+                          tpu_type: Callable[[], str] | None = None) -> tuple[str | None, str]:
+    """(generation, where it was read) of this TPU host, from what a TPU VM really exposes, in order:
+    the TPU_ACCELERATOR_TYPE variable, torch_xla's `_internal.tpu.get_tpu_type()` (the VM's metadata), then a
+    PJRT `device_kind` attribute (some runtimes report one; torch_xla documents only core_on_chip, num_cores,
+    coords and name for TPUs). (None, why) when none of them names a known generation."""
+    env = os.environ if env is None else env
+    accelerator_type = env.get("TPU_ACCELERATOR_TYPE", "")
+    if parse_tpu_generation(accelerator_type):
+        return parse_tpu_generation(accelerator_type), f"TPU_ACCELERATOR_TYPE={accelerator_type}"
+    if tpu_type is not None:
+        try:
+            found = tpu_type()
+        except Exception as err:  # no metadata server, or an unparsable reply: try the next source
+            found = f"unavailable ({type(err).__name__})"
+        if parse_tpu_generation(found):
+            return parse_tpu_generation(found), f"TPU metadata accelerator type {found}"
+    kind = str((device_attributes or {}).get("device_kind", ""))
+    if parse_tpu_generation(kind):
+        return parse_tpu_generation(kind), f"PJRT device_kind {kind!r}"
+    return None, f"unknown TPU (TPU_ACCELERATOR_TYPE={accelerator_type!r}, device attributes {device_attributes})"
+
+
+def tpu_devices_present() -> bool:
+    """A TPU VM's chips appear as /dev/accel* (v2-v4, v5p) or /dev/vfio/<n> (v5e, v6e)."""
+    return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
 def default_xla_env() -> None:
     """Without a TPU, use torch_xla's CPU backend with 8 devices: the same SPMD path as a v3-8/v5e-8 board."""
-    if "PJRT_DEVICE" not in os.environ and not (os.path.exists("/dev/accel0") or os.path.exists("/dev/vfio/0")):
+    if "PJRT_DEVICE" not in os.environ and not tpu_devices_present():
         os.environ["PJRT_DEVICE"] = "CPU"
     if os.environ.get("PJRT_DEVICE") == "CPU":
         os.environ.setdefault("CPU_NUM_DEVICES", "8")
@@ -71,6 +138,9 @@ class Runtime:
         """A loss scaler for fp16 autocast; everywhere else a disabled one, which passes everything through."""
         return torch.amp.GradScaler("cuda", enabled=enabled and self.amp_dtype == torch.float16)
 
+    tpu_generation: TpuGeneration | None = None  # set on a TPU whose generation is known
+    attention = "sdpa"  # or "pallas-flash" where the device layer installed TPU flash attention
+
     def no_grad_sync(self, model: torch.nn.Module, skip: bool):
         """Inside gradient accumulation, skip the cross-process gradient reduction (DDP only)."""
         return contextlib.nullcontext()
@@ -82,12 +152,37 @@ class Runtime:
     def barrier(self) -> None:
         """Wait for every process (DDP only)."""
 
-    def batch_to_device(self, batch: np.ndarray) -> torch.Tensor:
+    def batch_to_device(self, batch: np.ndarray, batch_dim: int = 0) -> torch.Tensor:
         return torch.from_numpy(batch).to(self.device)
 
-    def prepare_model(self, model: torch.nn.Module, fsdp: bool, compile: bool = False) -> torch.nn.Module:
-        """Move `model` (in place) to the device; return the module the training step should call."""
+    def forward_backward(self, model: torch.nn.Module, tokens: np.ndarray, bf16: bool, scaler,
+                         accum_loop: bool = True) -> torch.Tensor:
+        """Gradients of one optimizer step accumulated into the parameters' .grad, from `tokens` of shape
+        (micro-steps, B, T+1); returns the step's mean loss (detached). Here: one micro-batch at a time."""
+        accum = tokens.shape[0]
+        loss_sum = torch.zeros((), device=self.device)
+        for micro in range(accum):
+            batch = self.batch_to_device(tokens[micro])
+            with self.no_grad_sync(model, skip=micro < accum - 1):
+                with self.autocast(bf16):
+                    _, loss = model(batch[:, :-1], batch[:, 1:])
+                loss = loss / accum
+                loss_sum += loss.detach()
+                scaler.scale(loss).backward()
+            if micro < accum - 1:
+                self.sync()  # XLA without the loop: a graph per micro-step keeps memory to one micro-batch
+        return loss_sum
+
+    def prepare_model(self, model: torch.nn.Module, fsdp: bool, compile: bool = False,
+                      activation_checkpointing: bool = False, scan_layers: bool = False) -> torch.nn.Module:
+        """Move `model` (in place) to the device; return the module the training step should call.
+        activation_checkpointing: recompute each block's activations in the backward pass instead of keeping
+        them; scan_layers: XLA only (compile one block for the whole stack)."""
         model.to(self.device)
+        if activation_checkpointing:
+            from torch.utils.checkpoint import checkpoint
+
+            model.block_checkpoint = lambda block, x: checkpoint(block, x, use_reentrant=False)
         if compile and self.device.type == "cuda":
             return torch.compile(model)
         return model
@@ -102,6 +197,10 @@ class Runtime:
         fn(*args)
 
     def compile_count(self) -> int:
+        return 0
+
+    def execution_count(self) -> int:
+        """Compiled graphs executed so far (XLA; 0 where the backend does not count them)."""
         return 0
 
     def compile_seconds(self) -> float:
@@ -152,27 +251,37 @@ class XlaRuntime(Runtime):
         self.num_devices = xr.global_runtime_device_count()
         self.mesh = xs.Mesh(np.arange(self.num_devices), (self.num_devices,), ("data",))
         self._fsdp = False
+        self.tpu_generation, self.tpu_generation_source = None, ""
+        if xr.device_type() == "TPU":
+            self._detect_tpu_generation()
         self._maybe_use_flash_attention()
 
     @property
     def description(self) -> str:
-        return f"xla:{self._xr.device_type()} x{self.num_devices} (SPMD)"
+        kind = f" {self.tpu_generation.name}" if self.tpu_generation else ""
+        return f"xla:{self._xr.device_type()}{kind} x{self.num_devices} (SPMD)"
+
+    def _detect_tpu_generation(self) -> None:
+        from torch_xla._internal import tpu
+
+        try:
+            attributes = dict(self._xr.global_runtime_device_attributes()[0])
+        except Exception:  # the attribute API has changed across versions; the other sources suffice
+            attributes = {}
+        name, self.tpu_generation_source = detect_tpu_generation(device_attributes=attributes,
+                                                                 tpu_type=tpu.get_tpu_type)
+        self.tpu_generation = TPU_GENERATIONS.get(name or "")
 
     def _maybe_use_flash_attention(self) -> None:
-        # The Pallas kernel needs jax (torch_xla[pallas]) and Mosaic, which is reported to reject bf16
-        # matmuls on TPU v2/v3; anywhere it cannot run, SDPA (XLA's own attention) is used.
-        if self._xr.device_type() != "TPU" or os.environ.get("GPT2K_FLASH_ATTENTION", "1") == "0":
+        # The Pallas kernel needs jax (torch_xla[pallas]) and a generation whose Mosaic compiles it (not v2/v3);
+        # on an unknown TPU, and anywhere else, SDPA (XLA's own attention) is used.
+        gen = self.tpu_generation
+        if not gen or not gen.pallas_flash_attention or os.environ.get("GPT2K_FLASH_ATTENTION", "1") == "0":
             return
         try:
             import jax  # noqa: F401
             from torch_xla.experimental.custom_kernel import flash_attention
         except ImportError:
-            return
-        try:
-            kind = str(self._xr.global_runtime_device_attributes()[0].get("device_kind", ""))
-        except Exception:
-            kind = ""
-        if any(old in kind.lower() for old in ("v2", "v3")):
             return
         from shared.model import set_attention_kernel
 
@@ -183,16 +292,35 @@ class XlaRuntime(Runtime):
                                    partition_spec=("data", None, None, None), mesh=mesh)
 
         set_attention_kernel(tpu_flash_attention)
+        self.attention = "pallas-flash"
 
     def autocast(self, enabled: bool):
         if not enabled:
             return contextlib.nullcontext()
         return torch.autocast("xla", dtype=torch.bfloat16)
 
-    def batch_to_device(self, batch: np.ndarray) -> torch.Tensor:
+    def batch_to_device(self, batch: np.ndarray, batch_dim: int = 0) -> torch.Tensor:
         tensor = torch.from_numpy(batch).to(self.device)
-        self._xs.mark_sharding(tensor, self.mesh, ("data",) + (None,) * (tensor.dim() - 1))
+        spec = tuple("data" if d == batch_dim else None for d in range(tensor.dim()))
+        self._xs.mark_sharding(tensor, self.mesh, spec)
         return tensor
+
+    def forward_backward(self, model: torch.nn.Module, tokens: np.ndarray, bf16: bool, scaler,
+                         accum_loop: bool = True) -> torch.Tensor:
+        """One optimizer step's gradients as one graph: the (accum, B, T+1) tokens go to the device once and
+        torch_xla's gradient_accumulation runs the micro-steps as an XLA While loop over their first dimension.
+        accum_loop=False: one graph per micro-step, each micro-batch sent on its own (the earlier structure)."""
+        accum = tokens.shape[0]
+        if accum == 1 or not accum_loop:
+            return super().forward_backward(model, tokens, bf16, scaler)
+        from torch_xla.experimental.gradient_accumulation import gradient_accumulation
+
+        def micro_step(batch: torch.Tensor) -> torch.Tensor:
+            with self.autocast(bf16):
+                return model(batch[:, :-1], batch[:, 1:])[1]
+
+        # It divides each micro-step's loss by accum and sums: the returned loss is the step's mean.
+        return gradient_accumulation(micro_step, (self.batch_to_device(tokens, batch_dim=1),), model)
 
     def _param_spec(self, param: torch.Tensor) -> tuple:
         # fsdp: shard the first dimension the mesh divides; otherwise (or if none divides) replicate.
@@ -202,11 +330,20 @@ class XlaRuntime(Runtime):
                     return tuple("data" if d == dim else None for d in range(param.dim()))
         return (None,) * param.dim()
 
-    def prepare_model(self, model: torch.nn.Module, fsdp: bool, compile: bool = False) -> torch.nn.Module:
+    def prepare_model(self, model: torch.nn.Module, fsdp: bool, compile: bool = False,
+                      activation_checkpointing: bool = False, scan_layers: bool = False) -> torch.nn.Module:
         model.to(self.device)  # XLA traces and compiles the step itself; torch.compile is not used here
         self._fsdp = fsdp
         for param in model.parameters():
             self.shard_like(param, param)
+        if activation_checkpointing:
+            # torch_xla's checkpoint puts an optimization barrier around the recomputation (XLA would otherwise
+            # common-subexpression it away, keeping the activations after all).
+            from torch_xla.utils.checkpoint import checkpoint
+
+            model.block_checkpoint = lambda block, x: checkpoint(block, x, use_reentrant=True)
+        if scan_layers:
+            model.block_stack = make_scan_layers(activation_checkpointing)
         return model
 
     def shard_like(self, tensor: torch.Tensor, param: torch.Tensor) -> None:
@@ -228,6 +365,13 @@ class XlaRuntime(Runtime):
         data = met.metric_data("CompileTime")
         return int(data[0]) if data else 0
 
+    def execution_count(self) -> int:
+        import torch_xla.debug.metrics as met
+
+        # SPMD graphs run through ExecuteReplicated; non-SPMD ones through Execute.
+        runs = [met.metric_data(name) for name in ("ExecuteReplicatedTime", "ExecuteTime")]
+        return sum(int(data[0]) for data in runs if data)
+
     def compile_seconds(self) -> float:
         import torch_xla.debug.metrics as met
 
@@ -248,17 +392,8 @@ class XlaRuntime(Runtime):
         return (int(to_dev[0]) if to_dev else 0, int(from_dev[0]) if from_dev else 0)
 
     def peak_flops(self) -> float | None:
-        if self._xr.device_type() != "TPU":
-            return None
-        import torch_xla.core.xla_model as xm
-
-        kind = str(xm.xla_device_hw(self.device))
-        try:
-            kind = self._xr.global_runtime_device_attributes()[0].get("device_kind", kind)
-        except Exception:  # attributes differ across versions; the table lookup below copes
-            pass
-        per = next((v for k, v in PEAK_BF16_FLOPS.items() if k.lower() in str(kind).lower()), None)
-        return per * self.num_devices if per else None
+        gen = self.tpu_generation
+        return gen.peak_bf16_per_device * self.num_devices if gen else None
 
     def rng_state(self) -> dict:
         import torch_xla.core.xla_model as xm
@@ -301,14 +436,16 @@ class DdpRuntime(Runtime):
     def description(self) -> str:
         return f"ddp:{self.device.type} x{self.num_devices}"
 
-    def batch_to_device(self, batch: np.ndarray) -> torch.Tensor:
-        rows = batch.shape[0] // self.num_devices
-        return torch.from_numpy(batch[self.rank * rows:(self.rank + 1) * rows]).to(self.device)
+    def batch_to_device(self, batch: np.ndarray, batch_dim: int = 0) -> torch.Tensor:
+        rows = batch.shape[batch_dim] // self.num_devices
+        mine = np.take(batch, np.arange(self.rank * rows, (self.rank + 1) * rows), axis=batch_dim)
+        return torch.from_numpy(mine).to(self.device)
 
-    def prepare_model(self, model: torch.nn.Module, fsdp: bool, compile: bool = False) -> torch.nn.Module:
+    def prepare_model(self, model: torch.nn.Module, fsdp: bool, compile: bool = False,
+                      activation_checkpointing: bool = False, scan_layers: bool = False) -> torch.nn.Module:
         from torch.nn.parallel import DistributedDataParallel
 
-        step_model = super().prepare_model(model, fsdp, compile)
+        step_model = super().prepare_model(model, fsdp, compile, activation_checkpointing)
         return DistributedDataParallel(step_model, device_ids=self._device_ids)
 
     def no_grad_sync(self, model: torch.nn.Module, skip: bool):
@@ -322,6 +459,24 @@ class DdpRuntime(Runtime):
     def barrier(self) -> None:
         self._dist.barrier()
 
+
+
+def scan_layers_available() -> bool:
+    """torch_xla's scan under SPMD calls into jax (shard_alike) through torchax: both must be importable."""
+    import importlib.util
+
+    return all(importlib.util.find_spec(name) is not None for name in ("jax", "torchax"))
+
+
+def make_scan_layers(activation_checkpointing: bool) -> Callable:
+    """A block-stack runner (blocks, x) -> x that traces and compiles one block and loops it over the stack
+    (torch_xla's scan_layers); with activation checkpointing, AOTAutograd's min-cut partition recomputes what
+    the backward pass needs instead of keeping it."""
+    from functorch.compile import default_partition, min_cut_rematerialization_partition
+    from torch_xla.experimental.scan_layers import scan_layers
+
+    partition = min_cut_rematerialization_partition if activation_checkpointing else default_partition
+    return lambda blocks, x: scan_layers(blocks, x, partition_fn=partition, is_layer_pure=True)
 
 
 _xla_runtime: XlaRuntime | None = None

@@ -86,6 +86,14 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied embeddings
         self.apply(self._init_weights)
+        # How the block stack runs, set by the device layer (shared.device prepare_model): a checkpoint
+        # function (block, x) -> x that recomputes a block's activations in the backward pass, and/or a runner
+        # (blocks, x) -> x for the whole stack (XLA's scan: one block compiled once). None: a plain loop.
+        self.block_checkpoint = None
+        self.block_stack = None
+        # Padded vocabulary columns are masked out of the loss (not sliced off) so the head's matmul keeps its
+        # 128-aligned width: -inf logits add nothing to the softmax and get zero gradient.
+        self.register_buffer("vocab_padding", torch.arange(cfg.vocab_size) >= GPT2_VOCAB_SIZE, persistent=False)
 
     def _init_weights(self, module: nn.Module) -> None:
         # GPT-2 init: N(0, 0.02); projections into the residual stream scaled by 1/sqrt(2 * n_layer).
@@ -129,19 +137,24 @@ class GPT(nn.Module):
         return n - self.transformer.wpe.weight.numel() if non_embedding else n
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        """Logits (B, T, vocab) and, with targets, the mean cross-entropy over all positions."""
+        """(logits (B, T, 50257), None), or with targets (None, the mean cross-entropy over all positions)."""
         T = idx.shape[1]
         pos = torch.arange(T, device=idx.device)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)
-        for block in self.transformer.h:
-            x = block(x)
+        if self.block_stack is not None:
+            x = self.block_stack(self.transformer.h, x)
+        else:
+            for block in self.transformer.h:
+                x = self.block_checkpoint(block, x) if self.block_checkpoint is not None else block(x)
         # The padded vocabulary rows only speed up the matmul: logits and loss cover GPT-2's 50257 tokens,
         # so the model is exactly the exported Hugging Face one.
-        logits = self.lm_head(self.transformer.ln_f(x))[..., : min(self.config.vocab_size, GPT2_VOCAB_SIZE)]
+        logits = self.lm_head(self.transformer.ln_f(x))
         if targets is None:
-            return logits, None
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1).long())
-        return logits, loss
+            return logits[..., : min(self.config.vocab_size, GPT2_VOCAB_SIZE)], None
+        # With targets only the loss comes back: the logits are not kept alive as an output of the step.
+        logits = logits.float().masked_fill(self.vocab_padding, float("-inf"))
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1).long())
+        return None, loss
 
 
 # --- Hugging Face GPT-2 compatibility -------------------------------------------------------------------

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from shared.checkpoint import (
@@ -93,6 +94,51 @@ def default_time_budget(checkpoint_seconds: float) -> float:
     return NINE_HOURS - (600 + 3 * checkpoint_seconds)
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """How a step runs on this runtime, with `auto` settings resolved (logged at the session start)."""
+
+    accum_loop: bool
+    activation_checkpointing: bool
+    scan_layers: bool
+
+    def describe(self, runtime: Runtime, accum: int) -> str:
+        loop = ("one graph per step (micro-steps in an XLA loop)" if self.accum_loop else
+                "one graph per micro-step" if accum > 1 else "one micro-step per step")
+        return (f"step: {loop if runtime.name == 'xla' else f'{accum} micro-step(s)'}; attention {runtime.attention}; "
+                f"activation checkpointing {'on' if self.activation_checkpointing else 'off'}; "
+                f"scan over layers {'on' if self.scan_layers else 'off'}")
+
+
+def plan_step(cfg: TrainConfig, runtime: Runtime, scan_available: bool | None = None) -> StepPlan:
+    """Resolve the step settings for this runtime. Under XLA a step of several micro-steps is one graph (the
+    micro-steps in an XLA loop) unless --no-grad-accum-loop. `auto` turns activation checkpointing on where the
+    TPU's memory needs it (gpt2-medium and up on 16 GB devices, gpt2-large and up on 32 GB ones), and the scan
+    over layers on for 12+ layers on a TPU running SDPA attention (the Pallas kernel is untested inside scan)
+    when the step has no accumulation loop: inside torch_xla 2.9's loop the scan computed wrong losses
+    (tests/test_train.py shows it), so the two are never combined."""
+    from shared.device import scan_layers_available
+
+    n_layer, gen, xla = cfg.model.n_layer, runtime.tpu_generation, runtime.name == "xla"
+    loop = cfg.grad_accum_loop and xla and cfg.grad_accum_steps > 1
+    if cfg.activation_checkpointing == "auto":
+        checkpointing = bool(gen) and n_layer >= (24 if gen.hbm_gib_per_device <= 16 else 36)
+    else:
+        checkpointing = cfg.activation_checkpointing == "on"
+    available = scan_layers_available() if scan_available is None else scan_available
+    if cfg.scan_layers == "on" and not (xla and available):
+        raise UserError("--scan-layers on needs the xla backend with jax and torchax importable "
+                        f"(backend {runtime.name}, jax+torchax {'found' if available else 'missing'})")
+    if cfg.scan_layers == "on" and loop:
+        raise UserError("--scan-layers on computes wrong gradients inside torch_xla's gradient-accumulation loop; "
+                        "add --no-grad-accum-loop (a graph per micro-step), or use one micro-step per step")
+    if cfg.scan_layers == "auto":
+        scan = xla and bool(gen) and available and n_layer >= 12 and runtime.attention == "sdpa" and not loop
+    else:
+        scan = cfg.scan_layers == "on"
+    return StepPlan(accum_loop=loop, activation_checkpointing=checkpointing, scan_layers=scan)
+
+
 @dataclass
 class TrainResult:
     step: int
@@ -154,7 +200,9 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print) -> TrainR
     if resumed:
         model.load_checkpoint_tensors(resumed.model, resumed.path)
         runtime.set_rng_state(resumed.state.get("rng", {}))
-    step_model = runtime.prepare_model(model, cfg.fsdp, cfg.compile)  # `model` itself moves; this one steps
+    plan = plan_step(cfg, runtime)
+    # `model` itself moves; step_model is what the step calls (a DDP or torch.compile wrapper, or `model`)
+    step_model = runtime.prepare_model(model, cfg.fsdp, cfg.compile, plan.activation_checkpointing, plan.scan_layers)
     start_step = resumed.step if resumed else 0
     step_t = torch.tensor(float(start_step)).to(runtime.device)  # the schedule's step, on the device
     lr_t = lr_at(step_t, cfg)
@@ -193,6 +241,7 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print) -> TrainR
     log(f"{runtime.description}: {cfg.preset} ({num_params / 1e6:.2f}M params), {accum} micro-steps of "
         f"{cfg.micro_batch}x{model_cfg.block_size} per step, "
         f"{'resuming at step ' + str(start_step) + ' from ' + str(resumed.path) if resumed else 'fresh start'}")
+    log(plan.describe(runtime, accum))
     flops_per_token = 6 * num_params + 12 * model_cfg.n_layer * model_cfg.n_embd * model_cfg.block_size
     peak = runtime.peak_flops()
 
@@ -232,7 +281,7 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print) -> TrainR
                       "tokens": step * tokens_per_step, "tokens_per_s": round(tokens_per_s, 1),
                       "mfu": tokens_per_s * flops_per_token / peak if peak else None,
                       "elapsed_s": round(now - session_start, 3), "compiles": runtime.compile_count(),
-                      "h2d_transfers": h2d, "d2h_transfers": d2h})
+                      "graphs": runtime.execution_count(), "h2d_transfers": h2d, "d2h_transfers": d2h})
 
     def evaluate(step: int) -> None:  # validation loss, and the HellaSwag subset and sample when configured
         periodic_eval(model, runtime, cfg, step, step * tokens_per_step, val_loader, logger)
@@ -245,17 +294,8 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print) -> TrainR
     try:
         while step < cfg.max_steps:
             step_started, compile_before = time.monotonic(), runtime.compile_seconds()
-            loss_sum = torch.zeros((), device=runtime.device)
-            for micro in range(accum):
-                batch = runtime.batch_to_device(loader.next_batch())
-                with runtime.no_grad_sync(step_model, skip=micro < accum - 1):
-                    with runtime.autocast(cfg.bf16):
-                        _, loss = step_model(batch[:, :-1], batch[:, 1:])
-                    loss = loss / accum
-                    loss_sum += loss.detach()
-                    scaler.scale(loss).backward()
-                if micro < accum - 1:
-                    runtime.sync()  # one graph per micro-step keeps activation memory to one micro-batch
+            tokens = np.stack([loader.next_batch() for _ in range(accum)])  # (accum, micro_batch, T+1)
+            loss = runtime.forward_backward(step_model, tokens, cfg.bf16, scaler, plan.accum_loop)
             scaler.unscale_(opt)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             lr_t.copy_(lr_at(step_t, cfg))
@@ -265,7 +305,7 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print) -> TrainR
             step_t += 1
             step += 1
             if step % cfg.log_every == 0 or step == cfg.max_steps:
-                runtime.add_step_closure(log_step, (step, loss_sum, grad_norm, lr_t))
+                runtime.add_step_closure(log_step, (step, loss, grad_norm, lr_t))
             runtime.sync()
 
             # The next step costs what this one did, less any compilation (which does not recur).

@@ -46,11 +46,41 @@ def test_gpt2_init_and_tied_embeddings():
 def test_logits_cover_real_vocabulary_and_loss_matches_manual():
     torch.manual_seed(0)
     model = GPT(SMALL)
+    with torch.no_grad():  # make the padded columns matter: a slicing bug would show in the loss
+        model.transformer.wte.weight[GPT2_VOCAB_SIZE:] = 1.0
     idx = torch.randint(0, GPT2_VOCAB_SIZE, (2, 16))
-    logits, loss = model(idx[:, :-1], idx[:, 1:])
+    logits, _ = model(idx[:, :-1])
     assert logits.shape == (2, 15, GPT2_VOCAB_SIZE)
+    no_logits, loss = model(idx[:, :-1], idx[:, 1:])
+    assert no_logits is None  # with targets only the loss is returned (no logits kept alive in the step)
     manual = torch.nn.functional.cross_entropy(logits.reshape(-1, GPT2_VOCAB_SIZE), idx[:, 1:].reshape(-1))
     assert loss.item() == pytest.approx(manual.item(), abs=1e-6)
+    # The padded columns get no gradient: they are masked out of the softmax, not merely never targeted.
+    loss.backward()
+    assert torch.count_nonzero(model.transformer.wte.weight.grad[GPT2_VOCAB_SIZE:]) == 0
+
+
+def test_activation_checkpointing_gives_the_same_loss_and_gradients():
+    torch.manual_seed(0)
+    model = GPT(SMALL)
+    idx = torch.randint(0, GPT2_VOCAB_SIZE, (2, 17))
+    _, plain_loss = model(idx[:, :-1], idx[:, 1:])
+    plain_loss.backward()
+    plain_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    calls = []
+
+    def checkpoint(block, x):
+        calls.append(block)
+        return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+
+    model.block_checkpoint = checkpoint
+    _, loss = model(idx[:, :-1], idx[:, 1:])
+    loss.backward()
+    assert len(calls) == SMALL.n_layer  # every block went through the checkpoint
+    assert loss.item() == plain_loss.item()
+    for name, p in model.named_parameters():
+        assert torch.allclose(p.grad, plain_grads[name], atol=1e-7), name
 
 
 def _random_tokens(n=3, t=20, seed=1):

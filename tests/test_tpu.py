@@ -1,0 +1,111 @@
+"""What the train kernel knows of the TPU it runs on, from what a Kaggle TPU VM really exposes (monkeypatched:
+no TPU here): the generation, its peak FLOP/s, whether the Pallas flash-attention kernel may run, and the
+step settings chosen from them."""
+
+import pytest
+
+from shared.config import TrainConfig
+from shared.device import TPU_GENERATIONS, detect_tpu_generation, parse_tpu_generation
+from shared.errors import UserError
+from shared.trainer import plan_step
+
+# What torch_xla's PJRT client reports for device 0 of a TPU: core_on_chip, num_cores, coords, name; no
+# device_kind (docs/kaggle-tpu.md cites the source).
+TPU_ATTRIBUTES = {"core_on_chip": 0, "num_cores": 1, "coords": [0, 0, 0], "name": "TPU_0"}
+
+
+@pytest.mark.parametrize("accelerator_type, generation, peak_per_device, devices, flash", [
+    ("v3-8", "v3", 61.5e12, 8, False),  # 4 chips x 2 TensorCores, each a torch_xla device
+    ("v5litepod-8", "v5e", 197e12, 8, True),
+    ("v6e-8", "v6e", 918e12, 8, True),
+    ("v2-8", "v2", 22.5e12, 8, False),
+    ("v4-8", "v4", 275e12, 4, True),
+    ("v5p-8", "v5p", 459e12, 4, True),
+])
+def test_generation_from_the_tpu_vm_environment(accelerator_type, generation, peak_per_device, devices, flash):
+    name, source = detect_tpu_generation(env={"TPU_ACCELERATOR_TYPE": accelerator_type},
+                                         device_attributes=TPU_ATTRIBUTES)
+    assert name == generation and accelerator_type in source
+    gen = TPU_GENERATIONS[name]
+    assert gen.peak_bf16_per_device == pytest.approx(peak_per_device)
+    assert gen.pallas_flash_attention is flash  # Mosaic rejects the kernel's bf16 matmul on v2/v3
+    board_peak = {"v3": 492e12, "v5e": 1576e12, "v6e": 7344e12}.get(generation)
+    if board_peak:  # the 8-device boards Kaggle lends (docs/tpu-throughput.md)
+        assert gen.peak_bf16_per_device * devices == pytest.approx(board_peak)
+
+
+def test_generation_from_metadata_then_device_kind_then_unknown():
+    # No TPU_ACCELERATOR_TYPE (Kaggle's image no longer sets it): the VM's metadata, read by torch_xla.
+    name, source = detect_tpu_generation(env={}, device_attributes=TPU_ATTRIBUTES, tpu_type=lambda: "v5litepod")
+    assert (name, source) == ("v5e", "TPU metadata accelerator type v5litepod")
+
+    def no_metadata():
+        raise OSError("Failed to get TPU metadata")
+
+    # A runtime that reports a device kind, as jax's does.
+    name, source = detect_tpu_generation(env={}, device_attributes={**TPU_ATTRIBUTES, "device_kind": "TPU v6 lite"},
+                                         tpu_type=no_metadata)
+    assert name == "v6e" and "device_kind" in source
+    # Nothing names a generation: unknown, and the reason says what was seen.
+    name, source = detect_tpu_generation(env={"TPU_ACCELERATOR_TYPE": ""}, device_attributes=TPU_ATTRIBUTES,
+                                         tpu_type=no_metadata)
+    assert name is None and "unknown TPU" in source
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("v3-8", "v3"), ("v3", "v3"), ("V3-32", "v3"), ("v5litepod-16", "v5e"), ("v5lite", "v5e"), ("v6e-8", "v6e"),
+    ("v5p-8", "v5p"), ("TPU v3", "v3"), ("TPU v5 lite", "v5e"), ("TPU v5", "v5p"), ("TPU v6 lite", "v6e"),
+    ("TPU v4", "v4"), ("", None), ("cpu", None), ("v9-8", None), ("TPU_0", None), ("NvidiaTeslaT4", None),
+])
+def test_parse_tpu_generation(text, expected):
+    assert parse_tpu_generation(text) == expected
+
+
+class FakeRuntime:
+    def __init__(self, generation=None, attention="sdpa", name="xla"):
+        self.tpu_generation = TPU_GENERATIONS.get(generation or "")
+        self.attention, self.name = attention, name
+
+
+def one_micro_step(preset: str) -> dict:
+    """Settings for a step of one micro-step (no accumulation) of 64 sequences."""
+    return {"micro_batch": 64, "total_batch_tokens": 64 * TrainConfig(preset=preset).model.block_size}
+
+
+@pytest.mark.parametrize("preset, generation, attention, checkpointing, scan", [
+    ("gpt2", "v3", "sdpa", False, True),
+    ("gpt2-medium", "v3", "sdpa", True, True),  # 16 GB per v3 core
+    ("gpt2-medium", "v5e", "pallas-flash", True, False),  # scan is not used with the Pallas kernel
+    ("gpt2-medium", "v6e", "pallas-flash", False, False),  # 32 GB per v6e chip
+    ("gpt2-large", "v6e", "sdpa", True, True),
+    ("tiny", "v3", "sdpa", False, False),  # 2 layers: nothing to gain from the scan
+    ("gpt2-xl", None, "sdpa", False, False),  # XLA's CPU devices (no TPU): auto leaves both off
+])
+def test_auto_step_plan_per_preset_and_tpu(preset, generation, attention, checkpointing, scan):
+    runtime = FakeRuntime(generation, attention)
+    single = plan_step(TrainConfig(preset=preset, **one_micro_step(preset)), runtime, scan_available=True)
+    assert (single.activation_checkpointing, single.scan_layers, single.accum_loop) == (checkpointing, scan, False)
+    # With accumulation the step is one graph (the XLA loop), and the scan, wrong inside that loop, stays off.
+    accumulating = plan_step(TrainConfig(preset=preset), runtime, scan_available=True)
+    assert TrainConfig(preset=preset).grad_accum_steps > 1
+    assert (accumulating.activation_checkpointing, accumulating.scan_layers, accumulating.accum_loop) == (
+        checkpointing, False, True)
+    no_loop = plan_step(TrainConfig(preset=preset, grad_accum_loop=False), runtime, scan_available=True)
+    assert (no_loop.scan_layers, no_loop.accum_loop) == (scan, False)
+    # Without jax/torchax the scan is never chosen; explicit settings win over auto.
+    without_jax = plan_step(TrainConfig(preset=preset, **one_micro_step(preset)), runtime, scan_available=False)
+    assert not without_jax.scan_layers
+    forced = plan_step(TrainConfig(preset=preset, activation_checkpointing="on", scan_layers="off",
+                                   grad_accum_loop=False), runtime, scan_available=True)
+    assert (forced.activation_checkpointing, forced.scan_layers, forced.accum_loop) == (True, False, False)
+
+
+def test_scan_layers_on_is_refused_where_it_cannot_run():
+    with pytest.raises(UserError, match="--scan-layers on needs the xla backend"):
+        plan_step(TrainConfig(scan_layers="on"), FakeRuntime(name="torch"), scan_available=True)
+    with pytest.raises(UserError, match="jax\\+torchax missing"):
+        plan_step(TrainConfig(scan_layers="on"), FakeRuntime("v3"), scan_available=False)
+    with pytest.raises(UserError, match="wrong gradients inside torch_xla's gradient-accumulation loop"):
+        plan_step(TrainConfig(scan_layers="on"), FakeRuntime("v3"), scan_available=True)
+    with pytest.raises(UserError, match="--activation-checkpointing must be auto, on or off"):
+        TrainConfig(activation_checkpointing="yes").validate()
