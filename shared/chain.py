@@ -236,7 +236,8 @@ def build_kernel(kernel: str, out_dir: str | os.PathLike, *, user: str, slug: st
     meta = fill_metadata(template_dir / f"{kernel}.json", user=user, slug=slug, title=title, code_file=code_file,
                          kernel_type=kernel_type, accelerator=accelerator, internet=internet,
                          dataset_sources=dataset_sources, kernel_sources=kernel_sources)
-    build = {"kernel": kernel, "code_file": code_file, "settings": settings, "push_id": push_id}
+    build = {"kernel": kernel, "code_file": code_file, "settings": settings, "push_id": push_id,
+             "accelerator": meta.get("machine_shape") or ""}
     if checkpoint_dataset:
         build["checkpoint_dataset"] = checkpoint_dataset
     digest = hashlib.sha256(json.dumps(build, sort_keys=True).encode() + shared_zip_b64(repo).encode()

@@ -71,16 +71,42 @@ def parse_tpu_generation(text: str) -> str | None:
     return _generation_name(m.group(1), m.group(2) and m.group(2).lower()) if m else None
 
 
+# Google's PCI vendor id and the TPU chips' device ids, as torch_xla lists them (torch_xla/_internal/tpu.py):
+# how torch_xla itself decides that a host has TPU chips, with no network call.
+GOOGLE_PCI_VENDOR = "0x1ae0"
+TPU_PCI_DEVICES = {"0x0027": "v3", "0x005e": "v4", "0x0063": "v5e", "0x006f": "v6e"}  # 0x0027 is v2 or v3
+
+
+def tpu_pci_devices(pci_root: str = "/sys/bus/pci/devices") -> list[str]:
+    """The PCI device ids of this host's TPU chips (empty without TPU chips)."""
+    found = []
+    for vendor in sorted(glob.glob(os.path.join(pci_root, "*", "vendor"))):
+        try:
+            if open(vendor).read().strip() != GOOGLE_PCI_VENDOR:
+                continue
+            device = open(os.path.join(os.path.dirname(vendor), "device")).read().strip()
+        except OSError:
+            continue
+        if device in TPU_PCI_DEVICES:
+            found.append(device)
+    return found
+
+
 def detect_tpu_generation(env: dict | None = None, device_attributes: dict | None = None,
-                          tpu_type: Callable[[], str] | None = None) -> tuple[str | None, str]:
-    """(generation, where it was read) of this TPU host, from what a TPU VM really exposes, in order:
-    the TPU_ACCELERATOR_TYPE variable, torch_xla's `_internal.tpu.get_tpu_type()` (the VM's metadata), then a
-    PJRT `device_kind` attribute (some runtimes report one; torch_xla documents only core_on_chip, num_cores,
-    coords and name for TPUs). (None, why) when none of them names a known generation."""
+                          tpu_type: Callable[[], str] | None = None,
+                          pci_root: str = "/sys/bus/pci/devices") -> tuple[str | None, str]:
+    """(generation, where it was read) of this TPU host, from what a TPU VM really exposes, in order: the
+    TPU_ACCELERATOR_TYPE variable, the chips' PCI device ids, torch_xla's `_internal.tpu.get_tpu_type()` (the
+    VM's metadata server), then a PJRT `device_kind` attribute (torch_xla documents only core_on_chip,
+    num_cores, coords and name for TPU devices). (None, what was seen) when none names a known generation."""
     env = os.environ if env is None else env
     accelerator_type = env.get("TPU_ACCELERATOR_TYPE", "")
     if parse_tpu_generation(accelerator_type):
         return parse_tpu_generation(accelerator_type), f"TPU_ACCELERATOR_TYPE={accelerator_type}"
+    chips = tpu_pci_devices(pci_root)
+    if chips:
+        name = TPU_PCI_DEVICES[chips[0]]
+        return name, f"{len(chips)} TPU chips on PCI (device {chips[0]}{', v2 or v3' if name == 'v3' else ''})"
     if tpu_type is not None:
         try:
             found = tpu_type()
@@ -94,9 +120,9 @@ def detect_tpu_generation(env: dict | None = None, device_attributes: dict | Non
     return None, f"unknown TPU (TPU_ACCELERATOR_TYPE={accelerator_type!r}, device attributes {device_attributes})"
 
 
-def tpu_devices_present() -> bool:
-    """A TPU VM's chips appear as /dev/accel* (v2-v4, v5p) or /dev/vfio/<n> (v5e, v6e)."""
-    return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+def tpu_devices_present(pci_root: str = "/sys/bus/pci/devices") -> bool:
+    """TPU chips on this host: on PCI (as torch_xla checks), or as /dev/accel* (v2-v4) or /dev/vfio/<n> (v5e+)."""
+    return bool(tpu_pci_devices(pci_root) or glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
 def default_xla_env() -> None:
@@ -368,9 +394,9 @@ class XlaRuntime(Runtime):
     def execution_count(self) -> int:
         import torch_xla.debug.metrics as met
 
-        # SPMD graphs run through ExecuteReplicated; non-SPMD ones through Execute.
-        runs = [met.metric_data(name) for name in ("ExecuteReplicatedTime", "ExecuteTime")]
-        return sum(int(data[0]) for data in runs if data)
+        # Counters, not the *Time metrics: a sharded tensor's transfer to the host adds an execution sample to
+        # ExecuteReplicatedTime without counting in ExecuteReplicated (SPMD graphs; ExecuteComputation otherwise).
+        return sum(int(met.counter_value(name) or 0) for name in ("ExecuteReplicated", "ExecuteComputation"))
 
     def compile_seconds(self) -> float:
         import torch_xla.debug.metrics as met
@@ -459,6 +485,21 @@ class DdpRuntime(Runtime):
     def barrier(self) -> None:
         self._dist.barrier()
 
+
+
+def runtime_versions() -> dict[str, str | None]:
+    """Python, torch, torch_xla and jax as installed (None: absent), read without importing jax."""
+    import platform
+    from importlib import metadata
+
+    def version(dist: str) -> str | None:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "torch_xla": version("torch_xla"),
+            "jax": version("jax")}
 
 
 def scan_layers_available() -> bool:

@@ -86,6 +86,26 @@ def accelerator() -> str | None:
     return os.environ.get("KAGGLE_ACCELERATOR_TYPE") or None
 
 
+def check_tpu_present(machine_shape: str, kernel: str) -> None:
+    """A kernel built for a TPU machine shape that finds no TPU stops here, in one line, before it touches its
+    inputs or the checkpoint dataset: otherwise torch_xla would quietly train on 8 CPU devices for 9 hours.
+
+    On Kaggle the chips must be on this host (shared.device.tpu_devices_present, torch_xla's own test); in the
+    local Kaggle, whose XLA CPU devices stand in for a TPU, the session's machine shape must be a TPU one."""
+    if not machine_shape.lower().startswith("tpu"):
+        return
+    if is_local_kaggle():
+        session = os.environ.get(LOCAL_ACCELERATOR_ENV) or ""
+        present, seen = session.lower().startswith("tpu"), f"the local Kaggle session's machine is {session or 'CPU'}"
+    else:
+        from shared.device import tpu_devices_present
+
+        present, seen = tpu_devices_present(), "no TPU chips on PCI, /dev/accel* or /dev/vfio"
+    if not present:
+        raise UserError(f"this {kernel} kernel was built for a TPU ({machine_shape}) but this session has none "
+                        f"({seen}); stopping before any work. Check the notebook's accelerator setting and TPU quota")
+
+
 def get_secret(name: str) -> str:
     """A user secret: Kaggle Secrets on Kaggle, the local Kaggle's store locally.
 

@@ -109,9 +109,11 @@ def resolve_placeholders(value: str, paths) -> str:
 def resolve_build_settings(build: dict, log=print) -> dict:
     """The settings a built kernel runs with: placeholders resolved against this session's folders, the checkpoint
     dataset staged for resuming, and publishing configured. Called by the bootstrap of every built kernel."""
-    from shared.kaggle_env import is_kaggle, is_local_kaggle, kaggle_paths
+    from shared.kaggle_env import check_tpu_present, is_kaggle, is_local_kaggle, kaggle_paths
 
     settings = dict(build.get("settings") or {})
+    if build.get("kernel") in ("train", "eval") and (is_kaggle() or is_local_kaggle()):
+        check_tpu_present(build.get("accelerator") or "", build["kernel"])
     if not (is_kaggle() or is_local_kaggle()):
         if any(isinstance(v, str) and _PLACEHOLDER.search(v) for v in settings.values()):
             raise UserError("this built kernel expects Kaggle's folders: run it on Kaggle or in the local Kaggle")

@@ -26,7 +26,7 @@ from shared.checkpoint import (
 )
 from shared.config import NINE_HOURS, TrainConfig
 from shared.data import LoaderState, TokenLoader, find_shards
-from shared.device import Runtime, make_runtime
+from shared.device import Runtime, make_runtime, runtime_versions
 from shared.errors import UserError
 from shared.eval import periodic_eval
 from shared.metrics import MetricsLogger, plot_loss
@@ -235,13 +235,17 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print) -> TrainR
     tokens_per_step = cfg.total_batch_tokens
     logger = MetricsLogger(out_dir, cfg.max_steps, start_step, cfg.to_dict(), cfg.wandb_project, cfg.run_name,
                            progress=cfg.progress, log=log, enabled=runtime.is_main)
+    versions = runtime_versions()
     logger.write({"event": "session_start", "step": start_step, "tokens": start_step * tokens_per_step,
-                  "device": runtime.description, "time_budget_s": round(budget, 1),
+                  "device": runtime.description, "versions": versions, "time_budget_s": round(budget, 1),
                   "elapsed_s": round(time.monotonic() - session_start, 3)})
     log(f"{runtime.description}: {cfg.preset} ({num_params / 1e6:.2f}M params), {accum} micro-steps of "
         f"{cfg.micro_batch}x{model_cfg.block_size} per step, "
         f"{'resuming at step ' + str(start_step) + ' from ' + str(resumed.path) if resumed else 'fresh start'}")
     log(plan.describe(runtime, accum))
+    log(", ".join(f"{name} {version or '-'}" for name, version in versions.items())
+        + (f"; TPU {runtime.tpu_generation.name} from {runtime.tpu_generation_source}" if runtime.tpu_generation
+           else f"; {runtime.tpu_generation_source}" if getattr(runtime, "tpu_generation_source", "") else ""))
     flops_per_token = 6 * num_params + 12 * model_cfg.n_layer * model_cfg.n_embd * model_cfg.block_size
     peak = runtime.peak_flops()
 

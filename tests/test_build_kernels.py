@@ -34,7 +34,8 @@ def session_root(base: Path, inputs: dict[str, Path]) -> Path:
     return base
 
 
-def run_built(folder: Path, root: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_built(folder: Path, root: Path, timeout: float = 300,
+              session_machine: str | None = None) -> subprocess.CompletedProcess:
     """Run a built kernel as a session would: `python <code file>` in working/, no arguments, no Kaggle env.
 
     A notebook runs as the local Kaggle runs one (its code cells, in order, as a script)."""
@@ -45,7 +46,9 @@ def run_built(folder: Path, root: Path, timeout: float = 300) -> subprocess.Comp
         script.write_text(load_local_kaggle_module().notebook_to_script(code.read_text()))
         code = script
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KAGGLE_", "LOCAL_KAGGLE_"))}
-    env.update(LOCAL_KAGGLE_ROOT=str(root), PYTHONUNBUFFERED="1")
+    # The session gets the machine the metadata asks for, as the local Kaggle gives it (unless told otherwise).
+    machine = meta.get("machine_shape", "") if session_machine is None else session_machine
+    env.update(LOCAL_KAGGLE_ROOT=str(root), PYTHONUNBUFFERED="1", LOCAL_KAGGLE_ACCELERATOR=machine)
     return subprocess.run([sys.executable, str(code)], cwd=root / "working", env=env, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -171,3 +174,24 @@ def test_built_kernel_outside_a_session_says_so(tmp_path):
     assert proc.returncode == 2
     assert error_lines(proc.stderr) == ["error: this built kernel expects Kaggle's folders: run it on Kaggle or in "
                                         "the local Kaggle"]
+
+
+def test_train_kernel_built_for_a_tpu_stops_when_the_session_has_none(demo_data, tmp_path):
+    # Kaggle ran the session without a TPU: one line, exit 2, before the checkpoint dataset is staged or any
+    # output is written (no silent 9 hours on a CPU).
+    ckpt_data = tmp_path / "ckpt-data"
+    ckpt_data.mkdir()
+    built = build_kernel("train", tmp_path / "b", user="alice", slug="demo-train", settings=TRAIN_SETTINGS,
+                         accelerator="TpuV5E8", dataset_sources=["alice/run-ckpt"],
+                         checkpoint_dataset={"dataset": "alice/run-ckpt", "resume_setting": "resume_from",
+                                             "publish": True, "expect_step": 3})
+    root = session_root(tmp_path / "s", {"demo-data": demo_data, "run-ckpt": ckpt_data})
+    proc = run_built(built, root, session_machine="")
+    assert proc.returncode == 2
+    assert error_lines(proc.stderr) == [
+        "error: this train kernel was built for a TPU (TpuV5E8) but this session has none (the local Kaggle "
+        "session's machine is CPU); stopping before any work. Check the notebook's accelerator setting and TPU quota"]
+    assert not (root / "temp" / "gpt2k-resume").exists() and not any((root / "working").iterdir())
+    # The same build on a TPU session (the local Kaggle's stand-in) goes past the check to the dataset step.
+    proc = run_built(built, root, session_machine="TpuV5E8")
+    assert proc.returncode == 2 and "holds step 3" in "".join(error_lines(proc.stderr))

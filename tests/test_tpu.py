@@ -5,7 +5,13 @@ step settings chosen from them."""
 import pytest
 
 from shared.config import TrainConfig
-from shared.device import TPU_GENERATIONS, detect_tpu_generation, parse_tpu_generation
+from shared.device import (
+    TPU_GENERATIONS,
+    detect_tpu_generation,
+    parse_tpu_generation,
+    tpu_devices_present,
+    tpu_pci_devices,
+)
 from shared.errors import UserError
 from shared.trainer import plan_step
 
@@ -22,9 +28,10 @@ TPU_ATTRIBUTES = {"core_on_chip": 0, "num_cores": 1, "coords": [0, 0, 0], "name"
     ("v4-8", "v4", 275e12, 4, True),
     ("v5p-8", "v5p", 459e12, 4, True),
 ])
-def test_generation_from_the_tpu_vm_environment(accelerator_type, generation, peak_per_device, devices, flash):
+def test_generation_from_the_tpu_vm_environment(accelerator_type, generation, peak_per_device, devices, flash,
+                                                 tmp_path):
     name, source = detect_tpu_generation(env={"TPU_ACCELERATOR_TYPE": accelerator_type},
-                                         device_attributes=TPU_ATTRIBUTES)
+                                         device_attributes=TPU_ATTRIBUTES, pci_root=str(tmp_path))
     assert name == generation and accelerator_type in source
     gen = TPU_GENERATIONS[name]
     assert gen.peak_bf16_per_device == pytest.approx(peak_per_device)
@@ -34,21 +41,41 @@ def test_generation_from_the_tpu_vm_environment(accelerator_type, generation, pe
         assert gen.peak_bf16_per_device * devices == pytest.approx(board_peak)
 
 
-def test_generation_from_metadata_then_device_kind_then_unknown():
-    # No TPU_ACCELERATOR_TYPE (Kaggle's image no longer sets it): the VM's metadata, read by torch_xla.
-    name, source = detect_tpu_generation(env={}, device_attributes=TPU_ATTRIBUTES, tpu_type=lambda: "v5litepod")
-    assert (name, source) == ("v5e", "TPU metadata accelerator type v5litepod")
+def fake_pci(root, devices: list[tuple[str, str]]) -> str:
+    """A /sys/bus/pci/devices tree with (vendor, device) entries."""
+    for i, (vendor, device) in enumerate(devices):
+        folder = root / f"0000:00:{i:02x}.0"
+        folder.mkdir(parents=True)
+        (folder / "vendor").write_text(vendor + "\n")
+        (folder / "device").write_text(device + "\n")
+    return str(root)
 
+
+def test_generation_from_pci_then_metadata_then_device_kind_then_unknown(tmp_path):
     def no_metadata():
         raise OSError("Failed to get TPU metadata")
 
+    # Kaggle's TPU image no longer sets TPU_ACCELERATOR_TYPE: the chips on PCI (what torch_xla itself reads).
+    v5e_board = fake_pci(tmp_path / "v5e", [("0x8086", "0x1237")] + [("0x1ae0", "0x0063")] * 8)
+    name, source = detect_tpu_generation(env={}, device_attributes=TPU_ATTRIBUTES, tpu_type=no_metadata,
+                                         pci_root=v5e_board)
+    assert (name, source) == ("v5e", "8 TPU chips on PCI (device 0x0063)")
+    assert tpu_devices_present(v5e_board)
+    v3_board = fake_pci(tmp_path / "v3", [("0x1ae0", "0x0027")] * 4)
+    assert detect_tpu_generation(env={}, tpu_type=no_metadata, pci_root=v3_board)[0] == "v3"
+    # No chips on PCI (a Google NIC is not a TPU): the VM's metadata, read through torch_xla.
+    empty = fake_pci(tmp_path / "none", [("0x1ae0", "0x0042")])
+    assert not tpu_pci_devices(empty)
+    name, source = detect_tpu_generation(env={}, device_attributes=TPU_ATTRIBUTES, tpu_type=lambda: "v5litepod",
+                                         pci_root=empty)
+    assert (name, source) == ("v5e", "TPU metadata accelerator type v5litepod")
     # A runtime that reports a device kind, as jax's does.
     name, source = detect_tpu_generation(env={}, device_attributes={**TPU_ATTRIBUTES, "device_kind": "TPU v6 lite"},
-                                         tpu_type=no_metadata)
+                                         tpu_type=no_metadata, pci_root=empty)
     assert name == "v6e" and "device_kind" in source
     # Nothing names a generation: unknown, and the reason says what was seen.
     name, source = detect_tpu_generation(env={"TPU_ACCELERATOR_TYPE": ""}, device_attributes=TPU_ATTRIBUTES,
-                                         tpu_type=no_metadata)
+                                         tpu_type=no_metadata, pci_root=empty)
     assert name is None and "unknown TPU" in source
 
 
