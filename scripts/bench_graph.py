@@ -19,6 +19,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--data-dir", default="", help="token shards (default: build the demo corpus)")
+    parser.add_argument("--per-micro-step", action="store_true",
+                        help="the earlier step structure (--no-grad-accum-loop: a graph per micro-step), to compare")
     args = parser.parse_args()
 
     from shared.config import TrainConfig
@@ -32,7 +34,7 @@ def main() -> None:
         cfg = TrainConfig(preset="tiny", data_dir=data_dir, out_dir=f"{tmp}/run", seq_len=32, micro_batch=8,
                           total_batch_tokens=512, max_steps=args.steps, warmup_steps=10, log_every=1,
                           eval_every=25, eval_batches=2, checkpoint_every=args.steps // 2, progress=False,
-                          wandb_project="")
+                          wandb_project="", grad_accum_loop=not args.per_micro_step)
         start = time.perf_counter()
         result = train(cfg, make_runtime("xla"), log=lambda msg: print(msg, flush=True))
         wall = time.perf_counter() - start
@@ -43,6 +45,7 @@ def main() -> None:
     last = max(steps)
     # Transfers per plain step: steps whose window holds no eval or checkpoint.
     plain = [s for s in range(3, last + 1) if s - 1 not in evals and s - 1 not in ckpts and s - 1 in steps]
+    graphs = [steps[s]["graphs"] - steps[s - 1]["graphs"] for s in plain]
     h2d = [steps[s]["h2d_transfers"] - steps[s - 1]["h2d_transfers"] for s in plain]
     d2h = [steps[s]["d2h_transfers"] - steps[s - 1]["d2h_transfers"] for s in plain]
     lrs = {round(steps[s]["lr"], 10) for s in steps}
@@ -50,8 +53,9 @@ def main() -> None:
           f"checkpoints after steps: {ckpts}")
     print(f"XLA compilations: {steps[2]['compiles']} by step 2, {steps[last]['compiles']} by step {last}; "
           f"after step 2: {steps[last]['compiles'] - steps[2]['compiles']} (goal 0)")
-    print(f"per plain step ({len(plain)} steps, grad accumulation {cfg.grad_accum_steps}): host-to-device "
-          f"{min(h2d)}-{max(h2d)} (the token batches), device-to-host {min(d2h)}-{max(d2h)} "
+    print(f"per plain step ({len(plain)} steps, grad accumulation {cfg.grad_accum_steps}): graphs executed "
+          f"{min(graphs)}-{max(graphs)}, host-to-device "
+          f"{min(h2d)}-{max(h2d)} (the step's tokens, sent once), device-to-host {min(d2h)}-{max(d2h)} "
           f"(logged loss, lr, grad norm; logging every step here)")
 
 

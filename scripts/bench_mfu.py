@@ -49,20 +49,38 @@ def pick_backend(requested: str) -> str:
     return "xla" if tpu_present() else "cpu"
 
 
-def default_settings(backend: str, on_tpu: bool) -> tuple[int, int, int, str]:
-    """(micro-batch per device, measured steps, warm-up steps, why) when the flags leave them unset."""
+CHAIN_CONFIG = Path(__file__).resolve().parents[1] / "examples" / "chain-gpt2-124m.json"
+
+
+def chain_step(devices: int, seq_len: int) -> tuple[int, int]:
+    """(micro-batch per device, accumulation) of the gpt2 chain config (examples/chain-gpt2-124m.json): what a
+    real session runs."""
+    from shared.config import TrainConfig
+
+    train = json.loads(CHAIN_CONFIG.read_text())["train"]
+    cfg = TrainConfig(**{k: v for k, v in train.items() if k in ("micro_batch", "total_batch_tokens")},
+                      preset="gpt2", seq_len=seq_len)
+    return max(1, cfg.micro_batch // devices), cfg.grad_accum_steps
+
+
+def default_settings(backend: str, on_tpu: bool, devices: int, seq_len: int) -> tuple[int, int, int, int, str]:
+    """(micro-batch per device, accumulation, measured steps, warm-up steps, why) when the flags leave them
+    unset. Measured and warm-up steps are multiples of the log interval (10), as in a real session."""
     import torch
 
     if backend == "cuda":
         gib = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
         micro = 32 if gib >= 60 else 16 if gib >= 30 else 8
-        return micro, 20, 5, f"CUDA defaults for {gib:.0f} GiB: micro-batch {micro}, 20 steps after 5 warm-up"
+        return micro, 1, 20, 10, f"CUDA defaults for {gib:.0f} GiB: micro-batch {micro}, 20 steps after 10 warm-up"
     if backend == "xla" and on_tpu:
-        return 8, 20, 3, "TPU defaults: micro-batch 8 per device, 20 steps after 3 warm-up (2 compile)"
+        micro, accum = chain_step(devices, seq_len)
+        return micro, accum, 20, 10, (f"TPU defaults: the gpt2 chain's step ({CHAIN_CONFIG.name}): micro-batch "
+                                      f"{micro} per device x {accum} micro-steps, 20 steps after 10 warm-up")
     if backend == "xla":  # torch_xla's CPU devices: steps 1 and 2 compile
-        return 1, 2, 2, "XLA CPU-device defaults: micro-batch 1 per device, 2 steps after 2 warm-up (compiling)"
-    # torch on the CPU, or torch_xla's CPU devices: just enough to show the script runs.
-    return 1, 3, 1, "CPU defaults: micro-batch 1 per device, 3 steps after 1 warm-up, to finish in minutes"
+        return 1, 2, 10, 10, ("XLA CPU-device defaults: micro-batch 1 per device x 2 micro-steps, 10 steps after "
+                              "10 warm-up (figures only)")
+    # torch on the CPU: just enough to show the script runs.
+    return 1, 1, 3, 1, "CPU defaults: micro-batch 1 per device, 3 steps after 1 warm-up, to finish in minutes"
 
 
 def write_random_shards(data_dir: Path, tokens_needed: int, vocab: int, seed: int = 0) -> None:
@@ -78,19 +96,31 @@ def write_random_shards(data_dir: Path, tokens_needed: int, vocab: int, seed: in
 
 
 def trainer_throughput(records: list[dict], warmup: int) -> tuple[float, float, int]:
-    """(tokens/s, mean step seconds, steps measured) from metrics.jsonl logged every step, warm-up excluded."""
-    steps = [r for r in records if "loss" in r and r.get("tokens_per_s") and r["step"] > warmup]
+    """(tokens/s, mean step seconds, steps measured) from the trainer's metrics.jsonl, warm-up excluded. Each
+    logged record covers the steps since the previous one, its window closed once the device had finished
+    them (the logged loss is read first), so a window's tokens/s is real device throughput."""
+    logged = [r for r in records if "loss" in r and r.get("tokens_per_s")]
+    steps = [r for r in logged if r["step"] > warmup]
     if not steps:
         raise UserError("the trainer logged no step after the warm-up; raise --steps")
     tokens = records_tokens_per_step(records)
-    seconds = [tokens / r["tokens_per_s"] for r in steps]
-    return tokens * len(seconds) / sum(seconds), sum(seconds) / len(seconds), len(seconds)
+    previous = {b["step"]: a["step"] for a, b in zip(logged, logged[1:], strict=False)}
+    counts = [r["step"] - previous.get(r["step"], warmup) for r in steps]
+    seconds = [n * tokens / r["tokens_per_s"] for n, r in zip(counts, steps, strict=True)]
+    return tokens * sum(counts) / sum(seconds), sum(seconds) / sum(counts), sum(counts)
 
 
-def trainer_recompiles(records: list[dict], warmup: int) -> int:
-    """XLA compilations the trainer logged during the measured steps (0 on CUDA/CPU, where none are counted)."""
-    logged = {r["step"]: r.get("compiles") or 0 for r in records if "loss" in r}
-    return max(logged.values()) - logged[warmup] if warmup in logged else 0
+def trainer_step_counts(records: list[dict], warmup: int) -> dict[str, float]:
+    """Per measured step: XLA compilations (total), graphs executed and device-to-host transfers (the host
+    waiting for the device), from the counters the trainer logs (0 on CUDA/CPU, where none are counted)."""
+    logged = {r["step"]: r for r in records if "loss" in r}
+    if warmup not in logged:
+        return {"compiles": 0, "graphs": 0.0, "d2h": 0.0}
+    first, last = logged[warmup], logged[max(logged)]
+    steps = max(1, last["step"] - first["step"])
+    return {"compiles": (last.get("compiles") or 0) - (first.get("compiles") or 0),
+            "graphs": ((last.get("graphs") or 0) - (first.get("graphs") or 0)) / steps,
+            "d2h": ((last.get("d2h_transfers") or 0) - (first.get("d2h_transfers") or 0)) / steps}
 
 
 def records_tokens_per_step(records: list[dict]) -> int:
@@ -183,6 +213,10 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (default 1024)")
     parser.add_argument("--micro-batch", type=int, default=0,
                         help="sequences per device per step (default: by device; 1 on CPU)")
+    parser.add_argument("--accum", type=int, default=0,
+                        help="micro-steps per optimizer step (default: by device; the gpt2 chain's on a TPU)")
+    parser.add_argument("--log-every", type=int, default=10, help="the trainer's log interval (default 10, as a "
+                        "session logs; measured and warm-up steps are rounded up to multiples of it)")
     parser.add_argument("--steps", type=int, default=0, help="measured steps per path (default: by device)")
     parser.add_argument("--warmup", type=int, default=-1,
                         help="steps run first and excluded (compilation; default: by device)")
@@ -202,17 +236,19 @@ def main() -> None:
     from shared.device import make_runtime
     from shared.metrics import read_metrics
     from shared.model import GPT
-    from shared.trainer import train
+    from shared.trainer import plan_step, train
 
     if backend == "cuda" and not torch.cuda.is_available():
         raise UserError("--backend cuda: no CUDA device found")
     runtime = make_runtime(backend)
     on_tpu = runtime.name == "xla" and runtime._xr.device_type() == "TPU"
-    micro_d, steps_d, warmup_d, why = default_settings(backend, on_tpu)
+    micro_d, accum_d, steps_d, warmup_d, why = default_settings(backend, on_tpu, runtime.num_devices, args.seq_len)
     micro = args.micro_batch or micro_d
-    steps = args.steps or steps_d
-    warmup = warmup_d if args.warmup < 0 else args.warmup
-    defaults_used = not (args.micro_batch and args.steps and args.warmup >= 0)
+    accum = args.accum or accum_d
+    log_every = max(1, args.log_every)
+    steps = -(-(args.steps or steps_d) // log_every) * log_every
+    warmup = -(-(warmup_d if args.warmup < 0 else args.warmup) // log_every) * log_every
+    defaults_used = not (args.micro_batch and args.accum and args.steps and args.warmup >= 0)
     n_dev = runtime.num_devices
     ddp = runtime.name == "ddp"
     say = print if runtime.is_main else (lambda *a, **k: None)
@@ -229,11 +265,13 @@ def main() -> None:
     say(f"device: {runtime.description}{f' ({name})' if name != runtime.description else ''}; bf16 peak "
         + (f"{peak_one / 1e12:.1f} TFLOP/s per device (shared.device.PEAK_BF16_FLOPS)" if peak_one else "unknown"))
     say(f"model: {args.preset} ({num_params / 1e6:.2f}M params), T={model_cfg.block_size}, micro-batch {micro} "
-        f"per device; FLOPs/token = 6N + 12*L*C*T = 6*{num_params:,} + 12*{model_cfg.n_layer}*{model_cfg.n_embd}"
+        f"per device x {accum} micro-steps per optimizer step; FLOPs/token = 6N + 12*L*C*T = 6*{num_params:,} + "
+        f"12*{model_cfg.n_layer}*{model_cfg.n_embd}"
         f"*{model_cfg.block_size} = {fpt:,} ({fpt / 1e9:.3f} GFLOP)")
     if defaults_used:
-        say(f"settings: {why} (the flags --micro-batch/--steps/--warmup override these)")
-    say(f"measuring {steps} steps per path after {warmup} warm-up steps (excluded: compilation, allocator)")
+        say(f"settings: {why} (the flags --micro-batch/--accum/--steps/--warmup override these)")
+    say(f"measuring {steps} steps per path after {warmup} warm-up steps (excluded: compilation, allocator); the "
+        f"trainer logs every {log_every} steps")
     on_cpu = runtime.device.type == "cpu" or (runtime.name == "xla" and not on_tpu)
     no_peak = CPU_NOTICE if on_cpu else f"no known bf16 peak for {name}: MFU not computed (see PEAK_BF16_FLOPS)"
     if not peak_one:
@@ -249,12 +287,13 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-mfu-") as tmp:
         global_micro = micro * n_dev
-        tokens_per_step = global_micro * model_cfg.block_size
+        tokens_per_micro_step = global_micro * model_cfg.block_size
         # Every process (DDP) writes the same shards into its own folder; the loader wraps around them.
-        write_random_shards(Path(tmp) / "data", 4 * tokens_per_step + 1, min(model_cfg.vocab_size, GPT2_VOCAB_SIZE))
+        write_random_shards(Path(tmp) / "data", 4 * tokens_per_micro_step + 1,
+                            min(model_cfg.vocab_size, GPT2_VOCAB_SIZE))
         cfg = TrainConfig(preset=args.preset, seq_len=args.seq_len, data_dir=f"{tmp}/data", out_dir=f"{tmp}/run",
-                          micro_batch=global_micro, total_batch_tokens=tokens_per_step,
-                          max_steps=warmup + steps, warmup_steps=max(1, warmup + steps), log_every=1,
+                          micro_batch=global_micro, total_batch_tokens=tokens_per_micro_step * accum,
+                          max_steps=warmup + steps, warmup_steps=max(1, warmup + steps), log_every=log_every,
                           eval_every=0, checkpoint_every=0, keep_checkpoints=1, progress=False, wandb_project="",
                           xla_cache=False, backend=backend)
         train(cfg, runtime, log=lambda msg, *a, **k: say(f"  [trainer] {msg}", flush=True))
@@ -263,9 +302,14 @@ def main() -> None:
         if runtime.is_main:
             records = read_metrics(f"{tmp}/run/metrics.jsonl")
             tok_s, step_s, measured = trainer_throughput(records, warmup)
-            if trainer_recompiles(records, warmup):
-                say(f"note: the trainer compiled {trainer_recompiles(records, warmup)} XLA graphs during its "
-                    f"measured steps; raise --warmup")
+            counts = trainer_step_counts(records, warmup)
+            # torch_xla's gradient_accumulation waits for the device once per step (xm.wait_device_ops) before
+            # tracing its loop; every other host wait is a device-to-host transfer (the logged scalars).
+            loop_waits = 1 if plan_step(cfg, runtime).accum_loop else 0
+            counts["host_syncs"] = counts["d2h"] + loop_waits
+            if counts["compiles"]:
+                say(f"note: the trainer compiled {counts['compiles']} XLA graphs during its measured steps; "
+                    f"raise --warmup")
             how = {"cuda": "torch.compile, fused AdamW", "xla": "XLA graphs"}.get(
                 "xla" if runtime.name == "xla" else runtime.device.type, "eager")
             label = f"project trainer ({f'DDP x{n_dev}, ' if ddp else f'SPMD x{n_dev}, ' if n_dev > 1 else ''}{how})"
@@ -302,14 +346,20 @@ def main() -> None:
             mfu = f"{100 * tok_s * fpt / peak:6.1f}%" if peak else "    n/a"
             say(f"{label:<58} {tok_s:>12,.0f} {mfu:>7} {step_s * 1e3:>8.0f}ms {measured:>5}"
                 + (f"  {mem:6.1f} GiB" if mem else ""))
+        if rows and rows[0][0].startswith("project trainer"):
+            say(f"trainer per optimizer step ({accum} micro-steps): {counts['graphs']:.2f} graphs executed, "
+                f"{counts['host_syncs']:.2f} host syncs ({counts['d2h']:.2f} device-to-host transfers"
+                f"{' + 1 device wait in the accumulation loop' if loop_waits else ''}), {counts['compiles']} "
+                f"compilations during the {measured} measured steps")
         if len(rows) == 2:
             say(f"trainer / reference tokens/s: {rows[0][1] / rows[1][1]:.2f}x"
                 + (f" (trainer on {n_dev} devices, reference on 1)" if n_dev > 1 else ""))
         if not peak_one:
             say(no_peak)
         say("json: " + json.dumps({"device": name, "preset": args.preset, "seq_len": model_cfg.block_size,
-                                   "micro_batch_per_device": micro, "devices": n_dev, "flops_per_token": fpt,
-                                   "steps": steps, "warmup": warmup,
+                                   "micro_batch_per_device": micro, "accum": accum, "devices": n_dev,
+                                   "flops_per_token": fpt, "steps": steps, "warmup": warmup, "log_every": log_every,
+                                   "trainer_per_step": counts if rows else None,
                                    "rows": [{"path": r[0], "tokens_per_s": round(r[1], 1),
                                              "mfu": round(r[1] * fpt / r[2], 4) if r[2] else None,
                                              "step_s": round(r[3], 4)} for r in rows]}))

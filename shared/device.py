@@ -317,6 +317,13 @@ class XlaRuntime(Runtime):
             return flash_attention(q, k, v, causal=True, sm_scale=q.shape[-1] ** -0.5,
                                    partition_spec=("data", None, None, None), mesh=mesh)
 
+        # The image's jax may not be the one this torch_xla was built against (Kaggle's TPU image pairs
+        # torch_xla 2.8.0 with jax 0.7.x, docs/kaggle-tpu.md): compile the kernel once on a small input, and
+        # keep SDPA if that fails, rather than dying at the first training step.
+        failure = probe_attention_kernel(tpu_flash_attention, self.device, self.num_devices, self.sync)
+        if failure:
+            print(f"notice: the Pallas flash-attention kernel did not run here ({failure}); using SDPA", flush=True)
+            return
         set_attention_kernel(tpu_flash_attention)
         self.attention = "pallas-flash"
 
@@ -485,6 +492,29 @@ class DdpRuntime(Runtime):
     def barrier(self) -> None:
         self._dist.barrier()
 
+
+
+def probe_attention_kernel(kernel: Callable, device: torch.device, batch: int, sync: Callable = lambda: None,
+                           seq_len: int = 128, head_dim: int = 64) -> str | None:
+    """Run `kernel` (q, k, v) -> out forward and backward on a small bf16 input; None if it ran and agrees with
+    SDPA, else one line saying why not."""
+    import torch.nn.functional as F
+
+    try:
+        gen = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(batch, 2, seq_len, head_dim, generator=gen).to(device, torch.bfloat16).requires_grad_()
+                   for _ in range(3))
+        out = kernel(q, k, v)
+        out.float().sum().backward()
+        expected = F.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), is_causal=True)
+        error = (out.detach().float() - expected.float()).abs().max()
+        sync()
+        if not torch.isfinite(q.grad.float()).all().item() or error.item() > 0.05:
+            return f"its output differs from SDPA by {error.item():.3g}"
+        return None
+    except Exception as err:  # a Mosaic/Pallas compile error, a jax/torch_xla mismatch, ...
+        lines = str(err).strip().splitlines()
+        return f"{type(err).__name__}: {lines[0][:200] if lines else ''}"
 
 
 def runtime_versions() -> dict[str, str | None]:

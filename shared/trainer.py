@@ -275,13 +275,15 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print) -> TrainR
     last_loss: list[float] = []
 
     def log_step(step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: torch.Tensor) -> None:
-        # Runs as a step closure, after the step's graph has executed: the only device-to-host reads.
+        # Runs as a step closure, after the step's graph has executed: the only device-to-host reads. The values
+        # are read first, so the window's clock stops once the device has finished the step, not when it was queued.
+        last_loss[:] = [runtime.mean_across(loss).item()]
+        lr_value, grad_norm_value = lr.item(), grad_norm.item()
         now = time.monotonic()
         tokens_per_s = (step - last_log["step"]) * tokens_per_step / max(now - last_log["time"], 1e-9)
         last_log.update(time=now, step=step)
         h2d, d2h = runtime.transfer_counts()
-        last_loss[:] = [runtime.mean_across(loss).item()]
-        logger.write({"step": step, "loss": last_loss[0], "lr": lr.item(), "grad_norm": grad_norm.item(),
+        logger.write({"step": step, "loss": last_loss[0], "lr": lr_value, "grad_norm": grad_norm_value,
                       "tokens": step * tokens_per_step, "tokens_per_s": round(tokens_per_s, 1),
                       "mfu": tokens_per_s * flops_per_token / peak if peak else None,
                       "elapsed_s": round(now - session_start, 3), "compiles": runtime.compile_count(),

@@ -26,9 +26,22 @@ def test_flops_per_token_gpt2_hand_count():
 
 def test_cpu_run_prints_table_and_notice():
     proc = run_script("scripts/bench_mfu.py", "--backend", "cpu", "--preset", "tiny", "--seq-len", "64",
-                      "--steps", "2", "--warmup", "1", timeout=120)
+                      "--steps", "2", "--warmup", "1", "--log-every", "1", timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
     assert "MFU is meaningless on CPU; figures only show the script runs" in out
     assert "project trainer (eager)" in out and "plain PyTorch reference (eager" in out
     assert "trainer / reference tokens/s:" in out
+
+
+def test_xla_run_reports_one_graph_step_with_accumulation():
+    # The production step structure: accumulation, logging every few steps; the script reports graphs,
+    # host syncs and compilations per optimizer step next to tokens/s.
+    proc = run_script("scripts/bench_mfu.py", "--backend", "xla", "--preset", "tiny", "--seq-len", "32",
+                      "--accum", "3", "--steps", "4", "--warmup", "4", "--log-every", "2", "--skip-reference",
+                      timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "micro-batch 1 per device x 3 micro-steps per optimizer step" in proc.stdout
+    assert ("trainer per optimizer step (3 micro-steps): 2.00 graphs executed, 2.50 host syncs (1.50 "
+            "device-to-host transfers + 1 device wait in the accumulation loop), 0 compilations during the 4 "
+            "measured steps") in proc.stdout

@@ -136,3 +136,22 @@ def test_scan_layers_on_is_refused_where_it_cannot_run():
         plan_step(TrainConfig(scan_layers="on"), FakeRuntime("v3"), scan_available=True)
     with pytest.raises(UserError, match="--activation-checkpointing must be auto, on or off"):
         TrainConfig(activation_checkpointing="yes").validate()
+
+
+def test_attention_kernel_probe_keeps_sdpa_when_the_kernel_fails_or_is_wrong():
+    import torch
+    import torch.nn.functional as F
+
+    from shared.device import make_runtime, probe_attention_kernel
+
+    runtime = make_runtime("xla")
+    sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    assert probe_attention_kernel(sdpa, runtime.device, runtime.num_devices, runtime.sync) is None
+
+    def broken(q, k, v):
+        raise RuntimeError("Mosaic failed to compile TPU kernel: Unsupported matmul\nmore detail")
+
+    assert probe_attention_kernel(broken, runtime.device, 8) == (
+        "RuntimeError: Mosaic failed to compile TPU kernel: Unsupported matmul")
+    not_causal = lambda q, k, v: F.scaled_dot_product_attention(q, k, v)  # noqa: E731
+    assert probe_attention_kernel(not_causal, torch.device("cpu"), 2).startswith("its output differs from SDPA by")
