@@ -19,6 +19,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--data-dir", default="", help="token shards (default: build the demo corpus)")
+    parser.add_argument("--accum", type=int, default=2, help="micro-steps per optimizer step (default 2)")
     parser.add_argument("--per-micro-step", action="store_true",
                         help="the earlier step structure (--no-grad-accum-loop: a graph per micro-step), to compare")
     args = parser.parse_args()
@@ -32,7 +33,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = args.data_dir or build_demo_corpus(f"{tmp}/data", max_chars=600_000) and f"{tmp}/data"
         cfg = TrainConfig(preset="tiny", data_dir=data_dir, out_dir=f"{tmp}/run", seq_len=32, micro_batch=8,
-                          total_batch_tokens=512, max_steps=args.steps, warmup_steps=10, log_every=1,
+                          total_batch_tokens=256 * args.accum, max_steps=args.steps, warmup_steps=10, log_every=1,
                           eval_every=25, eval_batches=2, checkpoint_every=args.steps // 2, progress=False,
                           wandb_project="", grad_accum_loop=not args.per_micro_step)
         start = time.perf_counter()
