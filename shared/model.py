@@ -144,8 +144,9 @@ class GPT(nn.Module):
         if self.block_stack is not None:
             x = self.block_stack(self.transformer.h, x)
         else:
+            recompute = self.block_checkpoint is not None and torch.is_grad_enabled()  # nothing to save in evals
             for block in self.transformer.h:
-                x = self.block_checkpoint(block, x) if self.block_checkpoint is not None else block(x)
+                x = self.block_checkpoint(block, x) if recompute else block(x)
         # The padded vocabulary rows only speed up the matmul: logits and loss cover GPT-2's 50257 tokens,
         # so the model is exactly the exported Hugging Face one.
         logits = self.lm_head(self.transformer.ln_f(x))

@@ -130,7 +130,7 @@ def plan_step(cfg: TrainConfig, runtime: Runtime, scan_available: bool | None = 
         raise UserError("--scan-layers on needs the xla backend with jax and torchax importable "
                         f"(backend {runtime.name}, jax+torchax {'found' if available else 'missing'})")
     if cfg.scan_layers == "on" and loop:
-        raise UserError("--scan-layers on computes wrong gradients inside torch_xla's gradient-accumulation loop; "
+        raise UserError("--scan-layers on computes wrong losses inside torch_xla's gradient-accumulation loop; "
                         "add --no-grad-accum-loop (a graph per micro-step), or use one micro-step per step")
     if cfg.scan_layers == "auto":
         scan = xla and bool(gen) and available and n_layer >= 12 and runtime.attention == "sdpa" and not loop

@@ -132,7 +132,7 @@ def test_scan_layers_on_is_refused_where_it_cannot_run():
         plan_step(TrainConfig(scan_layers="on"), FakeRuntime(name="torch"), scan_available=True)
     with pytest.raises(UserError, match="jax\\+torchax missing"):
         plan_step(TrainConfig(scan_layers="on"), FakeRuntime("v3"), scan_available=False)
-    with pytest.raises(UserError, match="wrong gradients inside torch_xla's gradient-accumulation loop"):
+    with pytest.raises(UserError, match="wrong losses inside torch_xla's gradient-accumulation loop"):
         plan_step(TrainConfig(scan_layers="on"), FakeRuntime("v3"), scan_available=True)
     with pytest.raises(UserError, match="--activation-checkpointing must be auto, on or off"):
         TrainConfig(activation_checkpointing="yes").validate()
