@@ -56,7 +56,7 @@ def main() -> None:
           f"after step 2: {steps[last]['compiles'] - steps[2]['compiles']} (goal 0)")
     print(f"per plain step ({len(plain)} steps, grad accumulation {cfg.grad_accum_steps}): graphs executed "
           f"{min(graphs)}-{max(graphs)}, host-to-device "
-          f"{min(h2d)}-{max(h2d)} (the step's tokens, sent once), device-to-host {min(d2h)}-{max(d2h)} "
+          f"{min(h2d)}-{max(h2d)} (token batches), device-to-host {min(d2h)}-{max(d2h)} "
           f"(logged loss, lr, grad norm; logging every step here)")
 
 

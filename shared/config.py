@@ -89,7 +89,7 @@ class TrainConfig:
     )
     scan_layers: str = field(
         default="auto", metadata={"help": "XLA: compile one block for the whole stack (torch_xla scan; needs jax and "
-                                  "torchax): on, off, or auto (on a TPU with SDPA attention, 12+ layers)"}
+                                  "torchax): on, off, or auto (on a TPU with SDPA attention, 24+ layers)"}
     )
     time_budget: float = field(
         default=0.0,

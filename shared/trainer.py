@@ -114,7 +114,8 @@ def plan_step(cfg: TrainConfig, runtime: Runtime, scan_available: bool | None = 
     """Resolve the step settings for this runtime. Under XLA a step of several micro-steps is one graph (the
     micro-steps in an XLA loop) unless --no-grad-accum-loop. `auto` turns activation checkpointing on where the
     TPU's memory needs it (gpt2-medium and up on 16 GB devices, gpt2-large and up on 32 GB ones), and the scan
-    over layers on for 12+ layers on a TPU running SDPA attention (the Pallas kernel is untested inside scan)
+    over layers on for 24+ layers (gpt2-medium up; for gpt2's 12 it compiled slower on the XLA CPU
+    compiler: docs/tpu-throughput.md) on a TPU running SDPA attention (the Pallas kernel is untested inside scan)
     when the step has no accumulation loop: inside torch_xla 2.9's loop the scan computed wrong losses
     (tests/test_train.py shows it), so the two are never combined."""
     from shared.device import scan_layers_available
@@ -133,7 +134,7 @@ def plan_step(cfg: TrainConfig, runtime: Runtime, scan_available: bool | None = 
         raise UserError("--scan-layers on computes wrong losses inside torch_xla's gradient-accumulation loop; "
                         "add --no-grad-accum-loop (a graph per micro-step), or use one micro-step per step")
     if cfg.scan_layers == "auto":
-        scan = xla and bool(gen) and available and n_layer >= 12 and runtime.attention == "sdpa" and not loop
+        scan = xla and bool(gen) and available and n_layer >= 24 and runtime.attention == "sdpa" and not loop
     else:
         scan = cfg.scan_layers == "on"
     return StepPlan(accum_loop=loop, activation_checkpointing=checkpointing, scan_layers=scan)

@@ -100,7 +100,7 @@ def one_micro_step(preset: str) -> dict:
 
 
 @pytest.mark.parametrize("preset, generation, attention, checkpointing, scan", [
-    ("gpt2", "v3", "sdpa", False, True),
+    ("gpt2", "v3", "sdpa", False, False),  # 12 layers: the scan compiled slower than the plain stack
     ("gpt2-medium", "v3", "sdpa", True, True),  # 16 GB per v3 core
     ("gpt2-medium", "v5e", "pallas-flash", True, False),  # scan is not used with the Pallas kernel
     ("gpt2-medium", "v6e", "pallas-flash", False, False),  # 32 GB per v6e chip
