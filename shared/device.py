@@ -12,6 +12,7 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -82,9 +83,9 @@ def tpu_pci_devices(pci_root: str = "/sys/bus/pci/devices") -> list[str]:
     found = []
     for vendor in sorted(glob.glob(os.path.join(pci_root, "*", "vendor"))):
         try:
-            if open(vendor).read().strip() != GOOGLE_PCI_VENDOR:
+            if Path(vendor).read_text().strip() != GOOGLE_PCI_VENDOR:
                 continue
-            device = open(os.path.join(os.path.dirname(vendor), "device")).read().strip()
+            device = (Path(vendor).parent / "device").read_text().strip()
         except OSError:
             continue
         if device in TPU_PCI_DEVICES:
