@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     parser.add_argument("--slug", help="the kernel's slug (one kernel only)")
     parser.add_argument("--out", default=str(REPO / "build" / "kernels"), help="output root")
     parser.add_argument("--notebook", action="store_true", help="an .ipynb (Save & Run All in the UI), not a script")
-    parser.add_argument("--accelerator", help="machine_shape (TpuV38, TpuV5E8, NvidiaTeslaT4, ...; '' for CPU)")
+    parser.add_argument("--accelerator", help="machine_shape (TpuV5E8, TpuV6E8, NvidiaTeslaT4, ...; '' for CPU)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a baked setting")
     parser.add_argument("--dataset", action="append", default=[], help="a dataset source owner/slug")
     parser.add_argument("--kernel-source", action="append", default=[], help="a kernel source owner/slug")

@@ -17,6 +17,11 @@ LOCAL_KAGGLE_* variables. Sessions are hard-killed at the session limit and coun
 Faults (HTTP errors on chosen calls, a session that errors, a kill at a chosen moment) can be injected for
 tests. All state is on disk under --root, so a restarted server keeps datasets, kernel versions and outputs.
 
+The API speaks kagglesdk's own types: each route's request and reply types are read from kagglesdk's service
+clients (SDK_ROUTES), a request body is read with the request type's from_dict, and a reply is an instance of
+the reply type built through its typed setters (`message`) and written as its JSON (`to_wire`), so a reply
+cannot carry a field kagglesdk does not have. docs/kaggle-api.md lists the calls, with sources.
+
     python scripts/local_kaggle.py serve --root DIR --port N [--session-limit S] [--working-cap-gb G]
         [--quota-hours H] [--gpu-quota-hours H] [--user NAME:KEY ...] [--faults FILE]
     python scripts/local_kaggle.py user-add --root DIR NAME        (key read from stdin)
@@ -35,6 +40,8 @@ How it differs from Kaggle, on purpose or by necessity:
   their code cells in order (magics skipped). Concurrent sessions: 1 TPU, 2 GPU, 5 CPU; more wait queued.
 - Weekly quota resets Saturday 00:00 UTC; a TPU/GPU push with no quota left returns an error in the push
   response (`Kernel push error: ...`), and a running session is stopped when the quota runs out.
+- CancelKernelSession takes a kernelSessionId, as on Kaggle; no reply carries one, so read it from
+  `LocalKaggle.session_id(ref)` or <root>/state.json (`versions[].session_id`).
 """
 
 from __future__ import annotations
@@ -60,6 +67,46 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from kagglesdk.blobs.services.blob_api_service import BlobApiClient
+from kagglesdk.blobs.types.blob_api_service import ApiStartBlobUploadRequest, ApiStartBlobUploadResponse
+from kagglesdk.datasets.services.dataset_api_service import DatasetApiClient
+from kagglesdk.datasets.types.dataset_api_service import (
+    ApiCreateDatasetRequest,
+    ApiCreateDatasetResponse,
+    ApiCreateDatasetVersionRequestBody,
+    ApiDataset,
+    ApiDatasetFile,
+    ApiDatasetNewFile,
+    ApiDatasetVersion,
+    ApiDeleteDatasetResponse,
+    ApiGetDatasetMetadataResponse,
+    ApiGetDatasetStatusResponse,
+    ApiListDatasetFilesResponse,
+    ApiListDatasetsResponse,
+)
+from kagglesdk.datasets.types.dataset_enums import DatabundleVersionStatus, DatasetSelectionGroup
+from kagglesdk.datasets.types.dataset_types import DatasetInfo, SettingsLicense
+from kagglesdk.kaggle_object import KaggleObject
+from kagglesdk.kernels.services.kernels_api_service import KernelsApiClient
+from kagglesdk.kernels.types.kernels_api_service import (
+    ApiAcceleratorQuota,
+    ApiCancelKernelSessionResponse,
+    ApiDeleteKernelResponse,
+    ApiGetAcceleratorQuotaStatisticsResponse,
+    ApiGetKernelResponse,
+    ApiGetKernelSessionStatusResponse,
+    ApiKernelBlob,
+    ApiKernelMetadata,
+    ApiKernelSessionOutputFile,
+    ApiListKernelSessionOutputResponse,
+    ApiListKernelsResponse,
+    ApiSaveKernelRequest,
+    ApiSaveKernelResponse,
+)
+from kagglesdk.kernels.types.kernels_enums import KernelsListViewType, KernelWorkerStatus
+from kagglesdk.security.services.oauth_service import OAuthClient
+from kagglesdk.security.types.oauth_service import IntrospectTokenResponse
+
 # Machine shapes Kaggle accepts (kaggle-cli docs, Feb 2026), and what each one counts against.
 MACHINE_SHAPES: dict[str, str] = {
     "NvidiaTeslaP100": "gpu",
@@ -75,8 +122,10 @@ MACHINE_SHAPES: dict[str, str] = {
     "TpuV5E8": "tpu",
     "TpuV6E8": "tpu",
 }
-DEFAULT_TPU_SHAPE = "TpuV38"
-DEFAULT_GPU_SHAPE = "NvidiaTeslaP100"
+# enable_tpu / enable_gpu without a machine_shape: what Kaggle picks is not verified; here the TPU and the "default
+# GPU" of kaggle-cli's Sep 2026 accelerator list (docs/kernels.md @13dad8ee).
+DEFAULT_TPU_SHAPE = "TpuV5E8"
+DEFAULT_GPU_SHAPE = "NvidiaTeslaT4"
 DEFAULT_SESSION_LIMIT_S = 9 * 3600  # a Kaggle session runs at most 9 hours (12 h for CPU-only, not modelled)
 DEFAULT_WORKING_CAP_BYTES = 20 * 10**9  # /kaggle/working holds 20 GB
 DEFAULT_TPU_QUOTA_HOURS = 20.0
@@ -108,14 +157,72 @@ def _iso(ts: float | None) -> str | None:
     return dt.datetime.fromtimestamp(ts, dt.timezone.utc).replace(tzinfo=None).isoformat(timespec="milliseconds") + "Z"
 
 
-def _duration(seconds: float) -> str:
-    """A protobuf Duration as kagglesdk's TimeDeltaSerializer reads it: "<s>.<9 digits>s"."""
-    seconds = max(0.0, seconds)
-    whole = int(seconds)
-    nanos = int(round((seconds - whole) * 1e9))
-    if nanos >= 10**9:
-        whole, nanos = whole + 1, 0
-    return f"{whole}.{nanos:09d}s" if nanos else f"{whole}s"
+def _utc(ts: float | None) -> dt.datetime | None:
+    """A naive UTC datetime, as kagglesdk's DateTimeSerializer writes and reads them ("...Z")."""
+    if ts is None:
+        return None
+    return dt.datetime.fromtimestamp(ts, dt.timezone.utc).replace(tzinfo=None)
+
+
+def _duration(delta: dt.timedelta) -> str:
+    """A protobuf Duration in its JSON form ("108000s", "1.500s"), which kagglesdk's TimeDeltaSerializer reads back
+    exactly. Its own writer is not used: in kagglesdk 0.1.37 it writes `timedelta.seconds` (30 h -> "21600s", the
+    whole days dropped) and a fraction as "1.500.0s", which its reader rejects."""
+    whole, micros = divmod(max(0, delta // dt.timedelta(microseconds=1)), 10**6)
+    if not micros:
+        return f"{whole}s"
+    frac = f"{micros:06d}"
+    return f"{whole}.{frac[:3] if frac.endswith('000') else frac}s"
+
+
+def _sdk_routes() -> dict[str, tuple[type, type]]:
+    """'service/Method' -> (request type, reply type) of every route of kagglesdk's kernels, datasets, blobs and
+    OAuth clients, read from the clients themselves: each method calls
+    `http_client.call(service, method, request, reply_type)`."""
+    routes = {}
+
+    class Recorder:
+        def call(self, service, method, request, response_type):
+            routes[f"{service}/{method}"] = (type(request), response_type)
+
+    for client_cls in (KernelsApiClient, DatasetApiClient, BlobApiClient, OAuthClient):
+        client = client_cls(Recorder())
+        for name in dir(client):
+            if not name.startswith("_"):
+                getattr(client, name)()
+    return routes
+
+
+SDK_ROUTES = _sdk_routes()
+
+
+def message(cls: type, **fields) -> KaggleObject:
+    """A kagglesdk message with `fields` set through its typed setters: a field the type does not have raises
+    AttributeError, a value of the wrong type TypeError. None leaves a field unset."""
+    obj = cls()
+    for name, value in fields.items():
+        if value is not None:
+            setattr(obj, name, value)
+    return obj
+
+
+def to_wire(obj: KaggleObject) -> dict:
+    """The JSON of a kagglesdk message: `obj.to_dict()` (json names, fields at their default left out, enums by
+    name, datetimes as ISO with Z), except that Durations are written by `_duration`."""
+    out = {}
+    for field in obj._fields:
+        value = getattr(obj, field.private_field_name)
+        if value is None or value == field.default_value:
+            continue
+        if isinstance(value, KaggleObject):
+            out[field.json_name] = to_wire(value)
+        elif isinstance(value, dt.timedelta):
+            out[field.json_name] = _duration(value)
+        elif isinstance(value, list) and any(isinstance(v, (KaggleObject, dt.timedelta)) for v in value):
+            out[field.json_name] = [to_wire(v) if isinstance(v, KaggleObject) else _duration(v) for v in value]
+        else:
+            out[field.json_name] = field.serializer.to_dict_value(field.field_type, value, True)
+    return out
 
 
 def _http_date(ts: float) -> str:
@@ -427,6 +534,9 @@ class LocalKaggle:
         changed = False
         for kernel in self.state["kernels"].values():
             for v in kernel["versions"]:
+                if "session_id" not in v:  # state written before versions had one
+                    v["session_id"] = self._next_id()
+                    changed = True
                 if v["status"] == "RUNNING":
                     v["status"] = "ERROR"
                     v["failure_message"] = "The local Kaggle server stopped while this session was running"
@@ -508,6 +618,14 @@ class LocalKaggle:
             s.kill(reason)
         return bool(running)
 
+    def session_id(self, ref: str, number: int | None = None) -> int:
+        """The kernelSessionId of a version (default: the newest), which CancelKernelSession takes. No reply
+        carries it (as on Kaggle: see docs/kaggle-api.md); it is in <root>/state.json too."""
+        with self.lock:
+            versions = self._kernel(ref)["versions"]
+            v = versions[-1] if number is None else next(x for x in versions if x["number"] == number)
+            return v["session_id"]
+
     def kernel_status(self, ref: str) -> tuple[str, str | None]:
         with self.lock:
             v = self._kernel(ref)["versions"][-1]
@@ -576,8 +694,8 @@ class LocalKaggle:
 
     # ----- blobs (uploads) -----
 
-    def start_blob_upload(self, user: str, req: dict) -> dict:
-        name = os.path.basename(req.get("name") or "")
+    def start_blob_upload(self, user: str, req: ApiStartBlobUploadRequest) -> ApiStartBlobUploadResponse:
+        name = os.path.basename(req.name)
         if not name:
             raise ApiError(400, "StartBlobUpload needs a file name")
         token = uuid.uuid4().hex
@@ -585,26 +703,27 @@ class LocalKaggle:
             self.state["uploads"][token] = {
                 "user": user,
                 "name": name,
-                "size": int(req.get("contentLength") or 0),
+                "size": req.content_length,
                 "received": 0,
                 "complete": False,
                 "created": _now(),
             }
             (self.root / "blobs" / token).touch()
             self._save()
-        return {"token": token, "createUrl": f"http://localhost/_upload/{token}"}
+        return message(ApiStartBlobUploadResponse, token=token, create_url=f"http://localhost/_upload/{token}")
 
     def _blob_path(self, token: str) -> Path:
         return self.root / "blobs" / token
 
     # ----- datasets -----
 
-    def _version_files_from_tokens(self, user: str, files: list[dict]) -> list[tuple[str, Path, str | None, str]]:
+    def _version_files_from_tokens(self, user: str, files: list[ApiDatasetNewFile]
+                                   ) -> list[tuple[str, Path, str | None, str]]:
         if not files:
             raise ApiError(400, "A dataset version needs at least one file; none were uploaded")
         out, names = [], set()
         for f in files:
-            token = f.get("token") or ""
+            token = f.token
             up = self.state["uploads"].get(token)
             if up is None or up["user"] != user:
                 raise ApiError(400, f"Unknown upload token {token!r}")
@@ -618,7 +737,7 @@ class LocalKaggle:
                 source = Path(up.get("used_by") or source)
                 if not source.exists():
                     raise ApiError(400, f"Upload of {up['name']!r} is no longer available; upload it again")
-            out.append((up["name"], source, f.get("description"), token))
+            out.append((up["name"], source, f.description or None, token))
         return out
 
     def _write_version(self, ds: dict, files: list[tuple[str, Path, str | None, str]], notes: str | None) -> dict:
@@ -652,8 +771,8 @@ class LocalKaggle:
         ds["updated"] = now
         return version
 
-    def create_dataset(self, user: str, req: dict) -> dict:
-        owner, slug = req.get("ownerSlug") or user, req.get("slug") or ""
+    def create_dataset(self, user: str, req: ApiCreateDatasetRequest) -> ApiCreateDatasetResponse:
+        owner, slug = req.owner_slug or user, req.slug
         if not SLUG_RE.match(slug or "-"):
             raise ApiError(400, f"Invalid dataset slug {slug!r}")
         if owner != user:
@@ -662,81 +781,88 @@ class LocalKaggle:
         with self.lock:
             existing = self.state["datasets"].get(ref)
             if existing is not None and not existing.get("deleted"):
-                return {"status": "error", "error": f"The dataset '{ref}' already exists; push a new version"}
-            files = self._version_files_from_tokens(user, req.get("files") or [])
+                return message(ApiCreateDatasetResponse, status="error",
+                               error=f"The dataset '{ref}' already exists; push a new version")
+            files = self._version_files_from_tokens(user, req.files)
             ds = {
                 "id": self._next_id(),
                 "ref": ref,
                 "owner": owner,
                 "slug": slug,
-                "title": req.get("title") or slug,
-                "subtitle": req.get("subtitle"),
-                "description": req.get("description"),
-                "license": req.get("licenseName") or "unknown",
-                "is_private": bool(req.get("isPrivate", False)),
+                "title": req.title or slug,
+                "subtitle": req.subtitle or None,
+                "description": req.description or None,
+                "license": req.license_name or "unknown",
+                "is_private": req.is_private,
                 "created": _now(),
                 "versions": existing["versions"] if existing else [],
             }
             self._write_version(ds, files, "Initial release")
             self.state["datasets"][ref] = ds
             self._save()
-        return {"ref": ref, "url": f"http://localhost/datasets/{ref}", "status": "Ok"}
+        return message(ApiCreateDatasetResponse, ref=ref, url=f"http://localhost/datasets/{ref}", status="Ok")
 
-    def create_dataset_version(self, user: str, req: dict, by_id: bool = False) -> dict:
+    def create_dataset_version(self, user: str, ref: str | None, body: ApiCreateDatasetVersionRequestBody | None,
+                               dataset_id: int | None = None) -> ApiCreateDatasetResponse:
+        """A new version of the dataset `ref` (owner/slug), or of the one with `dataset_id`."""
         with self.lock:
-            if by_id:
-                matches = [d for d in self.state["datasets"].values() if d["id"] == req.get("id")]
+            if dataset_id is not None:
+                matches = [d for d in self.state["datasets"].values() if d["id"] == dataset_id]
                 if not matches or matches[0].get("deleted"):
-                    raise ApiError(404, f"Dataset with id {req.get('id')} not found")
+                    raise ApiError(404, f"Dataset with id {dataset_id} not found")
                 ds = matches[0]
             else:
-                ds = self._dataset(f"{req.get('ownerSlug')}/{req.get('datasetSlug')}")
+                ds = self._dataset(ref)
             if ds["owner"] != user:
                 raise ApiError(403, f"Permission denied: dataset '{ds['ref']}' belongs to {ds['owner']!r}")
-            body = req.get("body") or {}
-            files = self._version_files_from_tokens(user, body.get("files") or [])
-            version = self._write_version(ds, files, body.get("versionNotes"))
-            if body.get("subtitle"):
-                ds["subtitle"] = body["subtitle"]
-            if body.get("description"):
-                ds["description"] = body["description"]
-            if body.get("deleteOldVersions"):
+            body = body or ApiCreateDatasetVersionRequestBody()
+            files = self._version_files_from_tokens(user, body.files)
+            version = self._write_version(ds, files, body.version_notes or None)
+            if body.subtitle:
+                ds["subtitle"] = body.subtitle
+            if body.description:
+                ds["description"] = body.description
+            if body.delete_old_versions:
                 for v in ds["versions"]:
                     if v["number"] != version["number"] and not v.get("deleted"):
                         v["deleted"] = True
                         shutil.rmtree(self._dataset_dir(ds, v["number"]), ignore_errors=True)
             self._save()
-        return {"ref": ds["ref"], "url": f"http://localhost/datasets/{ds['ref']}", "status": "Ok"}
+        return message(ApiCreateDatasetResponse, ref=ds["ref"], url=f"http://localhost/datasets/{ds['ref']}",
+                       status="Ok")
 
-    def _dataset_json(self, ds: dict) -> dict:
+    def _dataset_message(self, ds: dict) -> ApiDataset:
         live = [v for v in ds["versions"] if not v.get("deleted")]
         current = live[-1] if live else None
-        return {
-            "id": ds["id"],
-            "ref": ds["ref"],
-            "title": ds["title"],
-            "subtitle": ds.get("subtitle"),
-            "description": ds.get("description"),
-            "ownerName": ds["owner"],
-            "ownerRef": ds["owner"],
-            "creatorName": ds["owner"],
-            "isPrivate": ds["is_private"],
-            "licenseName": ds["license"],
-            "url": f"http://localhost/datasets/{ds['ref']}",
-            "lastUpdated": _iso(ds.get("updated", ds["created"])),
-            "totalBytes": sum(f["size"] for f in current["files"]) if current else 0,
-            "currentVersionNumber": current["number"] if current else None,
-            "versions": [
-                {
-                    "versionNumber": v["number"],
-                    "creationDate": _iso(v["created"]),
-                    "versionNotes": v.get("notes"),
-                    "creatorName": v.get("creator"),
-                    "status": "ready" if v["ready_at"] <= _now() else "pending",
-                }
+        return message(
+            ApiDataset,
+            id=ds["id"],
+            ref=ds["ref"],
+            title=ds["title"],
+            subtitle=ds.get("subtitle"),
+            description=ds.get("description"),
+            owner_name=ds["owner"],
+            owner_ref=ds["owner"],
+            creator_name=ds["owner"],
+            is_private=ds["is_private"],
+            license_name=ds["license"],
+            url=f"http://localhost/datasets/{ds['ref']}",
+            last_updated=_utc(ds.get("updated", ds["created"])),
+            total_bytes=sum(f["size"] for f in current["files"]) if current else 0,
+            current_version_number=current["number"] if current else None,
+            versions=[
+                message(
+                    ApiDatasetVersion,
+                    version_number=v["number"],
+                    creation_date=_utc(v["created"]),
+                    version_notes=v.get("notes"),
+                    creator_name=v.get("creator"),
+                    # A free-form string in kagglesdk; what Kaggle puts there is not known.
+                    status="ready" if v["ready_at"] <= _now() else "pending",
+                )
                 for v in live
             ],
-        }
+        )
 
     def _dataset_visible(self, user: str, ref: str) -> dict:
         ds = self._dataset(ref)
@@ -745,16 +871,16 @@ class LocalKaggle:
 
     # ----- kernels -----
 
-    def save_kernel(self, user: str, req: dict) -> dict:
+    def save_kernel(self, user: str, req: ApiSaveKernelRequest) -> ApiSaveKernelResponse:
         with self.lock:
             kernel = None
-            if req.get("id"):
-                kernel = next((k for k in self.state["kernels"].values() if k["id"] == req["id"]), None)
+            if req.id:
+                kernel = next((k for k in self.state["kernels"].values() if k["id"] == req.id), None)
                 if kernel is None:
-                    raise ApiError(404, f"Kernel with id {req['id']} not found")
+                    raise ApiError(404, f"Kernel with id {req.id} not found")
                 ref = kernel["ref"]
             else:
-                owner, slug = _split_ref(req.get("slug") or "", "kernel")
+                owner, slug = _split_ref(req.slug, "kernel")
                 if not SLUG_RE.match(slug):
                     raise ApiError(400, f"Invalid kernel slug {slug!r}")
                 ref = f"{owner}/{slug}"
@@ -762,26 +888,25 @@ class LocalKaggle:
             owner = ref.split("/")[0]
             if owner != user:
                 raise ApiError(403, f"Permission denied: cannot push kernel '{ref}' as {user!r}")
-            language = req.get("language") or (kernel or {}).get("language") or "python"
+            language = req.language or (kernel or {}).get("language") or "python"
             if language != "python":
                 raise ApiError(400, f"The local Kaggle runs python kernels only, not {language!r}")
-            kernel_type = req.get("kernelType") or (kernel or {}).get("kernel_type") or "script"
+            kernel_type = req.kernel_type or (kernel or {}).get("kernel_type") or "script"
             if kernel_type not in ("script", "notebook"):
                 raise ApiError(400, f"Unknown kernel_type {kernel_type!r}; use script or notebook")
-            text = req.get("text")
-            if text is None:
+            if "text" not in req:
                 raise ApiError(400, "The kernel push has no source text")
             if kernel_type == "notebook":
                 try:
-                    notebook_to_script(text)
+                    notebook_to_script(req.text)
                 except (ValueError, AttributeError) as err:
                     raise ApiError(400, f"The notebook is not valid .ipynb JSON: {err}") from None
-            shape = req.get("machineShape") or None
+            shape = req.machine_shape or None
             if shape is not None and shape not in MACHINE_SHAPES:
                 raise ApiError(
                     400, f"Unknown machine_shape {shape!r}; valid: {', '.join(sorted(MACHINE_SHAPES))}"
                 )
-            tpu, gpu = bool(req.get("enableTpu")), bool(req.get("enableGpu"))
+            tpu, gpu = req.enable_tpu, req.enable_gpu
             if shape is None and tpu and gpu:
                 raise ApiError(400, "enable_tpu and enable_gpu are both true; choose one accelerator")
             if shape is None:
@@ -790,19 +915,19 @@ class LocalKaggle:
             if accel is not None:
                 used = self.quota_used_s(user, accel)
                 if used >= self.quota_s[accel]:
-                    return {
-                        "error": f"Your weekly {accel.upper()} quota of {self.quota_s[accel] / 3600:g} hours is "
-                        f"used up ({used / 3600:.2f} h); it resets at "
-                        f"{_iso(_week_start(_now()) + 7 * 86400)}"
-                    }
-            datasets = list(req.get("datasetDataSources") or [])
-            kernels_src = list(req.get("kernelDataSources") or [])
-            competitions = list(req.get("competitionDataSources") or [])
+                    return message(
+                        ApiSaveKernelResponse,
+                        error=f"Your weekly {accel.upper()} quota of {self.quota_s[accel] / 3600:g} hours is "
+                        f"used up ({used / 3600:.2f} h); it resets at {_iso(_week_start(_now()) + 7 * 86400)}",
+                    )
+            datasets = list(req.dataset_data_sources)
+            kernels_src = list(req.kernel_data_sources)
+            competitions = list(req.competition_data_sources)
             invalid_ds = [d for d in datasets if not self._source_exists(user, "dataset", d)]
             invalid_k = [k for k in kernels_src if not self._source_exists(user, "kernel", k)]
             limit = self.session_limit_s
-            if req.get("sessionTimeoutSeconds"):
-                limit = min(limit, float(req["sessionTimeoutSeconds"]))
+            if req.session_timeout_seconds:
+                limit = min(limit, float(req.session_timeout_seconds))
             now = _now()
             if kernel is None:
                 kernel = {
@@ -814,28 +939,29 @@ class LocalKaggle:
                     "versions": [],
                 }
                 self.state["kernels"][ref] = kernel
-            kernel["title"] = req.get("newTitle") or kernel.get("title") or kernel["slug"]
+            kernel["title"] = req.new_title or kernel.get("title") or kernel["slug"]
             kernel["language"] = language
             kernel["kernel_type"] = kernel_type
-            if req.get("isPrivate") is not None:
-                kernel["is_private"] = bool(req["isPrivate"])
+            if "is_private" in req:
+                kernel["is_private"] = req.is_private
             kernel.setdefault("is_private", True)
             number = len(kernel["versions"]) + 1
             vdir = self._kernel_dir(kernel, number)
             if vdir.exists():  # left over from a crash between mkdir and save; never reuse it silently
                 shutil.rmtree(vdir)
             vdir.mkdir(parents=True)
-            (vdir / "source.txt").write_text(text, encoding="utf-8")
+            (vdir / "source.txt").write_text(req.text, encoding="utf-8")
             kernel["versions"].append(
                 {
                     "number": number,
+                    "session_id": self._next_id(),
                     "created": now,
                     "queued_at": now,
                     "status": "QUEUED",
                     "failure_message": None,
                     "machine_shape": shape,
                     "accelerator": accel,
-                    "enable_internet": req.get("enableInternet", True) is not False,
+                    "enable_internet": req.enable_internet if "enable_internet" in req else True,
                     "dataset_sources": [d for d in datasets if d not in invalid_ds],
                     "kernel_sources": [k for k in kernels_src if k not in invalid_k],
                     "competition_sources": competitions,
@@ -846,15 +972,16 @@ class LocalKaggle:
                 }
             )
             self._save()
-        return {
-            "ref": f"/code/{ref}",
-            "url": f"http://localhost/code/{ref}",
-            "versionNumber": number,
-            "kernelId": kernel["id"],
-            "invalidDatasetSources": invalid_ds,
-            "invalidKernelSources": invalid_k,
-            "invalidCompetitionSources": competitions,  # no competitions exist locally
-        }
+        return message(
+            ApiSaveKernelResponse,
+            ref=f"/code/{ref}",
+            url=f"http://localhost/code/{ref}",
+            version_number=number,
+            kernel_id=kernel["id"],
+            invalid_dataset_sources=invalid_ds,
+            invalid_kernel_sources=invalid_k,
+            invalid_competition_sources=competitions,  # no competitions exist locally
+        )
 
     def _source_exists(self, user: str, kind: str, ref: str) -> bool:
         try:
@@ -901,28 +1028,29 @@ class LocalKaggle:
             pass
         return events
 
-    def _kernel_json(self, kernel: dict) -> dict:
+    def _kernel_message(self, kernel: dict) -> ApiKernelMetadata:
         last = kernel["versions"][-1] if kernel["versions"] else {}
         shape = last.get("machine_shape")
-        return {
-            "id": kernel["id"],
-            "ref": kernel["ref"],
-            "title": kernel.get("title", kernel["slug"]),
-            "author": kernel["owner"],
-            "slug": kernel["slug"],
-            "lastRunTime": _iso(last.get("started") or last.get("created")),
-            "language": kernel.get("language"),
-            "kernelType": kernel.get("kernel_type"),
-            "isPrivate": kernel.get("is_private", True),
-            "enableGpu": MACHINE_SHAPES.get(shape) == "gpu",
-            "enableTpu": MACHINE_SHAPES.get(shape) == "tpu",
-            "enableInternet": last.get("enable_internet", True),
-            "datasetDataSources": last.get("dataset_sources", []),
-            "kernelDataSources": last.get("kernel_sources", []),
-            "competitionDataSources": last.get("competition_sources", []),
-            "currentVersionNumber": last.get("number"),
-            "machineShape": shape,
-        }
+        return message(
+            ApiKernelMetadata,
+            id=kernel["id"],
+            ref=kernel["ref"],
+            title=kernel.get("title", kernel["slug"]),
+            author=kernel["owner"],
+            slug=kernel["slug"],
+            last_run_time=_utc(last.get("started") or last.get("created")),
+            language=kernel.get("language"),
+            kernel_type=kernel.get("kernel_type"),
+            is_private=kernel.get("is_private", True),
+            enable_gpu=MACHINE_SHAPES.get(shape) == "gpu",
+            enable_tpu=MACHINE_SHAPES.get(shape) == "tpu",
+            enable_internet=last.get("enable_internet", True),
+            dataset_data_sources=list(last.get("dataset_sources", [])),
+            kernel_data_sources=list(last.get("kernel_sources", [])),
+            competition_data_sources=list(last.get("competition_sources", [])),
+            current_version_number=last.get("number"),
+            machine_shape=shape,
+        )
 
     # ----- the session runner -----
 
@@ -1138,23 +1266,36 @@ class LocalKaggle:
 
     # ----- the API -----
 
-    def api(self, user: str, service: str, method: str, req: dict, handler: _Handler):
+    def api(self, user: str, service: str, method: str, body) -> dict:
+        """One API call: `body` (the request JSON) is read as the route's kagglesdk request type, and the reply is
+        an instance of the route's kagglesdk reply type, returned as its JSON (`to_wire`)."""
         key = f"{service}/{method}"
-        if key == "security.OAuthService/IntrospectToken":
-            return {"active": True, "username": user}
-        fn = API_ROUTES.get(key)
-        if fn is None:
+        fn, types = API_ROUTES.get(key), SDK_ROUTES.get(key)
+        if fn is None or types is None:
             raise ApiError(404, f"The local Kaggle does not implement {key}")
-        return fn(self, user, req, handler)
+        request_type, reply_type = types
+        if not isinstance(body, dict):
+            raise ApiError(400, f"The request body is not a JSON object ({request_type.__name__})")
+        try:
+            req = request_type.from_dict(body)
+        except Exception as err:  # an enum value the type does not have, say
+            raise ApiError(400, f"The request is not a valid {request_type.__name__}: {err!r}") from None
+        reply = fn(self, user, req)
+        if not isinstance(reply, reply_type):
+            raise TypeError(f"{key} replied with {type(reply).__name__}, not {reply_type.__name__}")
+        return to_wire(reply)
 
 
-def _paginate(items: list, req: dict, default_size: int = 20) -> tuple[list, str]:
-    size = int(req.get("pageSize") or default_size)
-    token = req.get("pageToken") or ""
+def _paginate(items: list, req: KaggleObject, default_size: int = 20) -> tuple[list, str]:
+    size = getattr(req, "page_size", 0) or default_size
+    token = getattr(req, "page_token", "")
     if token:
-        start = int(token)
-    elif req.get("page"):
-        start = (int(req["page"]) - 1) * size
+        try:
+            start = int(token)
+        except ValueError:
+            raise ApiError(400, f"Invalid page token {token!r}") from None
+    elif getattr(req, "page", 0):
+        start = (req.page - 1) * size
     else:
         start = 0
     page = items[start : start + size]
@@ -1162,193 +1303,204 @@ def _paginate(items: list, req: dict, default_size: int = 20) -> tuple[list, str
     return page, nxt
 
 
-def _api_list_kernels(app: LocalKaggle, user, req, handler):
+def _api_list_kernels(app: LocalKaggle, user, req):
     with app.lock:
         kernels = list(app.state["kernels"].values())
-        group = req.get("group") or "EVERYONE"
-        if group == "PROFILE":
+        if req.group == KernelsListViewType.PROFILE:
             kernels = [k for k in kernels if k["owner"] == user]
         else:
             kernels = [k for k in kernels if not k.get("is_private", True) or k["owner"] == user]
-        if req.get("user"):
-            kernels = [k for k in kernels if k["owner"] == req["user"]]
-        if req.get("search"):
-            s = req["search"].lower()
+        if req.user:
+            kernels = [k for k in kernels if k["owner"] == req.user]
+        if req.search:
+            s = req.search.lower()
             kernels = [k for k in kernels if s in k["ref"].lower() or s in k.get("title", "").lower()]
-        if req.get("dataset"):
-            kernels = [k for k in kernels if k["versions"] and req["dataset"] in k["versions"][-1]["dataset_sources"]]
+        if req.dataset:
+            kernels = [k for k in kernels if k["versions"] and req.dataset in k["versions"][-1]["dataset_sources"]]
         kernels.sort(key=lambda k: -(k["versions"][-1]["created"] if k["versions"] else k["created"]))
         page, nxt = _paginate(kernels, req)
-        return {"kernels": [app._kernel_json(k) for k in page], "nextPageToken": nxt}
+        return message(ApiListKernelsResponse, kernels=[app._kernel_message(k) for k in page], next_page_token=nxt)
 
 
-def _api_get_kernel(app: LocalKaggle, user, req, handler):
+def _api_get_kernel(app: LocalKaggle, user, req):
     with app.lock:
-        kernel = app._kernel_visible(user, f"{req.get('userName')}/{req.get('kernelSlug')}")
+        kernel = app._kernel_visible(user, f"{req.user_name}/{req.kernel_slug}")
         last = kernel["versions"][-1]
         source = (app._kernel_dir(kernel, last["number"]) / "source.txt").read_text(encoding="utf-8")
-        return {
-            "metadata": app._kernel_json(kernel),
-            "blob": {"source": source, "language": kernel.get("language"),
-                     "kernelType": kernel.get("kernel_type"), "slug": kernel["slug"]},
-        }
+        blob = message(ApiKernelBlob, source=source, language=kernel.get("language"),
+                       kernel_type=kernel.get("kernel_type"), slug=kernel["slug"])
+        return message(ApiGetKernelResponse, metadata=app._kernel_message(kernel), blob=blob)
 
 
-def _api_save_kernel(app: LocalKaggle, user, req, handler):
+def _api_save_kernel(app: LocalKaggle, user, req):
     return app.save_kernel(user, req)
 
 
-def _api_kernel_status(app: LocalKaggle, user, req, handler):
+def _api_kernel_status(app: LocalKaggle, user, req):
     with app.lock:
-        kernel = app._kernel_visible(user, f"{req.get('userName')}/{req.get('kernelSlug')}")
+        kernel = app._kernel_visible(user, f"{req.user_name}/{req.kernel_slug}")
         v = kernel["versions"][-1]
-        out = {"status": v["status"]}
-        if v.get("failure_message"):
-            out["failureMessage"] = v["failure_message"]
-        return out
+        return message(ApiGetKernelSessionStatusResponse, status=KernelWorkerStatus[v["status"]],
+                       failure_message=v.get("failure_message") or None)
 
 
-def _api_list_output(app: LocalKaggle, user, req, handler):
+def _api_list_output(app: LocalKaggle, user, req):
     with app.lock:
-        kernel = app._kernel_visible(user, f"{req.get('userName')}/{req.get('kernelSlug')}")
+        kernel = app._kernel_visible(user, f"{req.user_name}/{req.kernel_slug}")
         version = app._output_version(kernel)
         if version is None:
-            return {"files": []}
+            return ApiListKernelSessionOutputResponse()
         files = app._output_files(kernel, version)
         page, nxt = _paginate(files, req)
         base = f"http://localhost/_blobs/kernel-output/{kernel['ref']}/{version['number']}/"
-        out = {
-            "files": [{"url": base + urllib.parse.quote(rel), "fileName": rel} for rel, _ in page],
-            "nextPageToken": nxt or None,
-        }
-        if not req.get("pageToken"):
-            out["log"] = json.dumps(app._log_events(kernel, version["number"]))
+        out = message(
+            ApiListKernelSessionOutputResponse,
+            files=[message(ApiKernelSessionOutputFile, url=base + urllib.parse.quote(rel), file_name=rel)
+                   for rel, _ in page],
+            next_page_token=nxt or None,
+        )
+        if not req.page_token:
+            out.log = json.dumps(app._log_events(kernel, version["number"]))
         return out
 
 
-def _api_cancel(app: LocalKaggle, user, req, handler):
+def _api_cancel(app: LocalKaggle, user, req):
+    """CancelKernelSession names the session (one version of a kernel) by its kernelSessionId only."""
     with app.lock:
-        kernel = app._kernel(f"{req.get('userName')}/{req.get('kernelSlug')}")
+        found = [(k, v) for k in app.state["kernels"].values() for v in k["versions"]
+                 if v.get("session_id") == req.kernel_session_id]
+        if not found:
+            raise ApiError(404, f"Kernel session {req.kernel_session_id} not found")
+        kernel, v = found[0]
         if kernel["owner"] != user:
             raise ApiError(403, f"Permission denied: kernel '{kernel['ref']}' belongs to {kernel['owner']!r}")
-        for v in kernel["versions"]:
-            if v["status"] == "QUEUED":
-                v["status"] = "CANCEL_ACKNOWLEDGED"
-                v["failure_message"] = "Cancelled by the user"
-                v["ended"] = _now()
-        sessions = [s for (r, _), s in app.sessions.items() if r == kernel["ref"]]
-        app._save()
-    for s in sessions:
-        s.kill("Cancelled by the user", status="CANCEL_ACKNOWLEDGED")
-    return {}
+        if v["status"] in TERMINAL:
+            return message(ApiCancelKernelSessionResponse,
+                           error_message=f"Kernel session {req.kernel_session_id} has already ended ({v['status']})")
+        session = app.sessions.get((kernel["ref"], v["number"]))
+        if v["status"] == "QUEUED":
+            v["status"] = "CANCEL_ACKNOWLEDGED"
+            v["failure_message"] = "Cancelled by the user"
+            v["ended"] = _now()
+            app._save()
+    if session is not None:
+        session.kill("Cancelled by the user", status="CANCEL_ACKNOWLEDGED")
+    return ApiCancelKernelSessionResponse()
 
 
-def _api_quota(app: LocalKaggle, user, req, handler):
+def _api_quota(app: LocalKaggle, user, req):
     now = _now()
-    out = {"quotaRefreshTime": _iso(_week_start(now) + 7 * 86400)}
+    quotas = {}
     for kind in ("gpu", "tpu"):
-        out[f"{kind}Quota"] = {
-            "timeUsed": _duration(app.quota_used_s(user, kind, now)),
-            "totalTimeAllowed": _duration(app.quota_s[kind]),
-            "hasEverRun": True,
-        }
-    return out
+        with app.lock:
+            ever_run = any(v.get("accelerator") == kind and v.get("started") is not None
+                           for k in app.state["kernels"].values() if k["owner"] == user for v in k["versions"])
+        quotas[kind] = message(
+            ApiAcceleratorQuota,
+            time_used=dt.timedelta(seconds=app.quota_used_s(user, kind, now)),
+            total_time_allowed=dt.timedelta(seconds=app.quota_s[kind]),
+            has_ever_run=ever_run,
+        )
+    return message(ApiGetAcceleratorQuotaStatisticsResponse, quota_refresh_time=_utc(_week_start(now) + 7 * 86400),
+                   gpu_quota=quotas["gpu"], tpu_quota=quotas["tpu"])
 
 
-def _api_start_blob(app: LocalKaggle, user, req, handler):
+def _api_start_blob(app: LocalKaggle, user, req):
     return app.start_blob_upload(user, req)
 
 
-def _api_create_dataset(app: LocalKaggle, user, req, handler):
+def _api_create_dataset(app: LocalKaggle, user, req):
     return app.create_dataset(user, req)
 
 
-def _api_create_version(app: LocalKaggle, user, req, handler):
-    return app.create_dataset_version(user, req)
+def _api_create_version(app: LocalKaggle, user, req):
+    return app.create_dataset_version(user, f"{req.owner_slug}/{req.dataset_slug}", req.body)
 
 
-def _api_create_version_by_id(app: LocalKaggle, user, req, handler):
-    return app.create_dataset_version(user, req, by_id=True)
+def _api_create_version_by_id(app: LocalKaggle, user, req):
+    return app.create_dataset_version(user, None, req.body, dataset_id=req.id)
 
 
-def _ds_ref(req: dict) -> str:
-    return f"{req.get('ownerSlug')}/{req.get('datasetSlug')}"
+def _ds_ref(req) -> str:
+    return f"{req.owner_slug}/{req.dataset_slug}"
 
 
-def _api_dataset_status(app: LocalKaggle, user, req, handler):
+def _api_dataset_status(app: LocalKaggle, user, req):
     with app.lock:
         ds = app._dataset_visible(user, _ds_ref(req))
         live = [v for v in ds["versions"] if not v.get("deleted")]
         ready = bool(live) and live[-1]["ready_at"] <= _now()
-        return {"status": "READY" if ready else "BLOBS_RECEIVED"}
+        status = DatabundleVersionStatus.READY if ready else DatabundleVersionStatus.BLOBS_RECEIVED
+        return message(ApiGetDatasetStatusResponse, status=status)
 
 
-def _api_get_dataset(app: LocalKaggle, user, req, handler):
+def _api_get_dataset(app: LocalKaggle, user, req):
     with app.lock:
-        return app._dataset_json(app._dataset_visible(user, _ds_ref(req)))
+        return app._dataset_message(app._dataset_visible(user, _ds_ref(req)))
 
 
-def _api_dataset_metadata(app: LocalKaggle, user, req, handler):
-    with app.lock:
-        ds = app._dataset_visible(user, _ds_ref(req))
-        return {
-            "info": {
-                "datasetId": ds["id"],
-                "datasetSlug": ds["slug"],
-                "ownerUser": ds["owner"],
-                "title": ds["title"],
-                "subtitle": ds.get("subtitle"),
-                "description": ds.get("description"),
-                "isPrivate": ds["is_private"],
-                "licenses": [{"name": ds["license"]}],
-            }
-        }
-
-
-def _api_list_dataset_files(app: LocalKaggle, user, req, handler):
+def _api_dataset_metadata(app: LocalKaggle, user, req):
     with app.lock:
         ds = app._dataset_visible(user, _ds_ref(req))
-        version = app._dataset_version(ds, req.get("datasetVersionNumber"))
+        info = message(
+            DatasetInfo,
+            dataset_id=ds["id"],
+            dataset_slug=ds["slug"],
+            owner_user=ds["owner"],
+            title=ds["title"],
+            subtitle=ds.get("subtitle"),
+            description=ds.get("description"),
+            is_private=ds["is_private"],
+            licenses=[message(SettingsLicense, name=ds["license"])],
+        )
+        return message(ApiGetDatasetMetadataResponse, info=info)
+
+
+def _api_list_dataset_files(app: LocalKaggle, user, req):
+    with app.lock:
+        ds = app._dataset_visible(user, _ds_ref(req))
+        version = app._dataset_version(ds, req.dataset_version_number)
         page, nxt = _paginate(version["files"], req)
-        return {
-            "datasetFiles": [
-                {
-                    "ref": f"{ds['ref']}/{f['name']}",
-                    "datasetRef": ds["ref"],
-                    "ownerRef": ds["owner"],
-                    "name": f["name"],
-                    "creationDate": _iso(version["created"]),
-                    "description": f.get("description"),
-                    "totalBytes": f["size"],
-                }
-                for f in page
-            ],
-            "nextPageToken": nxt or None,
-        }
+        files = [
+            message(
+                ApiDatasetFile,
+                ref=f"{ds['ref']}/{f['name']}",
+                dataset_ref=ds["ref"],
+                owner_ref=ds["owner"],
+                name=f["name"],
+                creation_date=_utc(version["created"]),
+                description=f.get("description"),
+                total_bytes=f["size"],
+            )
+            for f in page
+        ]
+        return message(ApiListDatasetFilesResponse, dataset_files=files, next_page_token=nxt or None)
 
 
-def _api_list_datasets(app: LocalKaggle, user, req, handler):
+def _api_list_datasets(app: LocalKaggle, user, req):
     with app.lock:
         items = [d for d in app.state["datasets"].values() if not d.get("deleted")]
-        if req.get("group") == "DATASET_SELECTION_GROUP_MY":
+        if req.group == DatasetSelectionGroup.DATASET_SELECTION_GROUP_MY:
             items = [d for d in items if d["owner"] == user]
         else:
             items = [d for d in items if not d["is_private"] or d["owner"] == user]
-        if req.get("user"):
-            items = [d for d in items if d["owner"] == req["user"]]
-        if req.get("search"):
-            s = req["search"].lower()
+        if req.user:
+            items = [d for d in items if d["owner"] == req.user]
+        if req.search:
+            s = req.search.lower()
             items = [d for d in items if s in d["ref"].lower() or s in d["title"].lower()]
         items.sort(key=lambda d: -d.get("updated", d["created"]))
         page, nxt = _paginate(items, req)
-        return {"datasets": [app._dataset_json(d) for d in page], "nextPageToken": nxt}
+        return message(ApiListDatasetsResponse, datasets=[app._dataset_message(d) for d in page],
+                       next_page_token=nxt)
 
 
-def _api_download_dataset(app: LocalKaggle, user, req, handler):
+def _api_download_dataset(app: LocalKaggle, user, req):
+    """The reply type is HttpRedirect: a redirect to the file (or the version's zip), never a JSON object."""
     with app.lock:
         ds = app._dataset_visible(user, _ds_ref(req))
-        version = app._dataset_version(ds, req.get("datasetVersionNumber"))
-        name = req.get("fileName")
+        version = app._dataset_version(ds, req.dataset_version_number)
+        name = req.file_name
         base = f"http://localhost/_blobs/dataset/{ds['ref']}/{version['number']}/"
         if name:
             if name not in {f["name"] for f in version["files"]}:
@@ -1359,19 +1511,19 @@ def _api_download_dataset(app: LocalKaggle, user, req, handler):
     raise ApiError(302, "redirect", headers={"Location": location})
 
 
-def _api_delete_dataset(app: LocalKaggle, user, req, handler):
+def _api_delete_dataset(app: LocalKaggle, user, req):
     with app.lock:
         ds = app._dataset(_ds_ref(req))
         if ds["owner"] != user:
             raise ApiError(403, f"Permission denied: dataset '{ds['ref']}' belongs to {ds['owner']!r}")
         ds["deleted"] = True
         app._save()
-    return {}
+    return ApiDeleteDatasetResponse()
 
 
-def _api_delete_kernel(app: LocalKaggle, user, req, handler):
+def _api_delete_kernel(app: LocalKaggle, user, req):
     with app.lock:
-        kernel = app._kernel(f"{req.get('userName')}/{req.get('kernelSlug')}")
+        kernel = app._kernel(f"{req.user_name}/{req.kernel_slug}")
         if kernel["owner"] != user:
             raise ApiError(403, f"Permission denied: kernel '{kernel['ref']}' belongs to {kernel['owner']!r}")
         if any(v["status"] not in TERMINAL for v in kernel["versions"]):
@@ -1379,9 +1531,14 @@ def _api_delete_kernel(app: LocalKaggle, user, req, handler):
         del app.state["kernels"][kernel["ref"]]
         app._save()
     shutil.rmtree(app.root / "kernels" / kernel["owner"] / kernel["slug"], ignore_errors=True)
-    return {}
+    return ApiDeleteKernelResponse()
 
 
+def _api_introspect_token(app: LocalKaggle, user, req):
+    return message(IntrospectTokenResponse, active=True, username=user)
+
+
+# Each route's request and reply types are kagglesdk's (SDK_ROUTES); `LocalKaggle.api` enforces them.
 KS, DS = "kernels.KernelsApiService", "datasets.DatasetApiService"
 API_ROUTES: dict[str, Callable] = {
     f"{KS}/ListKernels": _api_list_kernels,
@@ -1403,6 +1560,7 @@ API_ROUTES: dict[str, Callable] = {
     f"{DS}/ListDatasets": _api_list_datasets,
     f"{DS}/DownloadDataset": _api_download_dataset,
     f"{DS}/DeleteDataset": _api_delete_dataset,
+    "security.OAuthService/IntrospectToken": _api_introspect_token,
 }
 
 
@@ -1543,7 +1701,7 @@ class _Handler(BaseHTTPRequestHandler):
                 req = json.loads(body or b"{}")
             except ValueError:
                 raise ApiError(400, "The request body is not JSON") from None
-            self._send_json(200, app.api(user, service, method, req, self))
+            self._send_json(200, app.api(user, service, method, req))
             return
         if parts[:5] == ["api", "v1", "kernels", "logs", "stream"] and len(parts) == 7:
             self._fault({"GetKernelSessionLogsStream", "logs", "api"})

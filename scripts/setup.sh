@@ -11,6 +11,10 @@ PYTHON=${PYTHON:-python3}
 PIP_FLAGS=(--quiet --disable-pip-version-check)
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install "${PIP_FLAGS[@]}" -e '.[test]'
+# torch_xla's wheel carries its own torchax/ (an older one that imports flax) and overwrites PyPI's when pip
+# installs it after torchax; torch_xla's scan over layers imports torchax: put PyPI's back on top.
+.venv/bin/python -m pip install "${PIP_FLAGS[@]}" --force-reinstall --no-deps "$(.venv/bin/python -c \
+  "import importlib.metadata as m; print('torchax==' + m.version('torchax'))")"
 .venv/bin/python -c "from shared.tokenizer import fetch_gpt2_ranks; print('GPT-2 ranks:', fetch_gpt2_ranks())"
 if [ "${1:-}" = "--kaggle-image" ]; then
   # Kaggle's TPU image pins torch and torch_xla 2.8.0 (Kaggle/docker-python tpu/requirements.in); the train

@@ -44,13 +44,25 @@ BAKED_LINE = re.compile(r"^(BAKED_SETTINGS|DEFAULTS): dict = \{\}", re.M)
 SETTINGS_CLASSES = {"tokenize": ("shared/tokenize_corpus.py", "TokenizeConfig"),
                     "train": ("shared/config.py", "TrainConfig"),
                     "eval": ("shared/eval.py", "EvalConfig")}
-# Machine shapes Kaggle accepts (kaggle CLI docs, 2026) and the weekly quota each counts against; "" is CPU.
+# Machine shapes Kaggle has accepted (kaggle-cli docs/kernels.md, Feb 2026 list) and the weekly quota each counts
+# against; "" is CPU. The Sep 2026 list (docs/kernels.md @13dad8ee) drops RETIRED_SHAPES: TPU v5e-8 and v6e-8 are
+# the TPUs offered now (docs/kaggle-api.md).
 MACHINE_SHAPES = {
     "TpuV38": "tpu", "Tpu1VmV38": "tpu", "TpuV5E8": "tpu", "TpuV6E8": "tpu",
     "NvidiaTeslaT4": "gpu", "NvidiaTeslaT4Highmem": "gpu", "NvidiaTeslaP100": "gpu", "NvidiaTeslaA100": "gpu",
     "NvidiaL4": "gpu", "NvidiaL4X1": "gpu", "NvidiaH100": "gpu", "NvidiaRtxPro6000": "gpu",
 }
+RETIRED_SHAPES = ("TpuV38", "Tpu1VmV38", "NvidiaTeslaP100")
 NINE_HOURS_S = 9 * 3600
+# The longest session Kaggle runs on each kind of machine: 9 h on a TPU, 12 h on a GPU or CPU (Kaggle's notebook
+# docs, kaggle.com/docs/notebooks; not verified from a primary source here, docs/kaggle-api.md). kagglesdk says
+# only that sessionTimeoutSeconds "must be lower than the global maximum" (kernels_api_service.py:2015-2017).
+SESSION_MAX_S = {"tpu": NINE_HOURS_S, "gpu": 12 * 3600, "cpu": 12 * 3600}
+# /kaggle/working, the session's output, holds 20 GB (Kaggle's notebook docs; not verified here). Checkpoints
+# that do not fit go to /kaggle/temp, which is not kept: the session publishes from there.
+OUTPUT_LIMIT_BYTES = 20 * 10**9
+# Upload rate assumed for sizing the publish margin of large checkpoints (not measured on Kaggle).
+ASSUMED_UPLOAD_BYTES_PER_S = 10 * 10**6
 
 
 def one_line(text: str) -> str:
@@ -208,13 +220,18 @@ def fill_metadata(template_path: Path, *, user: str, slug: str, title: str, code
                         "(or \"\" for CPU)")
     if not shape:
         meta.pop("machine_shape", None)
+    # machine_shape picks the machine; enable_gpu/enable_tpu are deprecated for it (kagglesdk
+    # kernels_api_service.py:1999-2014) but the kaggle client still sends both, so they agree with the shape.
+    meta["enable_gpu"] = MACHINE_SHAPES.get(shape) == "gpu"
+    meta["enable_tpu"] = MACHINE_SHAPES.get(shape) == "tpu"
     if internet is not None:
         meta["enable_internet"] = bool(internet)
     for key, extra in (("dataset_sources", dataset_sources), ("kernel_sources", kernel_sources)):
         meta[key] = list(dict.fromkeys(list(meta.get(key) or []) + list(extra or [])))
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]*/[a-z0-9][a-z0-9-]{3,}", meta.get("id", "")):
+    # The kaggle client refuses a kernel slug under five characters (kaggle_api_extended.py:8987-8988).
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]*/[a-z0-9][a-z0-9-]{4,}", meta.get("id", "")):
         raise UserError(f"{template_path}: kernel id {meta.get('id')!r} is not owner/slug (slug: lowercase letters, "
-                        "digits and dashes, at least 4)")
+                        "digits and dashes, at least 5)")
     return meta
 
 
@@ -265,11 +282,13 @@ class ChainConfig:
     name: str = "gpt2"  # prefix of every slug
     user: str = ""  # Kaggle user owning the kernels and datasets ('': the API credentials' user)
     total_steps: int = 19073  # optimizer steps of the whole run
-    accelerator: str = "TpuV38"  # machine_shape of train (and eval) sessions; "" for CPU
+    # machine_shape of train (and eval) sessions ("" for CPU): TPU v5e-8, the TPU of Kaggle's Sep 2026 list
+    # (kaggle-cli docs/kernels.md @13dad8ee); TpuV6E8 where offered.
+    accelerator: str = "TpuV5E8"
     kernel_type: str = "script"  # script or notebook
     session_limit_s: float = NINE_HOURS_S  # a session's time limit (Kaggle: 9 h)
     startup_margin_s: float = 600  # start-up before training begins (imports, data, compile)
-    publish_margin_s: float = 1200  # the final checkpoint's upload to the checkpoint dataset
+    publish_margin_s: float = 0  # the final checkpoint's upload (0: sized from the checkpoint, at least 1200 s)
     max_train_sessions: int = 0  # stop training after this many sessions, then evaluate (0: until total_steps)
     max_failed_sessions: int = 3  # consecutive sessions without progress before the chain gives up
     train: dict = dataclasses.field(default_factory=dict)  # TrainConfig settings (model, batch, lr, ...)
@@ -280,6 +299,9 @@ class ChainConfig:
     slugs: dict = dataclasses.field(default_factory=dict)  # tokenize, train, eval, checkpoints
     poll_initial_s: float = 10.0
     poll_max_s: float = 120.0
+    # A finished status read before the pushed version was ever seen queued or running may still be the
+    # previous version's (the status call names no version): it counts only this long after the push.
+    stale_status_s: float = 600.0
     retry_attempts: int = 6
     retry_base_s: float = 5.0
 
@@ -291,6 +313,17 @@ class ChainConfig:
     @property
     def time_budget(self) -> float:
         return self.session_limit_s - self.startup_margin_s - self.publish_margin_s
+
+    @property
+    def accelerator_kind(self) -> str:
+        return MACHINE_SHAPES.get(self.accelerator, "cpu")
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        from shared.config import TrainConfig
+
+        known = {f.name for f in dataclasses.fields(TrainConfig)}
+        return TrainConfig(**{k: v for k, v in self.train.items() if k in known}).model.checkpoint_bytes()
 
 
 _TOKENIZE_KEYS = {"parts", "settings", "inputs", "accelerator"}
@@ -333,13 +366,18 @@ def config_from_dict(raw: dict, where: str = "config") -> ChainConfig:
                         "(or \"\" for CPU)")
     if cfg.kernel_type not in ("script", "notebook"):
         raise UserError(f"{where}: kernel_type must be script or notebook, not {cfg.kernel_type!r}")
+    longest = SESSION_MAX_S[cfg.accelerator_kind]
+    if cfg.session_limit_s > longest:
+        raise UserError(f"{where}: session_limit_s {cfg.session_limit_s:g} is over the {longest / 3600:g} h Kaggle "
+                        f"allows a {cfg.accelerator_kind.upper()} session ({cfg.accelerator or 'CPU'})")
+    check_settings("train", cfg.train, f"{where}: train")
+    _place_checkpoints(cfg, where)
     if cfg.time_budget <= 0:
         raise UserError(f"{where}: session_limit_s {cfg.session_limit_s:g} leaves no training time after "
                         f"startup_margin_s {cfg.startup_margin_s:g} + publish_margin_s {cfg.publish_margin_s:g}")
-    for key in ("data_dir", "out_dir", "resume_from", "max_steps", "time_budget"):
+    for key in ("data_dir", "out_dir", "resume_from", "max_steps", "time_budget", "wandb_run_id"):
         if key in cfg.train:
             raise UserError(f"{where}: train.{key} is set by the chain; remove it")
-    check_settings("train", cfg.train, f"{where}: train")
     for section, keys in (("tokenize", _TOKENIZE_KEYS), ("eval", _EVAL_KEYS)):
         extra = sorted(set(getattr(cfg, section)) - keys)
         if extra:
@@ -355,6 +393,30 @@ def config_from_dict(raw: dict, where: str = "config") -> ChainConfig:
     if unknown_slugs:
         raise UserError(f"{where}: unknown slugs key(s) {', '.join(unknown_slugs)}")
     return cfg
+
+
+def _place_checkpoints(cfg: ChainConfig, where: str) -> None:
+    """Checkpoints must fit the session's 20 GB output, with one more being written before the oldest goes:
+    models too large for that keep one checkpoint in /kaggle/temp (the session publishes it from there); a
+    setting that would overflow the output is an error here, not a full disk hours into a session. The publish
+    margin grows with the checkpoint."""
+    size = cfg.checkpoint_bytes
+    if not cfg.publish_margin_s:
+        cfg.publish_margin_s = max(1200.0, 600.0 + size / ASSUMED_UPLOAD_BYTES_PER_S)
+    ckpt_dir = str(cfg.train.get("checkpoint_dir", ""))
+    keep = int(cfg.train.get("keep_checkpoints", 2))
+    if ckpt_dir.startswith("{temp}"):
+        return
+    if ckpt_dir and not ckpt_dir.startswith("{working}"):
+        raise UserError(f"{where}: train.checkpoint_dir {ckpt_dir!r} must be under {{working}} or {{temp}}")
+    peak = (keep + 1) * size
+    if peak <= OUTPUT_LIMIT_BYTES:
+        return
+    if "checkpoint_dir" in cfg.train or "keep_checkpoints" in cfg.train:
+        raise UserError(f"{where}: {keep} kept checkpoints of {size / 1e9:.1f} GB ({keep + 1} while one is written, "
+                        f"{peak / 1e9:.1f} GB) overflow the session's {OUTPUT_LIMIT_BYTES / 1e9:g} GB output; set "
+                        "train.checkpoint_dir to \"{temp}/checkpoints\" and train.keep_checkpoints to 1")
+    cfg.train = {**cfg.train, "checkpoint_dir": "{temp}/checkpoints", "keep_checkpoints": 1}
 
 
 # =============================================================================================================
@@ -392,7 +454,9 @@ class State:
 # =============================================================================================================
 
 TRANSIENT_STATUS = {408, 425, 429, 500, 502, 503, 504}
-TERMINAL = {"COMPLETE", "ERROR", "CANCEL_ACKNOWLEDGED", "CANCEL_REQUESTED"}
+# KernelWorkerStatus (kagglesdk kernels_enums.py:31-38): CANCEL_REQUESTED is on the way to CANCEL_ACKNOWLEDGED.
+TERMINAL = {"COMPLETE", "ERROR", "CANCEL_ACKNOWLEDGED"}
+ACTIVE = {"QUEUED", "RUNNING", "NEW_SCRIPT", "CANCEL_REQUESTED"}
 
 
 def http_status(err: BaseException) -> int | None:
@@ -411,6 +475,29 @@ def is_transient(err: BaseException) -> bool:
 def status_name(status) -> str:
     text = getattr(status, "name", None) or str(status)
     return text.rsplit(".", 1)[-1].upper()
+
+
+def stream_to_file(url: str, target: Path, chunk_bytes: int = 1 << 20) -> int:
+    """GET `url` into `target` a chunk at a time (through a temporary file, renamed when complete); the size is
+    checked against Content-Length. Returns the bytes written."""
+    import requests
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{target.name}.partial")
+    written = 0
+    with requests.get(url, stream=True, timeout=(30, 300)) as resp:
+        resp.raise_for_status()
+        with open(partial, "wb") as out:
+            for chunk in resp.iter_content(chunk_bytes):
+                out.write(chunk)
+                written += len(chunk)
+        expected = resp.headers.get("Content-Length")
+        encoded = resp.headers.get("Content-Encoding")
+    if expected is not None and expected.isdigit() and int(expected) != written and not encoded:
+        partial.unlink(missing_ok=True)
+        raise OSError(f"{url}: {written} bytes arrived of {expected}")
+    os.replace(partial, target)
+    return written
 
 
 def _normalize_single_download(dest: Path, name: str) -> None:
@@ -478,18 +565,24 @@ class Chain:
         raise AssertionError("unreachable")
 
     def _secrets(self) -> list[str]:
-        return [os.environ.get("KAGGLE_KEY", "")]
+        """The key from the environment and the one the client read (e.g. from kaggle.json): masked everywhere."""
+        config = getattr(self.api, "config_values", None) or {}
+        return [k for k in (os.environ.get("KAGGLE_KEY", ""), config.get("key", ""), config.get("token", "")) if k]
 
     def ref(self, slug: str) -> str:
         return f"{self.user}/{slug}"
 
     def dataset_exists(self, ref: str) -> bool:
+        """404 is missing; 403 (it exists, but these credentials may not read it) is an error, not missing."""
         try:
             self.call(f"dataset {ref}", self.api.dataset_status, ref)
             return True
         except ApiFailure as err:
             if err.status == 404:
                 return False
+            if err.status in (401, 403):
+                raise UserError(f"dataset {ref}: Kaggle refuses {self.user} access (HTTP {err.status}); it is "
+                                "another user's private dataset, or the credentials are wrong") from None
             raise
 
     def kernel_info(self, ref: str):
@@ -507,8 +600,11 @@ class Chain:
         try:
             resp = self.call(f"kernel {ref}", get)
         except ApiFailure as err:
-            if err.status in (403, 404):
+            if err.status == 404:
                 return 0, ""
+            if err.status in (401, 403):
+                raise UserError(f"kernel {ref}: Kaggle refuses {self.user} access (HTTP {err.status}); it is "
+                                "another user's private kernel, or the credentials are wrong") from None
             raise
         return int(resp.metadata.current_version_number or 0), (resp.blob.source or "") if resp.blob else ""
 
@@ -555,7 +651,7 @@ class Chain:
         for attempt in range(1, self.cfg.retry_attempts + 1):
             try:
                 with contextlib.redirect_stdout(io.StringIO()):
-                    resp = self.api.kernels_push(str(folder), timeout=str(int(self.cfg.session_limit_s)))
+                    resp = self.api.kernels_push(str(folder), timeout=self._session_timeout())
                 break
             except Exception as err:
                 from shared.publish import describe_error
@@ -568,7 +664,7 @@ class Chain:
                     rec.update(version=version, pushed=time.time())
                     self.state.save()
                     return version
-                self.log(f"  push of {ref}: {describe_error(err)}; retrying (attempt {attempt})")
+                self.log(f"  push of {ref}: {describe_error(err, self._secrets())}; retrying (attempt {attempt})")
                 self.sleep(self.cfg.retry_base_s * 2 ** (attempt - 1))
         if getattr(resp, "error", None):
             del self.state.pushes[key]
@@ -582,23 +678,76 @@ class Chain:
                             f"{', '.join(invalid)}")
         return rec["version"]
 
-    def wait(self, ref: str, label: str) -> tuple[str, str, float]:
-        """Poll until the newest version of `ref` ends; backoff from poll_initial_s to poll_max_s."""
-        interval, last, start = self.cfg.poll_initial_s, None, time.monotonic()
+    def _session_timeout(self) -> str | None:
+        """sessionTimeoutSeconds "must be lower than the global maximum" (kagglesdk): at the maximum, none is sent
+        and Kaggle's own limit applies."""
+        if self.cfg.session_limit_s >= SESSION_MAX_S[self.cfg.accelerator_kind]:
+            return None
+        return str(int(self.cfg.session_limit_s))
+
+    def wait(self, ref: str, label: str, key: str | None = None) -> tuple[str, str, float]:
+        """Poll until the version pushed for `key` ends; backoff from poll_initial_s to poll_max_s.
+
+        The status call names no version: right after a push it may still report the previous version's end.
+        A finished status counts once the pushed version was seen queued or running, or stale_status_s after
+        the push (a session that ended between two polls)."""
+        rec = self.state.pushes.get(key) if key else None
+        interval, last, start, told = self.cfg.poll_initial_s, None, time.monotonic(), False
         while True:
             status, message = self.kernel_status(ref)
             if status != last:
                 self.log(f"  {label}: {status.lower()}" + (f" ({message})" if message else ""))
                 last = status
+            if rec is not None and status in ACTIVE and not rec.get("seen_active"):
+                rec["seen_active"] = True
+                self.state.save()
             if status in TERMINAL:
-                return status, message, time.monotonic() - start
+                pushed = rec.get("pushed", 0) if rec is not None else 0
+                if rec is None or rec.get("seen_active") or time.time() - pushed >= self.cfg.stale_status_s:
+                    return status, message, time.monotonic() - start
+                if not told:
+                    self.log(f"  {label}: not seen queued or running yet; taking {status.lower()} as the previous "
+                             f"version's until it is, or {self.cfg.stale_status_s:g}s after the push")
+                    told = True
             self.sleep(interval)
             interval = min(interval * 1.5, self.cfg.poll_max_s)
 
     def download_output(self, ref: str, dest: Path, pattern: str | None = None) -> list[str]:
+        """The output files of `ref`'s newest session whose path matches `pattern` (re.search), each streamed to
+        disk (an 18 GB checkpoint never sits in memory, unlike the kaggle client's kernels_output), and the
+        session's log as `<slug>.log`, as the kaggle client writes it. Paths are checked to stay under `dest`."""
+        from kagglesdk.kernels.types.kernels_api_service import ApiListKernelSessionOutputRequest
+
+        owner, slug = ref.split("/")
+        dest = Path(dest)
         dest.mkdir(parents=True, exist_ok=True)
-        files, _ = self.call(f"output of {ref}", self.api.kernels_output, ref, str(dest), file_pattern=pattern,
-                             force=True, quiet=True)
+        wanted = re.compile(pattern) if pattern is not None else None
+        files: list[str] = []
+        token, log_text = "", None
+        while True:
+            def page(token=token):
+                with self.api.build_kaggle_client() as client:
+                    request = ApiListKernelSessionOutputRequest()
+                    request.user_name, request.kernel_slug, request.page_size = owner, slug, 200
+                    request.page_token = token
+                    return client.kernels.kernels_api_client.list_kernel_session_output(request)
+
+            resp = self.call(f"output of {ref}", page)
+            log_text = resp.log if log_text is None else log_text
+            for item in resp.files or []:
+                if wanted is not None and not wanted.search(item.file_name):
+                    continue
+                target = (dest / item.file_name).resolve()
+                if not target.is_relative_to(dest.resolve()):
+                    raise ApiFailure(f"output of {ref}: file name {item.file_name!r} points outside {dest}")
+                self.call(f"output file {item.file_name} of {ref}", stream_to_file, item.url, target)
+                files.append(str(target))
+            token = resp.next_page_token
+            if not token:
+                break
+        if log_text:
+            (dest / f"{slug}.log").write_text(log_text)
+            files.append(str(dest / f"{slug}.log"))
         return files
 
     # ----- the checkpoint dataset --------------------------------------------------------------------------------
@@ -628,6 +777,8 @@ class Chain:
             status = str(self.call(f"dataset {ref}", self.api.dataset_status, ref)).lower()
             if status == "ready":
                 return
+            if status in ("failed", "deleted"):  # DatabundleVersionStatus (kagglesdk dataset_enums.py:3-12)
+                raise UserError(f"dataset {ref}: its newest version is {status} on Kaggle; see the dataset's page")
             if time.monotonic() > deadline:
                 raise UserError(f"dataset {ref} is still {status!r} after {timeout_s / 60:.0f} minutes; run the chain "
                                 "again later")
@@ -675,7 +826,7 @@ class Chain:
                             break
                 self.log(f"tokenize part {part + 1}/{parts}: {ref}")
                 version = self.push_once(key, ref, lambda pid, p=part: self.build_tokenize(p, pid))
-                status, message, secs = self.wait(ref, f"{ref} v{version}")
+                status, message, secs = self.wait(ref, f"{ref} v{version}", key)
                 if status == "COMPLETE":
                     self.log(f"  part {part} done in {secs:.0f}s")
                     break
@@ -712,14 +863,23 @@ class Chain:
     def build_train(self, push_id: str, expect_step: int = 0) -> Path:
         datasets, kernels, data_dir = self.data_sources()
         ckpt = self.ref(self.cfg.slug("checkpoints"))
-        settings = {"progress": False, **self.cfg.train, "data_dir": data_dir, "out_dir": "{working}/train",
-                    "max_steps": self.cfg.total_steps, "time_budget": self.cfg.time_budget}
+        settings = {"progress": False, "run_name": self.cfg.name, **self.cfg.train, "data_dir": data_dir,
+                    "out_dir": "{working}/train", "max_steps": self.cfg.total_steps,
+                    "time_budget": self.cfg.time_budget, "wandb_run_id": self.wandb_run_id()}
         return build_kernel("train", self.workdir / "build" / "train", user=self.user, slug=self.cfg.slug("train"),
                             settings=settings, kernel_type=self.cfg.kernel_type, accelerator=self.cfg.accelerator,
                             internet=True, dataset_sources=[ckpt] + datasets, kernel_sources=kernels,
                             checkpoint_dataset={"dataset": ckpt, "resume_setting": "resume_from", "publish": True,
                                                 "title": f"{self.cfg.name} checkpoints", "expect_step": expect_step},
                             push_id=push_id)
+
+    def wandb_run_id(self) -> str:
+        """One W&B run per chain, made once and kept in the state: every session resumes it, and no two chains
+        (even of one name) share a run."""
+        if not self.state.data.get("wandb_run_id"):
+            self.state.data["wandb_run_id"] = f"{self.cfg.name}-{uuid.uuid4().hex[:8]}"
+            self.state.save()
+        return self.state.data["wandb_run_id"]
 
     def quota_left_s(self) -> tuple[float, float, str] | None:
         """(seconds left, seconds allowed, reset time) of the accelerator's weekly quota, None for CPU."""
@@ -771,7 +931,7 @@ class Chain:
             self.log(f"train session {n} of {self.sessions_total(n, step, sessions)}: {ref}, from step {step}")
             sess["version"] = self.push_once(sess["key"], ref, lambda pid, at=step: self.build_train(pid, at))
             self.state.save()
-            status, message, secs = self.wait(ref, f"{ref} v{sess['version']}")
+            status, message, secs = self.wait(ref, f"{ref} v{sess['version']}", sess["key"])
             new_step, info = self.after_session(ref, sess, ckpt_ref, step)
             sess.update(ended=time.time(), status=status, message=message, seconds=round(secs, 1),
                         step_after=new_step, **info)
@@ -806,9 +966,12 @@ class Chain:
             name = f"step_{out_step:06d}"
             ckpt_dir = self.workdir / "fallback" / name
             shutil.rmtree(ckpt_dir, ignore_errors=True)
-            self.download_output(ref, self.workdir / "fallback", pattern=rf"^train/checkpoints/{name}/")
+            got = self.download_output(ref, self.workdir / "fallback", pattern=rf"^train/checkpoints/{name}/")
             src = self.workdir / "fallback" / "train" / "checkpoints" / name
-            if checkpoint_step(src) == out_step and _verify_files(src):
+            if not [f for f in got if not f.endswith(".log")]:
+                self.log(f"  warning: the session's output holds no checkpoint {name} (large models keep theirs in "
+                         "/kaggle/temp, gone with the session); not published")
+            elif checkpoint_step(src) == out_step and _verify_files(src):
                 reason = record.get("reason") or "the session did not publish it"
                 self.log(f"  publishing step {out_step} from the kernel output ({reason})")
                 self.call(f"publish to {ckpt_ref}", publish_checkpoint, self.api, src, ckpt_ref, self.workdir,
@@ -886,7 +1049,7 @@ class Chain:
 
         self.log(f"eval: {ref}")
         version = self.push_once("eval", ref, build)
-        status, message, secs = self.wait(ref, f"{ref} v{version}")
+        status, message, secs = self.wait(ref, f"{ref} v{version}", "eval")
         dest = self.workdir / "eval"
         try:
             self.download_output(ref, dest, pattern=r"^(?!hf/)")
@@ -907,6 +1070,10 @@ class Chain:
         self.connect()
         self.log(f"chain {self.cfg.name}: {self.cfg.total_steps} steps on {self.cfg.accelerator or 'CPU'} as "
                  f"{self.user}; state {self.state.path}")
+        for shape in sorted({self.cfg.accelerator, self.cfg.eval.get("accelerator", ""),
+                             self.cfg.tokenize.get("accelerator", "")} & set(RETIRED_SHAPES)):
+            self.log(f"notice: {shape} is not in Kaggle's Sep 2026 accelerator list (TPU: TpuV5E8, TpuV6E8; GPU: "
+                     "NvidiaTeslaT4 and up); Kaggle may refuse the push")
         self.check_inputs()
         self.run_tokenize()
         self.run_train()

@@ -9,7 +9,8 @@
         manifest.json           sha256 and size of every file above; written last
 
 A checkpoint is built in a hidden temporary directory, every file fsynced, then renamed into place, so a
-kill at any moment leaves either the previous checkpoint or the new one whole.
+kill at any moment leaves either the previous checkpoint or the new one whole. A checkpoint that fails its
+manifest is renamed `corrupt-step_000123` by the trainer (see `latest_checkpoint`), out of resuming and rotation.
 """
 
 from __future__ import annotations
@@ -33,10 +34,48 @@ FORMAT_VERSION = 1
 MODEL_FILE, OPTIMIZER_FILE, STATE_FILE, METRICS_FILE, MANIFEST_FILE = (
     "model.safetensors", "optimizer.safetensors", "state.json", "metrics.jsonl", "manifest.json")
 _PREFIX = "step_"
+_CORRUPT_PREFIX = "corrupt-"  # a set-aside checkpoint: list_checkpoints ignores it, nothing deletes it
+
+# Checkpoints this process wrote or verified, by path, with the stat of their files then: rotation trusts them
+# without hashing gigabytes again at every save.
+_known_good: dict[Path, tuple] = {}
 
 
 def checkpoint_name(step: int) -> str:
     return f"{_PREFIX}{step:06d}"
+
+
+def _step_of(path: Path) -> int:
+    return int(path.name[len(_PREFIX):])
+
+
+def _files_signature(path: Path) -> tuple | None:
+    signature = []
+    for name in (MODEL_FILE, OPTIMIZER_FILE, STATE_FILE, MANIFEST_FILE):
+        try:
+            stat = (path / name).stat()
+        except OSError:
+            return None
+        signature.append((name, stat.st_ino, stat.st_size, stat.st_mtime_ns))
+    return tuple(signature)
+
+
+def _remember_good(path: Path) -> None:
+    _known_good[path.resolve()] = _files_signature(path)
+
+
+def _verifies(path: Path) -> bool:
+    """Whether `path` matches its manifest; unchanged since this process wrote or verified it counts as yes."""
+    signature = _files_signature(path)
+    if signature is not None and _known_good.get(path.resolve()) == signature:
+        return True
+    try:
+        good = verify_checkpoint(path) is None
+    except OSError:  # unreadable counts as corrupt
+        good = False
+    if good:
+        _remember_good(path)
+    return good
 
 
 def versions() -> dict:
@@ -59,7 +98,8 @@ def save_checkpoint(root: str | os.PathLike, step: int, model_tensors: dict[str,
                     optimizer_tensors: dict[str, torch.Tensor], state: dict,
                     metrics_file: str | os.PathLike | None = None, keep: int = 2,
                     extra_dirs: dict[str, str | os.PathLike] | None = None) -> Path:
-    """Write checkpoint `step` under `root` atomically, then delete all but the newest `keep` checkpoints.
+    """Write checkpoint `step` under `root` atomically, then keep it and the newest `keep` - 1 older checkpoints
+    that verify, deleting the older rest; checkpoints of later steps are left alone and never count as kept.
 
     `extra_dirs` ({name: directory}) are copied in as sub-folders and covered by the manifest too (the XLA
     compilation cache travels this way, so the next session need not compile again).
@@ -94,8 +134,16 @@ def save_checkpoint(root: str | os.PathLike, step: int, model_tensors: dict[str,
     else:
         os.replace(tmp, final)
     fsync_dir(root)
-    for stale in list_checkpoints(root)[:-keep] if keep > 0 else []:
-        shutil.rmtree(stale, ignore_errors=True)
+    _remember_good(final)
+    if keep > 0:
+        # A later step is here only if it failed verification and could not be set aside: it must not push a
+        # good checkpoint out. Of the older ones a corrupt one never counts as kept (and goes, like any surplus).
+        kept = 1
+        for older in reversed([p for p in list_checkpoints(root) if _step_of(p) < step]):
+            if kept < keep and _verifies(older):
+                kept += 1
+            else:
+                shutil.rmtree(older, ignore_errors=True)
     return final
 
 
@@ -105,7 +153,7 @@ def list_checkpoints(root: str | os.PathLike) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX) and p.name[5:].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[len(_PREFIX):]))
+    return sorted(found, key=_step_of)
 
 
 def verify_checkpoint(path: str | os.PathLike) -> str | None:
@@ -143,34 +191,64 @@ def load_checkpoint(path: str | os.PathLike) -> LoadedCheckpoint:
     problem = verify_checkpoint(path)
     if problem:
         raise UserError(problem)
+    _remember_good(path)
     state = json.loads((path / STATE_FILE).read_text())
     return LoadedCheckpoint(path, int(state["step"]), state, load_file(str(path / MODEL_FILE)),
                             load_file(str(path / OPTIMIZER_FILE)))
 
 
-def latest_checkpoint(*roots: str | os.PathLike, log=print) -> LoadedCheckpoint | None:
+def _set_aside(path: Path) -> Path:
+    """Rename a corrupt checkpoint within its root to a name list_checkpoints ignores; OSError if it cannot."""
+    target = path.with_name(f"{_CORRUPT_PREFIX}{path.name}")
+    suffix = 1
+    while target.exists():  # set aside before (e.g. the same step written and corrupted again)
+        suffix += 1
+        target = path.with_name(f"{_CORRUPT_PREFIX}{path.name}-{suffix}")
+    path.rename(target)
+    fsync_dir(path.parent)
+    return target
+
+
+def latest_checkpoint(*roots: str | os.PathLike, log=print, set_aside: bool = False) -> LoadedCheckpoint | None:
     """The newest checkpoint that verifies, across `roots`; a corrupt one is reported in one line and skipped.
 
-    Raises UserError when checkpoints exist but none verifies (nothing is deleted either way).
+    With `set_aside` (the trainer, which rotates checkpoints in its root) a corrupt one is also renamed
+    `corrupt-step_NNNNNN` in its root, so it is neither resumed nor counted as kept; where the root is read-only
+    (a Kaggle dataset) it stays. Readers (eval, export) leave the directories as they are. Nothing is deleted.
+    Raises UserError when checkpoints exist but none verifies.
     """
     candidates = [p for root in roots if root for p in list_checkpoints(root)]
-    candidates.sort(key=lambda p: int(p.name[len(_PREFIX):]), reverse=True)
+    candidates.sort(key=_step_of, reverse=True)
     for path in candidates:
         problem = verify_checkpoint(path)
         if problem is None:
             return load_checkpoint(path)
-        log(f"warning: skipping corrupt checkpoint: {problem}")
+        if not set_aside:
+            log(f"warning: skipping corrupt checkpoint: {problem}")
+            continue
+        try:
+            moved = _set_aside(path)
+        except OSError as err:  # a read-only root, or another process of this run moved it first
+            log(f"warning: skipping corrupt checkpoint: {problem} (could not set it aside: {err.strerror or err})")
+        else:
+            log(f"warning: skipping corrupt checkpoint: {problem}; set aside as {moved}")
     if candidates:
         raise UserError(f"no checkpoint verifies among {len(candidates)} found under {', '.join(map(str, roots))}")
     return None
 
 
+def different_shape_error(source: str | os.PathLike, differences: dict[str, tuple]) -> UserError:
+    """The one-line error for a checkpoint of another model shape: {field or tensor: (checkpoint's, run's)}."""
+    listed = ", ".join(f"{name}={saved} (run asks {asked})" for name, (saved, asked) in differences.items())
+    return UserError(f"{source}: checkpoint is a different model shape: {listed}")
+
+
 def check_same_shape(ckpt: LoadedCheckpoint, model_config: dict) -> None:
     """A checkpoint of another model shape is a one-line error (before anything is written)."""
     saved = ckpt.state.get("config", {}).get("model", {})
-    diffs = [f"{k}={saved.get(k)} (run asks {v})" for k, v in model_config.items() if saved.get(k) != v]
-    if diffs:
-        raise UserError(f"{ckpt.path}: checkpoint is a different model shape: {', '.join(diffs)}")
+    differences = {k: (saved.get(k), v) for k, v in model_config.items() if saved.get(k) != v}
+    if differences:
+        raise different_shape_error(ckpt.path, differences)
 
 
 class CheckpointTimer:

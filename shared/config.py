@@ -33,6 +33,16 @@ class ModelConfig:
     def from_dict(cls, d: dict) -> ModelConfig:
         return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
+    def num_params(self) -> int:
+        """Parameters of the model (the tied head counted once), without building it: per block two LayerNorms
+        (4C), attention (4C^2 + 4C) and the MLP (8C^2 + 5C); embeddings and the final LayerNorm besides."""
+        c = self.n_embd
+        return self.n_layer * (12 * c * c + 13 * c) + (self.vocab_size + self.block_size) * c + 2 * c
+
+    def checkpoint_bytes(self) -> int:
+        """Bytes of one checkpoint: fp32 weights and AdamW's two fp32 moments (the XLA cache and JSON are small)."""
+        return 12 * self.num_params()
+
 
 MODEL_PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(n_layer=2, n_head=4, n_embd=128, block_size=256),
@@ -97,6 +107,10 @@ class TrainConfig:
     )
     checkpoint_every: int = field(default=1000, metadata={"help": "steps between periodic checkpoints (0: off)"})
     keep_checkpoints: int = field(default=2, metadata={"help": "how many checkpoints to keep"})
+    checkpoint_dir: str = field(
+        default="", metadata={"help": "where checkpoints are written ('': out_dir/checkpoints; on Kaggle, large "
+                              "models keep them in /kaggle/temp, outside the 20 GB output)"}
+    )
     log_every: int = field(default=10, metadata={"help": "steps between metric log lines"})
     on_data_change: str = field(
         default="error",
@@ -116,6 +130,9 @@ class TrainConfig:
         default="gpt2-on-kaggle", metadata={"help": "W&B project, used when a key exists ('': W&B off)"}
     )
     run_name: str = field(default="", metadata={"help": "W&B run name (default: out_dir's name)"})
+    wandb_run_id: str = field(
+        default="", metadata={"help": "W&B run id, the same in every session of a run (default: from run_name)"}
+    )
     progress: bool = field(default=True, metadata={"help": "show a progress bar"})
 
     @property

@@ -534,10 +534,19 @@ def runtime_versions() -> dict[str, str | None]:
 
 
 def scan_layers_available() -> bool:
-    """torch_xla's scan under SPMD calls into jax (shard_alike) through torchax: both must be importable."""
+    """torch_xla's scan under SPMD calls into jax (shard_alike) through torchax: true when torch_xla's own imports
+    of both succeed. (The torch_xla 2.8/2.9 wheels carry a torchax of their own that imports flax; whichever of
+    it and PyPI's torchax was installed last is the one imported: scripts/setup.sh installs PyPI's last.)"""
     import importlib.util
 
-    return all(importlib.util.find_spec(name) is not None for name in ("jax", "torchax"))
+    if any(importlib.util.find_spec(name) is None for name in ("jax", "torchax")):
+        return False
+    try:
+        from torch_xla._internal.jax_workarounds import maybe_get_jax, maybe_get_torchax
+
+        return maybe_get_torchax() is not None and maybe_get_jax() is not None
+    except Exception:  # a broken install: no scan, rather than no training
+        return False
 
 
 def make_scan_layers(activation_checkpointing: bool) -> Callable:

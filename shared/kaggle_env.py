@@ -36,8 +36,10 @@ class KagglePaths:
     def input_dir(self, slug: str) -> Path:
         """The folder of an attached dataset or kernel output, given `slug` or `owner/slug`.
 
-        Kaggle has mounted sources as `/kaggle/input/<slug>` and, in newer images, under
-        `/kaggle/input/datasets/<owner>/<slug>`; the first that exists wins.
+        Kaggle mounts a source at `/kaggle/input/<mount slug>`, the slug chosen by the server (Kaggle/kagglehub
+        kaggle_cache_resolver.py; docs/kaggle-api.md); sessions have been reported (not verified from a Kaggle
+        source) to mount datasets at `/kaggle/input/datasets/<owner>/<slug>` and kernel outputs at
+        `/kaggle/input/notebooks/<owner>/<slug>`. The first that exists wins.
         """
         owner, _, name = slug.rpartition("/")
         candidates = [self.input / name]
@@ -46,7 +48,8 @@ class KagglePaths:
         for path in candidates:
             if path.is_dir():
                 return path
-        raise UserError(f"input {slug!r} is not attached to this kernel (looked in {candidates[0]})")
+        raise UserError(f"input {slug!r} is not attached to this kernel (looked in "
+                        f"{', '.join(str(c) for c in candidates)})")
 
 
 def is_local_kaggle() -> bool:
@@ -80,7 +83,7 @@ def kaggle_paths() -> KagglePaths:
 
 
 def accelerator() -> str | None:
-    """The session's machine shape (e.g. "TpuV38") where known, None for CPU or unknown."""
+    """The session's machine shape (e.g. "TpuV5E8") where known, None for CPU or unknown."""
     if is_local_kaggle():
         return os.environ.get(LOCAL_ACCELERATOR_ENV) or None
     return os.environ.get("KAGGLE_ACCELERATOR_TYPE") or None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import socket
 from pathlib import Path
 from urllib.parse import urlparse
@@ -40,10 +41,15 @@ def _wandb_key() -> str | None:
         return None
 
 
+def wandb_run_id(text: str) -> str:
+    """A W&B run id (letters, digits, dashes, underscores) from a run id or name."""
+    return re.sub(r"[^A-Za-z0-9_-]+", "-", text).strip("-") or "run"
+
+
 class MetricsLogger:
     def __init__(self, out_dir: str | os.PathLike, total_steps: int, start_step: int, config: dict,
                  wandb_project: str = "", run_name: str = "", progress: bool = True, log=print,
-                 enabled: bool = True):
+                 enabled: bool = True, run_id: str = ""):
         """`enabled=False` (the non-main processes of a DDP run) makes every method a no-op."""
         self.path = Path(out_dir) / "metrics.jsonl"
         self.enabled = enabled
@@ -57,9 +63,10 @@ class MetricsLogger:
 
             self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
                              mininterval=2.0)
-        self._wandb = self._start_wandb(wandb_project, run_name or Path(out_dir).name, config)
+        run_name = run_name or Path(out_dir).name
+        self._wandb = self._start_wandb(wandb_project, run_name, wandb_run_id(run_id or run_name), config)
 
-    def _start_wandb(self, project: str, run_name: str, config: dict):
+    def _start_wandb(self, project: str, run_name: str, run_id: str, config: dict):
         key = _wandb_key() if project else None
         if not key:
             self.log("notice: no W&B key found (WANDB_API_KEY); logging to metrics.jsonl only")
@@ -75,7 +82,7 @@ class MetricsLogger:
 
             wandb.login(key=key, verify=False)
             # One W&B run per training run, resumed across sessions by its id.
-            return wandb.init(project=project, name=run_name, id=run_name.replace("/", "-"), resume="allow",
+            return wandb.init(project=project, name=run_name, id=run_id, resume="allow",
                               config=config, dir=str(self.path.parent), settings=wandb.Settings(init_timeout=60))
         except Exception as err:  # network down, bad key, package missing: keep training
             self.log(f"notice: W&B unavailable ({type(err).__name__}); logging to metrics.jsonl only")

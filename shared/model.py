@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from shared.checkpoint import different_shape_error
 from shared.config import GPT2_VOCAB_SIZE, ModelConfig
 from shared.errors import UserError
 
@@ -126,11 +127,31 @@ class GPT(nn.Module):
                 if k != "lm_head.weight"}
 
     def load_checkpoint_tensors(self, tensors: dict[str, torch.Tensor], source) -> None:
-        """Load `checkpoint_tensors` output; anything but exactly our parameters is a UserError naming `source`."""
-        missing, unexpected = self.load_state_dict(tensors, strict=False)
-        if set(missing) != {"lm_head.weight"} or unexpected:
-            raise UserError(f"{source}: model tensors do not match (missing {sorted(set(missing) - {'lm_head.weight'})}"
-                            f", extra {sorted(unexpected)})")
+        """Load `checkpoint_tensors` output; anything but exactly our parameters is a UserError naming `source`.
+
+        Tensors of another model shape are refused by the config fields they imply (as the trainer's
+        check_same_shape words it), or where no field explains it by the tensor and both shapes.
+        """
+        found = {k: list(v.shape) for k, v in tensors.items()}
+        expected = {k: list(v.shape) for k, v in self.state_dict().items() if k != "lm_head.weight"}  # tied: wte
+        if found != expected:
+            implied = {}  # the config fields the tensors imply (n_head leaves no trace in the shapes)
+            if len(found.get("transformer.wpe.weight", [])) == 2:
+                implied["block_size"], implied["n_embd"] = found["transformer.wpe.weight"]
+            if found.get("transformer.wte.weight"):
+                implied["vocab_size"] = found["transformer.wte.weight"][0]
+            blocks = {k.split(".")[2] for k in found if k.startswith("transformer.h.")}
+            if blocks:
+                implied["n_layer"] = len(blocks)
+            asked = self.config.to_dict()
+            differences = {k: (implied[k], v) for k, v in asked.items() if k in implied and implied[k] != v}
+            if not differences:
+                differences = {k: (found[k], expected[k]) for k in expected if k in found and found[k] != expected[k]}
+            if differences:
+                raise different_shape_error(source, differences)
+            raise UserError(f"{source}: model tensors do not match (missing {sorted(expected.keys() - found.keys())}"
+                            f", extra {sorted(found.keys() - expected.keys())})")
+        self.load_state_dict(tensors, strict=False)  # lm_head.weight is missing by design: it is wte
 
     def num_params(self, non_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())  # the tied lm_head is counted once

@@ -126,10 +126,13 @@ def plan_step(cfg: TrainConfig, runtime: Runtime, scan_available: bool | None = 
         checkpointing = bool(gen) and n_layer >= (24 if gen.hbm_gib_per_device <= 16 else 36)
     else:
         checkpointing = cfg.activation_checkpointing == "on"
-    available = scan_layers_available() if scan_available is None else scan_available
+    wanted = cfg.scan_layers == "on" or (cfg.scan_layers == "auto" and xla and bool(gen) and n_layer >= 24)
+    if scan_available is None:  # asked only where the scan could run: it imports jax into this process
+        scan_available = wanted and xla and scan_layers_available()
+    available = scan_available
     if cfg.scan_layers == "on" and not (xla and available):
-        raise UserError("--scan-layers on needs the xla backend with jax and torchax importable "
-                        f"(backend {runtime.name}, jax+torchax {'found' if available else 'missing'})")
+        raise UserError("--scan-layers on needs the xla backend with jax and torchax importable by torch_xla "
+                        f"(backend {runtime.name}, jax+torchax {'working' if available else 'not importable'})")
     if cfg.scan_layers == "on" and loop:
         raise UserError("--scan-layers on computes wrong losses inside torch_xla's gradient-accumulation loop; "
                         "add --no-grad-accum-loop (a graph per micro-step), or use one micro-step per step")
@@ -165,14 +168,14 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print) -> TrainR
     cfg.validate()  # the flags; the device count is checked once the runtime is up
     model_cfg, accum = cfg.model, cfg.grad_accum_steps
     out_dir = Path(cfg.out_dir)
-    ckpt_root = out_dir / "checkpoints"
+    ckpt_root = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else out_dir / "checkpoints"
     metrics_path = out_dir / METRICS_FILE
 
     # --- data and resume point -------------------------------------------------------------------------
     train_shards, val_shards = find_shards(cfg.data_dir, "train"), find_shards(cfg.data_dir, "val")
     if not train_shards:
         raise UserError(f"--data-dir {cfg.data_dir}: no *_train_*.bin token shards found")
-    resumed = latest_checkpoint(ckpt_root, cfg.resume_from or None, log=log)
+    resumed = latest_checkpoint(ckpt_root, cfg.resume_from or None, log=log, set_aside=True)
     if resumed:
         check_same_shape(resumed, model_cfg.to_dict())
 
@@ -235,7 +238,7 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print) -> TrainR
         metrics_path.unlink()
     tokens_per_step = cfg.total_batch_tokens
     logger = MetricsLogger(out_dir, cfg.max_steps, start_step, cfg.to_dict(), cfg.wandb_project, cfg.run_name,
-                           progress=cfg.progress, log=log, enabled=runtime.is_main)
+                           progress=cfg.progress, log=log, enabled=runtime.is_main, run_id=cfg.wandb_run_id)
     versions = runtime_versions()
     logger.write({"event": "session_start", "step": start_step, "tokens": start_step * tokens_per_step,
                   "device": runtime.description, "versions": versions, "time_budget_s": round(budget, 1),

@@ -164,6 +164,8 @@ def test_chain_end_to_end_resumes_bit_exactly_and_survives_a_kill(local_kaggle, 
 
     # The eval kernel's report came back.
     assert (workdir / "eval" / "report.md").exists() and (workdir / "loss.png").exists()
+    report = (workdir / "eval" / "report.md").read_text()  # every plot has data: HellaSwag on the demo set too
+    assert re.search(r"\| HellaSwag acc_norm \(step \d+, 40 examples\) \| [01]\.\d+ \|", report), report
 
     # One uninterrupted run of the same number of steps on the same tokens ends with the same parameters.
     data = []

@@ -1,14 +1,17 @@
-"""Checkpoints: whole or absent, verified on load, corrupt ones skipped with a notice, shape mismatches refused."""
+"""Checkpoints: whole or absent, verified on load, corrupt ones skipped with a notice (and set aside by the
+trainer, out of rotation), shape mismatches refused in one line."""
 
 import json
 import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
+import shared.checkpoint
 from shared.checkpoint import (
     check_same_shape,
     latest_checkpoint,
@@ -17,7 +20,10 @@ from shared.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
+from shared.config import ModelConfig
 from shared.errors import UserError
+from shared.fsutil import sha256_file
+from shared.model import GPT
 
 
 def _tensors(step):
@@ -102,3 +108,125 @@ def test_shape_mismatch_is_one_line_error(tmp_path):
     check_same_shape(loaded, {"n_layer": 2})
     with pytest.raises(UserError, match=r"different model shape: n_layer=2 \(run asks 4\)"):
         check_same_shape(loaded, {"n_layer": 4})
+
+
+def _corrupt(path):
+    blob = bytearray((path / "model.safetensors").read_bytes())
+    blob[-1] ^= 0xFF
+    (path / "model.safetensors").write_bytes(bytes(blob))
+
+
+def _tree(path):
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_trainer_sets_a_corrupt_checkpoint_aside_and_it_never_counts_as_kept(tmp_path):
+    _save(tmp_path, 100)
+    bad = _save(tmp_path, 200)
+    _corrupt(bad)
+    notices = []
+    loaded = latest_checkpoint(tmp_path, log=notices.append, set_aside=True)
+    assert loaded.step == 100
+    aside = tmp_path / "corrupt-step_000200"
+    assert aside.is_dir() and not bad.exists()
+    assert notices == [f"warning: skipping corrupt checkpoint: {bad}: model.safetensors fails its sha256 check; "
+                       f"set aside as {aside}"]
+    before = _tree(aside)
+    # The session resumed from 100 saves 150 keeping 2: the good 100 stays, the corrupt 200 is no candidate.
+    _save(tmp_path, 150, keep=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000100", "step_000150"]
+    assert _tree(aside) == before
+    # The same step corrupted again is set aside beside the first, which stays as it was.
+    _corrupt(_save(tmp_path, 200))
+    notices.clear()
+    assert latest_checkpoint(tmp_path, log=notices.append, set_aside=True).step == 150
+    assert notices[0].endswith(f"set aside as {tmp_path / 'corrupt-step_000200-2'}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "corrupt-step_000200", "corrupt-step_000200-2", "step_000100", "step_000150"]
+    assert _tree(aside) == before
+
+
+def test_corrupt_checkpoint_in_a_read_only_root_is_reported_and_skipped(tmp_path, monkeypatch):
+    _save(tmp_path, 100)
+    bad = _save(tmp_path, 200)
+    _corrupt(bad)
+
+    def read_only(self, target):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "rename", read_only)
+    notices = []
+    assert latest_checkpoint(tmp_path, log=notices.append, set_aside=True).step == 100
+    assert notices == [f"warning: skipping corrupt checkpoint: {bad}: model.safetensors fails its sha256 check "
+                       "(could not set it aside: Permission denied)"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000100", "step_000200"]
+
+
+def test_rotation_never_deletes_a_good_checkpoint_to_keep_a_corrupt_one(tmp_path, monkeypatch):
+    for step in (100, 120, 200):
+        _save(tmp_path, step)
+    _corrupt(tmp_path / "step_000120")
+    _corrupt(tmp_path / "step_000200")  # newer than the next save: left where it could not be set aside
+    monkeypatch.setattr(shared.checkpoint, "_known_good", {})  # a new session: nothing verified yet
+    _save(tmp_path, 150, keep=2)
+    # Kept: 150 and the newest older one that verifies (100); the corrupt 120 goes, the later 200 is left alone.
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000100", "step_000150", "step_000200"]
+    _save(tmp_path, 160, keep=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000150", "step_000160", "step_000200"]
+
+
+_SHAPE = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=256)
+
+
+def _model_checkpoint(root, cfg=_SHAPE, saved_config=None):
+    """A checkpoint of GPT(cfg) whose state.json says `saved_config` (manifest re-written so it verifies)."""
+    torch.manual_seed(0)
+    path = save_checkpoint(root, 1, GPT(cfg).checkpoint_tensors(), {"none": torch.zeros(1)},
+                           {"config": {"model": cfg.to_dict()}})
+    if saved_config is not None:
+        (path / "state.json").write_text(json.dumps({"step": 1, "config": {"model": saved_config.to_dict()}}))
+        manifest = json.loads((path / "manifest.json").read_text())
+        manifest["files"]["state.json"] = {"sha256": sha256_file(path / "state.json"),
+                                           "bytes": (path / "state.json").stat().st_size}
+        (path / "manifest.json").write_text(json.dumps(manifest))
+    return path
+
+
+def test_tensors_of_another_shape_are_the_one_line_shape_error(tmp_path):
+    path = _model_checkpoint(tmp_path)
+    loaded = load_checkpoint(path)
+    with pytest.raises(UserError) as err:
+        GPT(ModelConfig(**{**_SHAPE.to_dict(), "block_size": 32})).load_checkpoint_tensors(loaded.model, path)
+    assert str(err.value) == f"{path}: checkpoint is a different model shape: block_size=64 (run asks 32)"
+    # The same words as the trainer's check of state.json.
+    with pytest.raises(UserError) as trainer_err:
+        check_same_shape(loaded, {**_SHAPE.to_dict(), "block_size": 32})
+    assert str(trainer_err.value) == str(err.value)
+    # Several fields at once, in ModelConfig's order.
+    other = ModelConfig(n_layer=3, n_head=2, n_embd=48, block_size=64, vocab_size=128)
+    with pytest.raises(UserError) as err:
+        GPT(other).load_checkpoint_tensors(loaded.model, "ckpt")
+    assert str(err.value) == ("ckpt: checkpoint is a different model shape: n_layer=2 (run asks 3), "
+                              "n_embd=32 (run asks 48), vocab_size=256 (run asks 128)")
+    # A difference no config field explains names the tensor and both shapes.
+    odd = {**loaded.model, "transformer.h.1.mlp.c_fc.weight": torch.zeros(64, 32)}
+    with pytest.raises(UserError) as err:
+        GPT(_SHAPE).load_checkpoint_tensors(odd, "ckpt")
+    assert str(err.value) == ("ckpt: checkpoint is a different model shape: "
+                              "transformer.h.1.mlp.c_fc.weight=[64, 32] (run asks [128, 32])")
+    GPT(_SHAPE).load_checkpoint_tensors(loaded.model, path)  # the right shape loads
+
+
+def test_eval_and_export_refuse_a_state_json_that_disagrees_with_the_tensors(tmp_path):
+    from shared.hf import model_from_checkpoint
+
+    path = _model_checkpoint(tmp_path / "run" / "checkpoints", saved_config=ModelConfig(
+        **{**_SHAPE.to_dict(), "block_size": 32}))
+    expected = f"{path}: checkpoint is a different model shape: block_size=64 (run asks 32)"
+    with pytest.raises(UserError) as err:
+        GPT.from_checkpoint(load_checkpoint(path))  # what the eval kernel does
+    assert str(err.value) == expected
+    for named in (path, tmp_path / "run"):  # export: a checkpoint, or the newest under a run
+        with pytest.raises(UserError) as err:
+            model_from_checkpoint(named)
+        assert str(err.value) == expected

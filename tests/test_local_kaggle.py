@@ -244,7 +244,7 @@ def test_accelerator_quota_is_counted_and_enforced(local_kaggle, tmp_path):
     assert lk.wait("alice/tpu-quick") == ("COMPLETE", None)
     used = lk.app.quota_used_s(USER, "tpu")
     assert 1.0 <= used < 2.5 and lk.app.quota_used_s(USER, "gpu") == 0
-    assert lk.app.state["kernels"]["alice/tpu-quick"]["versions"][0]["machine_shape"] == "TpuV38"
+    assert lk.app.state["kernels"]["alice/tpu-quick"]["versions"][0]["machine_shape"] == "TpuV5E8"
     table = lk.cli("quota").stdout
     tpu_row = next(line for line in table.splitlines() if line.startswith("TPU"))
     assert tpu_row.split()[3] == "0.00h"  # total 2.5 s shows as 0.00h

@@ -130,12 +130,34 @@ def test_auto_step_plan_per_preset_and_tpu(preset, generation, attention, checkp
 def test_scan_layers_on_is_refused_where_it_cannot_run():
     with pytest.raises(UserError, match="--scan-layers on needs the xla backend"):
         plan_step(TrainConfig(scan_layers="on"), FakeRuntime(name="torch"), scan_available=True)
-    with pytest.raises(UserError, match="jax\\+torchax missing"):
+    with pytest.raises(UserError, match="jax\\+torchax not importable"):
         plan_step(TrainConfig(scan_layers="on"), FakeRuntime("v3"), scan_available=False)
     with pytest.raises(UserError, match="wrong losses inside torch_xla's gradient-accumulation loop"):
         plan_step(TrainConfig(scan_layers="on"), FakeRuntime("v3"), scan_available=True)
     with pytest.raises(UserError, match="--activation-checkpointing must be auto, on or off"):
         TrainConfig(activation_checkpointing="yes").validate()
+
+
+def test_scan_availability_is_what_torch_xla_can_import_and_asked_only_where_it_could_run(monkeypatch):
+    import torch_xla._internal.jax_workarounds as workarounds
+
+    from shared import device
+
+    # torch_xla's wheel carries a torchax that imports flax: found by find_spec, unusable by torch_xla.
+    monkeypatch.setattr(workarounds, "maybe_get_torchax", lambda: None)
+    assert device.scan_layers_available() is False
+    monkeypatch.setattr(workarounds, "maybe_get_torchax", lambda: object())
+    monkeypatch.setattr(workarounds, "maybe_get_jax", lambda *a, **k: object())
+    assert device.scan_layers_available() is True
+
+    def must_not_ask():
+        raise AssertionError("scan availability asked (jax imported) where the scan cannot be chosen")
+
+    monkeypatch.setattr(device, "scan_layers_available", must_not_ask)
+    for preset, generation in (("gpt2", "v3"), ("gpt2-xl", None), ("tiny", "v5e")):
+        assert not plan_step(TrainConfig(preset=preset, grad_accum_loop=False), FakeRuntime(generation)).scan_layers
+    monkeypatch.setattr(device, "scan_layers_available", lambda: True)
+    assert plan_step(TrainConfig(preset="gpt2-medium", grad_accum_loop=False), FakeRuntime("v3")).scan_layers
 
 
 def test_attention_kernel_probe_keeps_sdpa_when_the_kernel_fails_or_is_wrong():

@@ -1,0 +1,272 @@
+"""What the chain must get right against the real Kaggle (docs/kaggle-api.md): a finished status read right after
+a push may be the previous version's; CANCEL_REQUESTED is not an end; 403 is not "missing"; session limits and
+checkpoint sizes are checked at config load; outputs stream to disk; one W&B run per chain; keys stay masked."""
+# ruff: noqa: F811  (the local_kaggle fixture is imported, then named as a test argument)
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import requests
+from conftest import REPO
+from kaggle_fixtures import local_kaggle, write_kernel  # noqa: F401
+
+from shared.chain import ApiFailure, Chain, config_from_dict
+from shared.config import MODEL_PRESETS
+from shared.errors import UserError
+
+BASE = {"name": "unit-run", "token_datasets": ["alice/tokens"]}
+
+
+class StatusApi:
+    """kernels_status answering from a script of statuses (the last one repeats)."""
+
+    def __init__(self, statuses: list[str]):
+        self.statuses, self.reads = list(statuses), 0
+
+    def kernels_status(self, ref):
+        status = self.statuses[min(self.reads, len(self.statuses) - 1)]
+        self.reads += 1
+        return SimpleNamespace(status=status, failure_message="")
+
+
+def status_chain(tmp_path: Path, api, pushed_ago_s: float, **cfg) -> tuple[Chain, list[str]]:
+    lines: list[str] = []
+    chain = Chain(config_from_dict({**BASE, **cfg}), tmp_path / "chain", api=api, log=lines.append,
+                  sleep=lambda s: None)
+    chain.state.pushes["train-1"] = {"push_id": "x", "version": 2, "pushed": time.time() - pushed_ago_s}
+    return chain, lines
+
+
+def test_a_finished_status_right_after_a_push_waits_for_the_new_version(tmp_path):
+    # The previous version's COMPLETE, read twice before the new version shows as queued: not this session's end.
+    api = StatusApi(["COMPLETE", "COMPLETE", "QUEUED", "RUNNING", "ERROR"])
+    chain, lines = status_chain(tmp_path, api, pushed_ago_s=1)
+    status, _, _ = chain.wait("alice/unit-run-train", "train v2", "train-1")
+    assert (status, api.reads) == ("ERROR", 5)
+    assert any("not seen queued or running yet; taking complete as the previous version's" in ln for ln in lines)
+    assert chain.state.pushes["train-1"]["seen_active"] is True
+    # Long after the push (a session that ended between polls, or a restarted chain), COMPLETE counts at once.
+    api = StatusApi(["COMPLETE"])
+    chain, _ = status_chain(tmp_path / "later", api, pushed_ago_s=700)
+    assert chain.wait("alice/unit-run-train", "train v2", "train-1")[0] == "COMPLETE" and api.reads == 1
+
+
+def test_cancel_requested_is_not_an_end(tmp_path):
+    api = StatusApi(["RUNNING", "CANCEL_REQUESTED", "CANCEL_REQUESTED", "CANCEL_ACKNOWLEDGED"])
+    chain, _ = status_chain(tmp_path, api, pushed_ago_s=1)
+    assert chain.wait("alice/unit-run-train", "train v2", "train-1")[0] == "CANCEL_ACKNOWLEDGED"
+    assert api.reads == 4
+
+
+def http_error(status: int, message: str = "") -> requests.HTTPError:
+    response = requests.Response()
+    response.status_code = status
+    response._content = json.dumps({"code": status, "message": message}).encode()
+    return requests.HTTPError(message, response=response)
+
+
+def test_a_forbidden_dataset_or_kernel_is_an_error_not_missing(tmp_path):
+    class Api:
+        def __init__(self, status):
+            self.status = status
+
+        def dataset_status(self, ref):
+            raise http_error(self.status, "Permission 'datasets.get' was denied")
+
+        def build_kaggle_client(self):
+            raise http_error(self.status, "Permission 'kernels.get' was denied")
+
+    chain = Chain(config_from_dict(BASE), tmp_path / "c", api=Api(403), log=lambda _: None)
+    chain.user = "alice"
+    with pytest.raises(UserError) as err:
+        chain.dataset_exists("bob/private-data")
+    assert str(err.value) == ("dataset bob/private-data: Kaggle refuses alice access (HTTP 403); it is another "
+                              "user's private dataset, or the credentials are wrong")
+    with pytest.raises(UserError, match=r"^kernel bob/private-kernel: Kaggle refuses alice access \(HTTP 403\)"):
+        chain.kernel_info("bob/private-kernel")
+    missing = Chain(config_from_dict(BASE), tmp_path / "m", api=Api(404), log=lambda _: None)
+    assert missing.dataset_exists("bob/gone") is False and missing.kernel_info("bob/gone") == (0, "")
+
+
+def test_session_limits_over_what_kaggle_allows_are_refused_at_load():
+    with pytest.raises(UserError) as err:
+        config_from_dict({**BASE, "session_limit_s": 32401})
+    assert str(err.value) == "config: session_limit_s 32401 is over the 9 h Kaggle allows a TPU session (TpuV5E8)"
+    assert config_from_dict({**BASE, "accelerator": "", "session_limit_s": 43200}).session_limit_s == 43200
+    with pytest.raises(UserError, match=r"over the 12 h Kaggle allows a GPU session \(NvidiaTeslaT4\)"):
+        config_from_dict({**BASE, "accelerator": "NvidiaTeslaT4", "session_limit_s": 43201})
+    # At Kaggle's maximum no sessionTimeoutSeconds is sent ("must be lower than the global maximum"); below it, is.
+    assert Chain(config_from_dict(BASE), "/tmp/unused-chain", api=None)._session_timeout() is None
+    short = Chain(config_from_dict({**BASE, "session_limit_s": 3600}), "/tmp/unused-chain", api=None)
+    assert short._session_timeout() == "3600"
+
+
+def test_checkpoints_are_placed_where_they_fit_and_the_publish_margin_grows_with_them():
+    gpt2 = config_from_dict({**BASE, "train": {"preset": "gpt2"}})
+    assert "checkpoint_dir" not in gpt2.train and gpt2.publish_margin_s == 1200  # 1.5 GB checkpoints
+    xl = config_from_dict({**BASE, "train": {"preset": "gpt2-xl"}})
+    size = MODEL_PRESETS["gpt2-xl"].checkpoint_bytes()
+    assert 18e9 < size < 19.5e9
+    assert xl.train["checkpoint_dir"] == "{temp}/checkpoints" and xl.train["keep_checkpoints"] == 1
+    assert xl.publish_margin_s == pytest.approx(600 + size / 10e6)
+    assert xl.time_budget == xl.session_limit_s - xl.startup_margin_s - xl.publish_margin_s
+    large = config_from_dict({**BASE, "train": {"preset": "gpt2-large"}})  # 9.3 GB: 3 on disk overflow 20 GB
+    assert large.train["checkpoint_dir"] == "{temp}/checkpoints"
+    with pytest.raises(UserError) as err:
+        config_from_dict({**BASE, "train": {"preset": "gpt2-large", "keep_checkpoints": 2}})
+    assert str(err.value) == (
+        "config: 2 kept checkpoints of 9.3 GB (3 while one is written, 27.9 GB) overflow the session's 20 GB output; "
+        "set train.checkpoint_dir to \"{temp}/checkpoints\" and train.keep_checkpoints to 1")
+    medium = config_from_dict({**BASE, "train": {"preset": "gpt2-medium", "keep_checkpoints": 2}})  # 3 x 4.3 GB
+    assert "checkpoint_dir" not in medium.train
+    assert config_from_dict({**BASE, "publish_margin_s": 30}).publish_margin_s == 30  # an explicit margin stays
+
+
+def test_one_wandb_run_per_chain_resumed_by_every_session(tmp_path):
+    from shared.metrics import wandb_run_id
+
+    first = Chain(config_from_dict(BASE), tmp_path / "a", api=None, log=lambda _: None)
+    run_id = first.wandb_run_id()
+    assert run_id.startswith("unit-run-") and len(run_id) == len("unit-run-") + 8
+    again = Chain(config_from_dict(BASE), tmp_path / "a", api=None, log=lambda _: None)  # a restarted chain
+    assert again.wandb_run_id() == run_id
+    other = Chain(config_from_dict(BASE), tmp_path / "b", api=None, log=lambda _: None)  # a second chain
+    assert other.wandb_run_id() != run_id
+    first.user = "alice"
+    folder = first.build_train("push-1")
+    code = next(folder.glob("*.py")).read_text()
+    assert f'"wandb_run_id": "{run_id}"' in code and '"run_name": "unit-run"' in code
+    with pytest.raises(UserError, match="train.wandb_run_id is set by the chain"):
+        config_from_dict({**BASE, "train": {"wandb_run_id": "x"}})
+    assert wandb_run_id("alice/run 1") == "alice-run-1" and wandb_run_id("//") == "run"
+
+
+def test_a_key_from_kaggle_json_is_masked_in_every_message(tmp_path, monkeypatch):
+    from shared.publish import kaggle_api
+
+    fake_key = "0123456789abcdef0123456789abcdef"
+    config_dir = tmp_path / "kaggle-config"
+    config_dir.mkdir()
+    (config_dir / "kaggle.json").write_text(json.dumps({"username": "alice", "key": fake_key}))
+    (config_dir / "kaggle.json").chmod(0o600)
+    for name in ("KAGGLE_KEY", "KAGGLE_USERNAME", "KAGGLE_API_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("KAGGLE_CONFIG_DIR", str(config_dir))
+    api = kaggle_api(from_secrets=False)
+    lines: list[str] = []
+    chain = Chain(config_from_dict({**BASE, "retry_attempts": 2}), tmp_path / "c", api=api, log=lines.append,
+                  sleep=lambda s: None)
+
+    def leaky():
+        raise requests.ConnectionError(f"auth alice:{fake_key} refused")  # transient: logged, then retried
+
+    with pytest.raises(ApiFailure) as err:
+        chain.call("dataset alice/x", leaky)
+    assert "***" in str(err.value) and all("***" in line for line in lines) and lines
+    assert fake_key not in str(err.value) + "\n".join(lines)
+
+
+def test_output_downloads_stream_to_disk(local_kaggle, tmp_path):
+    """A 48 MB output file arrives whole while the client's Python heap never holds more than a few MB of it."""
+    lk = local_kaggle
+    code = ("import os, hashlib\nblob = os.urandom(48 << 20)\nopen('big.bin', 'wb').write(blob)\n"
+            "os.makedirs('train', exist_ok=True)\nopen('train/small.txt', 'w').write('hello')\n"
+            "print(hashlib.sha256(blob).hexdigest())\n")
+    lk.cli("kernels", "push", "-p", str(write_kernel(tmp_path / "k", "alice/big-output", code)))
+    assert lk.wait("alice/big-output", timeout=60) == ("COMPLETE", None)
+    probe = f"""
+import hashlib, json, tracemalloc
+from pathlib import Path
+from shared.chain import Chain, config_from_dict
+chain = Chain(config_from_dict({json.dumps(BASE)}), {str(tmp_path / 'chain')!r}, log=lambda _: None)
+chain.connect()
+tracemalloc.start()
+files = chain.download_output("alice/big-output", Path({str(tmp_path / 'out')!r}))
+peak = tracemalloc.get_traced_memory()[1]
+only = chain.download_output("alice/big-output", Path({str(tmp_path / 'only')!r}), pattern=r"^train/")
+print(json.dumps({{"files": sorted(Path(f).name for f in files), "peak": peak, "only": [Path(f).name for f in only],
+                  "sha": hashlib.sha256(Path({str(tmp_path / 'out' / 'big.bin')!r}).read_bytes()).hexdigest()}}))
+"""
+    result = json.loads(lk.python(probe, timeout=120).stdout.strip().splitlines()[-1])
+    log = (tmp_path / "out" / "big-output.log").read_text()
+    assert result["sha"] in log  # the bytes the session wrote, as it hashed them
+    assert result["files"] == ["big-output.log", "big.bin", "small.txt"]
+    assert result["only"] == ["small.txt", "big-output.log"]
+    assert result["peak"] < 8 << 20, result["peak"]
+    assert (tmp_path / "out" / "train" / "small.txt").read_text() == "hello"
+    assert not list((tmp_path / "out").glob(".*.partial"))
+
+
+def test_templates_ask_for_the_tpu_their_machine_shape_names(tmp_path):
+    from shared.chain import MACHINE_SHAPES, build_kernel
+
+    for kernel in ("train", "eval"):
+        template = json.loads((REPO / "kernel-metadata" / f"{kernel}.json").read_text())
+        assert template["machine_shape"] == "TpuV5E8" and template["enable_tpu"] is True
+        assert template["enable_gpu"] is False
+    for shape, kind in [("NvidiaTeslaT4", "gpu"), ("TpuV5E8", "tpu"), ("", "cpu")]:
+        folder = build_kernel("train", tmp_path / (shape or "cpu"), user="alice", slug="unit-run-train",
+                              accelerator=shape)
+        meta = json.loads((folder / "kernel-metadata.json").read_text())
+        assert (meta["enable_gpu"], meta["enable_tpu"]) == (kind == "gpu", kind == "tpu")
+        assert meta.get("machine_shape", "") == shape and MACHINE_SHAPES.get(shape, "cpu") == kind
+    with pytest.raises(UserError, match="at least 5"):
+        build_kernel("train", tmp_path / "short", user="alice", slug="abcd")
+
+
+def test_model_config_counts_checkpoint_bytes_like_the_model():
+    from shared.model import GPT
+
+    for preset in ("tiny", "gpt2"):
+        model = GPT(MODEL_PRESETS[preset])
+        assert MODEL_PRESETS[preset].num_params() == model.num_params()
+        stored = sum(v.numel() for v in model.checkpoint_tensors().values())
+        assert MODEL_PRESETS[preset].checkpoint_bytes() == 3 * 4 * stored
+
+
+@pytest.mark.parametrize("layout", ["<slug>", "datasets/<owner>/<slug>", "notebooks/<owner>/<slug>"])
+def test_the_train_kernel_finds_its_inputs_on_every_mount_layout(tmp_path, monkeypatch, layout):
+    """The data (a kernel's output) and the checkpoint dataset, mounted as each layout docs/kaggle-api.md lists."""
+    from shared.kaggle_env import LOCAL_ROOT_ENV
+    from shared.publish import MANIFEST, _config, resolve_build_settings
+
+    monkeypatch.setenv(LOCAL_ROOT_ENV, str(tmp_path))
+    monkeypatch.setattr("shared.publish._config", dict(_config))
+    mounts = {}
+    for ref in ("alice/unit-run-tokens-part-0", "alice/unit-run-checkpoints"):
+        owner, slug = ref.split("/")
+        mounts[ref] = tmp_path / "input" / layout.replace("<owner>", owner).replace("<slug>", slug)
+        mounts[ref].mkdir(parents=True)
+    (mounts["alice/unit-run-checkpoints"] / MANIFEST).write_text(json.dumps({"step": 12, "files": {}}))
+    build = {"settings": {"data_dir": "{input:alice/unit-run-tokens-part-0}", "out_dir": "{working}/train"},
+             "checkpoint_dataset": {"dataset": "alice/unit-run-checkpoints", "resume_setting": "resume_from",
+                                    "publish": True, "expect_step": 12}}
+    settings = resolve_build_settings(build, log=lambda _: None)
+    assert settings["data_dir"] == str(mounts["alice/unit-run-tokens-part-0"])
+    assert Path(settings["resume_from"]).resolve().is_relative_to(tmp_path)
+    with pytest.raises(UserError) as err:
+        resolve_build_settings({"settings": {"data_dir": "{input:alice/not-attached}"}}, log=lambda _: None)
+    assert str(err.value) == (f"input 'alice/not-attached' is not attached to this kernel (looked in "
+                              f"{tmp_path}/input/not-attached, {tmp_path}/input/datasets/alice/not-attached, "
+                              f"{tmp_path}/input/notebooks/alice/not-attached)")
+
+
+def test_a_failed_dataset_version_ends_the_wait_at_once(tmp_path):
+    class Api:
+        reads = 0
+
+        def dataset_status(self, ref):
+            Api.reads += 1
+            return "blobs_received" if Api.reads == 1 else "failed"
+
+    chain = Chain(config_from_dict(BASE), tmp_path / "c", api=Api(), log=lambda _: None, sleep=lambda s: None)
+    with pytest.raises(UserError) as err:
+        chain.wait_dataset_ready("alice/unit-run-checkpoints")
+    assert str(err.value) == "dataset alice/unit-run-checkpoints: its newest version is failed on Kaggle; see the " \
+                             "dataset's page"
+    assert Api.reads == 2
