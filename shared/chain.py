@@ -487,12 +487,22 @@ def stream_to_file(url: str, target: Path, chunk_bytes: int = 1 << 20) -> int:
     written = 0
     with requests.get(url, stream=True, timeout=(30, 300)) as resp:
         resp.raise_for_status()
+        expected = resp.headers.get("Content-Length")
+        encoded = resp.headers.get("Content-Encoding")
+        size = int(expected) if expected and expected.isdigit() else None
+        bar = None
+        if size and size >= 256 << 20:  # a checkpoint: show how it goes (on stderr)
+            from tqdm import tqdm
+
+            bar = tqdm(total=size, unit="B", unit_scale=True, desc=target.name, mininterval=2.0)
         with open(partial, "wb") as out:
             for chunk in resp.iter_content(chunk_bytes):
                 out.write(chunk)
                 written += len(chunk)
-        expected = resp.headers.get("Content-Length")
-        encoded = resp.headers.get("Content-Encoding")
+                if bar is not None:
+                    bar.update(len(chunk))
+        if bar is not None:
+            bar.close()
     if expected is not None and expected.isdigit() and int(expected) != written and not encoded:
         partial.unlink(missing_ok=True)
         raise OSError(f"{url}: {written} bytes arrived of {expected}")
