@@ -322,8 +322,7 @@ class ChainConfig:
     def checkpoint_bytes(self) -> int:
         from shared.config import TrainConfig
 
-        known = {f.name for f in dataclasses.fields(TrainConfig)}
-        return TrainConfig(**{k: v for k, v in self.train.items() if k in known}).model.checkpoint_bytes()
+        return TrainConfig(**self.train).model.checkpoint_bytes()  # the keys were checked by check_settings
 
 
 _TOKENIZE_KEYS = {"parts", "settings", "inputs", "accelerator"}

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from shared.errors import UserError
 
 GPT2_VOCAB_SIZE = 50257  # the tokenizer's vocabulary
+# A checkpoint holds fp32 weights and AdamW's two fp32 moments (the XLA cache and JSON are small).
+CHECKPOINT_BYTES_PER_PARAM = 12
 PADDED_VOCAB_SIZE = 50304  # a multiple of 128: faster matmuls; trimmed back to 50257 on export
 
 
@@ -40,8 +42,8 @@ class ModelConfig:
         return self.n_layer * (12 * c * c + 13 * c) + (self.vocab_size + self.block_size) * c + 2 * c
 
     def checkpoint_bytes(self) -> int:
-        """Bytes of one checkpoint: fp32 weights and AdamW's two fp32 moments (the XLA cache and JSON are small)."""
-        return 12 * self.num_params()
+        """Bytes of one checkpoint (CHECKPOINT_BYTES_PER_PARAM per parameter)."""
+        return CHECKPOINT_BYTES_PER_PARAM * self.num_params()
 
 
 MODEL_PRESETS: dict[str, ModelConfig] = {

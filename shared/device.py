@@ -102,8 +102,8 @@ def detect_tpu_generation(env: dict | None = None, device_attributes: dict | Non
     num_cores, coords and name for TPU devices). (None, what was seen) when none names a known generation."""
     env = os.environ if env is None else env
     accelerator_type = env.get("TPU_ACCELERATOR_TYPE", "")
-    if parse_tpu_generation(accelerator_type):
-        return parse_tpu_generation(accelerator_type), f"TPU_ACCELERATOR_TYPE={accelerator_type}"
+    if name := parse_tpu_generation(accelerator_type):
+        return name, f"TPU_ACCELERATOR_TYPE={accelerator_type}"
     chips = tpu_pci_devices(pci_root)
     if chips:
         name = TPU_PCI_DEVICES[chips[0]]
@@ -113,11 +113,11 @@ def detect_tpu_generation(env: dict | None = None, device_attributes: dict | Non
             found = tpu_type()
         except Exception as err:  # no metadata server, or an unparsable reply: try the next source
             found = f"unavailable ({type(err).__name__})"
-        if parse_tpu_generation(found):
-            return parse_tpu_generation(found), f"TPU metadata accelerator type {found}"
+        if name := parse_tpu_generation(found):
+            return name, f"TPU metadata accelerator type {found}"
     kind = str((device_attributes or {}).get("device_kind", ""))
-    if parse_tpu_generation(kind):
-        return parse_tpu_generation(kind), f"PJRT device_kind {kind!r}"
+    if name := parse_tpu_generation(kind):
+        return name, f"PJRT device_kind {kind!r}"
     return None, f"unknown TPU (TPU_ACCELERATOR_TYPE={accelerator_type!r}, device attributes {device_attributes})"
 
 
@@ -166,6 +166,7 @@ class Runtime:
         return torch.amp.GradScaler("cuda", enabled=enabled and self.amp_dtype == torch.float16)
 
     tpu_generation: TpuGeneration | None = None  # set on a TPU whose generation is known
+    tpu_generation_source = ""  # where the generation was read, or what was seen instead
     attention = "sdpa"  # or "pallas-flash" where the device layer installed TPU flash attention
 
     def no_grad_sync(self, model: torch.nn.Module, skip: bool):

@@ -24,7 +24,7 @@ from shared.checkpoint import (
     latest_checkpoint,
     save_checkpoint,
 )
-from shared.config import NINE_HOURS, TrainConfig
+from shared.config import CHECKPOINT_BYTES_PER_PARAM, NINE_HOURS, TrainConfig
 from shared.data import LoaderState, TokenLoader, find_shards
 from shared.device import Runtime, make_runtime, runtime_versions
 from shared.errors import UserError
@@ -84,8 +84,8 @@ def optimizer_tensors(opt: torch.optim.AdamW, named: NamedParams) -> dict[str, t
 
 
 def estimate_checkpoint_seconds(num_params: int) -> float:
-    """Before a checkpoint has been timed: 12 bytes per parameter (weights + AdamW) at a cautious 50 MB/s."""
-    return 5.0 + 12 * num_params / 50e6
+    """Before a checkpoint has been timed: its bytes (weights + AdamW) at a cautious 50 MB/s."""
+    return 5.0 + CHECKPOINT_BYTES_PER_PARAM * num_params / 50e6
 
 
 def default_time_budget(checkpoint_seconds: float) -> float:
@@ -129,15 +129,14 @@ def plan_step(cfg: TrainConfig, runtime: Runtime, scan_available: bool | None = 
     wanted = cfg.scan_layers == "on" or (cfg.scan_layers == "auto" and xla and bool(gen) and n_layer >= 24)
     if scan_available is None:  # asked only where the scan could run: it imports jax into this process
         scan_available = wanted and xla and scan_layers_available()
-    available = scan_available
-    if cfg.scan_layers == "on" and not (xla and available):
+    if cfg.scan_layers == "on" and not (xla and scan_available):
         raise UserError("--scan-layers on needs the xla backend with jax and torchax importable by torch_xla "
-                        f"(backend {runtime.name}, jax+torchax {'working' if available else 'not importable'})")
+                        f"(backend {runtime.name}, jax+torchax {'working' if scan_available else 'not importable'})")
     if cfg.scan_layers == "on" and loop:
         raise UserError("--scan-layers on computes wrong losses inside torch_xla's gradient-accumulation loop; "
                         "add --no-grad-accum-loop (a graph per micro-step), or use one micro-step per step")
     if cfg.scan_layers == "auto":
-        scan = xla and bool(gen) and available and n_layer >= 24 and runtime.attention == "sdpa" and not loop
+        scan = wanted and scan_available and runtime.attention == "sdpa" and not loop
     else:
         scan = cfg.scan_layers == "on"
     return StepPlan(accum_loop=loop, activation_checkpointing=checkpointing, scan_layers=scan)
@@ -249,7 +248,7 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print) -> TrainR
     log(plan.describe(runtime, accum))
     log(", ".join(f"{name} {version or '-'}" for name, version in versions.items())
         + (f"; TPU {runtime.tpu_generation.name} from {runtime.tpu_generation_source}" if runtime.tpu_generation
-           else f"; {runtime.tpu_generation_source}" if getattr(runtime, "tpu_generation_source", "") else ""))
+           else f"; {runtime.tpu_generation_source}" if runtime.tpu_generation_source else ""))
     flops_per_token = 6 * num_params + 12 * model_cfg.n_layer * model_cfg.n_embd * model_cfg.block_size
     peak = runtime.peak_flops()
 
