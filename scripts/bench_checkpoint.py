@@ -29,11 +29,13 @@ def main() -> None:
     from shared.config import NINE_HOURS, TrainConfig
     from shared.device import Runtime
     from shared.model import GPT
-    from shared.trainer import default_time_budget, estimate_checkpoint_seconds, make_optimizer, optimizer_tensors
+    from shared.optim import make_optimizer, optimizer_tensors
+    from shared.trainer import default_time_budget, estimate_checkpoint_seconds
 
     cfg = TrainConfig(preset=args.preset)
     model = GPT(cfg.model)
-    opt, named = make_optimizer(model, cfg, Runtime("cpu"), torch.tensor(cfg.lr))
+    named = list(model.named_parameters())
+    opt = make_optimizer(named, cfg, Runtime("cpu"), torch.tensor(cfg.lr))
     model_tensors = model.checkpoint_tensors()
     opt_tensors = optimizer_tensors(opt, named)
     nbytes = sum(t.numel() * t.element_size() for t in [*model_tensors.values(), *opt_tensors.values()])

@@ -3,6 +3,7 @@
     checkpoints/step_000123/
         model.safetensors       fp32 parameters (the tied lm_head is stored once, as wte)
         optimizer.safetensors   AdamW state: "<param>.exp_avg", "<param>.exp_avg_sq", "<param>.step"
+                                (Muon's matrices: "<param>.momentum_buffer")
         state.json              step, data-loader position, RNG states, config, versions, timings
         metrics.jsonl           the run's metric history up to this step (so any copy of it can be resumed
                                 and reported from, e.g. a Kaggle dataset)

@@ -62,6 +62,8 @@ def model_preset(name: str) -> ModelConfig:
 
 
 NINE_HOURS = 9 * 3600.0
+OPTIMIZERS = ("adamw", "muon")  # shared/optim.py
+SCHEDULES = ("cosine", "wsd")
 
 
 @dataclass
@@ -77,9 +79,21 @@ class TrainConfig:
     total_batch_tokens: int = field(default=524288, metadata={"help": "tokens per optimizer step"})
     max_steps: int = field(default=19073, metadata={"help": "optimizer steps for the whole run (all sessions)"})
     warmup_steps: int = field(default=715, metadata={"help": "linear learning-rate warm-up steps"})
-    lr: float = field(default=6e-4, metadata={"help": "peak learning rate"})
+    optimizer: str = field(
+        default="adamw", metadata={"help": "adamw, or muon (Muon for the blocks' matrices, AdamW for the rest; "
+                                   "docs/recipe.md)"}
+    )
+    schedule: str = field(
+        default="cosine", metadata={"help": "cosine (warm-up, cosine to min_lr_ratio), or wsd (warm-up, constant, "
+                                  "linear decay to zero over the last cooldown_frac of the run)"}
+    )
+    lr: float = field(default=6e-4, metadata={"help": "peak learning rate (AdamW's, and Muon's AdamW part)"})
     min_lr_ratio: float = field(default=0.1, metadata={"help": "cosine floor as a fraction of the peak"})
+    cooldown_frac: float = field(default=0.4, metadata={"help": "wsd: the fraction of max_steps that decays"})
     weight_decay: float = field(default=0.1, metadata={"help": "AdamW decay on 2-D weights only"})
+    muon_lr: float = field(default=0.02, metadata={"help": "muon: peak learning rate of the blocks' matrices"})
+    muon_momentum: float = field(default=0.95, metadata={"help": "muon: Nesterov momentum"})
+    muon_weight_decay: float = field(default=0.01, metadata={"help": "muon: decoupled decay on its matrices"})
     grad_clip: float = field(default=1.0, metadata={"help": "global gradient-norm clip"})
     seed: int = field(default=1337, metadata={"help": "init and data-order seed"})
     fsdp: bool = field(default=False, metadata={"help": "shard params, grads and AdamW state over the mesh"})
@@ -172,6 +186,11 @@ class TrainConfig:
         for name in ("activation_checkpointing", "scan_layers"):
             if getattr(self, name) not in ("auto", "on", "off"):
                 raise UserError(f"{_flag(name)} must be auto, on or off, got {getattr(self, name)!r}")
+        for name, allowed in (("optimizer", OPTIMIZERS), ("schedule", SCHEDULES)):
+            if getattr(self, name) not in allowed:
+                raise UserError(f"{_flag(name)} must be {' or '.join(allowed)}, got {getattr(self, name)!r}")
+        if not 0.0 < self.cooldown_frac <= 1.0:
+            raise UserError(f"--cooldown-frac must be in (0, 1], got {self.cooldown_frac}")
         if self.on_data_change not in ("error", "new-epoch"):
             raise UserError(f"--on-data-change must be error or new-epoch, got {self.on_data_change!r}")
 

@@ -218,6 +218,10 @@ class Runtime:
     def shard_like(self, tensor: torch.Tensor, param: torch.Tensor) -> None:
         """Give `tensor` (an optimizer state) the same layout as `param`."""
 
+    def replicate(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` laid out whole on every device (a no-op where nothing is sharded)."""
+        return tensor
+
     def sync(self) -> None:
         """End of a step: XLA cuts and runs the graph here; eager torch has nothing to do."""
 
@@ -385,6 +389,11 @@ class XlaRuntime(Runtime):
         # Replicated tensors are annotated too: a step's inputs then carry the same sharding before and after
         # the first step, so step 1 and step 2 are one graph (and a resumed run compiles that same graph).
         self._xs.mark_sharding(tensor, self.mesh, self._param_spec(param))
+
+    def replicate(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self._fsdp:  # GSPMD gathers the shards where the annotation asks for the whole tensor
+            self._xs.mark_sharding(tensor, self.mesh, (None,) * tensor.dim())
+        return tensor
 
     def sync(self) -> None:
         self._xla.sync()

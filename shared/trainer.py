@@ -6,7 +6,6 @@ the next session (a new process, maybe on another machine) resumes from it bit-e
 
 from __future__ import annotations
 
-import math
 import shutil
 import signal
 import time
@@ -31,56 +30,9 @@ from shared.errors import UserError
 from shared.eval import periodic_eval
 from shared.metrics import MetricsLogger, plot_loss
 from shared.model import GPT
+from shared.optim import lr_at, make_optimizer, optimizer_of_state, optimizer_tensors
 
 XLA_CACHE_DIR = "xla_cache"  # inside out_dir, and inside each checkpoint (XLA's persistent compilation cache)
-
-
-def lr_at(step: torch.Tensor, cfg: TrainConfig) -> torch.Tensor:
-    """Linear warm-up to cfg.lr, then cosine decay to cfg.lr * min_lr_ratio at max_steps.
-
-    Tensor in, tensor out: on the device it is part of the step's graph, so a new LR is not a new graph.
-    """
-    step = step.float()
-    min_lr = cfg.lr * cfg.min_lr_ratio
-    warm = cfg.lr * (step + 1) / max(1, cfg.warmup_steps)
-    progress = ((step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)).clamp(0.0, 1.0)
-    decayed = min_lr + 0.5 * (1.0 + torch.cos(math.pi * progress)) * (cfg.lr - min_lr)
-    return torch.where(step < cfg.warmup_steps, warm, decayed)
-
-
-NamedParams = list[tuple[str, torch.nn.Parameter]]
-
-
-def make_optimizer(model: GPT, cfg: TrainConfig, runtime: Runtime, lr: torch.Tensor,
-                   saved: dict[str, torch.Tensor] | None = None) -> tuple[torch.optim.AdamW, NamedParams]:
-    """AdamW (decay on 2-D weights only) with its state created up front: zeros, or `saved` tensors, laid out
-    like their parameters (sharded under fsdp) instead of however the first step would make them."""
-    named = list(model.named_parameters())
-    capturable = runtime.device.type != "cpu"  # step counts and bias corrections stay on the device
-    opt = torch.optim.AdamW(
-        [{"params": [p for _, p in named if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-         {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}],
-        lr=lr, betas=(0.9, 0.95), eps=1e-8, capturable=capturable, foreach=False,
-        fused=True if runtime.device.type == "cuda" else None,
-    )
-    for name, p in named:
-        state = {}
-        for key in ("exp_avg", "exp_avg_sq"):
-            src = saved[f"{name}.{key}"] if saved else torch.zeros(p.shape, dtype=torch.float32)
-            state[key] = src.to(runtime.device)
-            runtime.shard_like(state[key], p)
-        step = saved[f"{name}.step"] if saved else torch.zeros((), dtype=torch.float32)
-        state["step"] = step.to(runtime.device if capturable else "cpu")
-        if capturable:
-            runtime.shard_like(state["step"], state["step"])
-        opt.state[p] = state
-    return opt, named
-
-
-def optimizer_tensors(opt: torch.optim.AdamW, named: NamedParams) -> dict[str, torch.Tensor]:
-    """The AdamW state on the host, keyed "<param name>.<exp_avg|exp_avg_sq|step>"."""
-    return {f"{name}.{key}": opt.state[p][key].detach().to("cpu", torch.float32)
-            for name, p in named for key in ("exp_avg", "exp_avg_sq", "step")}
 
 
 def estimate_checkpoint_seconds(num_params: int) -> float:
@@ -177,6 +129,10 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print) -> TrainR
     resumed = latest_checkpoint(ckpt_root, cfg.resume_from or None, log=log, set_aside=True)
     if resumed:
         check_same_shape(resumed, model_cfg.to_dict())
+        if optimizer_of_state(resumed.optimizer) != cfg.optimizer:
+            raise UserError(f"--optimizer {cfg.optimizer}: the checkpoint {resumed.path} holds "
+                            f"{optimizer_of_state(resumed.optimizer)}'s state; resume with --optimizer "
+                            f"{optimizer_of_state(resumed.optimizer)} (or start a new run in another --out-dir)")
 
     # --- runtime: XLA starts with the compiled graphs of the previous session when the checkpoint has them ---
     compile_cache = restore_compile_cache(resumed, out_dir) if cfg.xla_cache else None
@@ -212,7 +168,8 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print) -> TrainR
     for scalar in (step_t, lr_t):
         runtime.shard_like(scalar, scalar)
     runtime.sync()  # AdamW's constructor reads the LR's value once; let it read device data
-    opt, named_params = make_optimizer(model, cfg, runtime, lr_t, resumed.optimizer if resumed else None)
+    named_params = list(model.named_parameters())
+    opt = make_optimizer(named_params, cfg, runtime, lr_t, resumed.optimizer if resumed else None)
     params = [p for _, p in named_params]
     scaler = runtime.grad_scaler(cfg.bf16)  # active only for fp16 autocast (GPUs without bf16)
     if resumed and resumed.state.get("grad_scaler") and scaler.is_enabled():

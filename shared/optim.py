@@ -1,0 +1,186 @@
+"""Optimizers and learning-rate schedules, written for XLA: the LR is a device tensor the schedule computes
+inside the step's graph, every state tensor exists before the first step (fixed shapes), nothing is read back.
+
+- `adamw`: torch's AdamW (0.9/0.95, eps 1e-8), decay on 2-D weights only: the GPT-2/llm.c recipe.
+- `muon`: Muon (momentum, then Newton-Schulz orthogonalisation of the update) for the 2-D weights inside the
+  blocks, AdamW for the embeddings (and so the tied head), biases and LayerNorm gains (docs/recipe.md).
+
+Schedules: `cosine` (linear warm-up, cosine to min_lr_ratio of the peak) and `wsd` (warm-up, constant, then a
+linear decay to zero over the last `cooldown_frac` of the run).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from shared.config import TrainConfig
+
+ADAM_BETAS, ADAM_EPS = (0.9, 0.95), 1e-8
+# The quintic Newton-Schulz iteration's coefficients, tuned for speed over exactness: singular values land in
+# roughly [0.7, 1.2] after 5 steps, not at 1 (KellerJordan/Muon muon.py; docs/recipe.md).
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_STEPS = 5
+
+NamedParams = list[tuple[str, torch.nn.Parameter]]
+
+
+def lr_at(step: torch.Tensor, cfg: TrainConfig) -> torch.Tensor:
+    """The AdamW learning rate at `step` (Muon's is this times muon_lr / lr).
+
+    Tensor in, tensor out: on the device it is part of the step's graph, so a new LR is not a new graph.
+    """
+    step = step.float()
+    warm = cfg.lr * (step + 1) / max(1, cfg.warmup_steps)
+    if cfg.schedule == "wsd":
+        decayed = cfg.lr * ((cfg.max_steps - step) / max(1.0, cfg.cooldown_frac * cfg.max_steps)).clamp(0.0, 1.0)
+        return torch.where(step < cfg.warmup_steps, torch.minimum(warm, decayed), decayed)  # short runs overlap
+    min_lr = cfg.lr * cfg.min_lr_ratio
+    progress = ((step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)).clamp(0.0, 1.0)
+    decayed = min_lr + 0.5 * (1.0 + torch.cos(math.pi * progress)) * (cfg.lr - min_lr)
+    return torch.where(step < cfg.warmup_steps, warm, decayed)
+
+
+def newton_schulz(update: torch.Tensor, steps: int = NS_STEPS, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """An approximately orthogonal matrix with the singular vectors of `update` (batched over leading dims):
+    U S' V^T with S' near 1, where U S V^T is its SVD. Computed in `dtype` (bf16 on accelerators: the iteration
+    is stable there), returned in float32."""
+    a, b, c = NS_COEFFICIENTS
+    x = update.to(dtype)
+    tall = update.size(-2) > update.size(-1)
+    if tall:  # iterate on the wide orientation: X X^T is the smaller square
+        x = x.mT
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # Frobenius norm >= spectral norm: singular values <= 1
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return (x.mT if tall else x).float()
+
+
+def muon_matrix_shape(name: str, param: torch.Tensor) -> tuple[int, ...] | None:
+    """How Muon sees a parameter: None for AdamW's (embeddings, biases, gains), else the shape its update is
+    orthogonalised in. The fused attention input c_attn (3C x C) is three matrices, Q, K and V, each
+    orthogonalised on its own (as the speedrun does, docs/recipe.md)."""
+    if param.dim() != 2 or not name.startswith("transformer.h."):
+        return None
+    rows, cols = param.shape
+    if name.endswith("attn.c_attn.weight") and rows == 3 * cols:
+        return (3, cols, cols)
+    return (rows, cols)
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Muon for the blocks' matrices, AdamW for every other parameter, in one optimizer (one GradScaler and one
+    checkpoint layout). `lr` is the schedule's device tensor in AdamW units; a Muon group's step size is
+    lr * its `lr_ratio` (muon_lr / lr), so one schedule drives both without a second tensor.
+
+    `replicate(t)` returns t laid out whole on every device: under fsdp each matrix is sharded over the mesh,
+    and the orthogonalisation needs the whole matrix, so its update is gathered, orthogonalised redundantly on
+    every device (the matrices are small next to the step's matmuls) and applied to the local shard.
+    """
+
+    def __init__(self, groups: list[dict], lr: torch.Tensor, ns_dtype: torch.dtype = torch.bfloat16,
+                 replicate: Callable[[torch.Tensor], torch.Tensor] = lambda t: t):
+        super().__init__(groups, {"lr": lr, "weight_decay": 0.0})
+        self.ns_dtype, self.replicate = ns_dtype, replicate
+
+    @staticmethod
+    def state_keys(group: dict) -> tuple[str, ...]:
+        return ("momentum_buffer",) if group["kind"] == "muon" else ("exp_avg", "exp_avg_sq", "step")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            lr, wd = group["lr"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if group["kind"] == "muon":
+                    self._muon_update(p, group, lr * group["lr_ratio"], wd)
+                else:
+                    self._adamw_update(p, lr, wd)
+        return None
+
+    def _muon_update(self, p: torch.Tensor, group: dict, lr: torch.Tensor, wd: float) -> None:
+        momentum, shape = group["momentum"], group["shapes"][id(p)]
+        buf = self.state[p]["momentum_buffer"]
+        grad = p.grad.float()
+        buf.lerp_(grad, 1 - momentum)
+        update = grad.lerp(buf, momentum)  # Nesterov: the gradient, looked ahead along the momentum
+        ortho = newton_schulz(self.replicate(update).view(shape), dtype=self.ns_dtype)
+        # Scale so tall matrices (e.g. the MLP's c_fc, 4C x C) take steps of the same RMS per element.
+        ortho = ortho * max(1.0, shape[-2] / shape[-1]) ** 0.5
+        p.mul_(1 - lr * wd)
+        p.sub_(lr * ortho.view_as(p).to(p.dtype))
+
+    def _adamw_update(self, p: torch.Tensor, lr: torch.Tensor, wd: float) -> None:
+        state, grad = self.state[p], p.grad.float()
+        beta1, beta2 = ADAM_BETAS
+        state["step"].add_(1)
+        state["exp_avg"].lerp_(grad, 1 - beta1)
+        state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        bias1 = 1 - beta1 ** state["step"]
+        bias2 = 1 - beta2 ** state["step"]
+        denom = (state["exp_avg_sq"] / bias2).sqrt() + ADAM_EPS
+        p.mul_(1 - lr * wd)
+        p.sub_((lr / bias1) * state["exp_avg"] / denom)
+
+
+def make_optimizer(named: NamedParams, cfg: TrainConfig, runtime, lr: torch.Tensor,
+                   saved: dict[str, torch.Tensor] | None = None) -> torch.optim.Optimizer:
+    """cfg.optimizer with its state created up front: zeros, or `saved` tensors, laid out like their parameters
+    (sharded under fsdp) instead of however the first step would make them."""
+    device = runtime.device
+    on_accelerator = device.type != "cpu"
+    if cfg.optimizer == "muon":
+        shapes = {name: muon_matrix_shape(name, p) for name, p in named}
+        muon = [(n, p) for n, p in named if shapes[n]]
+        adam = [(n, p) for n, p in named if not shapes[n]]
+        groups = [
+            {"params": [p for _, p in muon], "kind": "muon", "lr_ratio": cfg.muon_lr / cfg.lr,
+             "weight_decay": cfg.muon_weight_decay, "momentum": cfg.muon_momentum,
+             "shapes": {id(p): shapes[n] for n, p in muon}},
+            {"params": [p for _, p in adam if p.dim() >= 2], "kind": "adam", "weight_decay": cfg.weight_decay},
+            {"params": [p for _, p in adam if p.dim() < 2], "kind": "adam", "weight_decay": 0.0},
+        ]
+        opt = MuonAdamW(groups, lr, ns_dtype=torch.bfloat16 if on_accelerator else torch.float32,
+                        replicate=runtime.replicate)
+        keys = {id(p): MuonAdamW.state_keys(g) for g in groups for p in g["params"]}
+        step_on_device = True
+    else:
+        opt = torch.optim.AdamW(
+            [{"params": [p for _, p in named if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+             {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}],
+            lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS, capturable=on_accelerator, foreach=False,
+            fused=True if device.type == "cuda" else None,
+        )
+        keys = {id(p): ("exp_avg", "exp_avg_sq", "step") for _, p in named}
+        step_on_device = on_accelerator  # capturable: step counts and bias corrections stay on the device
+    for name, p in named:
+        state = {}
+        for key in keys[id(p)]:
+            if key == "step":
+                src = saved[f"{name}.step"] if saved else torch.zeros((), dtype=torch.float32)
+                state[key] = src.to(device if step_on_device else "cpu")
+                if step_on_device:
+                    runtime.shard_like(state[key], state[key])
+            else:
+                src = saved[f"{name}.{key}"] if saved else torch.zeros(p.shape, dtype=torch.float32)
+                state[key] = src.to(device)
+                runtime.shard_like(state[key], p)
+        opt.state[p] = state
+    return opt
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer, named: NamedParams) -> dict[str, torch.Tensor]:
+    """The optimizer state on the host, keyed "<param name>.<state key>" (exp_avg, exp_avg_sq, step for AdamW;
+    momentum_buffer for Muon's matrices)."""
+    return {f"{name}.{key}": value.detach().to("cpu", torch.float32)
+            for name, p in named for key, value in opt.state[p].items()}
+
+
+def optimizer_of_state(tensors: dict[str, torch.Tensor]) -> str:
+    """Which optimizer wrote a checkpoint's state (a Muon state has momentum buffers)."""
+    return "muon" if any(k.endswith(".momentum_buffer") for k in tensors) else "adamw"

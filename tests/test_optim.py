@@ -1,0 +1,226 @@
+"""Muon (with AdamW for the rest) and the schedules: the update against a direct float64 computation, the AdamW
+part against torch's AdamW, the schedule's values; under XLA: nothing compiles after step 2, fsdp trains the same
+model, and a resumed run is bit-exact."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from test_train import (
+    assert_identical_runs,
+    loss_history,
+    small_config,
+    train_cli,
+    train_in_process,
+)
+
+from shared.config import TrainConfig
+from shared.device import Runtime
+from shared.errors import UserError
+from shared.metrics import read_metrics
+from shared.model import GPT
+from shared.optim import (
+    NS_COEFFICIENTS,
+    lr_at,
+    make_optimizer,
+    muon_matrix_shape,
+    newton_schulz,
+    optimizer_tensors,
+)
+
+MUON = ("--optimizer", "muon", "--schedule", "wsd", "--lr", "3e-3", "--muon-lr", "0.03")
+
+
+def reference_orthogonalise(g: np.ndarray, steps: int = 5) -> np.ndarray:
+    """The quintic Newton-Schulz iteration, written out in float64 numpy for one matrix."""
+    a, b, c = NS_COEFFICIENTS
+    x = g.T if g.shape[0] > g.shape[1] else g
+    x = x / (np.linalg.norm(x) + 1e-7)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if g.shape[0] > g.shape[1] else x
+
+
+def reference_muon_steps(w0: np.ndarray, grads: list[np.ndarray], lrs: list[float], momentum: float, wd: float,
+                         blocks: int = 1) -> np.ndarray:
+    """Muon by its definition: m = mu m + (1 - mu) g; u = (1 - mu) g + mu m (Nesterov); each of `blocks` row
+    blocks orthogonalised, scaled by sqrt(max(1, rows/cols)); w = w (1 - lr wd) - lr u."""
+    w, m = w0.astype(np.float64), np.zeros_like(w0, dtype=np.float64)
+    for g, lr in zip(grads, lrs, strict=True):
+        g = g.astype(np.float64)
+        m = momentum * m + (1 - momentum) * g
+        u = (1 - momentum) * g + momentum * m
+        parts = np.split(u, blocks, axis=0)
+        ortho = np.concatenate([reference_orthogonalise(p) * max(1.0, p.shape[0] / p.shape[1]) ** 0.5
+                                for p in parts], axis=0)
+        w = w * (1 - lr * wd) - lr * ortho
+    return w
+
+
+def test_newton_schulz_keeps_the_singular_vectors_and_flattens_the_spectrum():
+    g = torch.randn(24, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    g[:, :3] *= 50.0  # an ill-conditioned matrix: singular values spread over two orders of magnitude
+    for matrix in (g, g.T):  # wide and tall
+        u, s, vh = torch.linalg.svd(matrix, full_matrices=False)
+        assert s.max() / s.min() > 20
+        ortho = newton_schulz(matrix.float(), dtype=torch.float32).double()
+        core = u.T @ ortho @ vh.T  # diagonal if ortho = U S' V^T
+        off = core - torch.diag(torch.diagonal(core))
+        assert off.abs().max() < 1e-4
+        assert torch.diagonal(core).min() > 0.5 and torch.diagonal(core).max() < 1.5
+        assert np.allclose(ortho.numpy(), reference_orthogonalise(matrix.numpy()), atol=2e-5)
+    # bf16 (what accelerators compute in) stays near the float64 result
+    bf16 = newton_schulz(g.float(), dtype=torch.bfloat16).double()
+    assert (bf16 - torch.from_numpy(reference_orthogonalise(g.numpy()))).abs().max() < 0.05
+
+
+def test_muon_update_matches_a_direct_computation():
+    cfg = TrainConfig(preset="tiny", optimizer="muon", lr=1e-3, muon_lr=0.05, muon_momentum=0.9,
+                      muon_weight_decay=0.1, weight_decay=0.0)
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    named = list(model.named_parameters())
+    params = dict(named)
+    lr = torch.tensor(cfg.lr)
+    opt = make_optimizer(named, cfg, Runtime("cpu"), lr)
+    watched = {"transformer.h.0.mlp.c_fc.weight": 1, "transformer.h.1.attn.c_proj.weight": 1,
+               "transformer.h.0.mlp.c_proj.weight": 1, "transformer.h.1.attn.c_attn.weight": 3}
+    start = {name: params[name].detach().numpy().copy() for name in watched}
+    grads: dict[str, list[np.ndarray]] = {name: [] for name in watched}
+    lrs = [1e-3, 5e-4, 2e-4]
+    gen = torch.Generator().manual_seed(1)
+    for step_lr in lrs:
+        lr.fill_(step_lr)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen)
+        for name in watched:
+            grads[name].append(params[name].grad.numpy().copy())
+        opt.step()
+    for name, blocks in watched.items():
+        expected = reference_muon_steps(start[name], grads[name], [x * 50 for x in lrs], 0.9, 0.1, blocks)
+        assert np.allclose(params[name].detach().numpy(), expected, atol=2e-5), name
+    # c_attn is three matrices: orthogonalising it whole would give another update
+    whole = reference_muon_steps(start["transformer.h.1.attn.c_attn.weight"],
+                                 grads["transformer.h.1.attn.c_attn.weight"], [x * 50 for x in lrs], 0.9, 0.1, 1)
+    assert not np.allclose(params["transformer.h.1.attn.c_attn.weight"].detach().numpy(), whole, atol=1e-3)
+    state = optimizer_tensors(opt, named)
+    assert set(state) == {f"{n}.momentum_buffer" for n, p in named if muon_matrix_shape(n, p)} | {
+        f"{n}.{k}" for n, p in named if not muon_matrix_shape(n, p) for k in ("exp_avg", "exp_avg_sq", "step")}
+
+
+def test_muon_leaves_embeddings_biases_and_gains_to_adamw_as_torch_computes_it():
+    cfg = TrainConfig(preset="tiny", optimizer="muon", lr=2e-3, weight_decay=0.1)
+    torch.manual_seed(0)
+    model, twin = GPT(cfg.model), GPT(cfg.model)
+    twin.load_state_dict(model.state_dict())
+    named = list(model.named_parameters())
+    opt = make_optimizer(named, cfg, Runtime("cpu"), torch.tensor(cfg.lr))
+    adam_names = [n for n, p in named if not muon_matrix_shape(n, p)]
+    assert "transformer.wte.weight" in adam_names and "transformer.h.0.ln_1.weight" in adam_names
+    assert "transformer.h.0.attn.c_attn.bias" in adam_names and "transformer.h.0.mlp.c_fc.weight" not in adam_names
+    twin_params = dict(twin.named_parameters())
+    reference = torch.optim.AdamW(
+        [{"params": [twin_params[n] for n in adam_names if twin_params[n].dim() >= 2], "weight_decay": 0.1},
+         {"params": [twin_params[n] for n in adam_names if twin_params[n].dim() < 2], "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(4):
+        for (name, p) in named:
+            p.grad = torch.randn(p.shape, generator=gen)
+            twin_params[name].grad = p.grad.clone()
+        opt.step()
+        reference.step()
+    mine = dict(named)
+    for name in adam_names:
+        assert torch.allclose(mine[name], twin_params[name], atol=1e-6, rtol=1e-5), name
+
+
+def test_wsd_schedule_warms_up_holds_then_decays_to_zero():
+    cfg = TrainConfig(schedule="wsd", lr=1e-3, warmup_steps=10, max_steps=100, cooldown_frac=0.4)
+    lrs = [float(lr_at(torch.tensor(float(s)), cfg)) for s in range(100)]
+    assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
+    assert lrs[10:61] == [pytest.approx(1e-3)] * 51  # constant until 60% of the run
+    assert lrs[80] == pytest.approx(1e-3 * 20 / 40) and lrs[99] == pytest.approx(1e-3 / 40)
+    assert float(lr_at(torch.tensor(100.0), cfg)) == 0.0
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:], strict=False))
+    cosine = replace(cfg, schedule="cosine", min_lr_ratio=0.1)
+    assert float(lr_at(torch.tensor(100.0), cosine)) == pytest.approx(1e-4)
+
+
+def test_bad_optimizer_and_schedule_flags_are_one_line_errors():
+    with pytest.raises(UserError, match="--optimizer must be adamw or muon, got 'sgd'"):
+        TrainConfig(optimizer="sgd").validate()
+    with pytest.raises(UserError, match="--schedule must be cosine or wsd, got 'linear'"):
+        TrainConfig(schedule="linear").validate()
+    with pytest.raises(UserError, match=r"--cooldown-frac must be in \(0, 1\], got 1.5"):
+        TrainConfig(cooldown_frac=1.5).validate()
+
+
+# --- under XLA (8 CPU devices, SPMD) ----------------------------------------------------------------------------
+
+def test_muon_compiles_nothing_after_step_two(demo_data, tmp_path):
+    cfg = small_config(demo_data, tmp_path, max_steps=8, warmup_steps=2, optimizer="muon", schedule="wsd",
+                       lr=3e-3, muon_lr=0.03, checkpoint_every=3)
+    result, _ = train_in_process(cfg)
+    assert result.step == 8
+    records = {r["step"]: r for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r}
+    assert records[8]["compiles"] == records[2]["compiles"]
+    for s in (5, 8):  # plain steps: the step's graph and the accumulation loop's slice, one token transfer
+        assert records[s]["graphs"] - records[s - 1]["graphs"] == 2
+        assert records[s]["h2d_transfers"] - records[s - 1]["h2d_transfers"] == 1
+    lrs = [records[s]["lr"] for s in range(1, 9)]
+    assert lrs[1:5] == [pytest.approx(3e-3)] * 4 and lrs[7] < lrs[6] < lrs[5] < 3e-3  # held, then decaying
+    losses = [records[s]["loss"] for s in range(1, 9)]
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.5
+
+
+def test_muon_under_fsdp_steps_as_replicated(demo_data, tmp_path):
+    """Under fsdp each matrix is sharded over the 8 devices and Muon orthogonalises the gathered whole: one step
+    from the same gradients gives the replicated run's parameters (float32 Newton-Schulz: to rounding; bf16
+    differs by its rounding only), and a short fsdp training run follows the replicated one."""
+    from shared.device import make_runtime
+
+    runtime = make_runtime("xla")
+    cfg = TrainConfig(preset="tiny", optimizer="muon", lr=1e-3, muon_lr=0.05)
+    after = {}
+    for fsdp in (False, True):
+        torch.manual_seed(0)
+        model = GPT(cfg.model)
+        runtime.prepare_model(model, fsdp=fsdp)
+        named = list(model.named_parameters())
+        opt = make_optimizer(named, cfg, runtime, torch.tensor(cfg.lr).to(runtime.device))
+        opt.ns_dtype = torch.float32
+        gen = torch.Generator().manual_seed(1)
+        for _, p in named:
+            p.grad = torch.randn(p.shape, generator=gen).to(runtime.device)
+            runtime.shard_like(p.grad, p)
+        opt.step()
+        runtime.sync()
+        after[fsdp] = {n: p.detach().cpu() for n, p in named}
+    runtime._fsdp = False
+    for name in after[False]:
+        assert torch.allclose(after[True][name], after[False][name], atol=1e-6), name
+    muon = {"optimizer": "muon", "schedule": "wsd", "lr": 3e-3, "muon_lr": 0.03, "max_steps": 3}
+    train_in_process(small_config(demo_data, tmp_path / "fsdp", fsdp=True, **muon))
+    train_in_process(small_config(demo_data, tmp_path / "dp", **muon))
+    a, b = loss_history(tmp_path / "fsdp"), loss_history(tmp_path / "dp")
+    assert len(a) == 3 and np.allclose([h[1] for h in a], [h[1] for h in b], atol=5e-3)
+
+
+def test_muon_resume_in_new_process_is_bit_exact(demo_data, tmp_path):
+    straight = train_cli(demo_data, tmp_path / "straight", *MUON, "--max-steps", "6")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    first = train_cli(demo_data, tmp_path / "resumed", *MUON, "--max-steps", "6", "--stop-after-steps", "3")
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = train_cli(demo_data, tmp_path / "resumed", *MUON, "--max-steps", "6")
+    assert second.returncode == 0 and "resuming at step 3" in second.stdout, second.stderr[-3000:]
+    assert_identical_runs(tmp_path / "straight", tmp_path / "resumed", 6)
+    # the checkpoint holds Muon's state; resuming it as AdamW is refused in one line, nothing written
+    other = train_cli(demo_data, tmp_path / "resumed", "--max-steps", "9")
+    assert other.returncode == 2
+    assert "--optimizer adamw: the checkpoint" in other.stderr and "resume with --optimizer muon" in other.stderr
+    assert [h[0] for h in loss_history(tmp_path / "resumed")] == list(range(1, 7))
