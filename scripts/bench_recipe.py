@@ -1,0 +1,246 @@
+"""Tokens to quality: AdamW + cosine against Muon + wsd, a small GPT-2 trained by the project's trainer on a
+real-text corpus built offline, validation loss curves side by side (PNG + table), and the tokens Muon needs
+to reach AdamW's final validation loss.
+
+    python scripts/bench_recipe.py                       # builds the corpus, then 1 + len(--muon-fractions) runs
+    python scripts/bench_recipe.py --text-dir DIR        # any folder of .txt/.rst/.md/.html/.pod files instead
+
+The corpus (about 20M GPT-2 tokens): the English documentation Debian ships in four packages fetched with
+`apt-get download` (no root, the package index only): the Linux kernel's Documentation (reStructuredText),
+Python's and PostgreSQL's manuals (HTML), Perl's pod pages. Documents are split into train/validation by a
+fixed shuffle, so the validation text is unseen; every run sees at most one pass of the training text.
+
+Muon's schedule decays to zero at its end, so its loss mid-run says little about a shorter run: besides the
+full-budget run, Muon trains at fractions of the budget (each with its own decay), and the tokens it needs are
+read from those runs' final losses (interpolated between the two budgets around AdamW's final loss).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import html.parser
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from shared.errors import UserError, run_cli  # noqa: E402
+
+DEBIAN_PACKAGES = ("linux-doc-6.1", "python3.11-doc", "postgresql-doc-15", "perl-doc")
+TEXT_SUFFIXES = (".rst", ".txt", ".md", ".html", ".pod")
+SKIP_PARTS = {"translations", "devicetree", "_sources", "_static", "_images", "search"}
+
+
+class _HtmlText(html.parser.HTMLParser):
+    """The visible text of an HTML page (no scripts, styles or navigation bars)."""
+
+    SKIP = {"script", "style", "nav", "head"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.parts: list[str] = []
+        self._skipping = 0
+
+    def handle_starttag(self, tag, attrs):
+        self._skipping += tag in self.SKIP
+
+    def handle_endtag(self, tag):
+        self._skipping -= tag in self.SKIP and self._skipping > 0
+
+    def handle_data(self, data):
+        if not self._skipping:
+            self.parts.append(data)
+
+
+def document_text(path: Path) -> str:
+    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    text = raw.decode("utf-8", errors="replace")
+    if ".html" in path.suffixes:
+        parser = _HtmlText()
+        parser.feed(text)
+        text = "".join(parser.parts)
+    text = re.sub(r"[ \t]+\n", "\n", text)
+    return re.sub(r"\n{3,}", "\n\n", text).strip()
+
+
+def text_files(root: Path) -> list[Path]:
+    files = []
+    for path in sorted(root.rglob("*")):
+        suffixes = [s for s in path.suffixes if s != ".gz"]
+        if path.is_file() and suffixes and suffixes[-1] in TEXT_SUFFIXES and not SKIP_PARTS & set(path.parts):
+            files.append(path)
+    return files
+
+
+def fetch_debian_docs(dest: Path) -> Path:
+    """Download and unpack DEBIAN_PACKAGES into dest (apt-get download needs no root)."""
+    if not shutil.which("apt-get") or not shutil.which("dpkg-deb"):
+        raise UserError("building the corpus needs apt-get and dpkg-deb (Debian/Ubuntu); elsewhere pass "
+                        "--text-dir DIR, a folder of English .txt/.rst/.md/.html files (tens of MB)")
+    debs = dest / "debs"
+    debs.mkdir(parents=True, exist_ok=True)
+    for package in DEBIAN_PACKAGES:
+        proc = subprocess.run(["apt-get", "download", package], cwd=debs, capture_output=True, text=True)
+        if proc.returncode:
+            raise UserError(f"apt-get download {package} failed: {proc.stderr.strip().splitlines()[-1:]}")
+    tree = dest / "tree"
+    for deb in sorted(debs.glob("*.deb")):
+        subprocess.run(["dpkg-deb", "-x", str(deb), str(tree)], check=True)
+    return tree
+
+
+def build_corpus(out: Path, text_dir: Path | None, val_fraction: float = 0.01, shard_tokens: int = 10_000_000,
+                 seed: int = 0) -> dict:
+    """Token shards (`bench_train_*.bin`, `bench_val_000000.bin`) from the documents under text_dir (default:
+    Debian's documentation), documents shuffled once and split into train and validation."""
+    import numpy as np
+    from tqdm import tqdm
+
+    from shared.data import write_shard
+    from shared.tokenizer import EOT_TOKEN, gpt2_encoding
+
+    summary_path = out / "corpus.json"
+    if summary_path.exists():
+        return json.loads(summary_path.read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        root = text_dir or fetch_debian_docs(Path(tmp))
+        files = text_files(root)
+        if not files:
+            raise UserError(f"--text-dir {root}: no {'/'.join(TEXT_SUFFIXES)} files found")
+        docs = [d for f in tqdm(files, desc="reading", unit="file") if len(d := document_text(f)) > 500]
+    random.Random(seed).shuffle(docs)
+    n_val = max(1, int(len(docs) * val_fraction))
+    enc = gpt2_encoding()
+    out.mkdir(parents=True, exist_ok=True)
+    counts = {}
+    for split, part in (("val", docs[:n_val]), ("train", docs[n_val:])):
+        tokens = np.concatenate([np.array([EOT_TOKEN, *t], dtype=np.uint16)
+                                 for t in enc.encode_ordinary_batch(part, num_threads=os.cpu_count() or 1)])
+        for i, start in enumerate(range(0, len(tokens), shard_tokens)):
+            write_shard(out / f"bench_{split}_{i:06d}.bin", tokens[start:start + shard_tokens])
+        counts[split] = int(tokens.size)
+    summary = {"documents": len(docs), "val_documents": n_val, "train_tokens": counts["train"],
+               "val_tokens": counts["val"], "source": str(text_dir) if text_dir else " ".join(DEBIAN_PACKAGES)}
+    summary_path.write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def run(name: str, cfg, out_root: Path) -> list[tuple[int, float]]:
+    """Train cfg (fresh, in out_root/name) and return its (tokens, val_loss) curve."""
+    from shared.metrics import read_metrics
+    from shared.trainer import train
+
+    out = out_root / name
+    metrics = out / "metrics.jsonl"
+    if not (metrics.exists() and any(r.get("event") == "session_end" and r["step"] == cfg.max_steps
+                                     for r in read_metrics(metrics))):
+        shutil.rmtree(out, ignore_errors=True)
+        train(replace(cfg, out_dir=str(out)), log=lambda *a, **k: None)
+    return [(r["tokens"], r["val_loss"]) for r in read_metrics(metrics) if "val_loss" in r]
+
+
+def tokens_to_reach(target: float, finals: list[tuple[int, float]]) -> float | None:
+    """The token budget whose final loss is `target`, interpolated linearly in log(tokens) between the two
+    budgets around it (None if even the largest budget does not reach it)."""
+    import math
+
+    finals = sorted(finals)
+    if finals[0][1] <= target:
+        return float(finals[0][0])  # at most this: the smallest budget tried already reaches it
+    for (t0, l0), (t1, l1) in zip(finals, finals[1:], strict=False):
+        if l1 <= target < l0:
+            return math.exp(math.log(t0) + (l0 - target) / (l0 - l1) * (math.log(t1) - math.log(t0)))
+    return None
+
+
+def plot_curves(curves: dict[str, list[tuple[int, float]]], target: float, path: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    for name, curve in curves.items():
+        ax.plot([t / 1e6 for t, _ in curve[1:]], [loss for _, loss in curve[1:]], marker=".", label=name)
+    ax.axhline(target, color="gray", linestyle="--", linewidth=1, label=f"AdamW's final {target:.3f}")
+    ax.set(xlabel="training tokens (millions)", ylabel="validation loss", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out-dir", default="runs/bench-recipe")
+    parser.add_argument("--corpus-dir", default="data/bench-corpus")
+    parser.add_argument("--text-dir", default=None, help="documents to use instead of Debian's documentation")
+    parser.add_argument("--preset", default="mini")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--batch-tokens", type=int, default=32768, help="tokens per optimizer step")
+    parser.add_argument("--micro-batch", type=int, default=32)
+    parser.add_argument("--tokens", type=float, default=8e6, help="the token budget of the AdamW run")
+    parser.add_argument("--backend", default="cpu")
+    parser.add_argument("--adamw-lr", type=float, default=2e-3)
+    parser.add_argument("--muon-lr", type=float, default=0.02)
+    parser.add_argument("--muon-adamw-lr", type=float, default=4e-3, help="Muon's AdamW part (embeddings, ...)")
+    parser.add_argument("--muon-fractions", default="1,0.8,0.65", help="Muon's budgets, as fractions of --tokens")
+    parser.add_argument("--evals", type=int, default=16, help="validation evals per run")
+    args = parser.parse_args()
+
+    from shared.config import TrainConfig
+
+    corpus = build_corpus(Path(args.corpus_dir), Path(args.text_dir) if args.text_dir else None)
+    print(f"corpus: {corpus['train_tokens']:,} train / {corpus['val_tokens']:,} validation tokens, "
+          f"{corpus['documents']:,} documents ({corpus['source']})")
+    steps = int(args.tokens // args.batch_tokens)
+    if steps * args.batch_tokens > corpus["train_tokens"]:
+        raise UserError(f"--tokens {args.tokens:.3g} is more than one pass over the corpus "
+                        f"({corpus['train_tokens']:,} tokens): the runs would see text twice")
+    base = TrainConfig(preset=args.preset, seq_len=args.seq_len, micro_batch=args.micro_batch,
+                       total_batch_tokens=args.batch_tokens, data_dir=args.corpus_dir, backend=args.backend,
+                       bf16=args.backend != "cpu", eval_batches=max(1, 262144 // (args.micro_batch * args.seq_len)),
+                       warmup_steps=max(1, steps // 20), checkpoint_every=0, keep_checkpoints=1, progress=True,
+                       wandb_project="", xla_cache=False, time_budget=1e9, log_every=10)
+    out_root = Path(args.out_dir)
+    curves, finals = {}, []
+    adamw = replace(base, max_steps=steps, eval_every=max(1, steps // args.evals), lr=args.adamw_lr)
+    curves["AdamW + cosine"] = run("adamw", adamw, out_root)
+    for fraction in [float(f) for f in args.muon_fractions.split(",")]:
+        muon_steps = int(steps * fraction)
+        muon = replace(base, max_steps=muon_steps, eval_every=max(1, steps // args.evals), optimizer="muon",
+                       schedule="wsd", lr=args.muon_adamw_lr, muon_lr=args.muon_lr)
+        curve = run(f"muon-{fraction:g}", muon, out_root)
+        curves[f"Muon + wsd, {fraction:g}x budget"] = curve
+        finals.append((muon_steps * args.batch_tokens, curve[-1][1]))
+    target = curves["AdamW + cosine"][-1][1]
+    needed = tokens_to_reach(target, finals)
+    png = plot_curves(curves, target, out_root / "val_loss.png",
+                      f"{args.preset} on a {corpus['train_tokens'] / 1e6:.0f}M-token corpus: validation loss")
+    lines = ["| run | tokens | final val loss |", "| --- | --- | --- |"]
+    lines += [f"| {name} | {curve[-1][0]:,} | {curve[-1][1]:.4f} |" for name, curve in curves.items()]
+    lines.append("")
+    if needed:
+        lines.append(f"Muon + wsd reaches AdamW's final val loss {target:.4f} in {needed:,.0f} tokens: "
+                     f"{steps * args.batch_tokens / needed:.2f}x fewer than AdamW's {steps * args.batch_tokens:,}")
+    else:
+        lines.append(f"Muon + wsd does not reach AdamW's final val loss {target:.4f} within the budgets tried")
+    report = "\n".join(lines)
+    (out_root / "report.md").write_text(report + f"\n\n![validation loss]({png.name})\n")
+    print(report)
+    print(f"plot: {png}")
+
+
+if __name__ == "__main__":
+    run_cli(main)
