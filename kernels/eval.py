@@ -8,10 +8,9 @@ On Kaggle the build bakes these settings in (the checkpoint defaults to the newe
 import os
 import sys
 
-# This folder holds kernels/tokenize.py, which would shadow the standard library's `tokenize` (imported by
-# dataclasses, inspect, ...): take the folder off the import path and put the repository root on it.
-_KERNELS_DIR = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _KERNELS_DIR]
+# The import path, the same in every kernel (why: scripts/chain/build.py).
+_KERNELS_DIR = os.path.dirname(os.path.realpath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.getcwd()) != _KERNELS_DIR]
 sys.path.insert(0, os.path.dirname(_KERNELS_DIR))
 
 from shared.config import parse_dataclass  # noqa: E402

@@ -7,14 +7,14 @@
 Run again with the same flags after a kill: finished shards are verified and kept.
 """
 
-# This file is named like the stdlib `tokenize` module, which linecache, inspect and datasets import.
-# `python kernels/tokenize.py` puts kernels/ first on sys.path, so drop it before anything imports.
 import os
 import sys
 
-_HERE = os.path.dirname(os.path.realpath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.getcwd()) != _HERE]
-sys.path.insert(0, os.path.dirname(_HERE))
+# The import path, the same in every kernel (why: scripts/chain/build.py).
+_KERNELS_DIR = os.path.dirname(os.path.realpath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.getcwd()) != _KERNELS_DIR]
+sys.path.insert(0, os.path.dirname(_KERNELS_DIR))
+
 # `datasets` imports torch (seconds of start-up on the critical path) when it finds it; this kernel needs
 # none of its framework integrations.
 for _var in ("USE_TORCH", "USE_TF", "USE_JAX"):

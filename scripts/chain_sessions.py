@@ -5,7 +5,7 @@ dataset, then the eval kernel. Restartable: run the same command again after a k
     python scripts/chain_sessions.py --local-demo          # the whole chain on a local Kaggle, ~2 minutes
     python scripts/chain_sessions.py --config my-run.json  # on Kaggle (KAGGLE_USERNAME/KAGGLE_KEY or kaggle.json)
 
-The config (JSON or TOML; see examples/chain-demo.json and shared/chain.py's ChainConfig) names the model and
+The config (JSON or TOML; see examples/chain-demo.json and scripts/chain/config.py's ChainConfig) names the model and
 batch (`train`), the token parts (`tokenize`), `total_steps`, the `accelerator` and the slugs. The train
 kernel needs the Kaggle secrets KAGGLE_USERNAME and KAGGLE_KEY attached (Add-ons > Secrets) to publish its
 checkpoint; when it cannot, this script publishes it from the session's output.
@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from shared.chain import Chain, load_config  # noqa: E402
+from scripts.chain import Chain, load_config  # noqa: E402
 from shared.errors import UserError, run_cli  # noqa: E402
 
 DEMO_CONFIG = REPO / "examples" / "chain-demo.json"

@@ -15,7 +15,7 @@ from conftest import REPO, error_lines, run_script
 from kaggle_fixtures import load_local_kaggle_module
 from test_train import SMALL_ARGS, assert_identical_runs
 
-from shared.chain import build_kernel, fill_metadata
+from scripts.chain import build_kernel, fill_metadata
 from shared.checkpoint import list_checkpoints
 from shared.errors import UserError
 from shared.publish import checkpoint_files

@@ -21,7 +21,7 @@ from conftest import REPO, error_lines, run_script
 from kaggle_fixtures import KEY, USER, client_env, local_kaggle, write_dataset  # noqa: F401
 from safetensors.torch import load_file
 
-from shared.chain import Chain, config_from_dict, load_config
+from scripts.chain import Chain, config_from_dict, load_config
 from shared.errors import UserError
 from shared.metrics import read_metrics
 
@@ -371,7 +371,7 @@ def test_quota_fields_left_out_mean_zero_and_a_zipped_manifest_is_read(tmp_path)
         ApiGetAcceleratorQuotaStatisticsResponse,
     )
 
-    from shared.chain import _normalize_single_download
+    from scripts.chain.client import _normalize_single_download
 
     quota = ApiAcceleratorQuota()
     quota.total_time_allowed = datetime.timedelta(hours=20)  # no time_used: nothing used this week

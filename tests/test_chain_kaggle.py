@@ -15,7 +15,7 @@ import requests
 from conftest import REPO
 from kaggle_fixtures import local_kaggle, write_kernel  # noqa: F401
 
-from shared.chain import ApiFailure, Chain, config_from_dict
+from scripts.chain import ApiFailure, Chain, config_from_dict
 from shared.config import MODEL_PRESETS
 from shared.errors import UserError
 
@@ -181,8 +181,10 @@ def test_output_downloads_stream_to_disk(local_kaggle, tmp_path):
     assert lk.wait("alice/big-output", timeout=60) == ("COMPLETE", None)
     probe = f"""
 import hashlib, json, tracemalloc
+import sys
 from pathlib import Path
-from shared.chain import Chain, config_from_dict
+sys.path.insert(0, {str(REPO)!r})  # scripts/ is not installed: the checkout's
+from scripts.chain import Chain, config_from_dict
 chain = Chain(config_from_dict({json.dumps(BASE)}), {str(tmp_path / 'chain')!r}, log=lambda _: None)
 chain.connect()
 tracemalloc.start()
@@ -203,7 +205,7 @@ print(json.dumps({{"files": sorted(Path(f).name for f in files), "peak": peak, "
 
 
 def test_templates_ask_for_the_tpu_their_machine_shape_names(tmp_path):
-    from shared.chain import MACHINE_SHAPES, build_kernel
+    from scripts.chain import MACHINE_SHAPES, build_kernel
 
     for kernel in ("train", "eval"):
         template = json.loads((REPO / "kernel-metadata" / f"{kernel}.json").read_text())

@@ -1,0 +1,96 @@
+"""The chain: from one config, the tokenize parts, then train sessions until total_steps, then the eval kernel,
+each stage recorded in the state file so that a chain killed at any point continues where it was."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from scripts.chain.checkpoints import dataset_step
+from scripts.chain.client import KaggleClient
+from scripts.chain.config import ChainConfig
+from scripts.chain.context import StageContext
+from scripts.chain.eval_stage import EvalStage
+from scripts.chain.limits import RETIRED_SHAPES
+from scripts.chain.state import State
+from scripts.chain.tokenize_stage import TokenizeStage
+from scripts.chain.train_stage import TrainStage
+from shared.errors import UserError
+
+# Calls of the chain's parts under the chain's own name, as scripts and tests use them (chain.call(...),
+# chain.wait(...), chain.user = ...): reading one reads it from the part, setting one sets it on the part, where
+# the stages find it (a test's stand-in for kernel_info included).
+_FORWARDED = {
+    "api": ("client", "api"), "user": ("client", "user"), "call": ("client", "call"),
+    "dataset_exists": ("client", "dataset_exists"), "kernel_info": ("client", "kernel_info"),
+    "download_output": ("client", "download_output"), "wait_dataset_ready": ("client", "wait_dataset_ready"),
+    "push_once": ("ctx", "push_once"), "wait": ("ctx", "wait"), "_session_timeout": ("ctx", "session_timeout"),
+    "build_train": ("train", "build"), "wandb_run_id": ("train", "wandb_run_id"),
+    "quota_left_s": ("train", "quota_left_s"),
+}
+
+
+class Chain:
+    def __init__(self, cfg: ChainConfig, workdir: str | os.PathLike, api=None, log: Callable[[str], None] = print,
+                 sleep: Callable[[float], None] = time.sleep):
+        self.cfg = cfg
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.state = State(self.workdir / "state.json")
+        self.client = KaggleClient(cfg.client, api=api, user=cfg.user, log=log, sleep=sleep)
+        self.ctx = StageContext(cfg, self.client, self.state, self.workdir)
+        self.tokenize, self.train, self.eval = TokenizeStage(self.ctx), TrainStage(self.ctx), EvalStage(self.ctx)
+
+    def __getattr__(self, name: str):
+        if name in _FORWARDED:
+            part, attr = _FORWARDED[name]
+            return getattr(getattr(self, part), attr)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in _FORWARDED:
+            part, attr = _FORWARDED[name]
+            setattr(getattr(self, part), attr, value)
+        else:
+            super().__setattr__(name, value)
+
+    def connect(self) -> None:
+        self.client.connect()
+
+    def check_inputs(self) -> None:
+        """Every input the config names exists, before anything is pushed."""
+        cfg, client = self.cfg, self.client
+        for ref in list(cfg.tokenize.get("inputs", [])) + list(cfg.token_datasets) + list(cfg.eval.get("inputs", [])):
+            if not client.dataset_exists(ref):
+                raise UserError(f"dataset {ref} does not exist (or is not visible to {client.user}); check the config")
+        for ref in cfg.token_kernels:
+            version, _ = client.kernel_info(ref)
+            if not version:
+                raise UserError(f"kernel {ref} does not exist (or is not visible to {client.user}); check "
+                                "token_kernels")
+
+    def run(self) -> dict:
+        cfg, data, log = self.cfg, self.state.data, self.ctx.log
+        if data.get("done"):
+            raise UserError(f"this chain is already finished (step {data.get('final_step')} of total_steps "
+                            f"{cfg.total_steps}; results in {self.workdir}); raise total_steps to train further")
+        self.connect()
+        log(f"chain {cfg.name}: {cfg.total_steps} steps on {cfg.accelerator or 'CPU'} as {self.client.user}; "
+            f"state {self.state.path}")
+        for shape in sorted({cfg.accelerator, cfg.eval.get("accelerator", ""),
+                             cfg.tokenize.get("accelerator", "")} & set(RETIRED_SHAPES)):
+            log(f"notice: {shape} is not in Kaggle's Sep 2026 accelerator list (TPU: TpuV5E8, TpuV6E8; GPU: "
+                "NvidiaTeslaT4 and up); Kaggle may refuse the push")
+        self.check_inputs()
+        self.tokenize.run()
+        self.train.run()
+        self.eval.run()
+        ckpt_ref = self.ctx.ref(cfg.slug("checkpoints"))
+        data.update(done=True, final_step=dataset_step(self.ctx, ckpt_ref))
+        self.state.save()
+        log(f"done: step {data['final_step']} of {cfg.total_steps} in {len(data['train_sessions'])} train sessions.")
+        log(f"results: {self.workdir}  (metrics.jsonl, loss.png, sessions/ with each session's log, eval/)")
+        log(f"checkpoint: Kaggle dataset {ckpt_ref}")
+        return data

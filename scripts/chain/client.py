@@ -1,0 +1,269 @@
+"""A small Kaggle API client: every call the chain makes, retried with backoff on transient errors (429, 5xx,
+connection) and failing as one line (ApiFailure) with any key masked; kernel status polling; output files
+streamed to disk. It knows nothing of the chain: it gets a ClientConfig and the API object."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import time
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+from scripts.chain.config import ClientConfig
+from shared.errors import UserError
+
+TRANSIENT_STATUS = {408, 425, 429, 500, 502, 503, 504}
+# KernelWorkerStatus (kagglesdk kernels_enums.py:31-38): CANCEL_REQUESTED is on the way to CANCEL_ACKNOWLEDGED.
+TERMINAL = {"COMPLETE", "ERROR", "CANCEL_ACKNOWLEDGED"}
+ACTIVE = {"QUEUED", "RUNNING", "NEW_SCRIPT", "CANCEL_REQUESTED"}
+
+
+def http_status(err: BaseException) -> int | None:
+    return getattr(getattr(err, "response", None), "status_code", None)
+
+
+def is_transient(err: BaseException) -> bool:
+    status = http_status(err)
+    if status is not None:
+        return status in TRANSIENT_STATUS
+    name = type(err).__name__
+    return name in {"ConnectionError", "Timeout", "ReadTimeout", "ConnectTimeout", "ChunkedEncodingError",
+                    "ProtocolError", "RemoteDisconnected", "ConnectionResetError"}
+
+
+def status_name(status) -> str:
+    text = getattr(status, "name", None) or str(status)
+    return text.rsplit(".", 1)[-1].upper()
+
+
+def stream_to_file(url: str, target: Path, chunk_bytes: int = 1 << 20) -> int:
+    """GET `url` into `target` a chunk at a time (through a temporary file, renamed when complete); the size is
+    checked against Content-Length. Returns the bytes written."""
+    import requests
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{target.name}.partial")
+    written = 0
+    with requests.get(url, stream=True, timeout=(30, 300)) as resp:
+        resp.raise_for_status()
+        expected = resp.headers.get("Content-Length")
+        encoded = resp.headers.get("Content-Encoding")
+        size = int(expected) if expected and expected.isdigit() else None
+        bar = None
+        if size and size >= 256 << 20:  # a checkpoint: show how it goes (on stderr)
+            from tqdm import tqdm
+
+            bar = tqdm(total=size, unit="B", unit_scale=True, desc=target.name, mininterval=2.0)
+        with open(partial, "wb") as out:
+            for chunk in resp.iter_content(chunk_bytes):
+                out.write(chunk)
+                written += len(chunk)
+                if bar is not None:
+                    bar.update(len(chunk))
+        if bar is not None:
+            bar.close()
+    if expected is not None and expected.isdigit() and int(expected) != written and not encoded:
+        partial.unlink(missing_ok=True)
+        raise OSError(f"{url}: {written} bytes arrived of {expected}")
+    os.replace(partial, target)
+    return written
+
+
+def _normalize_single_download(dest: Path, name: str) -> None:
+    """The kaggle client names a downloaded file after its URL, and Kaggle may serve one file zipped: leave
+    `dest/name` whichever way it came."""
+    if (dest / name).is_file() and not zipfile.is_zipfile(dest / name):
+        return
+    files = [p for p in dest.iterdir() if p.is_file()]
+    for f in files:
+        if zipfile.is_zipfile(f):
+            with zipfile.ZipFile(f) as z:
+                members = [m for m in z.namelist() if Path(m).name == name]
+                if members:
+                    (dest / name).write_bytes(z.read(members[0]))
+                    return
+    if len(files) == 1 and files[0].name != name:
+        files[0].rename(dest / name)
+
+
+class ApiFailure(UserError):
+    """A Kaggle API call that failed for good (after retries where the error was transient)."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+class KaggleClient:
+    """The chain's Kaggle calls on one API object (a KaggleApi, or a test's stand-in), as `user`."""
+
+    def __init__(self, cfg: ClientConfig, api=None, user: str = "", log=print, sleep=time.sleep):
+        self.cfg = cfg
+        self.api = api
+        self.user = user
+        self.log = log
+        self.sleep = sleep
+
+    def connect(self) -> None:
+        """The API from the machine's credentials (unless one was given); the user from the config or them."""
+        from shared.publish import kaggle_api
+
+        if self.api is None:
+            self.api = kaggle_api(from_secrets=False)
+        api_user = self.api.get_config_value("username") or ""
+        self.user = self.user or api_user
+        if not self.user:
+            raise UserError("no Kaggle user: set user in the config or KAGGLE_USERNAME")
+
+    def call(self, what: str, fn: Callable, *args, **kwargs):
+        """fn(*args), retried with exponential backoff on transient errors (429, 5xx, connection)."""
+        delay = self.cfg.retry_base_s
+        for attempt in range(1, self.cfg.retry_attempts + 1):
+            try:
+                with contextlib.redirect_stdout(io.StringIO()):
+                    return fn(*args, **kwargs)
+            except UserError:
+                raise
+            except Exception as err:
+                if not is_transient(err) or attempt == self.cfg.retry_attempts:
+                    raise ApiFailure(f"{what}: {self.describe(err)}", http_status(err)) from None
+                wait = delay
+                retry_after = getattr(getattr(err, "response", None), "headers", {}).get("Retry-After")
+                if retry_after and str(retry_after).isdigit():
+                    wait = max(wait, float(retry_after))
+                self.log(f"  {what}: {self.describe(err)}; retrying in {wait:g}s "
+                         f"(attempt {attempt}/{self.cfg.retry_attempts})")
+                self.sleep(wait)
+                delay = min(delay * 2, 300)
+        raise AssertionError("unreachable")
+
+    def describe(self, err: BaseException) -> str:
+        """One line for a failed call, with no key in it."""
+        from shared.publish import describe_error
+
+        return describe_error(err, self.secrets())
+
+    def secrets(self) -> list[str]:
+        """The key from the environment and the one the client read (e.g. from kaggle.json): masked everywhere."""
+        config = getattr(self.api, "config_values", None) or {}
+        return [k for k in (os.environ.get("KAGGLE_KEY", ""), config.get("key", ""), config.get("token", "")) if k]
+
+    def ref(self, slug: str) -> str:
+        return f"{self.user}/{slug}"
+
+    def dataset_exists(self, ref: str) -> bool:
+        """404 is missing; 403 (it exists, but these credentials may not read it) is an error, not missing."""
+        try:
+            self.call(f"dataset {ref}", self.api.dataset_status, ref)
+            return True
+        except ApiFailure as err:
+            if err.status == 404:
+                return False
+            if err.status in (401, 403):
+                raise UserError(f"dataset {ref}: Kaggle refuses {self.user} access (HTTP {err.status}); it is "
+                                "another user's private dataset, or the credentials are wrong") from None
+            raise
+
+    def kernel_info(self, ref: str) -> tuple[int, str]:
+        """(current version number, source of that version) or (0, "") if the kernel does not exist."""
+        from kagglesdk.kernels.types.kernels_api_service import ApiGetKernelRequest
+
+        owner, slug = ref.split("/")
+
+        def get():
+            with self.api.build_kaggle_client() as client:
+                req = ApiGetKernelRequest()
+                req.user_name, req.kernel_slug = owner, slug
+                return client.kernels.kernels_api_client.get_kernel(req)
+
+        try:
+            resp = self.call(f"kernel {ref}", get)
+        except ApiFailure as err:
+            if err.status == 404:
+                return 0, ""
+            if err.status in (401, 403):
+                raise UserError(f"kernel {ref}: Kaggle refuses {self.user} access (HTTP {err.status}); it is "
+                                "another user's private kernel, or the credentials are wrong") from None
+            raise
+        return int(resp.metadata.current_version_number or 0), (resp.blob.source or "") if resp.blob else ""
+
+    def kernel_status(self, ref: str) -> tuple[str, str]:
+        resp = self.call(f"status of {ref}", self.api.kernels_status, ref)
+        return status_name(resp.status), getattr(resp, "failure_message", "") or ""
+
+    def download_output(self, ref: str, dest: Path, pattern: str | None = None) -> list[str]:
+        """The output files of `ref`'s newest session whose path matches `pattern` (re.search), each streamed to
+        disk (an 18 GB checkpoint never sits in memory, unlike the kaggle client's kernels_output), and the
+        session's log as `<slug>.log`, as the kaggle client writes it. Paths are checked to stay under `dest`."""
+        from kagglesdk.kernels.types.kernels_api_service import ApiListKernelSessionOutputRequest
+
+        owner, slug = ref.split("/")
+        dest = Path(dest)
+        dest.mkdir(parents=True, exist_ok=True)
+        wanted = re.compile(pattern) if pattern is not None else None
+        files: list[str] = []
+        token, log_text = "", None
+        while True:
+            def page(token=token):
+                with self.api.build_kaggle_client() as client:
+                    request = ApiListKernelSessionOutputRequest()
+                    request.user_name, request.kernel_slug, request.page_size = owner, slug, 200
+                    request.page_token = token
+                    return client.kernels.kernels_api_client.list_kernel_session_output(request)
+
+            resp = self.call(f"output of {ref}", page)
+            log_text = resp.log if log_text is None else log_text
+            for item in resp.files or []:
+                if wanted is not None and not wanted.search(item.file_name):
+                    continue
+                target = (dest / item.file_name).resolve()
+                if not target.is_relative_to(dest.resolve()):
+                    raise ApiFailure(f"output of {ref}: file name {item.file_name!r} points outside {dest}")
+                self.call(f"output file {item.file_name} of {ref}", stream_to_file, item.url, target)
+                files.append(str(target))
+            token = resp.next_page_token
+            if not token:
+                break
+        if log_text:
+            (dest / f"{slug}.log").write_text(log_text)
+            files.append(str(dest / f"{slug}.log"))
+        return files
+
+    # ----- the checkpoint dataset --------------------------------------------------------------------------------
+
+    def wait_dataset_ready(self, ref: str, timeout_s: float = 3600) -> None:
+        """A new dataset version takes a while to process on Kaggle; the next session must mount it, not the
+        previous one, so wait until the newest version is ready."""
+        interval, deadline = self.cfg.poll_initial_s, time.monotonic() + timeout_s
+        while True:
+            status = str(self.call(f"dataset {ref}", self.api.dataset_status, ref)).lower()
+            if status == "ready":
+                return
+            if status in ("failed", "deleted"):  # DatabundleVersionStatus (kagglesdk dataset_enums.py:3-12)
+                raise UserError(f"dataset {ref}: its newest version is {status} on Kaggle; see the dataset's page")
+            if time.monotonic() > deadline:
+                raise UserError(f"dataset {ref} is still {status!r} after {timeout_s / 60:.0f} minutes; run the chain "
+                                "again later")
+            self.sleep(interval)
+            interval = min(interval * 1.5, self.cfg.poll_max_s)
+
+    def quota_left_s(self, kind: str | None) -> tuple[float, float, str] | None:
+        """(seconds left, seconds allowed, reset time) of the weekly quota of `kind` ("tpu", "gpu"), None for
+        CPU (kind None)."""
+        if kind is None or not hasattr(self.api, "quota_view"):  # CPU, or a kaggle client without quota calls
+            return None
+        resp = self.call("quota", self.api.quota_view)
+        quota = getattr(resp, f"{kind}_quota", None)
+        if quota is None:
+            return None
+        if quota.total_time_allowed is None:
+            return None
+        # A week with no use (or nothing reserved) may leave the field out: None, not zero.
+        used = sum(t.total_seconds() for t in (quota.time_used, getattr(quota, "time_reserved", None)) if t)
+        total = quota.total_time_allowed.total_seconds()
+        reset = getattr(resp, "quota_refresh_time", None)
+        return total - used, total, str(reset) if reset else "next Saturday"

@@ -1,0 +1,186 @@
+"""The chain's config: one dataclass read from JSON or TOML and checked field by field, so a mistake is a
+one-line error before anything is pushed. It flows one way: the stages read it, and the client gets its slice
+(`ChainConfig.client`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from pathlib import Path
+
+from scripts.chain.build import check_settings
+from scripts.chain.limits import (
+    ASSUMED_UPLOAD_BYTES_PER_S,
+    MACHINE_SHAPES,
+    OUTPUT_LIMIT_BYTES,
+    SESSION_MAX_S,
+)
+from shared.config import NINE_HOURS, TrainConfig
+from shared.errors import UserError
+
+
+def one_line(text: str) -> str:
+    lines = str(text).strip().splitlines()
+    return lines[0][:400] if lines else ""
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientConfig:
+    """What the Kaggle client needs: how it retries a transient failure and how it polls."""
+
+    retry_attempts: int
+    retry_base_s: float
+    poll_initial_s: float
+    poll_max_s: float
+
+
+@dataclasses.dataclass
+class ChainConfig:
+    """One chain: the model and how long it trains (`train`, `total_steps`), where its tokens come from
+    (`tokenize`, `token_datasets`, `token_kernels`), the machines and session limits, the eval kernel, and how
+    patiently the client talks to Kaggle. A config file's keys are these fields."""
+
+    name: str = "gpt2"  # prefix of every slug
+    user: str = ""  # Kaggle user owning the kernels and datasets ('': the API credentials' user)
+    total_steps: int = 19073  # optimizer steps of the whole run
+    # machine_shape of train (and eval) sessions ("" for CPU): TPU v5e-8, the TPU of Kaggle's Sep 2026 list
+    # (kaggle-cli docs/kernels.md @13dad8ee); TpuV6E8 where offered.
+    accelerator: str = "TpuV5E8"
+    kernel_type: str = "script"  # script or notebook
+    session_limit_s: float = NINE_HOURS  # a session's time limit (Kaggle: 9 h)
+    startup_margin_s: float = 600  # start-up before training begins (imports, data, compile)
+    publish_margin_s: float = 0  # the final checkpoint's upload (0: sized from the checkpoint, at least 1200 s)
+    max_train_sessions: int = 0  # stop training after this many sessions, then evaluate (0: until total_steps)
+    max_failed_sessions: int = 3  # consecutive sessions without progress before the chain gives up
+    train: dict = dataclasses.field(default_factory=dict)  # TrainConfig settings (model, batch, lr, ...)
+    tokenize: dict = dataclasses.field(default_factory=dict)  # parts, settings, inputs, accelerator
+    token_datasets: list = dataclasses.field(default_factory=list)  # existing datasets of shards (instead/as well)
+    token_kernels: list = dataclasses.field(default_factory=list)  # existing kernels whose output holds shards
+    eval: dict = dataclasses.field(default_factory=dict)  # enabled, settings, inputs, accelerator
+    slugs: dict = dataclasses.field(default_factory=dict)  # tokenize, train, eval, checkpoints
+    poll_initial_s: float = 10.0
+    poll_max_s: float = 120.0
+    # A finished status read before the pushed version was ever seen queued or running may still be the
+    # previous version's (the status call names no version): it counts only this long after the push.
+    stale_status_s: float = 600.0
+    retry_attempts: int = 6
+    retry_base_s: float = 5.0
+
+    def slug(self, what: str) -> str:
+        """The slug of a kernel (tokenize, train, eval) or of the checkpoint dataset."""
+        default = {"tokenize": f"{self.name}-tokens", "train": f"{self.name}-train", "eval": f"{self.name}-eval",
+                   "checkpoints": f"{self.name}-checkpoints"}[what]
+        return self.slugs.get(what) or default
+
+    @property
+    def time_budget(self) -> float:
+        return self.session_limit_s - self.startup_margin_s - self.publish_margin_s
+
+    @property
+    def accelerator_kind(self) -> str:
+        return MACHINE_SHAPES.get(self.accelerator, "cpu")
+
+    @property
+    def client(self) -> ClientConfig:
+        return ClientConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ClientConfig)})
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        return TrainConfig(**self.train).model.checkpoint_bytes()  # the keys were checked by check_settings
+
+
+_TOKENIZE_KEYS = {"parts", "settings", "inputs", "accelerator"}
+_EVAL_KEYS = {"enabled", "settings", "inputs", "accelerator"}
+
+
+def load_config(path: str | os.PathLike, overrides: dict | None = None) -> ChainConfig:
+    """A chain config from JSON or TOML, checked field by field (one-line errors)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise UserError(f"--config {path}: cannot read it ({err.strerror})") from None
+    try:
+        if path.suffix == ".toml":
+            import tomllib
+
+            raw = tomllib.loads(text)
+        else:
+            raw = json.loads(text)
+    except ValueError as err:
+        raise UserError(f"--config {path}: not valid {path.suffix.lstrip('.') or 'JSON'} ({one_line(err)})") from None
+    raw = {k: v for k, v in raw.items() if not k.startswith("_")}  # "_comment" keys
+    raw.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    return config_from_dict(raw, str(path))
+
+
+def config_from_dict(raw: dict, where: str = "config") -> ChainConfig:
+    """A checked ChainConfig from a dict of its fields; `where` starts every error message."""
+    fields = {f.name: f for f in dataclasses.fields(ChainConfig)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise UserError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(fields)}")
+    cfg = ChainConfig(**raw)
+    if not re.fullmatch(r"[a-z0-9][a-z0-9-]{2,}", cfg.name):
+        raise UserError(f"{where}: name {cfg.name!r} must be lowercase letters, digits and dashes (3+), a slug prefix")
+    if cfg.total_steps <= 0:
+        raise UserError(f"{where}: total_steps must be positive, got {cfg.total_steps}")
+    if cfg.accelerator and cfg.accelerator not in MACHINE_SHAPES:
+        raise UserError(f"{where}: unknown accelerator {cfg.accelerator!r}; valid: {', '.join(MACHINE_SHAPES)} "
+                        "(or \"\" for CPU)")
+    if cfg.kernel_type not in ("script", "notebook"):
+        raise UserError(f"{where}: kernel_type must be script or notebook, not {cfg.kernel_type!r}")
+    longest = SESSION_MAX_S[cfg.accelerator_kind]
+    if cfg.session_limit_s > longest:
+        raise UserError(f"{where}: session_limit_s {cfg.session_limit_s:g} is over the {longest / 3600:g} h Kaggle "
+                        f"allows a {cfg.accelerator_kind.upper()} session ({cfg.accelerator or 'CPU'})")
+    check_settings("train", cfg.train, f"{where}: train")
+    _place_checkpoints(cfg, where)
+    if cfg.time_budget <= 0:
+        raise UserError(f"{where}: session_limit_s {cfg.session_limit_s:g} leaves no training time after "
+                        f"startup_margin_s {cfg.startup_margin_s:g} + publish_margin_s {cfg.publish_margin_s:g}")
+    for key in ("data_dir", "out_dir", "resume_from", "max_steps", "time_budget", "wandb_run_id"):
+        if key in cfg.train:
+            raise UserError(f"{where}: train.{key} is set by the chain; remove it")
+    for section, keys in (("tokenize", _TOKENIZE_KEYS), ("eval", _EVAL_KEYS)):
+        extra = sorted(set(getattr(cfg, section)) - keys)
+        if extra:
+            raise UserError(f"{where}: unknown {section} key(s) {', '.join(extra)}; known: {', '.join(sorted(keys))}")
+    check_settings("tokenize", cfg.tokenize.get("settings", {}), f"{where}: tokenize.settings")
+    check_settings("eval", cfg.eval.get("settings", {}), f"{where}: eval.settings")
+    shape = cfg.tokenize.get("accelerator", "")
+    if shape and shape not in MACHINE_SHAPES:
+        raise UserError(f"{where}: unknown tokenize.accelerator {shape!r}")
+    if not cfg.tokenize.get("parts") and not cfg.token_datasets and not cfg.token_kernels:
+        raise UserError(f"{where}: no training data: set tokenize.parts, token_datasets or token_kernels")
+    unknown_slugs = sorted(set(cfg.slugs) - {"tokenize", "train", "eval", "checkpoints"})
+    if unknown_slugs:
+        raise UserError(f"{where}: unknown slugs key(s) {', '.join(unknown_slugs)}")
+    return cfg
+
+
+def _place_checkpoints(cfg: ChainConfig, where: str) -> None:
+    """Checkpoints must fit the session's 20 GB output, with one more being written before the oldest goes:
+    models too large for that keep one checkpoint in /kaggle/temp (the session publishes it from there); a
+    setting that would overflow the output is an error here, not a full disk hours into a session. The publish
+    margin grows with the checkpoint."""
+    size = cfg.checkpoint_bytes
+    if not cfg.publish_margin_s:
+        cfg.publish_margin_s = max(1200.0, 600.0 + size / ASSUMED_UPLOAD_BYTES_PER_S)
+    ckpt_dir = str(cfg.train.get("checkpoint_dir", ""))
+    keep = int(cfg.train.get("keep_checkpoints", 2))
+    if ckpt_dir.startswith("{temp}"):
+        return
+    if ckpt_dir and not ckpt_dir.startswith("{working}"):
+        raise UserError(f"{where}: train.checkpoint_dir {ckpt_dir!r} must be under {{working}} or {{temp}}")
+    peak = (keep + 1) * size
+    if peak <= OUTPUT_LIMIT_BYTES:
+        return
+    if "checkpoint_dir" in cfg.train or "keep_checkpoints" in cfg.train:
+        raise UserError(f"{where}: {keep} kept checkpoints of {size / 1e9:.1f} GB ({keep + 1} while one is written, "
+                        f"{peak / 1e9:.1f} GB) overflow the session's {OUTPUT_LIMIT_BYTES / 1e9:g} GB output; set "
+                        "train.checkpoint_dir to \"{temp}/checkpoints\" and train.keep_checkpoints to 1")
+    cfg.train = {**cfg.train, "checkpoint_dir": "{temp}/checkpoints", "keep_checkpoints": 1}
+

@@ -1,0 +1,25 @@
+"""What Kaggle accepts and allows: machine shapes, session lengths, the session's output size."""
+
+from __future__ import annotations
+
+from shared.config import NINE_HOURS
+
+# Machine shapes Kaggle has accepted (kaggle-cli docs/kernels.md, Feb 2026 list) and the weekly quota each counts
+# against; "" is CPU. The Sep 2026 list (docs/kernels.md @13dad8ee) drops RETIRED_SHAPES: TPU v5e-8 and v6e-8 are
+# the TPUs offered now (docs/kaggle-api.md).
+MACHINE_SHAPES = {
+    "TpuV38": "tpu", "Tpu1VmV38": "tpu", "TpuV5E8": "tpu", "TpuV6E8": "tpu",
+    "NvidiaTeslaT4": "gpu", "NvidiaTeslaT4Highmem": "gpu", "NvidiaTeslaP100": "gpu", "NvidiaTeslaA100": "gpu",
+    "NvidiaL4": "gpu", "NvidiaL4X1": "gpu", "NvidiaH100": "gpu", "NvidiaRtxPro6000": "gpu",
+}
+RETIRED_SHAPES = ("TpuV38", "Tpu1VmV38", "NvidiaTeslaP100")
+# The longest session Kaggle runs on each kind of machine: 9 h on a TPU, 12 h on a GPU or CPU (Kaggle's notebook
+# docs, kaggle.com/docs/notebooks; not verified from a primary source here, docs/kaggle-api.md). kagglesdk says
+# only that sessionTimeoutSeconds "must be lower than the global maximum" (kernels_api_service.py:2015-2017).
+SESSION_MAX_S = {"tpu": NINE_HOURS, "gpu": 12 * 3600, "cpu": 12 * 3600}
+# /kaggle/working, the session's output, holds 20 GB (Kaggle's notebook docs; not verified here). Checkpoints
+# that do not fit go to /kaggle/temp, which is not kept: the session publishes from there.
+OUTPUT_LIMIT_BYTES = 20 * 10**9
+# Upload rate assumed for sizing the publish margin of large checkpoints (not measured on Kaggle).
+ASSUMED_UPLOAD_BYTES_PER_S = 10 * 10**6
+

@@ -1,0 +1,82 @@
+"""The tokenize stage: one kernel per part of the corpus (`tokenize.parts`), each reading the previous part's
+output to continue the document stream where it stopped; a part that fails is pushed again, up to
+max_failed_sessions times in a row. Also where the train and eval kernels find the token parts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from scripts.chain.build import build_kernel
+from scripts.chain.context import StageContext
+from shared.errors import UserError
+
+
+def token_part_ref(ctx: StageContext, part: int) -> str:
+    return ctx.ref(f"{ctx.cfg.slug('tokenize')}-part-{part}")
+
+
+def data_sources(ctx: StageContext) -> tuple[list[str], list[str], str]:
+    """(token datasets, kernels whose output holds token parts, the train kernel's data_dir naming them all)."""
+    parts = int(ctx.cfg.tokenize.get("parts") or 0)
+    kernels = [token_part_ref(ctx, p) for p in range(parts)] + list(ctx.cfg.token_kernels)
+    datasets = list(ctx.cfg.token_datasets)
+    data_dir = ",".join("{input:" + r + "}" for r in kernels + datasets)
+    return datasets, kernels, data_dir
+
+
+class TokenizeStage:
+    def __init__(self, ctx: StageContext):
+        self.ctx = ctx
+
+    def run(self) -> None:
+        ctx = self.ctx
+        parts = int(ctx.cfg.tokenize.get("parts") or 0)
+        done = ctx.state.data.setdefault("tokenize", {})
+        for part in range(parts):
+            if done.get(str(part)) == "COMPLETE":
+                continue
+            self.run_part(part, parts)
+            done[str(part)] = "COMPLETE"
+            ctx.state.save()
+
+    def run_part(self, part: int, parts: int) -> None:
+        """Push part `part` until a session of it completes (a part complete before the chain's state knew of
+        it is not pushed again)."""
+        ctx = self.ctx
+        ref = token_part_ref(ctx, part)
+        failures = 0
+        for attempt in range(1, ctx.cfg.max_failed_sessions + 2):
+            key = f"tokenize-{part}-{attempt}"
+            if key not in ctx.state.pushes:
+                version, _ = ctx.client.kernel_info(ref)
+                if version and attempt == 1:
+                    status, _ = ctx.client.kernel_status(ref)
+                    if status == "COMPLETE":
+                        ctx.log(f"tokenize part {part}: {ref} already complete (version {version}); not pushed")
+                        return
+            ctx.log(f"tokenize part {part + 1}/{parts}: {ref}")
+            version = ctx.push_once(key, ref, lambda pid: self.build(part, pid))
+            status, message, secs = ctx.wait(ref, f"{ref} v{version}", key)
+            if status == "COMPLETE":
+                ctx.log(f"  part {part} done in {secs:.0f}s")
+                return
+            failures += 1
+            logs = ctx.workdir / "sessions" / f"tokenize-{part}-{attempt}"
+            ctx.client.download_output(ref, logs, pattern=r"^$")
+            ctx.log(f"  part {part} failed: {message or status}; log in {logs}")
+            if failures >= ctx.cfg.max_failed_sessions:
+                raise UserError(f"tokenize part {part} failed {failures} times in a row "
+                                f"(last: {message or status}); see {logs}")
+
+    def build(self, part: int, push_id: str) -> Path:
+        ctx, t = self.ctx, self.ctx.cfg.tokenize
+        settings = {"progress": False, **t.get("settings", {}), "part": part, "out_dir": "{working}"}
+        kernel_sources = []
+        if part > 0:
+            prev = token_part_ref(ctx, part - 1)
+            settings["prev_dir"] = "{input:" + prev + "}"
+            kernel_sources.append(prev)
+        return build_kernel("tokenize", ctx.workdir / "build" / f"tokenize-part-{part}", user=ctx.client.user,
+                            slug=token_part_ref(ctx, part).split("/")[1], settings=settings,
+                            kernel_type=ctx.cfg.kernel_type, accelerator=t.get("accelerator", ""),
+                            dataset_sources=t.get("inputs", []), kernel_sources=kernel_sources, push_id=push_id)
