@@ -1,0 +1,1 @@
+"""Laptop-side tools: building and chaining the kernels, a local Kaggle, benchmarks."""
