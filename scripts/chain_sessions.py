@@ -14,7 +14,6 @@ checkpoint; when it cannot, this script publishes it from the session's output.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
@@ -30,14 +29,6 @@ from shared.errors import UserError, run_cli  # noqa: E402
 
 DEMO_CONFIG = REPO / "examples" / "chain-demo.json"
 DEMO_USER, DEMO_KEY = "alice", "local-demo-key"
-
-
-def load_local_kaggle():
-    spec = importlib.util.spec_from_file_location("local_kaggle", REPO / "scripts" / "local_kaggle.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["local_kaggle"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def make_demo_corpus(folder: Path, max_chars: int) -> list[Path]:
@@ -77,8 +68,9 @@ def local_demo(args) -> dict:
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     cfg = load_config(args.config or DEMO_CONFIG, overrides=_overrides(args))
-    lk = load_local_kaggle()
-    app = lk.LocalKaggle(workdir / "kaggle", users={DEMO_USER: DEMO_KEY}, queue_delay_s=0.2,
+    from scripts.local_kaggle import LocalKaggle
+
+    app = LocalKaggle(workdir / "kaggle", users={DEMO_USER: DEMO_KEY}, queue_delay_s=0.2,
                          session_limit_s=cfg.session_limit_s).start()
     app.set_secret(DEMO_USER, "KAGGLE_USERNAME", DEMO_USER)
     app.set_secret(DEMO_USER, "KAGGLE_KEY", DEMO_KEY)

@@ -2,7 +2,7 @@
 
 On Kaggle a kernel sees `/kaggle/input/<slug>/` (read-only inputs), `/kaggle/working` (its saved output,
 20 GB) and `/kaggle/temp` (scratch), and reads user secrets through `kaggle_secrets.UserSecretsClient`.
-The local Kaggle (`scripts/local_kaggle.py`) runs each kernel with the same layout under a session folder
+The local Kaggle (`scripts/local_kaggle/`) runs each kernel with the same layout under a session folder
 and tells it where through environment variables; this module is the one place that knows both, so a
 kernel calls `kaggle_paths()` and `get_secret(name)` and runs unchanged in either place.
 
@@ -75,7 +75,7 @@ def kaggle_paths() -> KagglePaths:
         root = KAGGLE_ROOT
     else:
         raise UserError(
-            f"not inside a Kaggle session: run on Kaggle, through scripts/local_kaggle.py, or set {LOCAL_ROOT_ENV}"
+            f"not inside a Kaggle session: run on Kaggle, through scripts.local_kaggle, or set {LOCAL_ROOT_ENV}"
         )
     paths = KagglePaths(root=root, input=root / "input", working=root / "working", temp=root / "temp")
     paths.temp.mkdir(parents=True, exist_ok=True)

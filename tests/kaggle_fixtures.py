@@ -6,14 +6,13 @@ Not a conftest: import what you need explicitly, e.g.
 
 (pytest puts tests/ on sys.path for test modules there, as tests/ has no __init__.py.)
 
-`local_kaggle` starts `scripts/local_kaggle.py`'s server in this process (a thread) on a free port, with a
+`local_kaggle` starts `scripts.local_kaggle`'s server in this process (a thread) on a free port, with a
 fresh root, user "alice" (key "alice-key"), short queue delay; `lk.cli(...)` runs the real CLI in a subprocess
 with an isolated HOME/config and the environment that points it at the server (`lk.env`).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -30,15 +29,12 @@ USER, KEY = "alice", "alice-key"
 
 
 def load_local_kaggle_module():
-    """scripts/ is not a package: load scripts/local_kaggle.py by path (cached in sys.modules)."""
-    name = "local_kaggle"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / "local_kaggle.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    """The `scripts.local_kaggle` package, imported with the repository root on sys.path."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from scripts import local_kaggle
+
+    return local_kaggle
 
 
 def client_env(app, home: Path, user: str | None = USER, key: str | None = KEY) -> dict[str, str]:
@@ -59,7 +55,7 @@ def client_env(app, home: Path, user: str | None = USER, key: str | None = KEY) 
 
 @dataclass
 class LocalKaggleHandle:
-    app: object  # local_kaggle.LocalKaggle
+    app: object  # scripts.local_kaggle.LocalKaggle
     root: Path
     home: Path
     env: dict

@@ -64,7 +64,7 @@ def version_push_id(lk, ref: str, number: int) -> str:
 
 
 def version_log(lk, ref: str, number: int) -> str:
-    return "".join(e["data"] for e in lk.app._log_events(lk.app.state["kernels"][ref], number))
+    return "".join(e["data"] for e in lk.app.kernels.log_events(lk.app.state["kernels"][ref], number))
 
 
 def assert_pushed_once_each(lk, ref: str) -> None:

@@ -284,7 +284,7 @@ def test_other_routes_reply_with_kagglesdk_types(local_kaggle, tmp_path):
         start = app.api(USER, "blobs.BlobApiService", "StartBlobUpload",
                         {"type": "DATASET", "name": name, "contentLength": len(data)})
         token = start["token"]
-        app._blob_path(token).write_bytes(data)
+        app.uploads.path(token).write_bytes(data)
         app.state["uploads"][token].update(received=len(data), complete=True)
         tokens.append({"token": token})
     created = app.api(USER, DS, "CreateDataset", {"ownerSlug": USER, "slug": "other-data", "title": "Other data",

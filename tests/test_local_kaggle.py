@@ -12,7 +12,9 @@ import textwrap
 
 import pytest
 from kaggle_fixtures import (  # noqa: F401  (local_kaggle is a fixture)
+    KAGGLE_BIN,
     KEY,
+    REPO,
     USER,
     client_env,
     load_local_kaggle_module,
@@ -436,16 +438,16 @@ def test_server_cli_and_admin_endpoint(tmp_path):
     import sys
 
     module = load_local_kaggle_module()
-    script = module.__file__
+    script = ["-m", "scripts.local_kaggle"]  # run from the repository root
     root = tmp_path / "root"
-    subprocess.run([sys.executable, script, "user-add", "--root", str(root), USER], input=KEY + "\n", text=True,
-                   check=True)
-    subprocess.run([sys.executable, script, "secret-set", "--root", str(root), USER, "TOKEN"], input="t0k\n",
-                   text=True, check=True)
+    subprocess.run([sys.executable, *script, "user-add", "--root", str(root), USER], input=KEY + "\n", text=True,
+                   check=True, cwd=REPO)
+    subprocess.run([sys.executable, *script, "secret-set", "--root", str(root), USER, "TOKEN"], input="t0k\n",
+                   text=True, check=True, cwd=REPO)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KAGGLE_")}
-    server = subprocess.Popen([sys.executable, script, "serve", "--root", str(root), "--port", "0",
+    server = subprocess.Popen([sys.executable, *script, "serve", "--root", str(root), "--port", "0",
                                "--session-limit", "5", "--queue-delay", "0.1"], env=env, stdout=subprocess.PIPE,
-                              text=True)
+                              text=True, cwd=REPO)
     try:
         line = server.stdout.readline()
         port = int(line.rsplit(" ", 1)[1])
@@ -454,7 +456,7 @@ def test_server_cli_and_admin_endpoint(tmp_path):
         cenv = client_env(app, tmp_path / "home")
         module.admin_call(root, port, "fault", {"kind": "http", "match": "ListKernels", "status": 500,
                                                 "message": "admin-injected"})
-        cli = [str(module.Path(sys.executable).with_name("kaggle"))]
+        cli = [str(KAGGLE_BIN)]
         out = subprocess.run(cli + ["kernels", "list", "--mine"], env=cenv, capture_output=True, text=True)
         assert out.returncode == 1 and "admin-injected" in out.stderr
         out = subprocess.run(cli + ["kernels", "list", "--mine"], env=cenv, capture_output=True, text=True)

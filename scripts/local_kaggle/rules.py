@@ -1,0 +1,79 @@
+"""Kaggle's rules as the local Kaggle models them (machine shapes, limits, quota weeks, names, session states), and
+the settings a server runs them with."""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+import sys
+from dataclasses import dataclass, field
+
+from .errors import ApiError
+
+# Machine shapes Kaggle accepts (kaggle-cli docs, Feb 2026), and what each one counts against.
+MACHINE_SHAPES: dict[str, str] = {
+    "NvidiaTeslaP100": "gpu",
+    "NvidiaTeslaT4": "gpu",
+    "NvidiaTeslaT4Highmem": "gpu",
+    "NvidiaTeslaA100": "gpu",
+    "NvidiaL4": "gpu",
+    "NvidiaL4X1": "gpu",
+    "NvidiaH100": "gpu",
+    "NvidiaRtxPro6000": "gpu",
+    "TpuV38": "tpu",
+    "Tpu1VmV38": "tpu",
+    "TpuV5E8": "tpu",
+    "TpuV6E8": "tpu",
+}
+# enable_tpu / enable_gpu without a machine_shape: what Kaggle picks is not verified; here the TPU and the "default
+# GPU" of kaggle-cli's Sep 2026 accelerator list (docs/kernels.md @13dad8ee).
+DEFAULT_TPU_SHAPE = "TpuV5E8"
+DEFAULT_GPU_SHAPE = "NvidiaTeslaT4"
+DEFAULT_SESSION_LIMIT_S = 9 * 3600  # a Kaggle session runs at most 9 hours (12 h for CPU-only, not modelled)
+DEFAULT_WORKING_CAP_BYTES = 20 * 10**9  # /kaggle/working holds 20 GB
+DEFAULT_TPU_QUOTA_HOURS = 20.0
+DEFAULT_GPU_QUOTA_HOURS = 30.0
+DEFAULT_CONCURRENCY = {"tpu": 1, "gpu": 2, "cpu": 5}
+
+TERMINAL = {"COMPLETE", "ERROR", "CANCEL_ACKNOWLEDGED"}  # a kernel version's states that are final
+SLUG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+WEEK_S = 7 * 86400
+
+
+def split_ref(ref: str, what: str) -> tuple[str, str]:
+    """'owner/slug' (extra parts, as in 'owner/slug/3', ignored) -> (owner, slug); 400 when it is not one."""
+    parts = (ref or "").strip("/").split("/")
+    if len(parts) < 2 or not parts[0] or not parts[1]:
+        raise ApiError(400, f"{what} {ref!r} is not of the form owner/slug")
+    return parts[0], parts[1]
+
+
+def week_start(ts: float) -> float:
+    """Weekly quota resets at Saturday 00:00 UTC."""
+    day = dt.datetime.fromtimestamp(ts, dt.timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0)
+    days_back = (day.weekday() - 5) % 7  # Monday=0 ... Saturday=5
+    return (day - dt.timedelta(days=days_back)).timestamp()
+
+
+@dataclass
+class Settings:
+    """The limits a server runs with (the CLI's `serve` options); tests change them on a running server."""
+
+    session_limit_s: float = DEFAULT_SESSION_LIMIT_S
+    working_cap_bytes: int = DEFAULT_WORKING_CAP_BYTES
+    queue_delay_s: float = 0.3  # how long a pushed version stays QUEUED at least
+    dataset_ready_delay_s: float = 0.0  # how long a new dataset version is not yet ready
+    concurrency: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_CONCURRENCY))
+    python: str = sys.executable  # what runs the kernels
+
+
+def check_access(user: str, owner: str, private: bool, what: str) -> None:
+    """A private dataset or kernel is its owner's alone (403 for anyone else)."""
+    if private and owner != user:
+        raise ApiError(403, f"Permission denied: {what} is private to {owner!r}")
+
+
+def check_owner(user: str, record: dict, what: str) -> None:
+    """Only the owner changes or deletes a dataset or kernel (403 for anyone else)."""
+    if record["owner"] != user:
+        raise ApiError(403, f"Permission denied: {what} '{record['ref']}' belongs to {record['owner']!r}")

@@ -1,0 +1,237 @@
+"""A session: one kernel version running as `python <script>` in its own process group, with Kaggle's folders
+under its version folder, its log captured, and its limits (time, quota, /kaggle/working size, injected kills)
+enforced until it ends. The scheduler (scheduler.py) starts them."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import IO, TYPE_CHECKING
+
+from .files import atomic_write_json, dir_size, link_or_copy, make_read_only, make_writable
+from .notebook import notebook_to_script
+from .server import proxy_env
+
+if TYPE_CHECKING:
+    from .app import LocalKaggle
+
+PROXY_VARS = {"http_proxy", "https_proxy", "all_proxy", "no_proxy"}
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the kernel and every process it started (a session ends with all of them)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def session_env(kernel: dict, v: dict, kroot: Path, secrets_file: Path, proxy_url: str) -> dict[str, str]:
+    """The kernel's environment: this process's, minus any Kaggle credentials and proxies, plus what
+    `shared.kaggle_env` reads to find the session's folders and secrets."""
+    env = {
+        k: val for k, val in os.environ.items()
+        if not k.startswith(("KAGGLE_", "LOCAL_KAGGLE_")) and k.lower() not in PROXY_VARS
+    }
+    env.update(
+        {
+            "PYTHONUNBUFFERED": "1",
+            "LOCAL_KAGGLE_ROOT": str(kroot),
+            "LOCAL_KAGGLE_SECRETS_FILE": str(secrets_file),
+            "LOCAL_KAGGLE_ACCELERATOR": v.get("machine_shape") or "",
+            "LOCAL_KAGGLE_KERNEL": kernel["ref"],
+            "LOCAL_KAGGLE_VERSION": str(v["number"]),
+            "TMPDIR": str(kroot / "temp"),
+            # Every outbound request goes to this server: the Kaggle API is served, the internet is not.
+            **proxy_env(proxy_url),
+        }
+    )
+    if v.get("enable_internet"):
+        env["KAGGLE_API_ENVIRONMENT"] = "LOCALHOST"
+    return env
+
+
+def materialize_inputs(app: LocalKaggle, v: dict, input_dir: Path) -> None:
+    """/kaggle/input/<slug>/: the newest ready version of each dataset source and the saved output of each kernel
+    source's newest complete version, hard-linked and read-only."""
+    input_dir.mkdir(parents=True, exist_ok=True)
+    for ref in v["dataset_sources"]:
+        with app.store.lock:
+            ds = app.datasets.get(ref)
+            version = app.datasets.version(ds, None)
+            src = app.store.dataset_dir(ds, version["number"])
+            names = [f["name"] for f in version["files"]]
+        dst = input_dir / ds["slug"]
+        dst.mkdir(exist_ok=True)
+        for name in names:
+            link_or_copy(src / name, dst / name)
+    for ref in v["kernel_sources"]:
+        with app.store.lock:
+            src_kernel = app.kernels.get(ref)
+            done = [x for x in src_kernel["versions"] if x["status"] == "COMPLETE" and x.get("outputs_saved")]
+            files = app.kernels.output_files(src_kernel, done[-1]) if done else []
+        dst = input_dir / src_kernel["slug"]
+        dst.mkdir(exist_ok=True)
+        for rel, path in files:
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            link_or_copy(path, dst / rel)
+    make_read_only(input_dir)
+
+
+class Session:
+    """A running kernel version. `kill` may come from any thread; the session then ends as `kill_status`
+    with the reason as its failure message, and its /kaggle/working output is discarded."""
+
+    def __init__(self, app: LocalKaggle, kernel: dict, v: dict, kill_fault: dict | None):
+        self.app = app
+        self.kernel = kernel
+        self.v = v
+        self.ref = kernel["ref"]
+        self.number = v["number"]
+        self.limit_s = v["limit_s"]
+        self.kill_fault = kill_fault
+        self.vdir = app.store.kernel_dir(kernel, v["number"])
+        self.proc: subprocess.Popen | None = None
+        self.started = time.time()
+        self.kill_reason: str | None = None
+        self.kill_status = "ERROR"
+        self.log_lock = threading.Lock()
+        self.done = threading.Event()
+
+    def kill(self, reason: str, status: str = "ERROR") -> None:
+        if self.kill_reason is None:
+            self.kill_reason = reason
+            self.kill_status = status
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            _kill_group(proc)
+
+    def _prepare(self, kroot: Path) -> tuple[Path, dict[str, str]]:
+        """Kaggle's folders, the script (a notebook's code cells), the secrets file; -> (script, environment)."""
+        for sub in ("working", "temp"):
+            (kroot / sub).mkdir(parents=True, exist_ok=True)
+        materialize_inputs(self.app, self.v, kroot / "input")
+        text = (self.vdir / "source.txt").read_text(encoding="utf-8")
+        if self.kernel.get("kernel_type") == "notebook":
+            text = notebook_to_script(text)
+        src = self.vdir / "src"
+        src.mkdir(exist_ok=True)
+        script = src / f"{self.kernel['slug']}.py"
+        script.write_text(text, encoding="utf-8")
+        secrets_file = self.vdir / "secrets.json"
+        atomic_write_json(secrets_file, self.app.accounts.secrets_of(self.kernel["owner"]), mode=0o600)
+        return script, session_env(self.kernel, self.v, kroot, secrets_file, self.app.proxy_url)
+
+    def run(self) -> None:
+        """From start to end, in the session's own thread; whatever happens, the version ends with a status."""
+        try:
+            fault = self.app.faults.take_session_error(self.ref)
+            if fault is not None:
+                self._finish("ERROR", fault["message"], keep_outputs=False)
+                return
+            kroot = self.vdir / "kaggle"
+            script, env = self._prepare(kroot)
+            self.started = time.time()
+            with open(self.vdir / "log.jsonl", "a", encoding="utf-8") as log:
+                self.proc = subprocess.Popen(
+                    [self.app.settings.python, str(script)],
+                    cwd=kroot / "working",
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                )
+                if self.kill_reason is not None:  # stopped before the process existed
+                    self.kill(self.kill_reason, self.kill_status)
+                readers = [
+                    threading.Thread(target=self._pump, args=(stream, name, log), daemon=True)
+                    for stream, name in ((self.proc.stdout, "stdout"), (self.proc.stderr, "stderr"))
+                ]
+                for r in readers:
+                    r.start()
+                self._watch(kroot / "working")
+                for r in readers:
+                    r.join(10)
+            rc = self.proc.returncode
+            if self.kill_reason is not None:
+                self._finish(self.kill_status, self.kill_reason, keep_outputs=False)
+            elif rc == 0:
+                self._finish("COMPLETE", None, keep_outputs=True)
+            else:
+                self._finish("ERROR", f"Kernel process exited with code {rc}", keep_outputs=True)
+        except Exception as err:
+            if self.proc is not None and self.proc.poll() is None:
+                self.kill("internal error")
+            self._finish("ERROR", f"The local Kaggle failed to run the session: {err!r}", keep_outputs=False)
+
+    def _pump(self, stream: IO[bytes], name: str, log: IO[str]) -> None:
+        """Copy one output stream into the log, line by line; an `on_log` kill fault fires on its line."""
+        pattern = self.kill_fault.get("on_log") if self.kill_fault else None
+        for raw in iter(stream.readline, b""):
+            data = raw.decode("utf-8", errors="replace")
+            event = {"stream_name": name, "time": round(time.time() - self.started, 3), "data": data}
+            with self.log_lock:
+                log.write(json.dumps(event) + "\n")
+                log.flush()
+            if pattern and re.search(pattern, data):
+                self.kill(self.kill_fault["message"])
+        stream.close()
+
+    def _watch(self, working: Path) -> None:
+        """Until the process exits: kill it at the time limit, an `after_s` kill fault, the end of the quota, or
+        /kaggle/working over its cap (its size checked twice a second)."""
+        proc, accel, settings = self.proc, self.v.get("accelerator"), self.app.settings
+        next_size_check = 0.0
+        while proc.poll() is None:
+            now = time.time()
+            elapsed = now - self.started
+            if elapsed >= self.limit_s:
+                self.kill(
+                    f"Session exceeded its time limit of {self.limit_s:g} seconds and was killed; "
+                    "its /kaggle/working output was not saved"
+                )
+            fault = self.kill_fault
+            if fault and fault.get("after_s") is not None and elapsed >= float(fault["after_s"]):
+                self.kill(fault["message"])
+            reason = self.app.quota.stop_reason(self.kernel["owner"], accel, now) if accel is not None else None
+            if reason is not None:
+                self.kill(reason)
+            if now >= next_size_check:
+                size = dir_size(working)
+                if size > settings.working_cap_bytes:
+                    self.kill(
+                        f"/kaggle/working grew to {size} bytes, over its {settings.working_cap_bytes}-byte limit; "
+                        "the session was stopped"
+                    )
+                next_size_check = now + 0.5
+            try:
+                proc.wait(timeout=0.05)
+            except subprocess.TimeoutExpired:
+                pass
+        _kill_group(proc)  # the process group may have children left
+
+    def _finish(self, status: str, message: str | None, keep_outputs: bool) -> None:
+        """Record the end, drop the session's temp, inputs and secrets (and its output unless kept)."""
+        with self.app.store.lock:
+            self.v["status"] = status
+            self.v["failure_message"] = message
+            self.v["ended"] = time.time()
+            self.v["outputs_saved"] = keep_outputs
+            self.app.scheduler.sessions.pop((self.ref, self.number), None)
+            self.app.store.save()
+        kroot = self.vdir / "kaggle"
+        if not keep_outputs:
+            shutil.rmtree(kroot / "working", ignore_errors=True)
+        for sub in ("temp", "input"):
+            make_writable(kroot / sub)
+            shutil.rmtree(kroot / sub, ignore_errors=True)
+        (self.vdir / "secrets.json").unlink(missing_ok=True)
+        self.done.set()
