@@ -48,7 +48,6 @@ class ModelConfig:
 
 MODEL_PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(n_layer=2, n_head=4, n_embd=128, block_size=256),
-    "mini": ModelConfig(n_layer=6, n_head=6, n_embd=384, block_size=1024),  # recipe benchmarks on a CPU
     "gpt2": ModelConfig(n_layer=12, n_head=12, n_embd=768),
     "gpt2-medium": ModelConfig(n_layer=24, n_head=16, n_embd=1024),
     "gpt2-large": ModelConfig(n_layer=36, n_head=20, n_embd=1280),

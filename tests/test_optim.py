@@ -224,3 +224,43 @@ def test_muon_resume_in_new_process_is_bit_exact(demo_data, tmp_path):
     assert other.returncode == 2
     assert "--optimizer adamw: the checkpoint" in other.stderr and "resume with --optimizer muon" in other.stderr
     assert [h[0] for h in loss_history(tmp_path / "resumed")] == list(range(1, 7))
+
+
+def test_one_session_recipe_config_is_muon_over_five_billion_tokens():
+    from conftest import REPO
+
+    from scripts.chain import load_config
+
+    chain = load_config(REPO / "examples" / "chain-gpt2-124m-muon.json")
+    cfg = TrainConfig(**chain.train, max_steps=chain.total_steps)
+    cfg.validate(8)
+    tokens = chain.total_steps * cfg.total_batch_tokens
+    assert cfg.optimizer == "muon" and cfg.schedule == "wsd" and cfg.preset == "gpt2"
+    assert 5.0e9 <= tokens < 5.01e9 and tokens <= chain.tokenize["settings"]["tokens_per_part"]
+    assert chain.session_limit_s == 9 * 3600 and chain.accelerator == "TpuV5E8"
+
+
+def test_bench_recipe_remaps_to_the_most_frequent_tokens_and_reads_tokens_needed(tmp_path):
+    import importlib.util
+
+    from conftest import REPO
+
+    from shared.data import read_shard, write_shard
+
+    spec = importlib.util.spec_from_file_location("bench_recipe", REPO / "scripts" / "bench_recipe.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    write_shard(corpus / "c_train_000000.bin", np.array([7, 7, 7, 900, 900, 5, 60000, 7], dtype=np.uint16))
+    write_shard(corpus / "c_val_000000.bin", np.array([5, 900, 7, 12], dtype=np.uint16))
+    out = bench.remap_vocabulary(corpus, vocab=3)
+    assert out == tmp_path / "corpus-vocab3"
+    # 7 (4 times) -> 0, 900 (twice) -> 1, everything else -> the shared id 2; validation uses the train ranks
+    assert read_shard(out / "c_train_000000.bin").tolist() == [0, 0, 0, 1, 1, 2, 2, 0]
+    assert read_shard(out / "c_val_000000.bin").tolist() == [2, 1, 0, 2]
+    finals = [(1_000_000, 3.0), (2_000_000, 2.5), (4_000_000, 2.0)]
+    needed, interpolated = bench.tokens_to_reach(2.25, finals)  # halfway in log(tokens) from 2M to 4M
+    assert interpolated and needed == pytest.approx(2_000_000 * 2 ** 0.5)
+    assert bench.tokens_to_reach(3.5, finals) == (1_000_000, False)  # the smallest budget already reaches it
+    assert bench.tokens_to_reach(1.0, finals) == (None, False)
