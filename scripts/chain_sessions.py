@@ -50,11 +50,11 @@ def ensure_corpus_dataset(chain: Chain, ref: str, max_chars: int) -> None:
     """Upload the demo corpus as a dataset (once) for the tokenize kernel to read."""
     from shared.publish import push_dataset_folder, write_dataset_folder
 
-    if chain.dataset_exists(ref):
+    if chain.client.dataset_exists(ref):
         return
     files = make_demo_corpus(chain.workdir / "corpus", max_chars)
     folder = write_dataset_folder(chain.workdir / "corpus-upload", ref, "GPT-2 demo corpus", files)
-    chain.call(f"create dataset {ref}", push_dataset_folder, chain.api, folder, ref, "demo corpus")
+    chain.client.call(f"create dataset {ref}", push_dataset_folder, chain.client.api, folder, ref, "demo corpus")
     print(f"uploaded the demo corpus ({files[0].stat().st_size / 1e6:.1f} MB of Python documentation) as {ref}")
 
 

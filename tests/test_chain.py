@@ -228,7 +228,7 @@ class FakeApi:
 def fake_chain(tmp_path: Path, api: FakeApi) -> Chain:
     cfg = config_from_dict({"name": "unit-run", "token_datasets": ["alice/t"]})
     chain = Chain(cfg, tmp_path / "chain", api=api, log=lambda *_: None)
-    chain.kernel_info = lambda ref: (len(api.sources), api.sources[-1] if api.sources else "")
+    chain.client.kernel_info = lambda ref: (len(api.sources), api.sources[-1] if api.sources else "")
     return chain
 
 
@@ -246,14 +246,14 @@ def build_dummy(tmp_path: Path):
 def test_a_chain_killed_around_a_push_pushes_once(tmp_path, kill):
     api = FakeApi(kill_after_push=kill == "after_push", kill_before_push=kill == "before_push")
     with pytest.raises(Killed):
-        fake_chain(tmp_path, api).push_once("train-1", "alice/unit-run-train", build_dummy(tmp_path))
+        fake_chain(tmp_path, api).ctx.push_once("train-1", "alice/unit-run-train", build_dummy(tmp_path))
     api.kill_after_push = api.kill_before_push = False
     restarted = fake_chain(tmp_path, api)  # a new process: the state comes from the file
-    assert restarted.push_once("train-1", "alice/unit-run-train", build_dummy(tmp_path)) == 1
+    assert restarted.ctx.push_once("train-1", "alice/unit-run-train", build_dummy(tmp_path)) == 1
     assert len(api.sources) == 1
-    assert restarted.push_once("train-1", "alice/unit-run-train", build_dummy(tmp_path)) == 1
+    assert restarted.ctx.push_once("train-1", "alice/unit-run-train", build_dummy(tmp_path)) == 1
     assert len(api.sources) == 1
-    assert restarted.push_once("train-2", "alice/unit-run-train", build_dummy(tmp_path)) == 2
+    assert restarted.ctx.push_once("train-2", "alice/unit-run-train", build_dummy(tmp_path)) == 2
 
 
 # --- bad input ------------------------------------------------------------------------------------------------
@@ -384,10 +384,10 @@ def test_quota_fields_left_out_mean_zero_and_a_zipped_manifest_is_read(tmp_path)
 
     chain = Chain(config_from_dict({**{k: v for k, v in DEMO.items() if not k.startswith("_")}}, "demo"),
                   tmp_path / "w", api=QuotaApi(), log=lambda _: None)
-    assert chain.quota_left_s()[:2] == (72000.0, 72000.0)
+    assert chain.train.quota_left_s()[:2] == (72000.0, 72000.0)
     quota.time_used = datetime.timedelta(hours=2)
     quota.time_reserved = datetime.timedelta(hours=9)  # a session running now
-    assert chain.quota_left_s()[:2] == (9 * 3600.0, 72000.0)
+    assert chain.train.quota_left_s()[:2] == (9 * 3600.0, 72000.0)
 
     dest = tmp_path / "probe"
     dest.mkdir()

@@ -46,20 +46,20 @@ def test_a_finished_status_right_after_a_push_waits_for_the_new_version(tmp_path
     # The previous version's COMPLETE, read twice before the new version shows as queued: not this session's end.
     api = StatusApi(["COMPLETE", "COMPLETE", "QUEUED", "RUNNING", "ERROR"])
     chain, lines = status_chain(tmp_path, api, pushed_ago_s=1)
-    status, _, _ = chain.wait("alice/unit-run-train", "train v2", "train-1")
+    status, _, _ = chain.ctx.wait("alice/unit-run-train", "train v2", "train-1")
     assert (status, api.reads) == ("ERROR", 5)
     assert any("not seen queued or running yet; taking complete as the previous version's" in ln for ln in lines)
     assert chain.state.pushes["train-1"]["seen_active"] is True
     # Long after the push (a session that ended between polls, or a restarted chain), COMPLETE counts at once.
     api = StatusApi(["COMPLETE"])
     chain, _ = status_chain(tmp_path / "later", api, pushed_ago_s=700)
-    assert chain.wait("alice/unit-run-train", "train v2", "train-1")[0] == "COMPLETE" and api.reads == 1
+    assert chain.ctx.wait("alice/unit-run-train", "train v2", "train-1")[0] == "COMPLETE" and api.reads == 1
 
 
 def test_cancel_requested_is_not_an_end(tmp_path):
     api = StatusApi(["RUNNING", "CANCEL_REQUESTED", "CANCEL_REQUESTED", "CANCEL_ACKNOWLEDGED"])
     chain, _ = status_chain(tmp_path, api, pushed_ago_s=1)
-    assert chain.wait("alice/unit-run-train", "train v2", "train-1")[0] == "CANCEL_ACKNOWLEDGED"
+    assert chain.ctx.wait("alice/unit-run-train", "train v2", "train-1")[0] == "CANCEL_ACKNOWLEDGED"
     assert api.reads == 4
 
 
@@ -82,15 +82,15 @@ def test_a_forbidden_dataset_or_kernel_is_an_error_not_missing(tmp_path):
             raise http_error(self.status, "Permission 'kernels.get' was denied")
 
     chain = Chain(config_from_dict(BASE), tmp_path / "c", api=Api(403), log=lambda _: None)
-    chain.user = "alice"
+    chain.client.user = "alice"
     with pytest.raises(UserError) as err:
-        chain.dataset_exists("bob/private-data")
+        chain.client.dataset_exists("bob/private-data")
     assert str(err.value) == ("dataset bob/private-data: Kaggle refuses alice access (HTTP 403); it is another "
                               "user's private dataset, or the credentials are wrong")
     with pytest.raises(UserError, match=r"^kernel bob/private-kernel: Kaggle refuses alice access \(HTTP 403\)"):
-        chain.kernel_info("bob/private-kernel")
+        chain.client.kernel_info("bob/private-kernel")
     missing = Chain(config_from_dict(BASE), tmp_path / "m", api=Api(404), log=lambda _: None)
-    assert missing.dataset_exists("bob/gone") is False and missing.kernel_info("bob/gone") == (0, "")
+    assert missing.client.dataset_exists("bob/gone") is False and missing.client.kernel_info("bob/gone") == (0, "")
 
 
 def test_session_limits_over_what_kaggle_allows_are_refused_at_load():
@@ -101,9 +101,9 @@ def test_session_limits_over_what_kaggle_allows_are_refused_at_load():
     with pytest.raises(UserError, match=r"over the 12 h Kaggle allows a GPU session \(NvidiaTeslaT4\)"):
         config_from_dict({**BASE, "accelerator": "NvidiaTeslaT4", "session_limit_s": 43201})
     # At Kaggle's maximum no sessionTimeoutSeconds is sent ("must be lower than the global maximum"); below it, is.
-    assert Chain(config_from_dict(BASE), "/tmp/unused-chain", api=None)._session_timeout() is None
+    assert Chain(config_from_dict(BASE), "/tmp/unused-chain", api=None).ctx.session_timeout() is None
     short = Chain(config_from_dict({**BASE, "session_limit_s": 3600}), "/tmp/unused-chain", api=None)
-    assert short._session_timeout() == "3600"
+    assert short.ctx.session_timeout() == "3600"
 
 
 def test_checkpoints_are_placed_where_they_fit_and_the_publish_margin_grows_with_them():
@@ -131,14 +131,14 @@ def test_one_wandb_run_per_chain_resumed_by_every_session(tmp_path):
     from shared.metrics import wandb_run_id
 
     first = Chain(config_from_dict(BASE), tmp_path / "a", api=None, log=lambda _: None)
-    run_id = first.wandb_run_id()
+    run_id = first.train.wandb_run_id()
     assert run_id.startswith("unit-run-") and len(run_id) == len("unit-run-") + 8
     again = Chain(config_from_dict(BASE), tmp_path / "a", api=None, log=lambda _: None)  # a restarted chain
-    assert again.wandb_run_id() == run_id
+    assert again.train.wandb_run_id() == run_id
     other = Chain(config_from_dict(BASE), tmp_path / "b", api=None, log=lambda _: None)  # a second chain
-    assert other.wandb_run_id() != run_id
-    first.user = "alice"
-    folder = first.build_train("push-1")
+    assert other.train.wandb_run_id() != run_id
+    first.client.user = "alice"
+    folder = first.train.build("push-1")
     code = next(folder.glob("*.py")).read_text()
     assert f'"wandb_run_id": "{run_id}"' in code and '"run_name": "unit-run"' in code
     with pytest.raises(UserError, match="train.wandb_run_id is set by the chain"):
@@ -166,7 +166,7 @@ def test_a_key_from_kaggle_json_is_masked_in_every_message(tmp_path, monkeypatch
         raise requests.ConnectionError(f"auth alice:{fake_key} refused")  # transient: logged, then retried
 
     with pytest.raises(ApiFailure) as err:
-        chain.call("dataset alice/x", leaky)
+        chain.client.call("dataset alice/x", leaky)
     assert "***" in str(err.value) and all("***" in line for line in lines) and lines
     assert fake_key not in str(err.value) + "\n".join(lines)
 
@@ -188,9 +188,9 @@ from scripts.chain import Chain, config_from_dict
 chain = Chain(config_from_dict({json.dumps(BASE)}), {str(tmp_path / 'chain')!r}, log=lambda _: None)
 chain.connect()
 tracemalloc.start()
-files = chain.download_output("alice/big-output", Path({str(tmp_path / 'out')!r}))
+files = chain.client.download_output("alice/big-output", Path({str(tmp_path / 'out')!r}))
 peak = tracemalloc.get_traced_memory()[1]
-only = chain.download_output("alice/big-output", Path({str(tmp_path / 'only')!r}), pattern=r"^train/")
+only = chain.client.download_output("alice/big-output", Path({str(tmp_path / 'only')!r}), pattern=r"^train/")
 print(json.dumps({{"files": sorted(Path(f).name for f in files), "peak": peak, "only": [Path(f).name for f in only],
                   "sha": hashlib.sha256(Path({str(tmp_path / 'out' / 'big.bin')!r}).read_bytes()).hexdigest()}}))
 """
@@ -268,7 +268,7 @@ def test_a_failed_dataset_version_ends_the_wait_at_once(tmp_path):
 
     chain = Chain(config_from_dict(BASE), tmp_path / "c", api=Api(), log=lambda _: None, sleep=lambda s: None)
     with pytest.raises(UserError) as err:
-        chain.wait_dataset_ready("alice/unit-run-checkpoints")
+        chain.client.wait_dataset_ready("alice/unit-run-checkpoints")
     assert str(err.value) == "dataset alice/unit-run-checkpoints: its newest version is failed on Kaggle; see the " \
                              "dataset's page"
     assert Api.reads == 2

@@ -19,20 +19,11 @@ from scripts.chain.tokenize_stage import TokenizeStage
 from scripts.chain.train_stage import TrainStage
 from shared.errors import UserError
 
-# Calls of the chain's parts under the chain's own name, as scripts and tests use them (chain.call(...),
-# chain.wait(...), chain.user = ...): reading one reads it from the part, setting one sets it on the part, where
-# the stages find it (a test's stand-in for kernel_info included).
-_FORWARDED = {
-    "api": ("client", "api"), "user": ("client", "user"), "call": ("client", "call"),
-    "dataset_exists": ("client", "dataset_exists"), "kernel_info": ("client", "kernel_info"),
-    "download_output": ("client", "download_output"), "wait_dataset_ready": ("client", "wait_dataset_ready"),
-    "push_once": ("ctx", "push_once"), "wait": ("ctx", "wait"), "_session_timeout": ("ctx", "session_timeout"),
-    "build_train": ("train", "build"), "wandb_run_id": ("train", "wandb_run_id"),
-    "quota_left_s": ("train", "quota_left_s"),
-}
-
 
 class Chain:
+    """The stages over one client and one state file: `chain.client` (Kaggle calls), `chain.ctx` (what the
+    stages share: pushing once, waiting for a version), `chain.tokenize`, `chain.train`, `chain.eval`."""
+
     def __init__(self, cfg: ChainConfig, workdir: str | os.PathLike, api=None, log: Callable[[str], None] = print,
                  sleep: Callable[[float], None] = time.sleep):
         self.cfg = cfg
@@ -42,19 +33,6 @@ class Chain:
         self.client = KaggleClient(cfg.client, api=api, user=cfg.user, log=log, sleep=sleep)
         self.ctx = StageContext(cfg, self.client, self.state, self.workdir)
         self.tokenize, self.train, self.eval = TokenizeStage(self.ctx), TrainStage(self.ctx), EvalStage(self.ctx)
-
-    def __getattr__(self, name: str):
-        if name in _FORWARDED:
-            part, attr = _FORWARDED[name]
-            return getattr(getattr(self, part), attr)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-    def __setattr__(self, name: str, value) -> None:
-        if name in _FORWARDED:
-            part, attr = _FORWARDED[name]
-            setattr(getattr(self, part), attr, value)
-        else:
-            super().__setattr__(name, value)
 
     def connect(self) -> None:
         self.client.connect()
