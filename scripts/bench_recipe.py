@@ -12,7 +12,9 @@ fixed shuffle, so the validation text is unseen; every run sees at most one pass
 
 Muon's schedule decays to zero at its end, so its loss mid-run says little about a shorter run: besides the
 full-budget run, Muon trains at fractions of the budget (each with its own decay), and the tokens it needs are
-read from those runs' final losses (interpolated between the two budgets around AdamW's final loss).
+read from those runs' final losses (interpolated between the two budgets around AdamW's final loss). AdamW runs
+at several LRs with its cosine schedule, and once with Muon's schedule at the best of them; the target is the
+best AdamW run's final loss.
 """
 
 from __future__ import annotations
@@ -216,12 +218,13 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch-tokens", type=int, default=16384, help="tokens per optimizer step")
     parser.add_argument("--micro-batch", type=int, default=64)
-    parser.add_argument("--tokens", type=float, default=3e6, help="the token budget of the AdamW run")
+    parser.add_argument("--tokens", type=float, default=1.5e6, help="the token budget of the AdamW run")
     parser.add_argument("--backend", default="cpu")
-    parser.add_argument("--adamw-lrs", default="2e-3,4e-3", help="AdamW's peak LRs tried; the best is the target")
+    parser.add_argument("--adamw-lrs", default="1e-3,2e-3,4e-3", help="AdamW's peak LRs tried; the best is the target")
     parser.add_argument("--muon-lr", type=float, default=0.02)
     parser.add_argument("--muon-adamw-lr", type=float, default=4e-3, help="Muon's AdamW part (embeddings, ...)")
-    parser.add_argument("--muon-fractions", default="1,0.7,0.5", help="Muon's budgets, as fractions of --tokens")
+    parser.add_argument("--muon-fractions", default="1,0.7,0.5,0.4,0.3,0.2,0.1",
+                        help="Muon's budgets, as fractions of --tokens")
     parser.add_argument("--evals", type=int, default=10, help="validation evals per run")
     args = parser.parse_args()
 
@@ -245,18 +248,25 @@ def main() -> None:
                        wandb_project="", xla_cache=False, time_budget=1e9, log_every=10)
     out_root = Path(args.out_dir)
     curves, finals = {}, []
-    for lr in [float(x) for x in args.adamw_lrs.split(",")]:
-        adamw = replace(base, max_steps=steps, eval_every=max(1, steps // args.evals), lr=lr)
+    eval_every = max(1, steps // args.evals)
+    adamw_lrs = [float(x) for x in args.adamw_lrs.split(",")]
+    for lr in adamw_lrs:
+        adamw = replace(base, max_steps=steps, eval_every=eval_every, lr=lr)
         curves[f"AdamW + cosine, lr {lr:g}"] = run(f"adamw-lr{lr:g}", adamw, out_root)
+    # The schedule apart from the optimizer: AdamW with Muon's schedule, at the best cosine LR.
+    best_lr = min(adamw_lrs, key=lambda lr: curves[f"AdamW + cosine, lr {lr:g}"][-1][1])
+    adamw_wsd = replace(base, max_steps=steps, eval_every=eval_every, lr=best_lr, schedule="wsd")
+    curves[f"AdamW + wsd, lr {best_lr:g}"] = run(f"adamw-wsd-lr{best_lr:g}", adamw_wsd, out_root)
     best_adamw = min(curves, key=lambda name: curves[name][-1][1])
     for fraction in [float(f) for f in args.muon_fractions.split(",")]:
-        muon_steps = int(steps * fraction)
-        muon = replace(base, max_steps=muon_steps, eval_every=max(1, steps // args.evals), optimizer="muon",
+        # A shorter run ends on an eval (the trainer evaluates every eval_every steps): its final loss is its end's.
+        muon_steps = steps if fraction >= 1 else max(eval_every, int(steps * fraction) // eval_every * eval_every)
+        muon = replace(base, max_steps=muon_steps, eval_every=eval_every, optimizer="muon",
                        schedule="wsd", lr=args.muon_adamw_lr, muon_lr=args.muon_lr)
         curve = run(f"muon-{fraction:g}", muon, out_root)
-        curves[f"Muon + wsd, {fraction:g}x budget"] = curve
-        finals.append((muon_steps * args.batch_tokens, curve[-1][1]))
-    target = curves[best_adamw][-1][1]
+        curves[f"Muon + wsd, {muon_steps / steps:.2f}x budget"] = curve
+        finals.append((curve[-1][0], curve[-1][1]))
+    target_tokens, target = curves[best_adamw][-1]
     needed, interpolated = tokens_to_reach(target, finals)
     png = plot_curves(curves, target, out_root / "val_loss.png",
                       f"GPT-2 {args.n_layer}L/{args.n_embd}d, vocabulary {args.vocab or 'GPT-2'}, "
@@ -267,8 +277,8 @@ def main() -> None:
     if needed:
         lines.append(f"Muon + wsd reaches the best AdamW run's final val loss {target:.4f} ({best_adamw}) in "
                      f"{'' if interpolated else 'at most '}{needed:,.0f} tokens: "
-                     f"{'' if interpolated else 'at least '}{steps * args.batch_tokens / needed:.2f}x fewer than "
-                     f"AdamW's {steps * args.batch_tokens:,}")
+                     f"{'' if interpolated else 'at least '}{target_tokens / needed:.2f}x fewer than "
+                     f"AdamW's {target_tokens:,} (losses at each run's last eval)")
     else:
         lines.append(f"Muon + wsd does not reach the best AdamW run's final val loss {target:.4f} ({best_adamw}) "
                      "within the budgets tried")
