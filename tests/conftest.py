@@ -1,5 +1,6 @@
 """Shared fixtures: torch_xla's CPU backend with 8 devices, GPT-2 ranks from the package index, a real-text
-corpus in llm.c shards, and a helper to run kernels as a user would (a new process)."""
+corpus in llm.c shards, the tokenize tests' corpus (tokenize_fixtures.py), and a helper to run kernels as a user
+would (a new process)."""
 
 import os
 import subprocess
@@ -21,6 +22,9 @@ REPO = Path(__file__).resolve().parent.parent
 from shared.device import make_runtime  # noqa: E402
 
 make_runtime("xla")
+
+# The tokenize tests' session fixtures, here so that both of their files share one corpus and one reference run.
+from tokenize_fixtures import corpus, enc, ranks, reference  # noqa: E402, F401
 
 
 @pytest.fixture(scope="session")
