@@ -43,6 +43,18 @@ def demo_data(tmp_path_factory, gpt2_ranks) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def straight_run(demo_data, tmp_path_factory) -> Path:
+    """6 uninterrupted steps of kernels/train.py (test_train's small settings): what resumed runs must equal, in
+    test_train.py and test_build_kernels.py alike, so it is run once."""
+    from test_train import train_cli
+
+    out = tmp_path_factory.mktemp("straight")
+    proc = train_cli(demo_data, out, "--max-steps", "6")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
 def run_script(path: str, *args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run a repo script in a fresh Python process, as a user would."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
