@@ -57,6 +57,7 @@ from shared.tokenize_manifest import (
     read_manifest,
     shard_bytes,
     shard_name,
+    shards_bytes,
     verify_shards,
     write_manifest,
 )
@@ -212,7 +213,7 @@ def tokenize_part(cfg: TokenizeConfig, log: Callable[[str], None] | None = None)
             manifest["end"] = manifest["start"]
         manifest["num_tokens"] = sum(s["tokens"] for s in manifest["shards"])
         start, end = manifest["start"], manifest["end"]
-        manifest["num_docs"] = end["doc"] - start["doc"] + bool(end["offset"]) - bool(start["offset"])
+        manifest["num_docs"] = docs_between(start, end)
         log(f"resuming part {cfg.part}: {kept} finished shards verified, continuing at document "
             f"{manifest['end']['doc']} (+{manifest['end']['offset']} tokens)")
     manifest_len = write_manifest(out_dir, manifest)
@@ -267,6 +268,12 @@ def _produce(cfg, manifest, out_dir, source, ranks, budget, manifest_len, resume
     return manifest
 
 
+def docs_between(start: dict, end: dict) -> int:
+    """Documents begun between stream positions `start` and `end` (a part's count: one it starts inside of was
+    counted by the part before)."""
+    return end["doc"] - start["doc"] + (1 if end["offset"] else 0) - (1 if start["offset"] else 0)
+
+
 def _summary(manifest: dict, out_dir: Path, seconds: float, new_tokens: int, resumed: bool,
              total_seconds: float | None = None) -> dict:
     return {
@@ -275,7 +282,7 @@ def _summary(manifest: dict, out_dir: Path, seconds: float, new_tokens: int, res
         "shards": len(manifest["shards"]),
         "tokens": manifest["num_tokens"],
         "docs": manifest["num_docs"],
-        "bytes": sum(shard_bytes(s["tokens"]) for s in manifest["shards"]),
+        "bytes": shards_bytes(manifest),
         "stop_reason": manifest["stop_reason"],
         "start": {k: manifest["start"][k] for k in ("doc", "offset")},
         "end": {k: manifest["end"][k] for k in ("doc", "offset")},
@@ -298,7 +305,7 @@ class _RunState:
         self.part_tokens = manifest["num_tokens"]  # tokens of this part consumed: in shards or in `buf`
         self.new_tokens = 0
         self.new_shards = 0
-        self.written = sum(shard_bytes(s["tokens"]) for s in manifest["shards"])
+        self.written = shards_bytes(manifest)
         self.other_bytes = max(0, dir_bytes(out_dir) - self.written - manifest_len)
         self.drop_offset = manifest["end"]["offset"]  # tokens of the first document already in earlier shards
         self._last_end: dict | None = None
@@ -311,9 +318,13 @@ class _RunState:
                             desc=f"part {cfg.part}", dynamic_ncols=True, smoothing=0.05,
                             mininterval=0.5 if sys.stderr.isatty() else 30.0)  # a Kaggle log keeps every line
 
-    def close_progress(self):
+    def _postfix(self, end: dict) -> None:
+        """The bar's documents so far (up to stream position `end`) and gigabytes written."""
+        self.bar.set_postfix(docs=docs_between(self.m["start"], end), GB=f"{self.written / GB:.2f}", refresh=False)
+
+    def close_progress(self) -> None:
         if self.bar is not None:
-            self.bar.set_postfix(docs=self._docs_until(self.m["end"]), GB=f"{self.written / GB:.2f}", refresh=False)
+            self._postfix(self.m["end"])
             self.bar.close()
             self.bar = None
 
@@ -367,17 +378,11 @@ class _RunState:
         self._last_ckpt = ckpt
         if self.bar is not None:
             self.bar.update(total)
-            self.bar.set_postfix(docs=self._docs_until(self._last_end), GB=f"{self.written / GB:.2f}",
-                                 refresh=False)
+            self._postfix(self._last_end)
         if part_done:
             if self.fill:
                 self._finish_shard(self._last_end, ckpt)
             raise _Stop("part_size")
-
-    def _docs_until(self, end: dict) -> int:
-        """Documents begun in this part before stream position `end`."""
-        start = self.m["start"]
-        return end["doc"] - start["doc"] + (1 if end["offset"] else 0) - (1 if start["offset"] else 0)
 
     def _finish_shard(self, end: dict, ckpt: dict) -> None:
         """Write the buffer's tokens as the next shard, which ends at stream position `end`."""
@@ -412,7 +417,7 @@ class _RunState:
         })
         m["end"] = {"doc": end["doc"], "offset": end["offset"], "checkpoint": ckpt}
         m["num_tokens"] += n
-        m["num_docs"] = self._docs_until(end)
+        m["num_docs"] = docs_between(self.m["start"], end)
         self.written += nbytes
         self.new_tokens += n  # tokens this run put into shards (what its summary and tokens/s count)
         self.fill = 0

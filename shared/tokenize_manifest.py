@@ -34,6 +34,11 @@ def shard_bytes(tokens: int) -> int:
     return HEADER_BYTES + 2 * tokens
 
 
+def shards_bytes(manifest: dict) -> int:
+    """What a manifest's shards take on disk."""
+    return sum(shard_bytes(s["tokens"]) for s in manifest["shards"])
+
+
 def format_bytes(n: float) -> str:
     return f"{n / GB:.3f} GB"
 
