@@ -131,6 +131,8 @@ def _validate(cfg: TokenizeConfig) -> None:
 
 
 class _Stop(Exception):
+    """Ends the run from inside the shard loop (part full, budget or disk reached); `reason` goes to the manifest."""
+
     def __init__(self, reason: str):
         self.reason = reason
 
