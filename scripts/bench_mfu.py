@@ -227,7 +227,7 @@ def main() -> None:
 
     backend = pick_backend(args.backend)
     if backend == "xla":
-        from shared.device import default_xla_env
+        from shared.tpu import default_xla_env
 
         default_xla_env()  # torch_xla's CPU devices off-TPU; must precede torch's first backward pass
     import torch

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from shared.errors import UserError
-from shared.fsutil import fsync_dir
+from shared.fsutil import atomic_write_bytes
 
 SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
@@ -33,15 +33,7 @@ def write_shard(path: str | os.PathLike, tokens: np.ndarray) -> None:
     tokens = np.asarray(tokens)
     if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
         raise ValueError("shard tokens must fit in uint16")
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(shard_header(tokens.size).tobytes())
-        f.write(tokens.astype(np.uint16, copy=False).tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    atomic_write_bytes(path, shard_header(tokens.size).tobytes(), tokens.astype(np.uint16, copy=False).tobytes())
 
 
 def read_shard(path: str | os.PathLike) -> np.ndarray:

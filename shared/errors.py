@@ -13,6 +13,14 @@ class UserError(Exception):
     """A problem with the user's input (a flag, a file, a checkpoint) that one line can explain."""
 
 
+def describe_error(err: BaseException) -> str:
+    """`Type: first line of the message`, at most 300 characters: a library's error inside a one-line UserError."""
+    text = str(err).strip().splitlines()
+    msg = text[0] if text else ""
+    msg = f"{type(err).__name__}: {msg}" if msg else type(err).__name__
+    return msg if len(msg) <= 300 else msg[:297] + "..."
+
+
 def run_cli(main: Callable[[], T]) -> T:
     """Run a kernel/script entry point, turning a UserError into `error: ...` on stderr and exit 2."""
     try:

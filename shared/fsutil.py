@@ -29,12 +29,14 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write `data` to `path` so that a kill at any moment leaves either the old file or the new one."""
+def atomic_write_bytes(path: str | os.PathLike, *chunks: bytes) -> None:
+    """Write `chunks` (concatenated) to `path` so that a kill at any moment leaves either the old file or the new
+    one: written to a hidden `.NAME.tmp` beside it, fsynced, then renamed."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
-        f.write(data)
+        for chunk in chunks:  # several: a shard's header and tokens, without joining 200 MB into one buffer
+            f.write(chunk)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

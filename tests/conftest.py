@@ -1,5 +1,6 @@
 """Shared fixtures: torch_xla's CPU backend with 8 devices, GPT-2 ranks from the package index, a real-text
-corpus in llm.c shards, and a helper to run kernels as a user would (a new process)."""
+corpus in llm.c shards, the tokenize tests' corpus (tokenize_fixtures.py), and a helper to run kernels as a user
+would (a new process)."""
 
 import os
 import subprocess
@@ -22,6 +23,9 @@ from shared.device import make_runtime  # noqa: E402
 
 make_runtime("xla")
 
+# The tokenize tests' session fixtures, here so that both of their files share one corpus and one reference run.
+from tokenize_fixtures import corpus, enc, ranks, reference  # noqa: E402, F401
+
 
 @pytest.fixture(scope="session")
 def gpt2_ranks() -> Path:
@@ -36,6 +40,18 @@ def demo_data(tmp_path_factory, gpt2_ranks) -> Path:
 
     out = tmp_path_factory.mktemp("demo_data")
     build_demo_corpus(out, shard_tokens=100_000, val_tokens=20_000, ranks_path=gpt2_ranks, max_chars=1_000_000)
+    return out
+
+
+@pytest.fixture(scope="session")
+def straight_run(demo_data, tmp_path_factory) -> Path:
+    """6 uninterrupted steps of kernels/train.py (test_train's small settings): what resumed runs must equal, in
+    test_train.py and test_build_kernels.py alike, so it is run once."""
+    from test_train import train_cli
+
+    out = tmp_path_factory.mktemp("straight")
+    proc = train_cli(demo_data, out, "--max-steps", "6")
+    assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, error_lines, run_script
 from kaggle_fixtures import load_local_kaggle_module
-from test_train import SMALL_ARGS, assert_identical_runs
+from test_train import assert_identical_runs
 
 from scripts.chain import build_kernel, fill_metadata
 from shared.checkpoint import list_checkpoints
@@ -77,14 +77,10 @@ def test_built_files_are_self_contained(tmp_path):
     assert (again / meta["code_file"]).read_bytes() == (nb / meta["code_file"]).read_bytes()
 
 
-def test_built_train_kernel_matches_kernels_train(demo_data, tmp_path):
-    """Straight 6 steps with kernels/train.py; the built kernel: 3 steps as a script, its final checkpoint put
-    into a (flat) checkpoint dataset, then 3 more as a notebook resuming from that dataset: bit-identical."""
-    straight = tmp_path / "straight"
-    proc = run_script("kernels/train.py", "--data-dir", str(demo_data), "--out-dir", str(straight), *SMALL_ARGS,
-                      "--max-steps", "6")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
+def test_built_train_kernel_matches_kernels_train(demo_data, straight_run, tmp_path):
+    """Straight 6 steps with kernels/train.py (conftest's straight_run); the built kernel: 3 steps as a script, its
+    final checkpoint put into a (flat) checkpoint dataset, then 3 more as a notebook resuming from that dataset:
+    bit-identical."""
     first = build_kernel("train", tmp_path / "b1", user="alice", slug="demo-train",
                          settings={**TRAIN_SETTINGS, "stop_after_steps": 3})
     root1 = session_root(tmp_path / "s1", {"demo-data": demo_data})
@@ -107,7 +103,7 @@ def test_built_train_kernel_matches_kernels_train(demo_data, tmp_path):
     proc = run_built(second, root2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming from alice/run-ckpt (step 3)" in proc.stdout and "resuming at step 3" in proc.stdout
-    assert_identical_runs(straight, root2 / "working" / "train", 6)
+    assert_identical_runs(straight_run, root2 / "working" / "train", 6)
 
 
 def test_built_tokenize_kernel_matches_kernels_tokenize(tmp_path, gpt2_ranks):

@@ -5,14 +5,14 @@ step settings chosen from them."""
 import pytest
 
 from shared.config import TrainConfig
-from shared.device import (
+from shared.errors import UserError
+from shared.tpu import (
     TPU_GENERATIONS,
     detect_tpu_generation,
     parse_tpu_generation,
     tpu_devices_present,
     tpu_pci_devices,
 )
-from shared.errors import UserError
 from shared.trainer import plan_step
 
 # What torch_xla's PJRT client reports for device 0 of a TPU: core_on_chip, num_cores, coords, name; no

@@ -69,14 +69,6 @@ def train_cli(data_dir, out_dir, *extra, timeout=300):
                       *extra, timeout=timeout)
 
 
-@pytest.fixture(scope="module")
-def straight_run(demo_data, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("straight")
-    proc = train_cli(demo_data, out, "--max-steps", "6")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out
-
-
 def test_resume_in_new_process_is_bit_exact(demo_data, straight_run, tmp_path):
     first = train_cli(demo_data, tmp_path, "--max-steps", "6", "--stop-after-steps", "3")
     assert first.returncode == 0, first.stderr[-3000:]

@@ -1,0 +1,120 @@
+"""Which TPU this host has, read from what a TPU VM really exposes (docs/kaggle-tpu.md, section 3): the
+generation's per-chip figures, the PCI probe torch_xla itself uses, and the XLA environment for hosts without one.
+
+Stdlib only: the kaggle_env check and the runtime's setup ask these before torch_xla is imported.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class TpuGeneration:
+    """What the trainer needs to know of a TPU generation (Google Cloud's per-chip figures, docs/tpu-throughput.md)."""
+
+    name: str  # "v3", "v5e", ...
+    peak_bf16_per_chip: float
+    devices_per_chip: int  # torch_xla devices per chip: v2/v3 expose each of a chip's 2 TensorCores
+    hbm_gib_per_device: float
+    pallas_flash_attention: bool  # Mosaic (Pallas) compiles the bf16 flash-attention kernel
+
+    @property
+    def peak_bf16_per_device(self) -> float:
+        return self.peak_bf16_per_chip / self.devices_per_chip
+
+
+TPU_GENERATIONS = {g.name: g for g in (
+    TpuGeneration("v2", 45e12, 2, 8, False),
+    TpuGeneration("v3", 123e12, 2, 16, False),
+    TpuGeneration("v4", 275e12, 1, 32, True),
+    TpuGeneration("v5e", 197e12, 1, 16, True),
+    TpuGeneration("v5p", 459e12, 1, 95, True),
+    TpuGeneration("v6e", 918e12, 1, 32, True),
+)}
+
+# TPU_ACCELERATOR_TYPE / the metadata server's accelerator type ("v3-8", "v5litepod-8", "v6e-8", "v5p-8"), or
+# a PJRT device_kind ("TPU v3", "TPU v5 lite", "TPU v6 lite", "TPU v5"), to a generation name.
+_ACCELERATOR_TYPE = re.compile(r"^(?:tpu)?v(\d)(litepod|lite|e|p)?(?:-\d+)?$")
+_DEVICE_KIND = re.compile(r"^tpu v(\d)\s*(lite|e|p)?", re.IGNORECASE)
+
+
+def _generation_name(major: str, variant: str | None) -> str | None:
+    name = f"v{major}" + {"litepod": "e", "lite": "e", "e": "e", "p": "p"}.get(variant or "", "")
+    if name == "v5":  # PJRT calls a v5p just "TPU v5"
+        name = "v5p"
+    return name if name in TPU_GENERATIONS else None
+
+
+def parse_tpu_generation(text: str) -> str | None:
+    """"v3-8", "v5litepod-8", "v6e-8", "TPU v5 lite", ... -> "v3", "v5e", "v6e"; None when not a known TPU."""
+    text = (text or "").strip()
+    m = _ACCELERATOR_TYPE.match(text.lower()) or _DEVICE_KIND.match(text)
+    return _generation_name(m.group(1), m.group(2) and m.group(2).lower()) if m else None
+
+
+# Google's PCI vendor id and the TPU chips' device ids, as torch_xla lists them (torch_xla/_internal/tpu.py):
+# how torch_xla itself decides that a host has TPU chips, with no network call.
+GOOGLE_PCI_VENDOR = "0x1ae0"
+TPU_PCI_DEVICES = {"0x0027": "v3", "0x005e": "v4", "0x0063": "v5e", "0x006f": "v6e"}  # 0x0027 is v2 or v3
+
+
+def tpu_pci_devices(pci_root: str = "/sys/bus/pci/devices") -> list[str]:
+    """The PCI device ids of this host's TPU chips (empty without TPU chips)."""
+    found = []
+    for vendor in sorted(glob.glob(os.path.join(pci_root, "*", "vendor"))):
+        try:
+            if Path(vendor).read_text().strip() != GOOGLE_PCI_VENDOR:
+                continue
+            device = (Path(vendor).parent / "device").read_text().strip()
+        except OSError:
+            continue
+        if device in TPU_PCI_DEVICES:
+            found.append(device)
+    return found
+
+
+def detect_tpu_generation(env: dict | None = None, device_attributes: dict | None = None,
+                          tpu_type: Callable[[], str] | None = None,
+                          pci_root: str = "/sys/bus/pci/devices") -> tuple[str | None, str]:
+    """(generation, where it was read) of this TPU host, from what a TPU VM really exposes, in order: the
+    TPU_ACCELERATOR_TYPE variable, the chips' PCI device ids, torch_xla's `_internal.tpu.get_tpu_type()` (the
+    VM's metadata server), then a PJRT `device_kind` attribute (torch_xla documents only core_on_chip,
+    num_cores, coords and name for TPU devices). (None, what was seen) when none names a known generation."""
+    env = os.environ if env is None else env
+    accelerator_type = env.get("TPU_ACCELERATOR_TYPE", "")
+    if name := parse_tpu_generation(accelerator_type):
+        return name, f"TPU_ACCELERATOR_TYPE={accelerator_type}"
+    chips = tpu_pci_devices(pci_root)
+    if chips:
+        name = TPU_PCI_DEVICES[chips[0]]
+        return name, f"{len(chips)} TPU chips on PCI (device {chips[0]}{', v2 or v3' if name == 'v3' else ''})"
+    if tpu_type is not None:
+        try:
+            found = tpu_type()
+        except Exception as err:  # no metadata server, or an unparsable reply: try the next source
+            found = f"unavailable ({type(err).__name__})"
+        if name := parse_tpu_generation(found):
+            return name, f"TPU metadata accelerator type {found}"
+    kind = str((device_attributes or {}).get("device_kind", ""))
+    if name := parse_tpu_generation(kind):
+        return name, f"PJRT device_kind {kind!r}"
+    return None, f"unknown TPU (TPU_ACCELERATOR_TYPE={accelerator_type!r}, device attributes {device_attributes})"
+
+
+def tpu_devices_present(pci_root: str = "/sys/bus/pci/devices") -> bool:
+    """TPU chips on this host: on PCI (as torch_xla checks), or as /dev/accel* (v2-v4) or /dev/vfio/<n> (v5e+)."""
+    return bool(tpu_pci_devices(pci_root) or glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
+def default_xla_env() -> None:
+    """Without a TPU, use torch_xla's CPU backend with 8 devices: the same SPMD path as a v3-8/v5e-8 board."""
+    if "PJRT_DEVICE" not in os.environ and not tpu_devices_present():
+        os.environ["PJRT_DEVICE"] = "CPU"
+    if os.environ.get("PJRT_DEVICE") == "CPU":
+        os.environ.setdefault("CPU_NUM_DEVICES", "8")
