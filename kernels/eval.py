@@ -20,11 +20,11 @@ BAKED_SETTINGS: dict = {}  # filled in by scripts/build_kernels.py for Kaggle
 
 
 def main() -> None:
-    from shared.eval import EvalConfig, run_eval
+    from shared.eval.evaluate import EvalConfig, run_eval
 
     cfg = parse_dataclass(EvalConfig, description=__doc__, defaults=BAKED_SETTINGS)
     if cfg.out_dir == "runs/eval":  # the default: on Kaggle, the session's saved output
-        from shared.kaggle_env import is_kaggle, is_local_kaggle, kaggle_paths
+        from shared.kaggle.env import is_kaggle, is_local_kaggle, kaggle_paths
 
         if is_kaggle() or is_local_kaggle():
             cfg.out_dir = str(kaggle_paths().working)

@@ -1,4 +1,4 @@
-"""Kaggle kernel: tokenize one part of a corpus into llm.c shards (logic in shared/tokenize_corpus.py).
+"""Kaggle kernel: tokenize one part of a corpus into llm.c shards (logic in shared/tokenize/part.py).
 
     python kernels/tokenize.py --out-dir /kaggle/working                      # part 0 of FineWeb-Edu 10BT
     python kernels/tokenize.py --part 1 --prev-dir /kaggle/input/part0 --out-dir /kaggle/working
@@ -22,7 +22,7 @@ for _var in ("USE_TORCH", "USE_TF", "USE_JAX"):
 
 from shared.config import parse_dataclass  # noqa: E402
 from shared.errors import run_cli  # noqa: E402
-from shared.tokenize_corpus import TokenizeConfig, tokenize_part  # noqa: E402
+from shared.tokenize.part import TokenizeConfig, tokenize_part  # noqa: E402
 
 DEFAULTS: dict = {}  # a Kaggle build may bake flag defaults here
 

@@ -20,8 +20,8 @@ BAKED_SETTINGS: dict = {}  # filled in by scripts/build_kernels.py for Kaggle
 
 def main() -> None:
     cfg = parse_dataclass(TrainConfig, description=__doc__, defaults=BAKED_SETTINGS)
-    from shared.publish import after_training
-    from shared.trainer import train
+    from shared.kaggle.publish import after_training
+    from shared.train.trainer import train
 
     result = train(cfg)
     after_training(result)  # a Kaggle build with a checkpoint dataset publishes the final checkpoint to it

@@ -25,12 +25,12 @@ def main() -> None:
 
     import torch
 
-    from shared.checkpoint import latest_checkpoint, save_checkpoint
     from shared.config import NINE_HOURS, TrainConfig
-    from shared.device import Runtime
-    from shared.model import GPT
-    from shared.optim import make_optimizer, optimizer_tensors
-    from shared.trainer import default_time_budget, estimate_checkpoint_seconds
+    from shared.train.checkpoint import latest_checkpoint, save_checkpoint
+    from shared.train.device import Runtime
+    from shared.train.model import GPT
+    from shared.train.optim import make_optimizer, optimizer_tensors
+    from shared.train.trainer import default_time_budget, estimate_checkpoint_seconds
 
     cfg = TrainConfig(preset=args.preset)
     model = GPT(cfg.model)

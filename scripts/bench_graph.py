@@ -25,10 +25,10 @@ def main() -> None:
     args = parser.parse_args()
 
     from shared.config import TrainConfig
-    from shared.corpus import build_demo_corpus
-    from shared.device import make_runtime
-    from shared.metrics import read_metrics
-    from shared.trainer import train
+    from shared.tokenize.demo_corpus import build_demo_corpus
+    from shared.train.device import make_runtime
+    from shared.train.metrics import read_metrics
+    from shared.train.trainer import train
 
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = args.data_dir or build_demo_corpus(f"{tmp}/data", max_chars=600_000) and f"{tmp}/data"

@@ -1,5 +1,5 @@
 """Tokens/s and MFU of a preset (default gpt2, 124M, at T=1024) on this device: the project's trainer
-(`shared.trainer.train`, read back from its metrics.jsonl) side by side with a plain PyTorch reference loop
+(`shared.train.trainer.train`, read back from its metrics.jsonl) side by side with a plain PyTorch reference loop
 of the same model in the same run (eager, torch.optim.AdamW defaults, same micro-batch per device).
 
     python scripts/bench_mfu.py                      # auto: CUDA if present, else a TPU, else the CPU
@@ -9,7 +9,7 @@ of the same model in the same run (eager, torch.optim.AdamW defaults, same micro
 MFU = tokens/s x FLOPs per token / bf16 peak FLOP/s, with FLOPs per token = 6 N + 12 n_layer n_embd T
 (nanoGPT / PaLM appendix B: forward + backward of the weights' matmuls, plus attention's QK^T and AV),
 N counted as the trainer counts it (every parameter, the tied embedding once), peaks from
-shared.device.PEAK_BF16_FLOPS.
+shared.train.device.PEAK_BF16_FLOPS.
 """
 
 import argparse
@@ -152,9 +152,9 @@ def reference_loop(model_cfg, runtime, micro: int, warmup: int, steps: int,
     import numpy as np
     import torch
 
-    import shared.model as shared_model
+    import shared.train.model as shared_model
     from shared.config import GPT2_VOCAB_SIZE
-    from shared.model import GPT
+    from shared.train.model import GPT
 
     torch.manual_seed(seed)
     model = GPT(model_cfg).to(runtime.device)
@@ -227,16 +227,16 @@ def main() -> None:
 
     backend = pick_backend(args.backend)
     if backend == "xla":
-        from shared.tpu import default_xla_env
+        from shared.train.tpu import default_xla_env
 
         default_xla_env()  # torch_xla's CPU devices off-TPU; must precede torch's first backward pass
     import torch
 
     from shared.config import GPT2_VOCAB_SIZE, TrainConfig
-    from shared.device import make_runtime
-    from shared.metrics import read_metrics
-    from shared.model import GPT
-    from shared.trainer import plan_step, train
+    from shared.train.device import make_runtime
+    from shared.train.metrics import read_metrics
+    from shared.train.model import GPT
+    from shared.train.trainer import plan_step, train
 
     if backend == "cuda" and not torch.cuda.is_available():
         raise UserError("--backend cuda: no CUDA device found")
@@ -263,7 +263,8 @@ def main() -> None:
             else runtime.description)
 
     say(f"device: {runtime.description}{f' ({name})' if name != runtime.description else ''}; bf16 peak "
-        + (f"{peak_one / 1e12:.1f} TFLOP/s per device (shared.device.PEAK_BF16_FLOPS)" if peak_one else "unknown"))
+        + (f"{peak_one / 1e12:.1f} TFLOP/s per device (shared.train.device.PEAK_BF16_FLOPS)" if peak_one
+           else "unknown"))
     say(f"model: {args.preset} ({num_params / 1e6:.2f}M params), T={model_cfg.block_size}, micro-batch {micro} "
         f"per device x {accum} micro-steps per optimizer step; FLOPs/token = 6N + 12*L*C*T = 6*{num_params:,} + "
         f"12*{model_cfg.n_layer}*{model_cfg.n_embd}"

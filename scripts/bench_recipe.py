@@ -108,7 +108,7 @@ def build_corpus(out: Path, text_dir: Path | None, val_fraction: float = 0.01, s
     from tqdm import tqdm
 
     from shared.data import write_shard
-    from shared.tokenizer import EOT_TOKEN, gpt2_encoding
+    from shared.tokenize.tokenizer import EOT_TOKEN, gpt2_encoding
 
     summary_path = out / "corpus.json"
     if summary_path.exists():
@@ -160,8 +160,8 @@ def remap_vocabulary(corpus: Path, vocab: int) -> Path:
 
 def run(name: str, cfg, out_root: Path) -> list[tuple[int, float]]:
     """Train cfg (fresh, in out_root/name) and return its (tokens, val_loss) curve."""
-    from shared.metrics import read_metrics
-    from shared.trainer import train
+    from shared.train.metrics import read_metrics
+    from shared.train.trainer import train
 
     out = out_root / name
     metrics = out / "metrics.jsonl"

@@ -6,7 +6,7 @@
 The corpus is English text (paragraphs of Python's help topics, shuffled into documents of FineWeb-Edu-like
 length) written as parquet files. Measured, best of `--repeat` alternating runs:
 
-- kernel: `shared.tokenize_corpus.tokenize_part` on the parquet files (datasets streaming, the process pool,
+- kernel: `shared.tokenize.part.tokenize_part` on the parquet files (datasets streaming, the process pool,
   shards written to disk, sha256, manifest), wall time of the whole call; the Python imports it needs are
   done beforehand, as they are a constant paid once per kernel.
 - raw: the same texts already in memory, `encode_ordinary_batch` on a pool of the same number of processes
@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 for _var in ("USE_TORCH", "USE_TF", "USE_JAX"):  # as kernels/tokenize.py: keep torch out of `datasets`
     os.environ.setdefault(_var, "0")
 
-from shared.tokenize_corpus import TokenizeConfig, tokenize_part  # noqa: E402
-from shared.tokenizer import fetch_gpt2_ranks, gpt2_encoding  # noqa: E402
+from shared.tokenize.part import TokenizeConfig, tokenize_part  # noqa: E402
+from shared.tokenize.tokenizer import fetch_gpt2_ranks, gpt2_encoding  # noqa: E402
 
 _TEXTS: list[str] = []
 _ENC = None

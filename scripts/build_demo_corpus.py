@@ -6,9 +6,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from shared.corpus import build_demo_corpus  # noqa: E402
 from shared.errors import run_cli  # noqa: E402
-from shared.tokenizer import fetch_gpt2_ranks, resolve_ranks_path  # noqa: E402
+from shared.tokenize.demo_corpus import build_demo_corpus  # noqa: E402
+from shared.tokenize.tokenizer import fetch_gpt2_ranks, resolve_ranks_path  # noqa: E402
 
 
 def main() -> None:

@@ -33,8 +33,8 @@ DEMO_USER, DEMO_KEY = "alice", "local-demo-key"
 
 def make_demo_corpus(folder: Path, max_chars: int) -> list[Path]:
     """Python's own documentation as a jsonl corpus (real English text, offline), and GPT-2's BPE ranks."""
-    from shared.corpus import demo_documents
-    from shared.tokenizer import fetch_gpt2_ranks
+    from shared.tokenize.demo_corpus import demo_documents
+    from shared.tokenize.tokenizer import fetch_gpt2_ranks
 
     folder.mkdir(parents=True, exist_ok=True)
     docs = folder / "docs.jsonl"
@@ -48,7 +48,7 @@ def make_demo_corpus(folder: Path, max_chars: int) -> list[Path]:
 
 def ensure_corpus_dataset(chain: Chain, ref: str, max_chars: int) -> None:
     """Upload the demo corpus as a dataset (once) for the tokenize kernel to read."""
-    from shared.publish import push_dataset_folder, write_dataset_folder
+    from shared.kaggle.publish import push_dataset_folder, write_dataset_folder
 
     if chain.client.dataset_exists(ref):
         return

@@ -19,7 +19,7 @@ def main() -> None:
     parser.add_argument("out_dir")
     parser.add_argument("--no-tokenizer", action="store_true", help="skip the tokenizer files")
     args = parser.parse_args()
-    from shared.hf import export_hf, model_from_checkpoint
+    from shared.eval.hf import export_hf, model_from_checkpoint
 
     model = model_from_checkpoint(args.checkpoint_dir)
     out = export_hf(model, args.out_dir, tokenizer=not args.no_tokenizer)

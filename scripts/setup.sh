@@ -15,7 +15,7 @@ PIP_FLAGS=(--quiet --disable-pip-version-check)
 # installs it after torchax; torch_xla's scan over layers imports torchax: put PyPI's back on top.
 .venv/bin/python -m pip install "${PIP_FLAGS[@]}" --force-reinstall --no-deps "$(.venv/bin/python -c \
   "import importlib.metadata as m; print('torchax==' + m.version('torchax'))")"
-.venv/bin/python -c "from shared.tokenizer import fetch_gpt2_ranks; print('GPT-2 ranks:', fetch_gpt2_ranks())"
+.venv/bin/python -c "from shared.tokenize.tokenizer import fetch_gpt2_ranks; print('GPT-2 ranks:', fetch_gpt2_ranks())"
 if [ "${1:-}" = "--kaggle-image" ]; then
   # Kaggle's TPU image pins torch and torch_xla 2.8.0 (Kaggle/docker-python tpu/requirements.in); the train
   # kernel runs on what the image ships, so the tests train on these versions too (CPU build of the kernel's

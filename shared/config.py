@@ -62,7 +62,7 @@ def model_preset(name: str) -> ModelConfig:
 
 
 NINE_HOURS = 9 * 3600.0
-OPTIMIZERS = ("adamw", "muon")  # shared/optim.py
+OPTIMIZERS = ("adamw", "muon")  # shared/train/optim.py
 SCHEDULES = ("cosine", "wsd")
 
 

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 # torch's autograd engine sizes its per-device queues at the first backward pass; a backend whose devices
 # appear after that (torch_xla's) then fails its first backward. Tests mix CPU and XLA runs in one process, so
 # the XLA runtime (SPMD over the 8 CPU devices) starts before any test runs.
-from shared.device import make_runtime  # noqa: E402
+from shared.train.device import make_runtime  # noqa: E402
 
 make_runtime("xla")
 
@@ -29,14 +29,14 @@ from tokenize_fixtures import corpus, enc, ranks, reference  # noqa: E402, F401
 
 @pytest.fixture(scope="session")
 def gpt2_ranks() -> Path:
-    from shared.tokenizer import fetch_gpt2_ranks
+    from shared.tokenize.tokenizer import fetch_gpt2_ranks
 
     return fetch_gpt2_ranks()
 
 
 @pytest.fixture(scope="session")
 def demo_data(tmp_path_factory, gpt2_ranks) -> Path:
-    from shared.corpus import build_demo_corpus
+    from shared.tokenize.demo_corpus import build_demo_corpus
 
     out = tmp_path_factory.mktemp("demo_data")
     build_demo_corpus(out, shard_tokens=100_000, val_tokens=20_000, ranks_path=gpt2_ranks, max_chars=1_000_000)

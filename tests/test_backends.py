@@ -10,11 +10,11 @@ import torch
 from conftest import REPO
 from safetensors.torch import load_file
 
-from shared.checkpoint import list_checkpoints
 from shared.config import TrainConfig
-from shared.device import make_runtime
-from shared.metrics import read_metrics
-from shared.trainer import train
+from shared.train.checkpoint import list_checkpoints
+from shared.train.device import make_runtime
+from shared.train.metrics import read_metrics
+from shared.train.trainer import train
 
 FLAGS = ["--seq-len", "32", "--micro-batch", "8", "--total-batch-tokens", "512", "--max-steps", "4",
          "--warmup-steps", "2", "--log-every", "1", "--eval-every", "2", "--eval-batches", "2", "--no-progress",

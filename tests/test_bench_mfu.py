@@ -5,7 +5,7 @@ import importlib.util
 from conftest import REPO, run_script
 
 from shared.config import TrainConfig
-from shared.model import GPT
+from shared.train.model import GPT
 
 
 def load_bench():

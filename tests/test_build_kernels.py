@@ -16,9 +16,9 @@ from kaggle_fixtures import load_local_kaggle_module
 from test_train import assert_identical_runs
 
 from scripts.chain import build_kernel, fill_metadata
-from shared.checkpoint import list_checkpoints
 from shared.errors import UserError
-from shared.publish import checkpoint_files
+from shared.kaggle.publish import checkpoint_files
+from shared.train.checkpoint import list_checkpoints
 
 TRAIN_SETTINGS = {"preset": "tiny", "seq_len": 32, "micro_batch": 8, "total_batch_tokens": 512, "warmup_steps": 2,
                   "log_every": 1, "eval_every": 0, "progress": False, "wandb_project": "", "max_steps": 6,

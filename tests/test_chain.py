@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from scripts.chain import Chain, config_from_dict, load_config
 from shared.errors import UserError
-from shared.metrics import read_metrics
+from shared.train.metrics import read_metrics
 
 DEMO = json.loads((REPO / "examples" / "chain-demo.json").read_text())
 
@@ -338,13 +338,13 @@ def test_bad_input_gives_one_line_errors_and_loses_nothing(local_kaggle, tmp_pat
 # --- a session that cannot see the checkpoint the chain saw -------------------------------------------------------
 
 def test_a_session_that_does_not_find_the_expected_checkpoint_refuses_to_start_over(tmp_path, monkeypatch):
-    from shared.kaggle_env import LOCAL_ROOT_ENV
-    from shared.publish import MANIFEST, _config, resolve_build_settings
+    from shared.kaggle.env import LOCAL_ROOT_ENV
+    from shared.kaggle.publish import MANIFEST, _config, resolve_build_settings
 
     for sub in ("input", "working", "temp"):
         (tmp_path / sub).mkdir()
     monkeypatch.setenv(LOCAL_ROOT_ENV, str(tmp_path))
-    monkeypatch.setattr("shared.publish._config", dict(_config))  # configure() writes here; keep it per test
+    monkeypatch.setattr("shared.kaggle.publish._config", dict(_config))  # configure() writes here; keep it per test
     build = {"settings": {"out_dir": "{working}/train"},
              "checkpoint_dataset": {"dataset": "alice/run-checkpoints", "resume_setting": "resume_from",
                                     "publish": True, "expect_step": 32}}

@@ -128,7 +128,7 @@ def test_checkpoints_are_placed_where_they_fit_and_the_publish_margin_grows_with
 
 
 def test_one_wandb_run_per_chain_resumed_by_every_session(tmp_path):
-    from shared.metrics import wandb_run_id
+    from shared.train.metrics import wandb_run_id
 
     first = Chain(config_from_dict(BASE), tmp_path / "a", api=None, log=lambda _: None)
     run_id = first.train.wandb_run_id()
@@ -147,7 +147,7 @@ def test_one_wandb_run_per_chain_resumed_by_every_session(tmp_path):
 
 
 def test_a_key_from_kaggle_json_is_masked_in_every_message(tmp_path, monkeypatch):
-    from shared.publish import kaggle_api
+    from shared.kaggle.publish import kaggle_api
 
     fake_key = "0123456789abcdef0123456789abcdef"
     config_dir = tmp_path / "kaggle-config"
@@ -222,7 +222,7 @@ def test_templates_ask_for_the_tpu_their_machine_shape_names(tmp_path):
 
 
 def test_model_config_counts_checkpoint_bytes_like_the_model():
-    from shared.model import GPT
+    from shared.train.model import GPT
 
     for preset in ("tiny", "gpt2"):
         model = GPT(MODEL_PRESETS[preset])
@@ -234,11 +234,11 @@ def test_model_config_counts_checkpoint_bytes_like_the_model():
 @pytest.mark.parametrize("layout", ["<slug>", "datasets/<owner>/<slug>", "notebooks/<owner>/<slug>"])
 def test_the_train_kernel_finds_its_inputs_on_every_mount_layout(tmp_path, monkeypatch, layout):
     """The data (a kernel's output) and the checkpoint dataset, mounted as each layout docs/kaggle-api.md lists."""
-    from shared.kaggle_env import LOCAL_ROOT_ENV
-    from shared.publish import MANIFEST, _config, resolve_build_settings
+    from shared.kaggle.env import LOCAL_ROOT_ENV
+    from shared.kaggle.publish import MANIFEST, _config, resolve_build_settings
 
     monkeypatch.setenv(LOCAL_ROOT_ENV, str(tmp_path))
-    monkeypatch.setattr("shared.publish._config", dict(_config))
+    monkeypatch.setattr("shared.kaggle.publish._config", dict(_config))
     mounts = {}
     for ref in ("alice/unit-run-tokens-part-0", "alice/unit-run-checkpoints"):
         owner, slug = ref.split("/")

@@ -11,8 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import shared.checkpoint
-from shared.checkpoint import (
+import shared.train.checkpoint
+from shared.config import ModelConfig
+from shared.errors import UserError
+from shared.fsutil import sha256_file
+from shared.train.checkpoint import (
     check_same_shape,
     latest_checkpoint,
     list_checkpoints,
@@ -20,10 +23,7 @@ from shared.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from shared.config import ModelConfig
-from shared.errors import UserError
-from shared.fsutil import sha256_file
-from shared.model import GPT
+from shared.train.model import GPT
 
 
 def _tensors(step):
@@ -93,7 +93,7 @@ def test_kill_during_save_leaves_previous_checkpoint_whole(tmp_path):
             real(*a, **k); calls.append(1)
             if len(calls) == 2: os._exit(9)
         st.save_file = dying_save
-        import shared.checkpoint as c
+        import shared.train.checkpoint as c
         c.save_file = dying_save
         c.save_checkpoint({str(tmp_path)!r}, 2, {{"w": torch.ones(2)}}, {{"w.exp_avg": torch.ones(2)}}, {{}})
     """)
@@ -167,7 +167,7 @@ def test_rotation_never_deletes_a_good_checkpoint_to_keep_a_corrupt_one(tmp_path
         _save(tmp_path, step)
     _corrupt(tmp_path / "step_000120")
     _corrupt(tmp_path / "step_000200")  # newer than the next save: left where it could not be set aside
-    monkeypatch.setattr(shared.checkpoint, "_known_good", {})  # a new session: nothing verified yet
+    monkeypatch.setattr(shared.train.checkpoint, "_known_good", {})  # a new session: nothing verified yet
     _save(tmp_path, 150, keep=2)
     # Kept: 150 and the newest older one that verifies (100); the corrupt 120 goes, the later 200 is left alone.
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000100", "step_000150", "step_000200"]
@@ -218,7 +218,7 @@ def test_tensors_of_another_shape_are_the_one_line_shape_error(tmp_path):
 
 
 def test_eval_and_export_refuse_a_state_json_that_disagrees_with_the_tensors(tmp_path):
-    from shared.hf import model_from_checkpoint
+    from shared.eval.hf import model_from_checkpoint
 
     path = _model_checkpoint(tmp_path / "run" / "checkpoints", saved_config=ModelConfig(
         **{**_SHAPE.to_dict(), "block_size": 32}))

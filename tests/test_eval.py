@@ -12,15 +12,15 @@ import pytest
 import torch
 from conftest import error_lines, run_script
 
-from shared.checkpoint import list_checkpoints, load_checkpoint
 from shared.config import ModelConfig, TrainConfig
 from shared.data import TokenLoader, find_shards
-from shared.device import Runtime, make_runtime
-from shared.eval import validation_loss
-from shared.hf import export_hf
-from shared.metrics import read_metrics
-from shared.model import GPT
-from shared.sampling import generate_tokens, sample_text
+from shared.eval.evaluate import validation_loss
+from shared.eval.hf import export_hf
+from shared.eval.sampling import generate_tokens, sample_text
+from shared.train.checkpoint import list_checkpoints, load_checkpoint
+from shared.train.device import Runtime, make_runtime
+from shared.train.metrics import read_metrics
+from shared.train.model import GPT
 
 transformers = pytest.importorskip("transformers")
 
@@ -45,7 +45,7 @@ def random_model(seed: int = 0, cfg: ModelConfig = SMALL) -> GPT:
 def test_exported_tokenizer_matches_tiktoken_and_pipeline_runs(gpt2_ranks, tmp_path):
     import pydoc_data.topics
 
-    from shared.tokenizer import gpt2_encoding
+    from shared.tokenize.tokenizer import gpt2_encoding
 
     folder = export_hf(random_model(), tmp_path / "hf", tokenizer=True, ranks_path=gpt2_ranks)
     assert {"config.json", "model.safetensors", "vocab.json", "merges.txt", "tokenizer_config.json",
@@ -115,7 +115,7 @@ def test_kv_cache_generation_matches_full_recompute_and_transformers(tmp_path):
 
 
 def test_prompt_longer_than_the_context_is_a_warning(gpt2_ranks):
-    from shared.tokenizer import gpt2_encoding
+    from shared.tokenize.tokenizer import gpt2_encoding
 
     warnings = []
     long_prompt = ("The quick brown fox jumps over the lazy dog. " * 20).strip()  # 200 tokens; the context is 64
@@ -130,7 +130,7 @@ def test_prompt_longer_than_the_context_is_a_warning(gpt2_ranks):
 
 @pytest.fixture(scope="module")
 def hellaswag_file(gpt2_ranks, tmp_path_factory) -> Path:
-    from shared.hellaswag import demo_examples, write_jsonl
+    from shared.eval.hellaswag import demo_examples, write_jsonl
 
     return write_jsonl(tmp_path_factory.mktemp("hs") / "hellaswag_demo.jsonl", demo_examples(24, max_chars=300_000))
 
@@ -138,7 +138,7 @@ def hellaswag_file(gpt2_ranks, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def trained_run(demo_data, hellaswag_file, tmp_path_factory) -> Path:
     """Two training sessions (3 steps, then resumed to 6) with evals every 2 steps."""
-    from shared.trainer import train
+    from shared.train.trainer import train
 
     out = tmp_path_factory.mktemp("run")
     cfg = TrainConfig(preset="tiny", seq_len=32, micro_batch=8, total_batch_tokens=512, warmup_steps=2, log_every=1,
@@ -262,7 +262,7 @@ def test_a_second_eval_keeps_the_first_report_in_previous(evaluated, tmp_path):
 
 def test_damaged_hf_folder_is_a_one_line_error(evaluated, tmp_path):
     from shared.errors import UserError
-    from shared.hf import load_hf
+    from shared.eval.hf import load_hf
 
     folder = tmp_path / "hf"
     shutil.copytree(evaluated[0] / "hf", folder)
@@ -283,7 +283,7 @@ def test_damaged_hf_folder_is_a_one_line_error(evaluated, tmp_path):
 
 def test_export_uses_the_newest_checkpoint_that_verifies(trained_run, tmp_path):
     from shared.errors import UserError
-    from shared.hf import model_from_checkpoint
+    from shared.eval.hf import model_from_checkpoint
 
     run = tmp_path / "run"
     shutil.copytree(trained_run / "checkpoints", run / "checkpoints")

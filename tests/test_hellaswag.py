@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from shared import hellaswag as hs
 from shared.config import ModelConfig
-from shared.device import Runtime, make_runtime
-from shared.hf import export_hf
-from shared.model import GPT
+from shared.eval import hellaswag as hs
+from shared.eval.hf import export_hf
+from shared.train.device import Runtime, make_runtime
+from shared.train.model import GPT
 
 transformers = pytest.importorskip("transformers")
 
@@ -44,7 +44,7 @@ def jsonl(examples, tmp_path_factory):
 
 def reference_scores(model: GPT, examples: list[hs.Example], tmp_path) -> tuple[np.ndarray, np.ndarray]:
     """Summed and per-token log-likelihoods of every ending with transformers, row by row, in float64."""
-    from shared.tokenizer import gpt2_encoding
+    from shared.tokenize.tokenizer import gpt2_encoding
 
     export_hf(model, tmp_path / "hf")
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").double().eval()

@@ -10,7 +10,7 @@ import pytest
 from conftest import REPO
 from test_train import SMALL_ARGS, loss_history, small_config, train_in_process
 
-from shared.metrics import read_metrics
+from shared.train.metrics import read_metrics
 
 KAGGLE_PYTHON = REPO / ".venv-kaggle-tpu" / "bin" / "python"
 KAGGLE_TORCH = "2.8.0"

@@ -21,7 +21,7 @@ from kagglesdk.kernels.types.kernels_enums import KernelWorkerStatus
 
 KS, DS = "kernels.KernelsApiService", "datasets.DatasetApiService"
 
-# What the chain (scripts/chain/, shared/publish.py) and the CLI code it runs read from each reply: json paths
+# What the chain (scripts/chain/, shared/kaggle/publish.py) and the CLI code it runs read from each reply: json paths
 # that some reply of the route must carry (a list is entered: "files.url" is every file's url).
 CHAIN_READS = {
     f"{DS}/GetDatasetStatus": ["status"],

@@ -24,12 +24,12 @@ from kaggle_fixtures import (  # noqa: F401  (local_kaggle is a fixture)
     write_kernel,
 )
 
-from shared import kaggle_env
 from shared.errors import UserError
+from shared.kaggle import env as kaggle_env
 
 READ_INPUT_KERNEL = textwrap.dedent(
     """
-    from shared.kaggle_env import kaggle_paths
+    from shared.kaggle.env import kaggle_paths
     paths = kaggle_paths()
     text = (paths.input_dir("alice/words-data") / "words.txt").read_text()
     (paths.working / "sub").mkdir()
@@ -76,7 +76,7 @@ def test_push_runs_kernel_with_dataset_input_and_output_downloads(local_kaggle, 
     # Another kernel reads that kernel's output as an input (kernel_sources), read-only.
     code = textwrap.dedent("""
         import os
-        from shared.kaggle_env import kaggle_paths
+        from shared.kaggle.env import kaggle_paths
         src = kaggle_paths().input_dir("alice/read-words")
         print(sorted(os.listdir(src)), (src / "sub" / "upper.txt").read_text().strip(),
               oct(os.stat(src).st_mode & 0o777))
@@ -134,7 +134,7 @@ def test_secrets_reach_the_kernel_and_never_its_logs(local_kaggle, tmp_path):
     lk.app.set_secret(USER, "WANDB_API_KEY", secret)
     code = textwrap.dedent("""
         import hashlib
-        from shared.kaggle_env import get_secret, kaggle_paths
+        from shared.kaggle.env import get_secret, kaggle_paths
         value = get_secret("WANDB_API_KEY")
         (kaggle_paths().working / "digest.txt").write_text(hashlib.sha256(value.encode()).hexdigest())
         try:
@@ -158,7 +158,7 @@ def test_secrets_reach_the_kernel_and_never_its_logs(local_kaggle, tmp_path):
 SESSION_VERSIONS_DATASET = textwrap.dedent(
     """
     import json, os
-    from shared.kaggle_env import get_secret, kaggle_paths
+    from shared.kaggle.env import get_secret, kaggle_paths
     os.environ["KAGGLE_USERNAME"] = get_secret("KAGGLE_USERNAME")
     os.environ["KAGGLE_KEY"] = get_secret("KAGGLE_KEY")
     from kaggle.api.kaggle_api_extended import KaggleApi
@@ -207,7 +207,7 @@ def test_kernel_versions_a_dataset_from_inside_its_session(local_kaggle, tmp_pat
 def test_session_limit_hard_kills_and_discards_output(local_kaggle, tmp_path):
     lk = local_kaggle
     lk.app.session_limit_s = 1.5
-    code = "from shared.kaggle_env import kaggle_paths\n(kaggle_paths().working / 'partial.txt').write_text('x')\n" \
+    code = "from shared.kaggle.env import kaggle_paths\n(kaggle_paths().working / 'partial.txt').write_text('x')\n" \
            "print('sleeping', flush=True)\nimport time\ntime.sleep(120)\n"
     kdir = write_kernel(tmp_path / "k", "alice/sleeper-kernel", code)
     lk.cli("kernels", "push", "-p", str(kdir))

@@ -2,7 +2,7 @@
 
 import json
 
-from shared.metrics import MetricsLogger, read_metrics
+from shared.train.metrics import MetricsLogger, read_metrics
 
 FAKE_KEY = "local-0123456789abcdef0123456789abcdef01234567"
 

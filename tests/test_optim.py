@@ -18,11 +18,11 @@ from test_train import (
 )
 
 from shared.config import TrainConfig
-from shared.device import Runtime
 from shared.errors import UserError
-from shared.metrics import read_metrics
-from shared.model import GPT
-from shared.optim import (
+from shared.train.device import Runtime
+from shared.train.metrics import read_metrics
+from shared.train.model import GPT
+from shared.train.optim import (
     NS_COEFFICIENTS,
     lr_at,
     make_optimizer,
@@ -182,7 +182,7 @@ def test_muon_under_fsdp_steps_as_replicated(demo_data, tmp_path):
     """Under fsdp each matrix is sharded over the 8 devices and Muon orthogonalises the gathered whole: one step
     from the same gradients gives the replicated run's parameters (float32 Newton-Schulz: to rounding; bf16
     differs by its rounding only), and a short fsdp training run follows the replicated one."""
-    from shared.device import make_runtime
+    from shared.train.device import make_runtime
 
     runtime = make_runtime("xla")
     cfg = TrainConfig(preset="tiny", optimizer="muon", lr=1e-3, muon_lr=0.05)

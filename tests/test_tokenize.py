@@ -12,8 +12,8 @@ from tokenize_fixtures import _assert_same_shards, _documents, _kernel_args, _ke
 
 from shared.data import find_shards
 from shared.fsutil import sha256_file
-from shared.tokenize_manifest import MANIFEST
-from shared.tokenizer import EOT_TOKEN
+from shared.tokenize.manifest import MANIFEST
+from shared.tokenize.tokenizer import EOT_TOKEN
 
 
 def test_offline_tokenizer_hello_world(enc):
@@ -99,7 +99,7 @@ def test_output_budget_stops_cleanly_and_next_part_continues_mid_document(corpus
 
 
 def test_encode_docs_matches_encode_ordinary_on_every_path(enc):
-    import shared.tokenize_workers as tc
+    import shared.tokenize.workers as tc
 
     texts = ["Hello world", "", "a <|endoftext|> b", "lone \ud800 surrogate", "naïve café 🙂 " * 50]
     want = [t for text in texts for t in [EOT_TOKEN] + enc.encode_ordinary(text)]
@@ -119,7 +119,7 @@ def test_hub_source_pins_its_revision_across_restarts_and_parts(monkeypatch, cor
 
     import datasets
 
-    import shared.tokenize_corpus as tc
+    import shared.tokenize.part as tc
 
     real = datasets.load_dataset
     calls = []
@@ -222,7 +222,7 @@ def test_parts_through_documents_longer_than_a_shard(enc, ranks, tmp_path):
 
 def test_a_part_that_cannot_write_one_shard_is_an_error(corpus, ranks, tmp_path):
     from shared.errors import UserError
-    from shared.tokenize_manifest import MANIFEST_SLACK
+    from shared.tokenize.manifest import MANIFEST_SLACK
 
     gb = (1024 + 2 * 20_000 + MANIFEST_SLACK) / 1e9  # one shard passes the flag check, but not next to a manifest
     with pytest.raises(UserError, match=r"--max-output-gb 4.512e-05: no room for part 0's first shard "

@@ -23,8 +23,8 @@ from tokenize_fixtures import (
     _snapshot,
 )
 
-from shared.tokenize_corpus import CRASH_ENV
-from shared.tokenize_manifest import MANIFEST
+from shared.tokenize.manifest import MANIFEST
+from shared.tokenize.part import CRASH_ENV
 
 
 def test_kernel_runs_as_a_script(corpus, ranks, tmp_path, reference):

@@ -6,14 +6,14 @@ import pytest
 
 from shared.config import TrainConfig
 from shared.errors import UserError
-from shared.tpu import (
+from shared.train.tpu import (
     TPU_GENERATIONS,
     detect_tpu_generation,
     parse_tpu_generation,
     tpu_devices_present,
     tpu_pci_devices,
 )
-from shared.trainer import plan_step
+from shared.train.trainer import plan_step
 
 # What torch_xla's PJRT client reports for device 0 of a TPU: core_on_chip, num_cores, coords, name; no
 # device_kind (docs/kaggle-tpu.md cites the source).
@@ -141,7 +141,7 @@ def test_scan_layers_on_is_refused_where_it_cannot_run():
 def test_scan_availability_is_what_torch_xla_can_import_and_asked_only_where_it_could_run(monkeypatch):
     import torch_xla._internal.jax_workarounds as workarounds
 
-    from shared import device
+    from shared.train import device
 
     # torch_xla's wheel carries a torchax that imports flax: found by find_spec, unusable by torch_xla.
     monkeypatch.setattr(workarounds, "maybe_get_torchax", lambda: None)
@@ -164,7 +164,7 @@ def test_attention_kernel_probe_keeps_sdpa_when_the_kernel_fails_or_is_wrong():
     import torch
     import torch.nn.functional as F
 
-    from shared.device import make_runtime, probe_attention_kernel
+    from shared.train.device import make_runtime, probe_attention_kernel
 
     runtime = make_runtime("xla")
     sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731

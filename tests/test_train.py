@@ -16,11 +16,11 @@ import torch
 from conftest import REPO, error_lines, run_script
 from safetensors.torch import load_file
 
-from shared.checkpoint import list_checkpoints
 from shared.config import TrainConfig
 from shared.data import find_shards, write_shard
 from shared.errors import UserError
-from shared.metrics import read_metrics
+from shared.train.checkpoint import list_checkpoints
+from shared.train.metrics import read_metrics
 
 SMALL_ARGS = ["--preset", "tiny", "--seq-len", "32", "--micro-batch", "8", "--total-batch-tokens", "512",
               "--warmup-steps", "2", "--log-every", "1", "--eval-every", "0", "--no-progress",
@@ -35,8 +35,8 @@ def small_config(data_dir, out_dir, **overrides) -> TrainConfig:
 
 
 def train_in_process(cfg: TrainConfig):
-    from shared.device import make_runtime
-    from shared.trainer import train
+    from shared.train.device import make_runtime
+    from shared.train.trainer import train
 
     lines = []
     return train(cfg, make_runtime("xla"), log=lines.append), lines
@@ -156,8 +156,8 @@ def test_time_budget_stops_cleanly_with_a_checkpoint(demo_data, tmp_path):
 def test_fsdp_shards_parameters_and_matches_replicated_training(demo_data, tmp_path):
     import torch_xla
 
-    from shared.device import make_runtime
-    from shared.model import GPT
+    from shared.train.device import make_runtime
+    from shared.train.model import GPT
 
     runtime = make_runtime("xla")
     model = runtime.prepare_model(GPT(small_config(demo_data, tmp_path).model), fsdp=True)

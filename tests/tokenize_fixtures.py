@@ -21,9 +21,9 @@ import pytest
 
 from shared.data import read_shard
 from shared.errors import run_cli
-from shared.tokenize_corpus import TokenizeConfig, tokenize_part
-from shared.tokenize_manifest import MANIFEST
-from shared.tokenizer import EOT_TOKEN, gpt2_encoding
+from shared.tokenize.manifest import MANIFEST
+from shared.tokenize.part import TokenizeConfig, tokenize_part
+from shared.tokenize.tokenizer import EOT_TOKEN, gpt2_encoding
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL = ROOT / "kernels" / "tokenize.py"

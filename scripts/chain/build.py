@@ -37,9 +37,9 @@ KERNEL_NAMES = ("tokenize", "train", "eval")
 KERNEL_SOURCES = {name: f"kernels/{name}.py" for name in KERNEL_NAMES}
 # The line of each kernel that the build replaces with the baked settings.
 BAKED_LINE = re.compile(r"^(BAKED_SETTINGS|DEFAULTS): dict = \{\}", re.M)
-SETTINGS_CLASSES = {"tokenize": ("shared/tokenize_corpus.py", "TokenizeConfig"),
+SETTINGS_CLASSES = {"tokenize": ("shared/tokenize/part.py", "TokenizeConfig"),
                     "train": ("shared/config.py", "TrainConfig"),
-                    "eval": ("shared/eval.py", "EvalConfig")}
+                    "eval": ("shared/eval/evaluate.py", "EvalConfig")}
 # The first lines of every kernel's source (the module docstring above them): see this module's docstring.
 KERNEL_PREAMBLE = """\
 import os
@@ -78,8 +78,8 @@ def shared_zip_b64(repo: Path = REPO) -> str:
     """The `shared` package as a deterministic zip (fixed timestamps, sorted names), base64-encoded."""
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=9) as z:
-        for path in sorted((repo / "shared").glob("*.py")):
-            info = zipfile.ZipInfo(f"shared/{path.name}", date_time=(1980, 1, 1, 0, 0, 0))
+        for path in sorted((repo / "shared").rglob("*.py")):
+            info = zipfile.ZipInfo(path.relative_to(repo).as_posix(), date_time=(1980, 1, 1, 0, 0, 0))
             info.compress_type = zipfile.ZIP_DEFLATED
             info.external_attr = 0o644 << 16
             z.writestr(info, path.read_bytes())
@@ -113,7 +113,7 @@ def _gpt2k_bootstrap() -> dict:
         del _gpt2k_sys.modules[name]
     _gpt2k_sys.argv = _gpt2k_sys.argv[:1]  # a kernel runs with no arguments (a notebook's argv is Jupyter's)
     from shared.errors import UserError
-    from shared.publish import resolve_build_settings
+    from shared.kaggle.publish import resolve_build_settings
 
     print(f"{{_GPT2K_BUILD['kernel']}} kernel, build {{_GPT2K_BUILD['build_id']}}: shared from {{root}}", flush=True)
     try:

@@ -10,7 +10,7 @@ from pathlib import Path
 from scripts.chain.client import ApiFailure, _normalize_single_download
 from scripts.chain.context import StageContext
 from shared.fsutil import sha256_file
-from shared.publish import (
+from shared.kaggle.publish import (
     MANIFEST,
     PLACEHOLDER_FILE,
     checkpoint_step,

@@ -110,7 +110,7 @@ class KaggleClient:
 
     def connect(self) -> None:
         """The API from the machine's credentials (unless one was given); the user from the config or them."""
-        from shared.publish import kaggle_api
+        from shared.kaggle.publish import kaggle_api
 
         if self.api is None:
             self.api = kaggle_api(from_secrets=False)
@@ -143,7 +143,7 @@ class KaggleClient:
 
     def describe(self, err: BaseException) -> str:
         """One line for a failed call, with no key in it."""
-        from shared.publish import describe_error
+        from shared.kaggle.publish import describe_error
 
         return describe_error(err, self.secrets())
 

@@ -20,7 +20,7 @@ from scripts.chain.context import StageContext
 from scripts.chain.limits import MACHINE_SHAPES
 from scripts.chain.tokenize_stage import data_sources
 from shared.errors import UserError
-from shared.publish import PUBLISH_RECORD
+from shared.kaggle.publish import PUBLISH_RECORD
 
 
 class TrainStage:
@@ -131,7 +131,7 @@ class TrainStage:
 
     def report(self, sess: dict, before: int, after: int, status: str, message: str, secs: float) -> None:
         """A few lines per session: steps, loss, tokens/s, sessions and quota left, where the logs are."""
-        from shared.metrics import read_metrics
+        from shared.train.metrics import read_metrics
 
         ctx, cfg = self.ctx, self.cfg
         metrics = ctx.workdir / "metrics.jsonl"

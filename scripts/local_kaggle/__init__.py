@@ -11,7 +11,7 @@ Served: kernels push/status/output/logs/list/pull/cancel, datasets create/versio
 list/metadata (with the blob upload the client does: StartBlobUpload, then a resumable PUT to a URL on this
 server), accelerator quota, token introspection. Each pushed kernel version runs as `python <code_file>` in a
 subprocess with Kaggle's filesystem under `<root>/kernels/<owner>/<slug>/<version>/kaggle/`: `input/<slug>/`
-(read-only by permissions), `working/` (its output, capped), `temp/`; `shared.kaggle_env` finds them from the
+(read-only by permissions), `working/` (its output, capped), `temp/`; `shared.kaggle.env` finds them from the
 LOCAL_KAGGLE_* variables. Sessions are hard-killed at the session limit and count weekly accelerator quota.
 Faults (HTTP errors on chosen calls, a session that errors, a kill at a chosen moment) can be injected for
 tests. All state is on disk under --root, so a restarted server keeps datasets, kernel versions and outputs.
@@ -32,7 +32,7 @@ How it differs from Kaggle, on purpose or by necessity:
 - KAGGLE_API_ENVIRONMENT is read when `kaggle.api.kaggle_api_extended` is first imported (a class attribute),
   so set it before any `import kaggle`.
 - A session's environment carries no Kaggle credentials (read KAGGLE_USERNAME/KAGGLE_KEY with
-  `shared.kaggle_env.get_secret`); KAGGLE_API_ENVIRONMENT is set only when enable_internet is true. All its
+  `shared.kaggle.env.get_secret`); KAGGLE_API_ENVIRONMENT is set only when enable_internet is true. All its
   HTTP(S) goes through this server, which serves the Kaggle API and refuses every other host (no internet).
 - A session killed at the time limit, by quota, by the working cap, by a fault or by a server stop ends as
   ERROR with the reason as failure message, and its /kaggle/working output is discarded; a kernel that exits

@@ -35,7 +35,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 def session_env(kernel: dict, v: dict, kroot: Path, secrets_file: Path, proxy_url: str) -> dict[str, str]:
     """The kernel's environment: this process's, minus any Kaggle credentials and proxies, plus what
-    `shared.kaggle_env` reads to find the session's folders and secrets."""
+    `shared.kaggle.env` reads to find the session's folders and secrets."""
     env = {
         k: val for k, val in os.environ.items()
         if not k.startswith(("KAGGLE_", "LOCAL_KAGGLE_")) and k.lower() not in PROXY_VARS

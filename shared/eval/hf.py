@@ -2,7 +2,7 @@
 `AutoTokenizer.from_pretrained` and `pipeline("text-generation")` load it, and load an HF GPT-2 folder
 (config.json + model.safetensors or pytorch_model.bin) as our model.
 
-The tokenizer files (vocab.json, merges.txt) are derived from GPT-2's tiktoken ranks (see shared.tokenizer),
+The tokenizer files (vocab.json, merges.txt) are derived from GPT-2's tiktoken ranks (see shared.tokenize.tokenizer),
 so an export needs no download: GPT-2's token ids are its BPE ranks, and each merge is recovered by running
 BPE over a token's bytes with only the lower-ranked merges allowed.
 """
@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from shared.checkpoint import MANIFEST_FILE, latest_checkpoint, load_checkpoint
 from shared.errors import UserError
-from shared.model import GPT, from_hf_state_dict, hf_config_dict, to_hf_state_dict
+from shared.train.checkpoint import MANIFEST_FILE, latest_checkpoint, load_checkpoint
+from shared.train.model import GPT, from_hf_state_dict, hf_config_dict, to_hf_state_dict
 
 
 def export_hf(model: GPT, out_dir: str | os.PathLike, tokenizer: bool = False,
@@ -68,7 +68,7 @@ def _split_token(ranks: dict[bytes, int], token: bytes) -> tuple[bytes, bytes]:
 
 def gpt2_vocab_and_merges(ranks_path: str | os.PathLike | None = None) -> tuple[dict[str, int], list[str]]:
     """GPT-2's vocab.json mapping and merges.txt lines (without the header), from tiktoken's ranks."""
-    from shared.tokenizer import EOT_TOKEN, gpt2_encoding
+    from shared.tokenize.tokenizer import EOT_TOKEN, gpt2_encoding
 
     enc = gpt2_encoding(ranks_path)
     ranks = {b: enc.encode_single_token(b) for b in enc.token_byte_values()}
@@ -89,7 +89,7 @@ def gpt2_vocab_and_merges(ranks_path: str | os.PathLike | None = None) -> tuple[
 def write_tokenizer_files(out_dir: str | os.PathLike, model_max_length: int = 1024,
                           ranks_path: str | os.PathLike | None = None) -> list[Path]:
     """vocab.json, merges.txt, tokenizer_config.json, special_tokens_map.json and generation_config.json."""
-    from shared.tokenizer import EOT_TOKEN
+    from shared.tokenize.tokenizer import EOT_TOKEN
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

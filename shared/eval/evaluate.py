@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from shared.checkpoint import METRICS_FILE
 from shared.data import TokenLoader
-from shared.report import HELLASWAG_PNG, LOSS_PNG, REPORT_FILE, THROUGHPUT_PNG
+from shared.eval.report import HELLASWAG_PNG, LOSS_PNG, REPORT_FILE, THROUGHPUT_PNG
+from shared.train.checkpoint import METRICS_FILE
 
 
 @torch.no_grad()
@@ -60,7 +60,7 @@ def _warn_once(log):
 def _training_hellaswag(path: str, examples: int, block_size: int, log):
     """The encoded HellaSwag subset for in-training evals, read once per process; None if it cannot be."""
     from shared.errors import UserError
-    from shared.hellaswag import encode, read_jsonl, truncation_warning
+    from shared.eval.hellaswag import encode, read_jsonl, truncation_warning
 
     key = (path, examples, block_size)
     if key not in _hellaswag_cache:
@@ -92,7 +92,7 @@ def periodic_eval(model, runtime, cfg, step: int, tokens: int, val_loader: Token
     if getattr(cfg, "hellaswag_file", ""):
         data = _training_hellaswag(cfg.hellaswag_file, cfg.hellaswag_examples, block_size, log)
         if data is not None:
-            from shared.hellaswag import score
+            from shared.eval.hellaswag import score
 
             # About one training micro-batch of tokens per forward pass: the memory training already needs.
             rows = max(1, cfg.micro_batch * block_size // data.length)
@@ -100,7 +100,7 @@ def periodic_eval(model, runtime, cfg, step: int, tokens: int, val_loader: Token
             results.update(result.to_record())
             logger.write({"step": step, "tokens": tokens, **result.to_record()})
     if getattr(cfg, "sample_prompt", ""):
-        from shared.sampling import sample_text
+        from shared.eval.sampling import sample_text
 
         (sample,) = sample_text(model, runtime, [cfg.sample_prompt], getattr(cfg, "sample_tokens", 32),
                                 seed=cfg.seed, bf16=cfg.bf16, warn=_warn_once(log))
@@ -162,8 +162,8 @@ def _keep_previous_report(out: Path, log) -> None:
 
 def _find_checkpoint(cfg: EvalConfig, log):
     """The checkpoint to evaluate: a named step directory must verify; under a root, the newest that does."""
-    from shared.checkpoint import MANIFEST_FILE, latest_checkpoint, load_checkpoint
     from shared.errors import UserError
+    from shared.train.checkpoint import MANIFEST_FILE, latest_checkpoint, load_checkpoint
 
     if cfg.checkpoint:
         path = Path(cfg.checkpoint)
@@ -171,7 +171,7 @@ def _find_checkpoint(cfg: EvalConfig, log):
             return load_checkpoint(path)
         roots = [path, path / "checkpoints"]
     else:
-        from shared.kaggle_env import is_kaggle, is_local_kaggle, kaggle_paths
+        from shared.kaggle.env import is_kaggle, is_local_kaggle, kaggle_paths
 
         if not (is_kaggle() or is_local_kaggle()):
             raise UserError("--checkpoint: give a checkpoint, a checkpoints/ root or a run directory")
@@ -185,12 +185,12 @@ def _find_checkpoint(cfg: EvalConfig, log):
 
 def _hellaswag_file(cfg: EvalConfig, out: Path, log) -> Path | None:
     from shared.errors import UserError
-    from shared.hellaswag import download
+    from shared.eval.hellaswag import download
 
     if cfg.hellaswag == "off":
         return None
     if cfg.hellaswag == "demo":  # offline: a HellaSwag-format set made from the demo corpus
-        from shared.hellaswag import demo_examples, write_jsonl
+        from shared.eval.hellaswag import demo_examples, write_jsonl
 
         return write_jsonl(out / "hellaswag_demo.jsonl", demo_examples(cfg.hellaswag_examples or 200))
     if cfg.hellaswag in ("auto", "download"):
@@ -211,7 +211,7 @@ def _val_shards(cfg: EvalConfig):
         return []
     if cfg.data_dir:
         return find_shards(cfg.data_dir, "val")
-    from shared.kaggle_env import is_kaggle, is_local_kaggle, kaggle_paths
+    from shared.kaggle.env import is_kaggle, is_local_kaggle, kaggle_paths
 
     return find_shards(str(kaggle_paths().input), "val") if (is_kaggle() or is_local_kaggle()) else []
 
@@ -267,13 +267,13 @@ def upload_kaggle_model(folder: Path, handle: str, notes: str, log=print) -> Non
 def run_eval(cfg: EvalConfig, runtime=None, log=print) -> dict:
     """The eval kernel: every stage writes its result to metrics.jsonl and rewrites the report, so a failure
     later on never loses what was already found. Raises UserError at the end if any stage failed."""
-    from shared.device import make_runtime
     from shared.errors import UserError
-    from shared.hf import export_hf, load_hf
-    from shared.metrics import MetricsLogger
-    from shared.model import GPT
-    from shared.report import write_report
-    from shared.tokenizer import gpt2_encoding
+    from shared.eval.hf import export_hf, load_hf
+    from shared.eval.report import write_report
+    from shared.tokenize.tokenizer import gpt2_encoding
+    from shared.train.device import make_runtime
+    from shared.train.metrics import MetricsLogger
+    from shared.train.model import GPT
 
     started = time.monotonic()
     out = Path(cfg.out_dir)
@@ -377,7 +377,7 @@ def run_eval(cfg: EvalConfig, runtime=None, log=print) -> dict:
 
     # --- HellaSwag --------------------------------------------------------------------------------------------
     def hellaswag() -> None:
-        from shared.hellaswag import evaluate
+        from shared.eval.hellaswag import evaluate
 
         path = _hellaswag_file(cfg, out, log)
         if path is None:
@@ -393,7 +393,7 @@ def run_eval(cfg: EvalConfig, runtime=None, log=print) -> dict:
 
     # --- samples ----------------------------------------------------------------------------------------------
     def sample() -> None:
-        from shared.sampling import sample_text
+        from shared.eval.sampling import sample_text
 
         prompts = [p for p in cfg.prompts.split("|") if p.strip()]
         if not prompts:

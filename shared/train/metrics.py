@@ -32,7 +32,7 @@ def _wandb_key() -> str | None:
     if os.environ.get("WANDB_API_KEY"):
         return os.environ["WANDB_API_KEY"]
     try:
-        from shared.kaggle_env import get_secret
+        from shared.kaggle.env import get_secret
     except ImportError:
         return None
     try:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from shared.errors import UserError
-from shared.sampling import replicated
+from shared.eval.sampling import replicated
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 HUB_DATASET = "Rowan/hellaswag"
@@ -146,7 +146,7 @@ def demo_examples(n: int = 200, seed: int = 0, max_chars: int = 2_000_000) -> li
     """A small offline HellaSwag-format set from the demo corpus (Python's documentation): the context is a
     sentence's first half, the right ending its second half, the wrong endings second halves of other
     sentences. A model trained on the demo corpus should beat chance on it."""
-    from shared.corpus import demo_documents
+    from shared.tokenize.demo_corpus import demo_documents
 
     sentences = []
     for doc in demo_documents(max_chars):
@@ -199,7 +199,7 @@ def truncation_warning(data: Encoded, block_size: int) -> str:
 def encode(examples: list[Example], block_size: int, encoding=None, pad_to: int = 32) -> Encoded:
     """Tokenise examples into fixed-length rows: the length is the longest row rounded up to `pad_to`
     (capped at `block_size`); a row longer than that keeps its ending and the end of its context."""
-    from shared.tokenizer import gpt2_encoding
+    from shared.tokenize.tokenizer import gpt2_encoding
 
     enc = encoding or gpt2_encoding()
     rows, truncated = [], 0

@@ -109,7 +109,7 @@ def resolve_placeholders(value: str, paths) -> str:
 def resolve_build_settings(build: dict, log=print) -> dict:
     """The settings a built kernel runs with: placeholders resolved against this session's folders, the checkpoint
     dataset staged for resuming, and publishing configured. Called by the bootstrap of every built kernel."""
-    from shared.kaggle_env import check_tpu_present, is_kaggle, is_local_kaggle, kaggle_paths
+    from shared.kaggle.env import check_tpu_present, is_kaggle, is_local_kaggle, kaggle_paths
 
     settings = dict(build.get("settings") or {})
     if build.get("kernel") in ("train", "eval") and (is_kaggle() or is_local_kaggle()):
@@ -187,7 +187,7 @@ def kaggle_api(from_secrets: bool = True):
     """An authenticated KaggleApi. In a session the credentials come from the user's secrets (set into this
     process's environment, never printed). Raises UserError naming what is missing."""
     if from_secrets:
-        from shared.kaggle_env import get_secret, is_kaggle, is_local_kaggle
+        from shared.kaggle.env import get_secret, is_kaggle, is_local_kaggle
 
         if is_kaggle() or is_local_kaggle():
             for name in CREDENTIAL_NAMES:
@@ -276,7 +276,7 @@ def publish_checkpoint(api, ckpt_dir: str | os.PathLike, dataset: str, work_dir:
 
 
 def _write_record(record: dict) -> None:
-    from shared.kaggle_env import kaggle_paths
+    from shared.kaggle.env import kaggle_paths
 
     try:
         path = kaggle_paths().working / PUBLISH_RECORD
@@ -304,7 +304,7 @@ def after_training(result, log=print) -> dict | None:
     else:
         secrets: list[str] = []
         try:
-            from shared.kaggle_env import kaggle_paths
+            from shared.kaggle.env import kaggle_paths
 
             api = kaggle_api()
             secrets = [os.environ.get(n, "") for n in CREDENTIAL_NAMES]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from shared.metrics import plot_loss, read_metrics
+from shared.train.metrics import plot_loss, read_metrics
 
 # Reference numbers (build-nanogpt): FineWeb-Edu validation loss on its val shard, HellaSwag acc_norm (10,042).
 GPT2_124M_VAL_LOSS = 3.2924

@@ -93,7 +93,7 @@ def check_tpu_present(machine_shape: str, kernel: str) -> None:
     """A kernel built for a TPU machine shape that finds no TPU stops here, in one line, before it touches its
     inputs or the checkpoint dataset: otherwise torch_xla would quietly train on 8 CPU devices for 9 hours.
 
-    On Kaggle the chips must be on this host (shared.tpu.tpu_devices_present, torch_xla's own test); in the
+    On Kaggle the chips must be on this host (shared.train.tpu.tpu_devices_present, torch_xla's own test); in the
     local Kaggle, whose XLA CPU devices stand in for a TPU, the session's machine shape must be a TPU one."""
     if not machine_shape.lower().startswith("tpu"):
         return
@@ -101,7 +101,7 @@ def check_tpu_present(machine_shape: str, kernel: str) -> None:
         session = os.environ.get(LOCAL_ACCELERATOR_ENV) or ""
         present, seen = session.lower().startswith("tpu"), f"the local Kaggle session's machine is {session or 'CPU'}"
     else:
-        from shared.tpu import tpu_devices_present
+        from shared.train.tpu import tpu_devices_present
 
         present, seen = tpu_devices_present(), "no TPU chips on PCI, /dev/accel* or /dev/vfio"
     if not present:

@@ -1,5 +1,5 @@
 """A token part's output directory: its shards' names and sizes, and `manifest.json`, rewritten atomically after
-every shard so that a killed run can verify what it finished and carry on (see shared/tokenize_corpus.py).
+every shard so that a killed run can verify what it finished and carry on (see shared/tokenize/part.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 from shared.data import HEADER_BYTES
 from shared.errors import UserError, describe_error
 from shared.fsutil import atomic_write_bytes, fsync_dir, sha256_file
-from shared.tokenize_source import same_source
+from shared.tokenize.source import same_source
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "gpt2-on-kaggle/tokens/1"

@@ -9,7 +9,7 @@ import multiprocessing
 
 import numpy as np
 
-from shared.tokenizer import EOT_TOKEN
+from shared.tokenize.tokenizer import EOT_TOKEN
 
 _ENC = None
 
@@ -17,7 +17,7 @@ _ENC = None
 def init_worker(ranks_path: str | None) -> None:
     """The pool's initializer: load the encoding once per process rather than pickle it with every task."""
     global _ENC
-    from shared.tokenizer import gpt2_encoding
+    from shared.tokenize.tokenizer import gpt2_encoding
 
     _ENC = gpt2_encoding(ranks_path)
 

@@ -15,7 +15,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shared.checkpoint import (
+from shared.config import CHECKPOINT_BYTES_PER_PARAM, NINE_HOURS, TrainConfig
+from shared.data import LoaderState, TokenLoader, find_shards
+from shared.errors import UserError
+from shared.eval.evaluate import periodic_eval
+from shared.train.checkpoint import (
     METRICS_FILE,
     CheckpointTimer,
     check_same_shape,
@@ -23,14 +27,10 @@ from shared.checkpoint import (
     latest_checkpoint,
     save_checkpoint,
 )
-from shared.config import CHECKPOINT_BYTES_PER_PARAM, NINE_HOURS, TrainConfig
-from shared.data import LoaderState, TokenLoader, find_shards
-from shared.device import Runtime, make_runtime, runtime_versions
-from shared.errors import UserError
-from shared.eval import periodic_eval
-from shared.metrics import MetricsLogger, plot_loss
-from shared.model import GPT
-from shared.optim import lr_at, make_optimizer, optimizer_of_state, optimizer_tensors
+from shared.train.device import Runtime, make_runtime, runtime_versions
+from shared.train.metrics import MetricsLogger, plot_loss
+from shared.train.model import GPT
+from shared.train.optim import lr_at, make_optimizer, optimizer_of_state, optimizer_tensors
 
 XLA_CACHE_DIR = "xla_cache"  # inside out_dir, and inside each checkpoint (XLA's persistent compilation cache)
 
@@ -70,7 +70,7 @@ def plan_step(cfg: TrainConfig, runtime: Runtime, scan_available: bool | None = 
     compiler: docs/tpu-throughput.md) on a TPU running SDPA attention (the Pallas kernel is untested inside scan)
     when the step has no accumulation loop: inside torch_xla 2.9's loop the scan computed wrong losses
     (tests/test_train.py shows it), so the two are never combined."""
-    from shared.device import scan_layers_available
+    from shared.train.device import scan_layers_available
 
     n_layer, gen, xla = cfg.model.n_layer, runtime.tpu_generation, runtime.name == "xla"
     loop = cfg.grad_accum_loop and xla and cfg.grad_accum_steps > 1

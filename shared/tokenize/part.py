@@ -17,8 +17,8 @@ moment: the finished shards with their sha256, and where the stream stands after
 started again verifies those shards and carries on from the last one, producing the same bytes as an
 uninterrupted run. Shards are written in a temporary directory outside the output and then moved in.
 
-The pieces: `shared.tokenize_source` (the document stream), `shared.tokenize_workers` (the tokenizer
-processes), `shared.tokenize_manifest` (the output directory and its manifest); this module holds the
+The pieces: `shared.tokenize.source` (the document stream), `shared.tokenize.workers` (the tokenizer
+processes), `shared.tokenize.manifest` (the output directory and its manifest); this module holds the
 settings and the run that ties them together.
 
 Module-level imports are stdlib and numpy only; datasets, pyarrow, tiktoken and tqdm load inside functions.
@@ -42,7 +42,7 @@ import numpy as np
 from shared.data import write_shard
 from shared.errors import UserError
 from shared.fsutil import sha256_file
-from shared.tokenize_manifest import (
+from shared.tokenize.manifest import (
     DISK_SLACK,
     GB,
     MANIFEST,
@@ -61,7 +61,7 @@ from shared.tokenize_manifest import (
     verify_shards,
     write_manifest,
 )
-from shared.tokenize_source import (
+from shared.tokenize.source import (
     describe_source,
     open_stream,
     resolve_hub_revision,
@@ -69,8 +69,8 @@ from shared.tokenize_source import (
     source_label,
     stream_batches,
 )
-from shared.tokenize_workers import encode_docs, init_worker, pool_context
-from shared.tokenizer import EOT_TOKEN, resolve_ranks_path
+from shared.tokenize.tokenizer import EOT_TOKEN, resolve_ranks_path
+from shared.tokenize.workers import encode_docs, init_worker, pool_context
 
 CRASH_ENV = "GPT2K_TOKENIZE_CRASH_AFTER_SHARDS"  # tests: die right after moving in the N-th new shard
 

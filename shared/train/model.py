@@ -11,9 +11,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shared.checkpoint import different_shape_error
 from shared.config import GPT2_VOCAB_SIZE, ModelConfig
 from shared.errors import UserError
+from shared.train.checkpoint import different_shape_error
 
 # The one place attention is chosen: SDPA everywhere, or a kernel installed by the device layer (the
 # torch_xla Pallas flash-attention kernel on a real TPU). It takes q, k, v of shape (B, H, T, D).
@@ -87,7 +87,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied embeddings
         self.apply(self._init_weights)
-        # How the block stack runs, set by the device layer (shared.device prepare_model): a checkpoint
+        # How the block stack runs, set by the device layer (shared.train.device prepare_model): a checkpoint
         # function (block, x) -> x that recomputes a block's activations in the backward pass, and/or a runner
         # (blocks, x) -> x for the whole stack (XLA's scan: one block compiled once). None: a plain loop.
         self.block_checkpoint = None
@@ -116,7 +116,7 @@ class GPT(nn.Module):
 
     @classmethod
     def from_checkpoint(cls, ckpt) -> GPT:
-        """The model (CPU, fp32) of a `shared.checkpoint.LoadedCheckpoint`, shaped by its saved config."""
+        """The model (CPU, fp32) of a `shared.train.checkpoint.LoadedCheckpoint`, shaped by its saved config."""
         model = cls(ModelConfig.from_dict(ckpt.state["config"]["model"]))
         model.load_checkpoint_tensors(ckpt.model, ckpt.path)
         return model

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from shared.data import write_shard
-from shared.tokenizer import EOT_TOKEN
+from shared.tokenize.tokenizer import EOT_TOKEN
 
 
 def demo_documents(max_chars: int = 8_000_000) -> Iterator[str]:
@@ -44,7 +44,7 @@ def demo_documents(max_chars: int = 8_000_000) -> Iterator[str]:
 def build_demo_corpus(out_dir: str | Path, shard_tokens: int = 200_000, val_tokens: int = 100_000,
                       ranks_path: str | None = None, max_chars: int = 8_000_000) -> dict:
     """Tokenize the demo documents (EOT before each) into `demo_val_000000.bin` and `demo_train_*.bin`."""
-    from shared.tokenizer import gpt2_encoding
+    from shared.tokenize.tokenizer import gpt2_encoding
 
     enc = gpt2_encoding(ranks_path)
     docs = list(demo_documents(max_chars))

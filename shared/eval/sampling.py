@@ -141,7 +141,7 @@ def sample_text(model, runtime, prompts: list[str], max_new_tokens: int = 64, nu
                 temperature: float = 1.0, top_k: int = 50, seed: int = 42, bf16: bool = False, encoding=None,
                 warn=print) -> list[Sample]:
     """Continuations of each prompt as text; sample j of prompt i uses seed `seed + i`."""
-    from shared.tokenizer import EOT_TOKEN, gpt2_encoding
+    from shared.tokenize.tokenizer import EOT_TOKEN, gpt2_encoding
 
     enc = encoding or gpt2_encoding()
     samples = []

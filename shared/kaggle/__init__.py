@@ -1,0 +1,1 @@
+"""Inside a Kaggle session: `env` (paths, mounts, secrets, TPU presence) and `publish` (the checkpoint dataset)."""
