@@ -220,7 +220,8 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=64)
     parser.add_argument("--tokens", type=float, default=1.5e6, help="the token budget of the AdamW run")
     parser.add_argument("--backend", default="cpu")
-    parser.add_argument("--adamw-lrs", default="1e-3,2e-3,4e-3", help="AdamW's peak LRs tried; the best is the target")
+    parser.add_argument("--adamw-lrs", default="5e-4,1e-3,2e-3,4e-3",
+                        help="AdamW's peak LRs tried; the best is the target")
     parser.add_argument("--muon-lr", type=float, default=0.02)
     parser.add_argument("--muon-adamw-lr", type=float, default=4e-3, help="Muon's AdamW part (embeddings, ...)")
     parser.add_argument("--muon-fractions", default="1,0.7,0.5,0.4,0.3,0.2,0.1",
