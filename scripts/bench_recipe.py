@@ -193,13 +193,14 @@ def plot_curves(curves: dict[str, list[tuple[int, float]]], target: float, path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
-    for name, curve in curves.items():
-        ax.plot([t / 1e6 for t, _ in curve[1:]], [loss for _, loss in curve[1:]], marker=".", label=name)
-    ax.axhline(target, color="gray", linestyle="--", linewidth=1, label=f"best AdamW's final {target:.3f}")
+    fig, ax = plt.subplots(figsize=(11, 5), dpi=100)
+    for name, curve in curves.items():  # AdamW dashed, Muon solid
+        ax.plot([t / 1e6 for t, _ in curve[1:]], [loss for _, loss in curve[1:]], marker=".", label=name,
+                linestyle="--" if name.startswith("AdamW") else "-")
+    ax.axhline(target, color="gray", linestyle=":", linewidth=1, label=f"best AdamW's final {target:.3f}")
     ax.set(xlabel="training tokens (millions)", ylabel="validation loss", title=title)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
