@@ -62,6 +62,9 @@ def _encode_docs_lists(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def pool_context() -> multiprocessing.context.BaseContext:
-    """fork where the platform has it: workers start at once with the parent's imports, not re-importing __main__."""
+    """forkserver where the platform has it, else spawn: never fork this process itself. A forked child of a
+    process with threads (torch_xla's, the dataset reader's, an earlier pool's) can inherit a lock some thread
+    held, and the pool then hangs at its end (seen in the test suite: `Pool.terminate` waiting forever on the
+    task queue's lock). Workers import only this module and tiktoken."""
     methods = multiprocessing.get_all_start_methods()
-    return multiprocessing.get_context("fork" if "fork" in methods else None)
+    return multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
