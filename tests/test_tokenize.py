@@ -250,3 +250,44 @@ def test_every_parquet_file_is_checked_for_the_text_column(corpus, ranks, tmp_pa
     code, line = _kernel_error(_kernel_args({"parquet": str(tmp_path / "*.parquet")}, ranks, out))
     assert code == 2 and f"{tmp_path / 'c-body.parquet'}: no text column 'text' (columns: body)" in line
     assert not out.exists()
+
+
+def test_a_pool_that_will_not_terminate_is_killed_after_the_wait():
+    import threading
+
+    from shared.tokenize.workers import shut_down
+
+    class Worker:
+        killed = False
+
+        def kill(self):
+            self.killed = True
+
+    class StuckPool:  # terminate blocks as CPython's did on its task queue's lock
+        def __init__(self):
+            self._pool, self.released = [Worker(), Worker()], threading.Event()
+
+        def terminate(self):
+            self.released.wait()
+
+        def join(self):
+            raise AssertionError("join after a terminate that never returned")
+
+    pool, lines = StuckPool(), []
+    shut_down(pool, wait_s=0.2, log=lines.append)
+    assert all(w.killed for w in pool._pool)
+    assert lines == ["notice: the tokenizer pool did not stop within 0.2s; its workers are killed"]
+    pool.released.set()
+
+    class GoodPool:
+        _pool, calls = [], []
+
+        def terminate(self):
+            self.calls.append("terminate")
+
+        def join(self):
+            self.calls.append("join")
+
+    good = GoodPool()
+    shut_down(good, log=lines.append)
+    assert good.calls == ["terminate", "join"] and len(lines) == 1

@@ -70,7 +70,7 @@ from shared.tokenize.source import (
     stream_batches,
 )
 from shared.tokenize.tokenizer import EOT_TOKEN, resolve_ranks_path
-from shared.tokenize.workers import encode_docs, init_worker, pool_context
+from shared.tokenize.workers import encode_docs, init_worker, pool_context, shut_down
 
 CRASH_ENV = "GPT2K_TOKENIZE_CRASH_AFTER_SHARDS"  # tests: die right after moving in the N-th new shard
 
@@ -247,8 +247,7 @@ def _produce(cfg, manifest, out_dir, source, ranks, budget, manifest_len, resume
         reason = state.run(pool, batches, processes)
     finally:
         if pool is not None:
-            pool.terminate()
-            pool.join()
+            shut_down(pool, log=log)
         if state is not None:
             state.close_progress()
         shutil.rmtree(tmp_root, ignore_errors=True)

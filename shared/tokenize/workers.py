@@ -6,6 +6,8 @@ The encoding is loaded once per process (`init_worker`, the pool's initializer),
 from __future__ import annotations
 
 import multiprocessing
+import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -62,9 +64,23 @@ def _encode_docs_lists(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def pool_context() -> multiprocessing.context.BaseContext:
-    """forkserver where the platform has it, else spawn: never fork this process itself. A forked child of a
-    process with threads (torch_xla's, the dataset reader's, an earlier pool's) can inherit a lock some thread
-    held, and the pool then hangs at its end (seen in the test suite: `Pool.terminate` waiting forever on the
-    task queue's lock). Workers import only this module and tiktoken."""
+    """fork where the platform has it: workers start at once with the parent's imports, not re-importing __main__
+    (a built kernel's __main__ is its whole file, or a notebook with no file at all)."""
     methods = multiprocessing.get_all_start_methods()
-    return multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+    return multiprocessing.get_context("fork" if "fork" in methods else None)
+
+
+def shut_down(pool, wait_s: float = 60.0, log: Callable[[str], None] = print) -> None:
+    """Terminate `pool`, waiting at most wait_s. CPython's Pool.terminate can wait forever on its task queue's
+    lock after a fork from a process with threads (seen once in the test suite: the task handler stuck in
+    SimpleQueue.put, terminate joining it); then the workers are killed and the stuck (daemon) handler thread
+    is left behind, instead of the session hanging until Kaggle ends it."""
+    terminator = threading.Thread(target=pool.terminate, daemon=True)
+    terminator.start()
+    terminator.join(wait_s)
+    if terminator.is_alive():
+        log(f"notice: the tokenizer pool did not stop within {wait_s:g}s; its workers are killed")
+        for worker in list(getattr(pool, "_pool", [])):
+            worker.kill()
+        return
+    pool.join()
