@@ -104,11 +104,10 @@ def build_corpus(out: Path, text_dir: Path | None, val_fraction: float = 0.01, s
                  seed: int = 0) -> dict:
     """Token shards (`bench_train_*.bin`, `bench_val_000000.bin`) from the documents under text_dir (default:
     Debian's documentation), documents shuffled once and split into train and validation."""
-    import numpy as np
     from tqdm import tqdm
 
-    from shared.data import write_shard
-    from shared.tokenize.tokenizer import EOT_TOKEN, gpt2_encoding
+    from shared.tokenize.demo_corpus import eot_tokens, write_split_shards
+    from shared.tokenize.tokenizer import gpt2_encoding
 
     summary_path = out / "corpus.json"
     if summary_path.exists():
@@ -125,10 +124,8 @@ def build_corpus(out: Path, text_dir: Path | None, val_fraction: float = 0.01, s
     out.mkdir(parents=True, exist_ok=True)
     counts = {}
     for split, part in (("val", docs[:n_val]), ("train", docs[n_val:])):
-        tokens = np.concatenate([np.array([EOT_TOKEN, *t], dtype=np.uint16)
-                                 for t in enc.encode_ordinary_batch(part, num_threads=os.cpu_count() or 1)])
-        for i, start in enumerate(range(0, len(tokens), shard_tokens)):
-            write_shard(out / f"bench_{split}_{i:06d}.bin", tokens[start:start + shard_tokens])
+        tokens = eot_tokens(enc, part, num_threads=os.cpu_count() or 1)
+        write_split_shards(out, "bench", split, tokens, shard_tokens)
         counts[split] = int(tokens.size)
     summary = {"documents": len(docs), "val_documents": n_val, "train_tokens": counts["train"],
                "val_tokens": counts["val"], "source": str(text_dir) if text_dir else " ".join(DEBIAN_PACKAGES)}

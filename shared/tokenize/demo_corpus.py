@@ -41,22 +41,32 @@ def demo_documents(max_chars: int = 8_000_000) -> Iterator[str]:
             return
 
 
+def eot_tokens(enc, docs: list[str], num_threads: int = 4) -> np.ndarray:
+    """The documents' GPT-2 tokens, each document preceded by EOT, as one uint16 array."""
+    return np.concatenate([np.array([EOT_TOKEN, *toks], dtype=np.uint16)
+                           for toks in enc.encode_ordinary_batch(docs, num_threads=num_threads)])
+
+
+def write_split_shards(out: Path, prefix: str, split: str, tokens: np.ndarray, shard_tokens: int,
+                       first_index: int = 0) -> list[str]:
+    """`tokens` as `<prefix>_<split>_NNNNNN.bin` shards of shard_tokens each, numbered from first_index."""
+    names = []
+    for i, start in enumerate(range(0, len(tokens), shard_tokens), start=first_index):
+        names.append(f"{prefix}_{split}_{i:06d}.bin")
+        write_shard(out / names[-1], tokens[start:start + shard_tokens])
+    return names
+
+
 def build_demo_corpus(out_dir: str | Path, shard_tokens: int = 200_000, val_tokens: int = 100_000,
                       ranks_path: str | None = None, max_chars: int = 8_000_000) -> dict:
     """Tokenize the demo documents (EOT before each) into `demo_val_000000.bin` and `demo_train_*.bin`."""
     from shared.tokenize.tokenizer import gpt2_encoding
 
-    enc = gpt2_encoding(ranks_path)
     docs = list(demo_documents(max_chars))
-    tokens = np.concatenate([np.array([EOT_TOKEN] + toks, dtype=np.uint16)
-                             for toks in enc.encode_ordinary_batch(docs, num_threads=4)])
+    tokens = eot_tokens(gpt2_encoding(ranks_path), docs)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_shard(out / "demo_val_000000.bin", tokens[:val_tokens])
-    train = tokens[val_tokens:]
-    names = []
-    for i, start in enumerate(range(0, len(train), shard_tokens), start=1):
-        names.append(f"demo_train_{i:06d}.bin")
-        write_shard(out / names[-1], train[start:start + shard_tokens])
+    names = write_split_shards(out, "demo", "train", tokens[val_tokens:], shard_tokens, first_index=1)
     return {"documents": len(docs), "tokens": int(tokens.size), "val_tokens": int(min(val_tokens, tokens.size)),
             "train_shards": names}
