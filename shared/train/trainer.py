@@ -129,10 +129,10 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print) -> TrainR
     resumed = latest_checkpoint(ckpt_root, cfg.resume_from or None, log=log, set_aside=True)
     if resumed:
         check_same_shape(resumed, model_cfg.to_dict())
-        if optimizer_of_state(resumed.optimizer) != cfg.optimizer:
-            raise UserError(f"--optimizer {cfg.optimizer}: the checkpoint {resumed.path} holds "
-                            f"{optimizer_of_state(resumed.optimizer)}'s state; resume with --optimizer "
-                            f"{optimizer_of_state(resumed.optimizer)} (or start a new run in another --out-dir)")
+        saved_with = optimizer_of_state(resumed.optimizer)
+        if saved_with != cfg.optimizer:
+            raise UserError(f"--optimizer {cfg.optimizer}: the checkpoint {resumed.path} holds {saved_with}'s "
+                            f"state; resume with --optimizer {saved_with} (or start a new run in another --out-dir)")
 
     # --- runtime: XLA starts with the compiled graphs of the previous session when the checkpoint has them ---
     compile_cache = restore_compile_cache(resumed, out_dir) if cfg.xla_cache else None
