@@ -7,8 +7,10 @@ dataset, then the eval kernel. Restartable: run the same command again after a k
 
 The config (JSON or TOML; see examples/chain-demo.json and scripts/chain/config.py's ChainConfig) names the model and
 batch (`train`), the token parts (`tokenize`), `total_steps`, the `accelerator` and the slugs. The train
-kernel needs the Kaggle secrets KAGGLE_USERNAME and KAGGLE_KEY attached (Add-ons > Secrets) to publish its
-checkpoint; when it cannot, this script publishes it from the session's output.
+kernel needs the Kaggle secrets KAGGLE_USERNAME and KAGGLE_KEY attached to its notebook (Add-ons > Secrets) to
+publish its checkpoint: on its first run the chain saves that notebook without running it and says which secrets to
+attach on which page. A session that cannot publish leaves its checkpoint in its output, and this script publishes it
+from there (a model whose checkpoints must live in /kaggle/temp stops before training instead).
 """
 
 from __future__ import annotations
@@ -59,8 +61,8 @@ def ensure_corpus_dataset(chain: Chain, ref: str, max_chars: int) -> None:
 
 
 def local_demo(args) -> dict:
-    """Start a local Kaggle under the work dir, give it a user and the train kernel's secrets, upload the demo
-    corpus, and run the chain against it."""
+    """Start a local Kaggle under the work dir with a user, upload the demo corpus, and run the chain against it,
+    attaching the secrets to the notebooks the chain creates."""
     workdir = Path(args.workdir or REPO / "runs" / "chain-demo")
     state = workdir / "chain" / "state.json"
     if state.exists() and json.loads(state.read_text()).get("done"):
@@ -68,12 +70,21 @@ def local_demo(args) -> dict:
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     cfg = load_config(args.config or DEMO_CONFIG, overrides=_overrides(args))
+    from scripts.chain.notebooks import needed_secrets
     from scripts.local_kaggle import LocalKaggle
 
     app = LocalKaggle(workdir / "kaggle", users={DEMO_USER: DEMO_KEY}, queue_delay_s=0.2,
                          session_limit_s=cfg.session_limit_s).start()
-    app.set_secret(DEMO_USER, "KAGGLE_USERNAME", DEMO_USER)
-    app.set_secret(DEMO_USER, "KAGGLE_KEY", DEMO_KEY)
+
+    def attach_secrets(lines: list[str]) -> None:
+        """What the user does on each new notebook's page (Add-ons > Secrets), done for them here."""
+        values = {"KAGGLE_USERNAME": DEMO_USER, "KAGGLE_KEY": DEMO_KEY}
+        for kernel, names in needed_secrets(cfg).items():
+            for name in names:
+                if name in values:
+                    app.attach_secret(f"{DEMO_USER}/{cfg.slug(kernel)}", name, values[name])
+        print("local demo: attached them, as you would on each notebook's page")
+
     for var in [v for v in os.environ if v.startswith("KAGGLE_")]:
         del os.environ[var]
     os.environ.update(app.client_env(DEMO_USER, DEMO_KEY))
@@ -81,7 +92,7 @@ def local_demo(args) -> dict:
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     print(f"local Kaggle on port {app.port}, state in {workdir / 'kaggle'}; sessions of {cfg.session_limit_s:g}s")
     try:
-        chain = Chain(cfg, workdir / "chain")
+        chain = Chain(cfg, workdir / "chain", on_new_notebooks=attach_secrets)
         chain.connect()
         for ref in cfg.tokenize.get("inputs", []):
             ensure_corpus_dataset(chain, ref, args.demo_chars)

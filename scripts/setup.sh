@@ -3,8 +3,8 @@
 # torch_xla 2.9.0) and test tools, plus GPT-2's BPE ranks taken from the package index (no other network).
 #
 #   bash scripts/setup.sh                 # .venv
-#   bash scripts/setup.sh --kaggle-image  # also .venv-kaggle-tpu: the torch/torch_xla of Kaggle's TPU image
-#                                         # (2.8.0, docs/kaggle-tpu.md), for the test that trains on them
+#   bash scripts/setup.sh --kaggle-image  # also .venv-kaggle-tpu and .venv-kaggle-cpu: stand-ins for Kaggle's images
+#                                         # (docs/kaggle-tpu.md), which the local Kaggle runs sessions in
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -17,12 +17,28 @@ PIP_FLAGS=(--quiet --disable-pip-version-check)
   "import importlib.metadata as m; print('torchax==' + m.version('torchax'))")"
 .venv/bin/python -c "from shared.tokenize.tokenizer import fetch_gpt2_ranks; print('GPT-2 ranks:', fetch_gpt2_ranks())"
 if [ "${1:-}" = "--kaggle-image" ]; then
-  # Kaggle's TPU image pins torch and torch_xla 2.8.0 (Kaggle/docker-python tpu/requirements.in); the train
-  # kernel runs on what the image ships, so the tests train on these versions too (CPU build of the kernel's
-  # imports: torch, torch_xla, numpy, safetensors, tqdm, matplotlib).
+  # Stand-ins for Kaggle's images, which the local Kaggle runs sessions in: each holds its image's versions of
+  # the packages the kernels import, and nothing the image lacks (docs/kaggle-tpu.md, section 5, with sources).
+  # TPU image (Kaggle/docker-python tpu/): torch/torch_xla 2.8.0 (CPU backend here), kagglehub,
+  # transformers, datasets, pandas, pyarrow, matplotlib; no kaggle, tiktoken or wandb.
   [ -x .venv-kaggle-tpu/bin/python ] || "$PYTHON" -m venv .venv-kaggle-tpu
-  .venv-kaggle-tpu/bin/python -m pip install "${PIP_FLAGS[@]}" torch==2.8.0 torch_xla==2.8.0 numpy safetensors \
-    tqdm matplotlib
-  .venv-kaggle-tpu/bin/python -c "import torch, torch_xla; print('Kaggle TPU image stack:', torch.__version__, \
-torch_xla.__version__)"
+  # (tunix caps safetensors below 0.8, and transformers 5 needs 0.8: transformers 4 resolves quickly. jax is
+  # left out: the kernels import it only on a TPU, for the Pallas kernel.)
+  .venv-kaggle-tpu/bin/python -m pip install "${PIP_FLAGS[@]}" torch==2.8.0 torch_xla==2.8.0 numpy \
+    'safetensors<0.8' tqdm matplotlib kagglehub 'transformers<5' datasets pandas pyarrow
+  # CPU image (Colab's CPU runtime + kaggle_requirements.txt): kaggle, kagglehub, datasets, transformers, pandas,
+  # pyarrow, matplotlib, and torch from Colab's base (its version is not verified: the project's own, from pip's
+  # cache); no tiktoken or wandb.
+  [ -x .venv-kaggle-cpu/bin/python ] || "$PYTHON" -m venv .venv-kaggle-cpu
+  .venv-kaggle-cpu/bin/python -m pip install "${PIP_FLAGS[@]}" torch==2.9.0 numpy safetensors tqdm matplotlib \
+    'kaggle>=1.8.3' six kagglehub transformers datasets pandas pyarrow
+  for image in tpu cpu; do
+    .venv-kaggle-$image/bin/python - "$image" <<'PY'
+import importlib.util, sys
+import torch
+absent = [m for m in ("tiktoken", "wandb", "kaggle") if importlib.util.find_spec(m)]
+print(f"Kaggle {sys.argv[1].upper()} image stand-in: torch {torch.__version__}; "
+      f"has {', '.join(absent) or 'none'} of tiktoken, wandb, kaggle")
+PY
+  done
 fi

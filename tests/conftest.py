@@ -55,11 +55,35 @@ def straight_run(demo_data, tmp_path_factory) -> Path:
     return out
 
 
-def run_script(path: str, *args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run a repo script in a fresh Python process, as a user would."""
+def run_script(path: str, *args: str, timeout: float = 300, env: dict | None = None,
+               python: str = sys.executable) -> subprocess.CompletedProcess:
+    """Run a repo script in a fresh Python process (this one's interpreter unless told), as a user would."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run([sys.executable, str(REPO / path), *args], capture_output=True, text=True,
+    return subprocess.run([python, str(REPO / path), *args], capture_output=True, text=True,
                           timeout=timeout, env=full_env, cwd=REPO)
+
+
+IMAGE_PYTHONS = {"tpu": REPO / ".venv-kaggle-tpu" / "bin" / "python",
+                 "cpu": REPO / ".venv-kaggle-cpu" / "bin" / "python"}
+
+
+@pytest.fixture(scope="session")
+def image_pythons() -> dict[str, Path]:
+    """The interpreters standing in for Kaggle's TPU and CPU images (`bash scripts/setup.sh --kaggle-image`, which
+    CI runs): missing, a test that needs them fails in CI and is skipped elsewhere."""
+    missing = [str(p) for p in IMAGE_PYTHONS.values() if not p.exists()]
+    if missing:
+        if os.environ.get("CI"):
+            pytest.fail(f"{', '.join(missing)} missing: CI must run `bash scripts/setup.sh --kaggle-image`")
+        pytest.skip("no Kaggle image interpreters: run `bash scripts/setup.sh --kaggle-image`")
+    return IMAGE_PYTHONS
+
+
+def importable_in(python: Path, modules: tuple[str, ...]) -> list[str]:
+    """Which of `modules` the interpreter `python` finds (nothing imported)."""
+    code = "import importlib.util, sys; print(','.join(m for m in sys.argv[1:] if importlib.util.find_spec(m)))"
+    out = subprocess.run([str(python), "-c", code, *modules], capture_output=True, text=True, check=True)
+    return [m for m in out.stdout.strip().split(",") if m]
 
 
 def error_lines(stderr: str) -> list[str]:

@@ -111,6 +111,9 @@ def write_kernel(folder: Path, ref: str, code: str, *, kernel_type: str = "scrip
     """A kernel folder for `kaggle kernels push -p folder`: the code file and kernel-metadata.json."""
     folder.mkdir(parents=True, exist_ok=True)
     slug = ref.split("/")[1]
+    # A session runs in its image's interpreter, which has no `shared`: a built kernel embeds it, these use the
+    # checkout's.
+    code = f"import sys\nsys.path.insert(0, {str(REPO)!r})\n" + code
     if kernel_type == "notebook":
         code_file = "kernel.ipynb"
         cells = [{"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None, "source": c}
@@ -159,3 +162,14 @@ def wait_for(predicate, timeout: float = 20.0, interval: float = 0.05):
             return value
         time.sleep(interval)
     raise AssertionError(f"condition not met within {timeout}s")
+
+
+def save_without_running(lk: LocalKaggleHandle, folder: Path) -> int:
+    """Save the kernel in `folder` as a new version without running it (kagglesdk's QUICK_SAVE, as the chain does
+    before a notebook's first session); returns the version number."""
+    meta = json.loads((folder / "kernel-metadata.json").read_text())
+    reply = lk.app.api(USER, "kernels.KernelsApiService", "SaveKernel", {
+        "slug": meta["id"], "newTitle": meta["title"], "text": (folder / meta["code_file"]).read_text(),
+        "language": "python", "kernelType": meta["kernel_type"], "kernelExecutionType": "QUICK_SAVE"})
+    return reply["versionNumber"]
+

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, error_lines, run_script
+from conftest import REPO, error_lines, importable_in, run_script
 from kaggle_fixtures import KEY, USER, client_env, local_kaggle, write_dataset  # noqa: F401
 from safetensors.torch import load_file
 
@@ -83,15 +83,29 @@ def losses(metrics: Path) -> list[tuple]:
     return [(r["step"], r["loss"], r["lr"], r["grad_norm"]) for r in read_metrics(metrics) if "loss" in r]
 
 
-def test_chain_end_to_end_resumes_bit_exactly_and_survives_a_kill(local_kaggle, tmp_path, gpt2_ranks):
+def test_chain_end_to_end_resumes_bit_exactly_and_survives_a_kill(local_kaggle, tmp_path, gpt2_ranks,
+                                                                  image_pythons):
     lk = local_kaggle
-    lk.app.set_secret(USER, "KAGGLE_USERNAME", USER)
-    lk.app.set_secret(USER, "KAGGLE_KEY", KEY)
     files = chain_script().make_demo_corpus(tmp_path / "corpus", 400_000)
     upload(lk, tmp_path, "alice/gpt2-demo-corpus", {f.name: f.read_bytes() for f in files})
     # Sessions of 65 s: 35 s of training, 20 s for start-up and 10 s for publishing the checkpoint.
     config = write_config(tmp_path / "chain.json", session_limit_s=65, startup_margin_s=20, publish_margin_s=10)
     workdir = tmp_path / "chain"
+    # First contact: the chain saves the train notebook without running it, names the secrets to attach on its
+    # page, and stops before any session (no terminal to wait on).
+    contact = run_chain(lk, config, workdir)
+    assert contact.returncode == 2, contact.stdout[-3000:] + contact.stderr[-3000:]
+    assert ("attach the secrets KAGGLE_USERNAME, KAGGLE_KEY to the train notebook: "
+            "https://www.kaggle.com/code/alice/gpt2-demo-train (Add-ons > Secrets)") in contact.stdout
+    assert error_lines(contact.stderr) == ["error: attach the secrets named above, then run the same command again; "
+                                           "no session has started"]
+    kernels = lk.app.state["kernels"]
+    assert sorted(kernels) == ["alice/gpt2-demo-train"]  # the eval notebook reads no secret here
+    assert [(v["status"], v["quick_save"], v["outputs_saved"]) for v in kernels["alice/gpt2-demo-train"]["versions"]
+            ] == [("COMPLETE", True, False)]
+    assert lk.app.accounts.secrets_of("alice/gpt2-demo-train") == {}
+    lk.app.attach_secret("alice/gpt2-demo-train", "KAGGLE_USERNAME", USER)
+    lk.app.attach_secret("alice/gpt2-demo-train", "KAGGLE_KEY", KEY)
     # Session 1 cannot version the checkpoint dataset itself: the chain publishes it from the session's output.
     lk.app.inject("http", match="CreateDatasetVersion", status=400, message="Injected refusal", count=1)
     out_log = open(tmp_path / "first.log", "w")
@@ -125,10 +139,11 @@ def test_chain_end_to_end_resumes_bit_exactly_and_survives_a_kill(local_kaggle, 
     assert "tokens/s" in out and "quota left" in out and "logs:" in out and "plot:" in out
     assert f"results: {workdir}" in out
 
-    # Each session was pushed exactly once: three train versions, one per tokenize part, one eval.
+    # Each session was pushed exactly once: three train versions after the quick save, one per tokenize part, one
+    # eval.
     kernels = lk.app.state["kernels"]
     train_versions = kernels["alice/gpt2-demo-train"]["versions"]
-    assert [v["status"] for v in train_versions] == ["COMPLETE"] * 3, [v["failure_message"] for v in train_versions]
+    assert [v["status"] for v in train_versions] == ["COMPLETE"] * 4, [v["failure_message"] for v in train_versions]
     assert_pushed_once_each(lk, "alice/gpt2-demo-train")
     chain_output = (tmp_path / "first.log").read_text() + out
     for ref in ("alice/gpt2-demo-tokens-part-0", "alice/gpt2-demo-tokens-part-1", "alice/gpt2-demo-eval"):
@@ -142,7 +157,7 @@ def test_chain_end_to_end_resumes_bit_exactly_and_survives_a_kill(local_kaggle, 
             warnings.warn(f"{ref} v{v['number']} failed and was pushed again: {v['failure_message']}\n"
                           f"{version_log(lk, ref, v['number'])[-3000:]}", stacklevel=1)
     state = json.loads(state_path.read_text())
-    assert [s["version"] for s in state["train_sessions"]] == [1, 2, 3]
+    assert [s["version"] for s in state["train_sessions"]] == [2, 3, 4]
     assert [s.get("published_by") for s in state["train_sessions"]] == ["chain", "session", "session"]
 
     # Every session ended by its time limit, resuming from where the previous one published.
@@ -162,6 +177,18 @@ def test_chain_end_to_end_resumes_bit_exactly_and_survives_a_kill(local_kaggle, 
     assert [v["notes"] for v in versions] == ["Initial release", f"checkpoint at step {steps[1]} (published by the "
                                               "chain)"] + [f"checkpoint at step {s}" for s in steps[2:]]
 
+    # The sessions ran in the images' interpreters (train and eval: TPU; tokenize: CPU), installed what those lack
+    # into their own temp folders, and left the images as they were.
+    assert lk.app.settings.pythons == {"tpu": str(image_pythons["tpu"]), "gpu": str(image_pythons["cpu"]),
+                                       "cpu": str(image_pythons["cpu"])}
+    for n in (1, 2, 3):
+        log = session_log(workdir / "sessions" / f"train-{n:02d}")
+        assert "torch 2.8.0, torch_xla 2.8.0" in log and "installed kaggle==2.2.4, six==1.17.0 for publishing" in log
+    for ref in ("alice/gpt2-demo-tokens-part-0", "alice/gpt2-demo-eval"):
+        assert "installed tiktoken==0.14.0 for" in version_log(lk, ref, kernels[ref]["versions"][-1]["number"])
+    assert importable_in(image_pythons["tpu"], ("kaggle", "tiktoken", "wandb")) == []
+    assert importable_in(image_pythons["cpu"], ("kaggle", "tiktoken", "wandb")) == ["kaggle"]
+
     # The eval kernel's report came back.
     assert (workdir / "eval" / "report.md").exists() and (workdir / "loss.png").exists()
     report = (workdir / "eval" / "report.md").read_text()  # every plot has data: HellaSwag on the demo set too
@@ -178,7 +205,7 @@ def test_chain_end_to_end_resumes_bit_exactly_and_survives_a_kill(local_kaggle, 
     ref_dir = tmp_path / "reference"
     proc = run_script("kernels/train.py", *args, "--no-progress", "--max-steps", str(DEMO["total_steps"]),
                       "--stop-after-steps", str(steps[3]), "--data-dir", ",".join(data), "--out-dir", str(ref_dir),
-                      timeout=300)
+                      timeout=300, python=str(image_pythons["tpu"]))  # the sessions' torch/torch_xla
     assert proc.returncode == 0, proc.stderr[-3000:]
     final = tmp_path / "final"
     lk.cli("datasets", "download", "alice/gpt2-demo-checkpoints", "-p", str(final), "--unzip")
@@ -193,7 +220,7 @@ def test_chain_end_to_end_resumes_bit_exactly_and_survives_a_kill(local_kaggle, 
     # Run again: the chain is finished, a one-line error, nothing pushed.
     again = run_chain(lk, config, workdir)
     assert again.returncode == 2 and error_lines(again.stderr)[0].startswith("error: this chain is already finished")
-    assert len(lk.app.state["kernels"]["alice/gpt2-demo-train"]["versions"]) == 3
+    assert len(lk.app.state["kernels"]["alice/gpt2-demo-train"]["versions"]) == 4
 
 
 # --- restarts without a second push --------------------------------------------------------------------------

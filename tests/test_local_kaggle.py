@@ -19,11 +19,13 @@ from kaggle_fixtures import (  # noqa: F401  (local_kaggle is a fixture)
     client_env,
     load_local_kaggle_module,
     local_kaggle,
+    save_without_running,
     wait_for,
     write_dataset,
     write_kernel,
 )
 
+from scripts.local_kaggle.errors import ApiError
 from shared.errors import UserError
 from shared.kaggle import env as kaggle_env
 
@@ -128,10 +130,12 @@ def test_dataset_versions_download_newest_and_keep_old(local_kaggle, tmp_path):
         assert sorted(p.name for p in vdir.iterdir()) == sorted(f["name"] for f in v["files"])
 
 
-def test_secrets_reach_the_kernel_and_never_its_logs(local_kaggle, tmp_path):
+def test_secrets_are_attached_to_a_notebook_reach_it_and_never_its_logs(local_kaggle, tmp_path):
     lk = local_kaggle
     secret = "s3cr3t-" + os.urandom(8).hex()
-    lk.app.set_secret(USER, "WANDB_API_KEY", secret)
+    with pytest.raises(ApiError) as err:  # only a notebook that exists has secrets
+        lk.app.attach_secret("alice/uses-secret", "WANDB_API_KEY", secret)
+    assert err.value.status == 404
     code = textwrap.dedent("""
         import hashlib
         from shared.kaggle.env import get_secret, kaggle_paths
@@ -143,13 +147,17 @@ def test_secrets_reach_the_kernel_and_never_its_logs(local_kaggle, tmp_path):
             print("missing:", err)
         """)
     kdir = write_kernel(tmp_path / "k", "alice/uses-secret", code)
+    lk.cli("kernels", "push", "-p", str(kdir))  # a new notebook: no secrets yet
+    assert lk.wait("alice/uses-secret") == ("ERROR", "Kernel process exited with code 1")
+    assert "'WANDB_API_KEY' is not attached to this notebook" in lk.cli("kernels", "logs", "alice/uses-secret").stdout
+    lk.app.attach_secret("alice/uses-secret", "WANDB_API_KEY", secret)
     lk.cli("kernels", "push", "-p", str(kdir))
     assert lk.wait("alice/uses-secret") == ("COMPLETE", None)
     dest = tmp_path / "out"
     lk.cli("kernels", "output", "alice/uses-secret", "-p", str(dest))
     assert (dest / "digest.txt").read_text() == hashlib.sha256(secret.encode()).hexdigest()
     log = (dest / "uses-secret.log").read_text()
-    assert "'NOT_SET' is not set" in log and secret not in log
+    assert "'NOT_SET' is not attached" in log and secret not in log
     for path in lk.root.rglob("*"):  # the value lives only in the secrets store
         if path.is_file() and path.name != "secrets.json":
             assert secret.encode() not in path.read_bytes(), path
@@ -182,10 +190,11 @@ SESSION_VERSIONS_DATASET = textwrap.dedent(
 def test_kernel_versions_a_dataset_from_inside_its_session(local_kaggle, tmp_path):
     """The train kernel's checkpoint path: the Kaggle API from inside a session, credentials from secrets."""
     lk = local_kaggle
-    lk.app.set_secret(USER, "KAGGLE_USERNAME", USER)
-    lk.app.set_secret(USER, "KAGGLE_KEY", KEY)
     lk.cli("datasets", "create", "-p", str(write_dataset(tmp_path / "ds", "alice/run-ckpt", {"step.txt": "step 0"})))
     kdir = write_kernel(tmp_path / "k", "alice/ckpt-writer", SESSION_VERSIONS_DATASET, enable_internet=True)
+    save_without_running(lk, kdir)  # the notebook exists: its secrets can be attached
+    lk.app.attach_secret("alice/ckpt-writer", "KAGGLE_USERNAME", USER)
+    lk.app.attach_secret("alice/ckpt-writer", "KAGGLE_KEY", KEY)
     lk.cli("kernels", "push", "-p", str(kdir))
     assert lk.wait("alice/ckpt-writer") == ("COMPLETE", None), lk.cli("kernels", "logs", "alice/ckpt-writer").stdout
     logs = lk.cli("kernels", "logs", "alice/ckpt-writer").stdout
@@ -442,8 +451,9 @@ def test_server_cli_and_admin_endpoint(tmp_path):
     root = tmp_path / "root"
     subprocess.run([sys.executable, *script, "user-add", "--root", str(root), USER], input=KEY + "\n", text=True,
                    check=True, cwd=REPO)
-    subprocess.run([sys.executable, *script, "secret-set", "--root", str(root), USER, "TOKEN"], input="t0k\n",
-                   text=True, check=True, cwd=REPO)
+    with pytest.raises(subprocess.CalledProcessError):  # no such notebook yet
+        subprocess.run([sys.executable, *script, "secret-attach", "--root", str(root), "alice/tool", "TOKEN"],
+                       input="t0k\n", text=True, check=True, cwd=REPO, capture_output=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KAGGLE_")}
     server = subprocess.Popen([sys.executable, *script, "serve", "--root", str(root), "--port", "0",
                                "--session-limit", "5", "--queue-delay", "0.1"], env=env, stdout=subprocess.PIPE,
@@ -461,11 +471,17 @@ def test_server_cli_and_admin_endpoint(tmp_path):
         assert out.returncode == 1 and "admin-injected" in out.stderr
         out = subprocess.run(cli + ["kernels", "list", "--mine"], env=cenv, capture_output=True, text=True)
         assert out.returncode == 0 and "Not found" in out.stdout
+        kdir = write_kernel(tmp_path / "tool", "alice/tool", "print('hi')")
+        out = subprocess.run(cli + ["kernels", "push", "-p", str(kdir)], env=cenv, capture_output=True, text=True)
+        assert out.returncode == 0, out.stdout + out.stderr
         with pytest.raises(RuntimeError, match="403"):
             (root / "admin_token").write_text("wrong")
             module.admin_call(root, port, "clear-faults")
     finally:
         server.terminate()
         server.wait(10)
-    assert json.loads((root / "secrets.json").read_text()) == {USER: {"TOKEN": "t0k"}}
+    assert not (root / "secrets.json").exists()
+    subprocess.run([sys.executable, *script, "secret-attach", "--root", str(root), "alice/tool", "TOKEN"],
+                   input="t0k\n", text=True, check=True, cwd=REPO)
+    assert json.loads((root / "secrets.json").read_text()) == {"alice/tool": {"TOKEN": "t0k"}}
     assert (root / "secrets.json").stat().st_mode & 0o077 == 0

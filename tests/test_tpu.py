@@ -160,20 +160,150 @@ def test_scan_availability_is_what_torch_xla_can_import_and_asked_only_where_it_
     assert plan_step(TrainConfig(preset="gpt2-medium", grad_accum_loop=False), FakeRuntime("v3")).scan_layers
 
 
-def test_attention_kernel_probe_keeps_sdpa_when_the_kernel_fails_or_is_wrong():
-    import torch
-    import torch.nn.functional as F
+# --- the attention kernel's probe: forward and backward against SDPA, at the session's shapes -----------------
 
-    from shared.train.device import make_runtime, probe_attention_kernel
+PROBE_SHAPE = (8, 2, 64, 16)  # (B, H, T, D): one sequence per XLA CPU device
+
+
+def manual_attention(q, k, v):
+    """Causal attention written out (fp32 scores and softmax, as a flash kernel keeps them): a correct kernel."""
+    import torch
+
+    T = q.shape[-2]
+    scores = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return (scores.softmax(-1) @ v.float()).to(q.dtype)
+
+
+def wrong_dk_kernel(scale: float):
+    """A kernel whose forward is exact attention and whose backward returns dk times `scale` (dq, dv exact)."""
+    import torch
+
+    from shared.train.device import sdpa_causal
+
+    class WrongDk(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            ctx.save_for_backward(q, k, v)
+            return sdpa_causal(q, k, v)
+
+        @staticmethod
+        def backward(ctx, grad_out):
+            q, k, v = (t.detach().requires_grad_() for t in ctx.saved_tensors)
+            with torch.enable_grad():
+                dq, dk, dv = torch.autograd.grad(sdpa_causal(q, k, v), (q, k, v), grad_out)
+            return dq, dk * scale, dv
+
+    return WrongDk.apply
+
+
+@pytest.fixture
+def xla_runtime():
+    """The suite's XLA runtime (8 CPU devices), its attention restored to SDPA afterwards."""
+    from shared.train.device import make_runtime
+    from shared.train.model import set_attention_kernel
 
     runtime = make_runtime("xla")
-    sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
-    assert probe_attention_kernel(sdpa, runtime.device, runtime.num_devices, runtime.sync) is None
+    yield runtime
+    set_attention_kernel(None)
+    runtime.attention = "sdpa"
+
+
+def test_attention_probe_accepts_exact_kernels_sharded_as_training_shards(xla_runtime):
+    from shared.train.device import probe_attention_kernel, sdpa_causal
+
+    for kernel in (sdpa_causal, manual_attention):
+        assert probe_attention_kernel(kernel, PROBE_SHAPE, xla_runtime.device, xla_runtime.shard_batch,
+                                      xla_runtime.sync) is None
+        assert probe_attention_kernel(kernel, PROBE_SHAPE) is None  # eager torch on the CPU
+
+
+def test_attention_probe_rejects_a_wrong_gradient_and_names_it(xla_runtime):
+    import re
+
+    from shared.train.device import ATTENTION_PROBE_TOLERANCE, probe_attention_kernel
+
+    failure = probe_attention_kernel(wrong_dk_kernel(1.1), PROBE_SHAPE, xla_runtime.device, xla_runtime.shard_batch,
+                                     xla_runtime.sync)
+    m = re.fullmatch(r"it differs from SDPA: (\w+) by ([\d.]+) \(max error over SDPA's largest value; "
+                     r"tolerance 0\.03\)", failure or "")
+    assert m, failure
+    assert m.group(1) == "dk" and float(m.group(2)) == pytest.approx(0.1, abs=0.01)  # dk only: output, dq, dv agree
+    assert ATTENTION_PROBE_TOLERANCE == 0.03
+    # A dk off by 1% passes (within bf16's rounding); NaN gradients and a kernel without the causal mask do not.
+    assert probe_attention_kernel(wrong_dk_kernel(1.01), PROBE_SHAPE) is None
+    assert probe_attention_kernel(wrong_dk_kernel(float("nan")), PROBE_SHAPE).startswith(
+        "it differs from SDPA: dk by nan")
+    import torch.nn.functional as F
+
+    not_causal = lambda q, k, v: F.scaled_dot_product_attention(q, k, v)  # noqa: E731
+    names = re.findall(r"(output|dq|dk|dv) by", probe_attention_kernel(not_causal, PROBE_SHAPE))
+    assert names == ["output", "dq", "dk", "dv"]
+
+
+def test_attention_probe_reports_a_failing_kernel_in_one_line():
+    from shared.train.device import probe_attention_kernel
 
     def broken(q, k, v):
         raise RuntimeError("Mosaic failed to compile TPU kernel: Unsupported matmul\nmore detail")
 
-    assert probe_attention_kernel(broken, runtime.device, 8) == (
+    assert probe_attention_kernel(broken, PROBE_SHAPE) == (
         "RuntimeError: Mosaic failed to compile TPU kernel: Unsupported matmul")
-    not_causal = lambda q, k, v: F.scaled_dot_product_attention(q, k, v)  # noqa: E731
-    assert probe_attention_kernel(not_causal, torch.device("cpu"), 2).startswith("its output differs from SDPA by")
+
+
+def test_the_runtime_keeps_sdpa_with_a_notice_when_the_kernel_is_wrong(xla_runtime, monkeypatch, capsys):
+    import shared.train.model as model
+
+    monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", lambda: wrong_dk_kernel(1.5))
+    xla_runtime.select_attention(*PROBE_SHAPE)
+    assert (xla_runtime.attention, model._attention_fn) == ("sdpa", None)
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and out.startswith(
+        "notice: the Pallas flash-attention kernel failed its probe at this session's shapes (1 sequences x 2 "
+        "heads x 64 tokens x 16 per device): it differs from SDPA: dk by 0.5")
+    assert out.endswith("; using SDPA\n")
+    # Where the kernel agrees it is installed; a later session's probe that fails puts SDPA back.
+    monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", lambda: manual_attention)
+    xla_runtime.select_attention(*PROBE_SHAPE)
+    assert (xla_runtime.attention, model._attention_fn) == ("pallas-flash", manual_attention)
+    monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", lambda: wrong_dk_kernel(1.5))
+    xla_runtime.select_attention(*PROBE_SHAPE)
+    assert (xla_runtime.attention, model._attention_fn) == ("sdpa", None)
+
+
+def test_the_trainer_probes_the_kernel_at_its_own_shapes_sharded_per_device(xla_runtime, monkeypatch, tmp_path):
+    import numpy as np
+    import torch_xla
+
+    from shared.data import write_shard
+    from shared.train.device import XlaRuntime, sdpa_causal
+    from shared.train.trainer import train
+
+    calls = []
+
+    def recording_kernel(q, k, v):
+        calls.append([(tuple(t.shape), torch_xla._XLAC._get_xla_sharding_spec(t)) for t in (q, k, v)])
+        return sdpa_causal(q, k, v)
+
+    class Probed(Exception):
+        pass
+
+    select_attention = XlaRuntime.select_attention
+
+    def select_then_stop(self, *shapes):
+        select_attention(self, *shapes)
+        raise Probed(self.attention)  # the probe is what this test is about: no training step
+
+    monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", lambda: recording_kernel)
+    monkeypatch.setattr(XlaRuntime, "select_attention", select_then_stop)
+    write_shard(tmp_path / "t_train_000000.bin", np.arange(20_000) % 1000)
+    cfg = TrainConfig(preset="tiny", data_dir=str(tmp_path), out_dir=str(tmp_path / "out"), seq_len=64,
+                      micro_batch=16, total_batch_tokens=16 * 64, eval_every=0, progress=False, wandb_project="",
+                      xla_cache=False)
+    with pytest.raises(Probed, match="pallas-flash"):
+        train(cfg, xla_runtime, log=lambda *a: None)
+    # The tiny preset's 4 heads of 128 / 4 = 32 over 64 tokens; 16 sequences, 2 on each of the 8 devices.
+    assert len(calls) == 1
+    for shape, sharding in calls[0]:
+        assert shape == (16, 4, 64, 32)
+        assert sharding.startswith("{devices=[8,1,1,1]")  # the batch split over the 'data' axis: 2 per device

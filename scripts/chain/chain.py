@@ -14,6 +14,7 @@ from scripts.chain.config import ChainConfig
 from scripts.chain.context import StageContext
 from scripts.chain.eval_stage import EvalStage
 from scripts.chain.limits import RETIRED_SHAPES
+from scripts.chain.notebooks import NotebooksStage, ask_on_terminal
 from scripts.chain.state import State
 from scripts.chain.tokenize_stage import TokenizeStage
 from scripts.chain.train_stage import TrainStage
@@ -22,10 +23,13 @@ from shared.errors import UserError
 
 class Chain:
     """The stages over one client and one state file: `chain.client` (Kaggle calls), `chain.ctx` (what the
-    stages share: pushing once, waiting for a version), `chain.tokenize`, `chain.train`, `chain.eval`."""
+    stages share: pushing once, waiting for a version), `chain.notebooks`, `chain.tokenize`, `chain.train`,
+    `chain.eval`. `on_new_notebooks(lines)`: what happens once the chain has created notebooks whose secrets the
+    user must attach (default: wait on a terminal, else stop; see scripts/chain/notebooks.py)."""
 
     def __init__(self, cfg: ChainConfig, workdir: str | os.PathLike, api=None, log: Callable[[str], None] = print,
-                 sleep: Callable[[float], None] = time.sleep):
+                 sleep: Callable[[float], None] = time.sleep,
+                 on_new_notebooks: Callable[[list[str]], None] = ask_on_terminal):
         self.cfg = cfg
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -33,6 +37,8 @@ class Chain:
         self.client = KaggleClient(cfg.client, api=api, user=cfg.user, log=log, sleep=sleep)
         self.ctx = StageContext(cfg, self.client, self.state, self.workdir)
         self.tokenize, self.train, self.eval = TokenizeStage(self.ctx), TrainStage(self.ctx), EvalStage(self.ctx)
+        self.notebooks = NotebooksStage(self.ctx, {"train": self.train.build, "eval": self.eval.build},
+                                        on_new_notebooks)
 
     def connect(self) -> None:
         self.client.connect()
@@ -62,6 +68,7 @@ class Chain:
             log(f"notice: {shape} is not in Kaggle's Sep 2026 accelerator list (TPU: TpuV5E8, TpuV6E8; GPU: "
                 "NvidiaTeslaT4 and up); Kaggle may refuse the push")
         self.check_inputs()
+        self.notebooks.run()
         self.tokenize.run()
         self.train.run()
         self.eval.run()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import re
 import time
@@ -190,6 +191,36 @@ class KaggleClient:
                                 "another user's private kernel, or the credentials are wrong") from None
             raise
         return int(resp.metadata.current_version_number or 0), (resp.blob.source or "") if resp.blob else ""
+
+    def quick_save(self, folder: Path) -> int:
+        """Save the kernel built in `folder` as a new version without running it (kagglesdk's QUICK_SAVE
+        execution type, which `kaggle kernels push` never sends): the notebook then exists, so secrets can be
+        attached on its page before its first session. Returns the version number."""
+        from kagglesdk.kernels.types.kernels_api_service import ApiSaveKernelRequest
+        from kagglesdk.kernels.types.kernels_enums import KernelExecutionType
+
+        meta = json.loads((folder / "kernel-metadata.json").read_text())
+
+        def save():
+            with self.api.build_kaggle_client() as client:
+                req = ApiSaveKernelRequest()
+                req.slug, req.new_title = meta["id"], meta["title"]
+                req.text = (folder / meta["code_file"]).read_text()
+                req.language, req.kernel_type = "python", meta["kernel_type"]
+                req.is_private = bool(meta.get("is_private", True))
+                req.enable_internet = bool(meta.get("enable_internet", True))
+                req.enable_tpu, req.enable_gpu = bool(meta.get("enable_tpu")), bool(meta.get("enable_gpu"))
+                if meta.get("machine_shape"):
+                    req.machine_shape = meta["machine_shape"]
+                req.dataset_data_sources = list(meta.get("dataset_sources") or [])
+                req.kernel_data_sources = list(meta.get("kernel_sources") or [])
+                req.kernel_execution_type = KernelExecutionType.QUICK_SAVE
+                return client.kernels.kernels_api_client.save_kernel(req)
+
+        resp = self.call(f"quick save of {meta['id']}", save)
+        if resp.error:
+            raise UserError(f"quick save of {meta['id']} refused: {resp.error}")
+        return int(resp.version_number or 0)
 
     def kernel_status(self, ref: str) -> tuple[str, str]:
         resp = self.call(f"status of {ref}", self.api.kernels_status, ref)

@@ -24,7 +24,7 @@ cannot carry a field kagglesdk does not have. docs/kaggle-api.md lists the calls
     python -m scripts.local_kaggle serve --root DIR --port N [--session-limit S] [--working-cap-gb G]
         [--quota-hours H] [--gpu-quota-hours H] [--user NAME:KEY ...] [--faults FILE]
     python -m scripts.local_kaggle user-add --root DIR NAME        (key read from stdin)
-    python -m scripts.local_kaggle secret-set --root DIR USER NAME  (value read from stdin)
+    python -m scripts.local_kaggle secret-attach --root DIR OWNER/SLUG NAME  (value read from stdin)
 
 (Run from the repository root, so that `scripts` is importable.)
 
@@ -33,7 +33,13 @@ How it differs from Kaggle, on purpose or by necessity:
   so set it before any `import kaggle`.
 - A session's environment carries no Kaggle credentials (read KAGGLE_USERNAME/KAGGLE_KEY with
   `shared.kaggle.env.get_secret`); KAGGLE_API_ENVIRONMENT is set only when enable_internet is true. All its
-  HTTP(S) goes through this server, which serves the Kaggle API and refuses every other host (no internet).
+  HTTP(S) goes through this server, which serves the Kaggle API and refuses every other host (no internet),
+  except, with internet on, the package index, so a kernel can pip-install what its image lacks, as on Kaggle.
+- A session runs in the interpreter of its machine's image (`rules.image_pythons`: .venv-kaggle-tpu for TPU
+  shapes, .venv-kaggle-cpu for CPU and GPU ones, made by `bash scripts/setup.sh --kaggle-image`; this Python
+  where they are missing), with that image's packages and none it lacks.
+- Secrets belong to a notebook, attached once it exists (`attach_secret`, as on its Kaggle page); a new
+  notebook has none. A QUICK_SAVE push saves a version without running it (status COMPLETE, no output).
 - A session killed at the time limit, by quota, by the working cap, by a fault or by a server stop ends as
   ERROR with the reason as failure message, and its /kaggle/working output is discarded; a kernel that exits
   non-zero ends as ERROR and keeps its output. `kernels output` serves the newest finished version.
@@ -46,8 +52,8 @@ How it differs from Kaggle, on purpose or by necessity:
 
 The package, one concern a module: `app` (LocalKaggle, composing the rest), `server` and `http_io` (HTTP),
 `routes` (the API table), `kernels`, `scheduler` and `sessions` (pushing and running kernels), `datasets` and
-`uploads`, `quota`, `accounts` (users, secrets), `store` (state.json), `faults`, `sdk` (kagglesdk types on the
-wire), `notebook`, `rules` (Kaggle's shapes and limits), `files`, `errors`; `__main__` is the command line.
+`uploads`, `quota`, `accounts` (users, notebooks' secrets), `store` (state.json), `faults`, `sdk` (kagglesdk types
+on the wire), `notebook`, `rules` (Kaggle's shapes and limits), `files`, `errors`; `__main__` is the command line.
 """
 
 from .app import LocalKaggle

@@ -1,4 +1,4 @@
-"""The command line: `python -m scripts.local_kaggle serve|user-add|secret-set ...` (from the repository root)."""
+"""The command line: `python -m scripts.local_kaggle serve|user-add|secret-attach ...` (from the repository root)."""
 
 from __future__ import annotations
 
@@ -32,11 +32,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--faults", help="a JSON file with a list of faults to inject")
     serve.add_argument("--verbose", action="store_true")
     for name, help_ in (("user-add", "add a user; the key is read from stdin"),
-                        ("secret-set", "set a secret for a user; the value is read from stdin")):
+                        ("secret-attach", "attach a secret to a notebook (owner/slug); the value is read from stdin")):
         p = sub.add_parser(name, help=help_)
         p.add_argument("--root", required=True)
-        p.add_argument("user")
-        if name == "secret-set":
+        p.add_argument("user" if name == "user-add" else "kernel")
+        if name == "secret-attach":
             p.add_argument("name")
     return parser
 
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
 
-    if args.cmd in ("user-add", "secret-set"):
+    if args.cmd in ("user-add", "secret-attach"):
         value = sys.stdin.readline().rstrip("\n")
         if not value:
             parser.error("nothing read from stdin")
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "user-add":
             app.add_user(args.user, value)
         else:
-            app.set_secret(args.user, args.name, value)
+            app.attach_secret(args.kernel, args.name, value)
         return 0
 
     users = {}

@@ -1,5 +1,7 @@
-"""Users, their API keys and Kaggle secrets, and the operator's admin token. Users and secrets are files under the
-root (users.json, secrets.json, mode 0600), read on every call so they can be edited while the server runs."""
+"""Users, their API keys, the secrets attached to each notebook, and the operator's admin token. Users and secrets
+are files under the root (users.json, secrets.json, mode 0600), read on every call so they can be edited while the
+server runs. On Kaggle a secret is attached to one notebook, in its page's Add-ons > Secrets, and only once the
+notebook exists (no API call attaches one: docs/kaggle-tpu.md); so here secrets are kept per notebook too."""
 
 from __future__ import annotations
 
@@ -36,14 +38,15 @@ class Accounts:
             users[name] = key
             atomic_write_json(self.users_path, users, mode=0o600)
 
-    def set_secret(self, user: str, name: str, value: str) -> None:
+    def attach_secret(self, kernel_ref: str, name: str, value: str) -> None:
         with self.lock:
             store = read_json(self.secrets_path, {})
-            store.setdefault(user, {})[name] = value
+            store.setdefault(kernel_ref, {})[name] = value
             atomic_write_json(self.secrets_path, store, mode=0o600)
 
-    def secrets_of(self, user: str) -> dict[str, str]:
-        return read_json(self.secrets_path, {}).get(user, {})
+    def secrets_of(self, kernel_ref: str) -> dict[str, str]:
+        """The secrets attached to the notebook `owner/slug` (none until some are attached)."""
+        return read_json(self.secrets_path, {}).get(kernel_ref, {})
 
     def authenticate(self, header: str | None) -> str:
         """The user an Authorization header names: basic auth (name:key), or a bearer token that is some key."""

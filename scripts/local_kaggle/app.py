@@ -4,7 +4,6 @@ scheduler and the HTTP server), with its lifecycle and the helpers tests and ope
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 from http.server import ThreadingHTTPServer
@@ -56,15 +55,15 @@ class LocalKaggle:
         queue_delay_s: float = 0.3,
         dataset_ready_delay_s: float = 0.0,
         concurrency: dict | None = None,
-        python: str = sys.executable,
+        pythons: dict[str, str] | None = None,
         users: dict[str, str] | None = None,
         faults: list[dict] | None = None,
         verbose: bool = False,
     ):
         self.settings = Settings(session_limit_s=float(session_limit_s), working_cap_bytes=int(working_cap_bytes),
-                                 queue_delay_s=queue_delay_s, dataset_ready_delay_s=dataset_ready_delay_s,
-                                 python=python)
+                                 queue_delay_s=queue_delay_s, dataset_ready_delay_s=dataset_ready_delay_s)
         self.settings.concurrency.update(concurrency or {})
+        self.settings.pythons.update(pythons or {})
         self.host = host
         self.port = port
         self.verbose = verbose
@@ -155,7 +154,7 @@ class LocalKaggle:
             env["KAGGLE_KEY"] = key
         return env
 
-    # ----- users and secrets -----
+    # ----- users and notebooks' secrets -----
 
     def users(self) -> dict[str, str]:
         return self.accounts.users()
@@ -163,8 +162,11 @@ class LocalKaggle:
     def add_user(self, name: str, key: str) -> None:
         self.accounts.add_user(name, key)
 
-    def set_secret(self, user: str, name: str, value: str) -> None:
-        self.accounts.set_secret(user, name, value)
+    def attach_secret(self, kernel_ref: str, name: str, value: str) -> None:
+        """What a user does on a notebook's page (Add-ons > Secrets): only a notebook that exists has secrets."""
+        with self.store.lock:
+            self.kernels.get(kernel_ref)  # 404 for a notebook that was never saved
+        self.accounts.attach_secret(kernel_ref, name, value)
 
     # ----- the API, fault injection and test helpers -----
 

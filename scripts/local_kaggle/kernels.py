@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from kagglesdk.kernels.types.kernels_api_service import ApiKernelMetadata, ApiSaveKernelRequest, ApiSaveKernelResponse
+from kagglesdk.kernels.types.kernels_enums import KernelExecutionType
 
 from .datasets import Datasets
 from .errors import ApiError
@@ -106,12 +107,15 @@ class Kernels:
         return ref, kernel
 
     def push(self, user: str, req: ApiSaveKernelRequest) -> ApiSaveKernelResponse:
-        """A new version of the kernel (created on its first push), QUEUED for the scheduler."""
+        """A new version of the kernel (created on its first push), QUEUED for the scheduler; with QUICK_SAVE,
+        saved and not run."""
         with self.store.lock:
             ref, kernel = self._find(user, req)
             language, kernel_type = _kind(req, kernel)
             shape, accel = _machine(req)
-            refusal = self.quota.push_refusal(user, accel) if accel is not None else None
+            # A quick save keeps the version without running it: no session, no quota, no output.
+            quick = req.kernel_execution_type == KernelExecutionType.QUICK_SAVE
+            refusal = self.quota.push_refusal(user, accel) if accel is not None and not quick else None
             if refusal is not None:
                 return message(ApiSaveKernelResponse, error=refusal)
             datasets = list(req.dataset_data_sources)
@@ -144,7 +148,8 @@ class Kernels:
                 "session_id": self.store.next_id(),
                 "created": now,
                 "queued_at": now,
-                "status": "QUEUED",
+                "status": "COMPLETE" if quick else "QUEUED",
+                "quick_save": quick,
                 "failure_message": None,
                 "machine_shape": shape,
                 "accelerator": accel,
@@ -154,7 +159,7 @@ class Kernels:
                 "competition_sources": competitions,
                 "limit_s": limit,
                 "started": None,
-                "ended": None,
+                "ended": now if quick else None,
                 "outputs_saved": False,
             })
             self.store.save()

@@ -7,6 +7,7 @@ import datetime as dt
 import re
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .errors import ApiError
 
@@ -38,6 +39,17 @@ DEFAULT_CONCURRENCY = {"tpu": 1, "gpu": 2, "cpu": 5}
 TERMINAL = {"COMPLETE", "ERROR", "CANCEL_ACKNOWLEDGED"}  # a kernel version's states that are final
 SLUG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 WEEK_S = 7 * 86400
+# The interpreters that stand in for Kaggle's images (`bash scripts/setup.sh --kaggle-image`; docs/kaggle-tpu.md):
+# each holds its image's versions of the packages the kernels import, and nothing the image lacks. The GPU image is
+# the CPU one's package set on Colab's GPU base, so the CPU interpreter stands in for both.
+IMAGE_VENVS = {"tpu": ".venv-kaggle-tpu", "gpu": ".venv-kaggle-cpu", "cpu": ".venv-kaggle-cpu"}
+REPO = Path(__file__).resolve().parents[2]
+
+
+def image_pythons(repo: Path = REPO) -> dict[str, str]:
+    """The interpreter for each kind of machine: its image's virtualenv where set up, else this Python."""
+    found = {kind: repo / venv / "bin" / "python" for kind, venv in IMAGE_VENVS.items()}
+    return {kind: str(path) if path.exists() else sys.executable for kind, path in found.items()}
 
 
 def split_ref(ref: str, what: str) -> tuple[str, str]:
@@ -64,7 +76,7 @@ class Settings:
     queue_delay_s: float = 0.3  # how long a pushed version stays QUEUED at least
     dataset_ready_delay_s: float = 0.0  # how long a new dataset version is not yet ready
     concurrency: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_CONCURRENCY))
-    python: str = sys.executable  # what runs the kernels
+    pythons: dict[str, str] = field(default_factory=image_pythons)  # what runs a session, per kind of machine
 
 
 def check_access(user: str, owner: str, private: bool, what: str) -> None:

@@ -49,7 +49,7 @@ def admin_action(app: LocalKaggle, action: str, req: dict) -> dict:
     elif action == "user":
         app.add_user(req["name"], req["key"])
     elif action == "secret":
-        app.set_secret(req["user"], req["name"], req["value"])
+        app.attach_secret(req["kernel"], req["name"], req["value"])
     elif action == "quota":
         return {k: app.quota_used_s(req["user"], k) for k in ("tpu", "gpu")}
     else:

@@ -33,12 +33,19 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
+# With internet on, a session reaches the package index (the only internet this workplace has), as a Kaggle session
+# reaches PyPI; every other host still goes to this server, which refuses it.
+PACKAGE_INDEX_HOSTS = "pypi.org,files.pythonhosted.org"
+
+
 def session_env(kernel: dict, v: dict, kroot: Path, secrets_file: Path, proxy_url: str) -> dict[str, str]:
-    """The kernel's environment: this process's, minus any Kaggle credentials and proxies, plus what
-    `shared.kaggle.env` reads to find the session's folders and secrets."""
+    """The kernel's environment: this process's, minus any Kaggle credentials, proxies and (internet off) pip
+    settings, plus what `shared.kaggle.env` reads to find the session's folders and secrets."""
+    internet = bool(v.get("enable_internet"))
     env = {
         k: val for k, val in os.environ.items()
         if not k.startswith(("KAGGLE_", "LOCAL_KAGGLE_")) and k.lower() not in PROXY_VARS
+        and (internet or not k.startswith("PIP_"))
     }
     env.update(
         {
@@ -53,8 +60,11 @@ def session_env(kernel: dict, v: dict, kroot: Path, secrets_file: Path, proxy_ur
             **proxy_env(proxy_url),
         }
     )
-    if v.get("enable_internet"):
+    if internet:
         env["KAGGLE_API_ENVIRONMENT"] = "LOCALHOST"
+        env["NO_PROXY"] = env["no_proxy"] = PACKAGE_INDEX_HOSTS
+    else:  # nor this machine's pip configuration, local wheels or pip's cache: nothing to install from
+        env.update(PIP_CONFIG_FILE=os.devnull, PIP_NO_CACHE_DIR="1")
     return env
 
 
@@ -126,7 +136,7 @@ class Session:
         script = src / f"{self.kernel['slug']}.py"
         script.write_text(text, encoding="utf-8")
         secrets_file = self.vdir / "secrets.json"
-        atomic_write_json(secrets_file, self.app.accounts.secrets_of(self.kernel["owner"]), mode=0o600)
+        atomic_write_json(secrets_file, self.app.accounts.secrets_of(self.ref), mode=0o600)
         return script, session_env(self.kernel, self.v, kroot, secrets_file, self.app.proxy_url)
 
     def run(self) -> None:
@@ -141,7 +151,7 @@ class Session:
             self.started = time.time()
             with open(self.vdir / "log.jsonl", "a", encoding="utf-8") as log:
                 self.proc = subprocess.Popen(
-                    [self.app.settings.python, str(script)],
+                    [self.app.settings.pythons[self.v.get("accelerator") or "cpu"], str(script)],
                     cwd=kroot / "working",
                     env=env,
                     stdin=subprocess.DEVNULL,

@@ -228,13 +228,9 @@ def upload_kaggle_model(folder: Path, handle: str, notes: str, log=print) -> Non
     if len(parts) != 4 or not all(parts):
         raise UserError(f"--kaggle-model {handle!r}: expected owner/model/framework/variation")
     owner, model_slug, framework, variation = parts
-    try:
-        from kaggle.api.kaggle_api_extended import KaggleApi
+    from shared.kaggle.publish import kaggle_api
 
-        api = KaggleApi()
-        api.authenticate()
-    except BaseException as err:  # the client exits when it finds no credentials
-        raise UserError(f"--kaggle-model: the kaggle client is not usable here ({type(err).__name__})") from None
+    api = kaggle_api()  # in a session, with the notebook's secrets; a UserError names what is missing
     try:
         api.model_instance_version_create(handle, str(folder), version_notes=notes, quiet=True)
         log(f"uploaded {folder} as a new version of Kaggle Model {handle}")

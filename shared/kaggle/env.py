@@ -66,6 +66,11 @@ def is_kaggle() -> bool:
     )
 
 
+def in_session() -> bool:
+    """True inside a kernel session, on Kaggle or in the local Kaggle."""
+    return is_kaggle() or is_local_kaggle()
+
+
 def kaggle_paths() -> KagglePaths:
     """The session's input/working/temp folders: the real `/kaggle/...` on Kaggle, the runner's locally."""
     local = os.environ.get(LOCAL_ROOT_ENV)
@@ -89,17 +94,29 @@ def accelerator() -> str | None:
     return os.environ.get("KAGGLE_ACCELERATOR_TYPE") or None
 
 
+# The machine shape and kernel of this session's build, as check_tpu_present saw them before any work, for
+# check_session_device to hold the started runtime to (empty outside a built kernel: nothing to hold it to).
+_built_for: dict[str, str] = {}
+
+
+def _local_session_is_tpu() -> tuple[bool, str]:
+    """In the local Kaggle: (the session's machine shape is a TPU one, what that shape is)."""
+    session = os.environ.get(LOCAL_ACCELERATOR_ENV) or ""
+    return session.lower().startswith("tpu"), f"the local Kaggle session's machine is {session or 'CPU'}"
+
+
 def check_tpu_present(machine_shape: str, kernel: str) -> None:
     """A kernel built for a TPU machine shape that finds no TPU stops here, in one line, before it touches its
     inputs or the checkpoint dataset: otherwise torch_xla would quietly train on 8 CPU devices for 9 hours.
 
     On Kaggle the chips must be on this host (shared.train.tpu.tpu_devices_present, torch_xla's own test); in the
-    local Kaggle, whose XLA CPU devices stand in for a TPU, the session's machine shape must be a TPU one."""
+    local Kaggle, whose XLA CPU devices stand in for a TPU, the session's machine shape must be a TPU one.
+    The build is remembered for check_session_device, which checks the runtime once it has started."""
+    _built_for.update(machine_shape=machine_shape, kernel=kernel)
     if not machine_shape.lower().startswith("tpu"):
         return
     if is_local_kaggle():
-        session = os.environ.get(LOCAL_ACCELERATOR_ENV) or ""
-        present, seen = session.lower().startswith("tpu"), f"the local Kaggle session's machine is {session or 'CPU'}"
+        present, seen = _local_session_is_tpu()
     else:
         from shared.train.tpu import tpu_devices_present
 
@@ -107,6 +124,28 @@ def check_tpu_present(machine_shape: str, kernel: str) -> None:
     if not present:
         raise UserError(f"this {kernel} kernel was built for a TPU ({machine_shape}) but this session has none "
                         f"({seen}); stopping before any work. Check the notebook's accelerator setting and TPU quota")
+
+
+def check_session_device(device_type: str) -> None:
+    """Once the runtime has started (shared.train.device.make_runtime, for train and eval alike): a session built
+    for a TPU whose runtime runs on `device_type` other than "TPU" stops in one line. Chips on the host are no
+    proof that torch_xla uses them (PJRT_DEVICE set to CPU, or torch_xla falling back to CPU on its own).
+
+    The local Kaggle's 8 XLA CPU devices stand in for a TPU in a TPU-shaped session, but only where this host has
+    no TPU chips: with chips, a CPU runtime is the wrong device there too."""
+    machine_shape, kernel = _built_for.get("machine_shape", ""), _built_for.get("kernel", "")
+    if not machine_shape.lower().startswith("tpu") or device_type == "TPU":
+        return
+    from shared.train.tpu import tpu_devices_present
+
+    chips = tpu_devices_present()
+    if is_local_kaggle() and device_type == "CPU" and not chips and _local_session_is_tpu()[0]:
+        return
+    seen = (f"although this host has TPU chips (PJRT_DEVICE={os.environ.get('PJRT_DEVICE', 'unset')})" if chips
+            else "and this host has no TPU chips")
+    raise UserError(f"this {kernel} kernel was built for a TPU ({machine_shape}) but its runtime started on "
+                    f"{device_type} {seen}; stopping before any step. Check the notebook's accelerator setting, "
+                    f"and leave PJRT_DEVICE unset or TPU")
 
 
 def get_secret(name: str) -> str:
@@ -125,7 +164,7 @@ def get_secret(name: str) -> str:
             except (OSError, ValueError):
                 values = {}
         if name not in values:
-            raise UserError(f"secret {name!r} is not set for this kernel's owner in the local Kaggle")
+            raise UserError(f"secret {name!r} is not attached to this notebook in the local Kaggle")
         return str(values[name])
     if is_kaggle():
         try:

@@ -107,52 +107,99 @@ def resolve_placeholders(value: str, paths) -> str:
 
 
 def resolve_build_settings(build: dict, log=print) -> dict:
-    """The settings a built kernel runs with: placeholders resolved against this session's folders, the checkpoint
-    dataset staged for resuming, and publishing configured. Called by the bootstrap of every built kernel."""
-    from shared.kaggle.env import check_tpu_present, is_kaggle, is_local_kaggle, kaggle_paths
+    """The settings a built kernel runs with: placeholders resolved against this session's folders, the packages
+    it needs that the image lacks installed, publishing checked and configured, and the checkpoint dataset staged
+    for resuming. Called by the bootstrap of every built kernel; every check here comes before any work."""
+    from shared.kaggle.env import check_tpu_present, in_session, kaggle_paths
+    from shared.kaggle.packages import require
 
     settings = dict(build.get("settings") or {})
-    if build.get("kernel") in ("train", "eval") and (is_kaggle() or is_local_kaggle()):
-        check_tpu_present(build.get("accelerator") or "", build["kernel"])
-    if not (is_kaggle() or is_local_kaggle()):
+    if not in_session():
         if any(isinstance(v, str) and _PLACEHOLDER.search(v) for v in settings.values()):
             raise UserError("this built kernel expects Kaggle's folders: run it on Kaggle or in the local Kaggle")
         return settings
+    if build.get("kernel") in ("train", "eval"):
+        check_tpu_present(build.get("accelerator") or "", build["kernel"])
     paths = kaggle_paths()
     settings = {k: resolve_placeholders(v, paths) if isinstance(v, str) else v for k, v in settings.items()}
+    for name, reason in kernel_needs(build.get("kernel", ""), settings):
+        require(name, reason, log)
     ckpt = build.get("checkpoint_dataset")
-    if ckpt:
-        input_step = None
-        expect = int(ckpt.get("expect_step") or 0)  # the step the chain saw in the dataset before pushing
-        if ckpt.get("resume_setting"):
-            try:
-                folder = paths.input_dir(ckpt["dataset"])
-            except UserError:
-                folder = None
-                log(f"notice: checkpoint dataset {ckpt['dataset']} is not attached; starting fresh")
-            root = stage_checkpoint(folder, paths.temp / "gpt2k-resume") if folder else None
-            if root is not None:
-                input_step = checkpoint_step(folder)
-                settings[ckpt["resume_setting"]] = str(root)
-                log(f"resuming from {ckpt['dataset']} (step {input_step})")
-            # Starting from less than the chain saw would train again, then publish an older checkpoint over a
-            # newer one.
-            if expect and (input_step or 0) < expect:
-                raise UserError(f"checkpoint dataset {ckpt['dataset']} holds step {expect}, but this session "
-                                f"{'sees step ' + str(input_step) if input_step else 'finds no checkpoint'} in "
-                                f"{folder or 'its inputs'}; not starting over")
-        if ckpt.get("publish"):
-            floor = max(input_step or 0, expect)
-            configure(dataset=ckpt["dataset"], title=ckpt.get("title") or "", input_step=floor or input_step)
+    if not ckpt:
+        return settings
+    problem = publish_problem(log) if ckpt.get("publish") else None
+    if problem:
+        in_temp = Path(settings.get("checkpoint_dir") or paths.working).resolve().is_relative_to(paths.temp.resolve())
+        if in_temp:
+            raise UserError(f"this session cannot publish its checkpoints ({problem}), and they would live in "
+                            f"{paths.temp}, which is gone when the session ends; stopping before training")
+        log(f"notice: this session cannot publish its checkpoint ({problem}); the chain publishes it from the "
+            "session's output")
+    input_step = None
+    expect = int(ckpt.get("expect_step") or 0)  # the step the chain saw in the dataset before pushing
+    if ckpt.get("resume_setting"):
+        try:
+            folder = paths.input_dir(ckpt["dataset"])
+        except UserError:
+            folder = None
+            log(f"notice: checkpoint dataset {ckpt['dataset']} is not attached; starting fresh")
+        root = stage_checkpoint(folder, paths.temp / "gpt2k-resume") if folder else None
+        if root is not None:
+            input_step = checkpoint_step(folder)
+            settings[ckpt["resume_setting"]] = str(root)
+            log(f"resuming from {ckpt['dataset']} (step {input_step})")
+        # Starting from less than the chain saw would train again, then publish an older checkpoint over a
+        # newer one.
+        if expect and (input_step or 0) < expect:
+            raise UserError(f"checkpoint dataset {ckpt['dataset']} holds step {expect}, but this session "
+                            f"{'sees step ' + str(input_step) if input_step else 'finds no checkpoint'} in "
+                            f"{folder or 'its inputs'}; not starting over")
+    if ckpt.get("publish"):
+        floor = max(input_step or 0, expect)
+        configure(dataset=ckpt["dataset"], title=ckpt.get("title") or "", input_step=floor or input_step,
+                  problem=problem)
     return settings
+
+
+def kernel_needs(kernel: str, settings: dict) -> list[tuple[str, str]]:
+    """(package, what for) that a kernel with these settings cannot work without (shared.kaggle.packages)."""
+    if kernel == "tokenize":
+        return [("tiktoken", "tokenizing the corpus")]
+    needs = []
+    if kernel == "eval":
+        if settings.get("hellaswag", "auto") != "off" or settings.get("prompts", "default") != "":
+            needs.append(("tiktoken", "HellaSwag and the samples"))
+        if settings.get("kaggle_model"):
+            needs.append(("kaggle", "the Kaggle Model upload"))
+    return needs
+
+
+def publish_problem(log=print) -> str | None:
+    """Why this session could not publish a checkpoint (a secret not attached, the kaggle package not to be
+    had), or None when it can. Secrets are read, never shown."""
+    from shared.kaggle.env import get_secret
+    from shared.kaggle.packages import provide
+
+    missing = []
+    for name in CREDENTIAL_NAMES:
+        try:
+            get_secret(name)
+        except UserError:
+            missing.append(name)
+    if missing:
+        return (f"the secret{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
+                f"{'are' if len(missing) > 1 else 'is'} not attached to this notebook: attach "
+                f"{'them' if len(missing) > 1 else 'it'} on the notebook's page (Add-ons > Secrets)")
+    return provide("kaggle", "publishing checkpoints", log)
 
 
 # --- publishing -----------------------------------------------------------------------------------------------
 
-def configure(dataset: str, title: str = "", input_step: int | None = None) -> None:
-    """Publish this session's final checkpoint to `dataset` (owner/slug) after training."""
+def configure(dataset: str, title: str = "", input_step: int | None = None, problem: str | None = None) -> None:
+    """Publish this session's final checkpoint to `dataset` (owner/slug) after training; with `problem` (why
+    this session cannot), only record that for the chain, which publishes it from the output."""
     _config.clear()
-    _config.update(dataset=dataset, title=title, input_step=input_step)
+    _config.update(dataset=dataset, title=title, input_step=input_step, problem=problem)
 
 
 def configured_dataset() -> str:
@@ -187,9 +234,9 @@ def kaggle_api(from_secrets: bool = True):
     """An authenticated KaggleApi. In a session the credentials come from the user's secrets (set into this
     process's environment, never printed). Raises UserError naming what is missing."""
     if from_secrets:
-        from shared.kaggle.env import get_secret, is_kaggle, is_local_kaggle
+        from shared.kaggle.env import get_secret, in_session
 
-        if is_kaggle() or is_local_kaggle():
+        if in_session():
             for name in CREDENTIAL_NAMES:
                 if not os.environ.get(name):
                     os.environ[name] = get_secret(name)
@@ -301,6 +348,9 @@ def after_training(result, log=print) -> dict | None:
     elif input_step is not None and step <= input_step:
         record["reason"] = f"nothing new: the dataset already holds step {input_step}"
         log(f"publish: {dataset} already holds step {input_step}; nothing new to publish")
+    elif _config.get("problem"):
+        record["reason"] = _config["problem"]
+        log(f"publish: step {step} stays in the kernel output for the chain script to publish")
     else:
         secrets: list[str] = []
         try:

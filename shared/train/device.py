@@ -40,6 +40,11 @@ class Runtime:
     def description(self) -> str:
         return f"{self.device.type} x{self.num_devices}"
 
+    @property
+    def device_type(self) -> str:
+        """What the math runs on, as torch_xla names it: "TPU", "CPU", "CUDA"."""
+        return self.device.type.upper()
+
     is_main = True  # the process that writes checkpoints and logs
 
     @property
@@ -61,6 +66,10 @@ class Runtime:
     tpu_generation: TpuGeneration | None = None  # set on a TPU whose generation is known
     tpu_generation_source = ""  # where the generation was read, or what was seen instead
     attention = "sdpa"  # or "pallas-flash" where the device layer installed TPU flash attention
+
+    def select_attention(self, batch: int, n_head: int, seq_len: int, head_dim: int) -> None:
+        """Choose the attention kernel for a model of these shapes, `batch` sequences per micro-step over all
+        devices (the trainer calls this once the model config is known). Here: SDPA."""
 
     def no_grad_sync(self, model: torch.nn.Module, skip: bool):
         """Inside gradient accumulation, skip the cross-process gradient reduction (DDP only)."""
@@ -179,12 +188,15 @@ class XlaRuntime(Runtime):
         self.tpu_generation, self.tpu_generation_source = None, ""
         if xr.device_type() == "TPU":
             self._detect_tpu_generation()
-        self._maybe_use_flash_attention()
 
     @property
     def description(self) -> str:
         kind = f" {self.tpu_generation.name}" if self.tpu_generation else ""
-        return f"xla:{self._xr.device_type()}{kind} x{self.num_devices} (SPMD)"
+        return f"xla:{self.device_type}{kind} x{self.num_devices} (SPMD)"
+
+    @property
+    def device_type(self) -> str:
+        return self._xr.device_type()
 
     def _detect_tpu_generation(self) -> None:
         from torch_xla._internal import tpu
@@ -197,34 +209,52 @@ class XlaRuntime(Runtime):
                                                                  tpu_type=tpu.get_tpu_type)
         self.tpu_generation = TPU_GENERATIONS.get(name or "")
 
-    def _maybe_use_flash_attention(self) -> None:
+    def select_attention(self, batch: int, n_head: int, seq_len: int, head_dim: int) -> None:
+        from shared.train.model import set_attention_kernel
+
+        set_attention_kernel(None)  # the runtime is process-wide: a previous session's choice does not carry over
+        self.attention = "sdpa"
+        kernel = self._flash_attention_kernel()
+        if kernel is None:
+            return
+        # The image's jax may not be the one this torch_xla was built against (Kaggle's TPU image pairs torch_xla
+        # 2.8.0 with jax 0.7.x, docs/kaggle-tpu.md), and Mosaic compiles the kernel per shape: run it forward and
+        # backward at this session's own shapes, sharded as training shards them, and keep SDPA unless it runs
+        # and agrees with SDPA, rather than dying (or training wrong) at the first step.
+        failure = probe_attention_kernel(kernel, (batch, n_head, seq_len, head_dim), self.device,
+                                         self.shard_batch, self.sync)
+        if failure:
+            print(f"notice: the Pallas flash-attention kernel failed its probe at this session's shapes "
+                  f"({batch // self.num_devices} sequences x {n_head} heads x {seq_len} tokens x {head_dim} per "
+                  f"device): {failure}; using SDPA", flush=True)
+            return
+        set_attention_kernel(kernel)
+        self.attention = "pallas-flash"
+
+    def _flash_attention_kernel(self) -> Callable | None:
+        """torch_xla's Pallas flash attention (q, k, v) -> out over this mesh, or None where it may not run."""
         # The Pallas kernel needs jax (torch_xla[pallas]) and a generation whose Mosaic compiles it (not v2/v3);
         # on an unknown TPU, and anywhere else, SDPA (XLA's own attention) is used.
         gen = self.tpu_generation
         if not gen or not gen.pallas_flash_attention or os.environ.get("GPT2K_FLASH_ATTENTION", "1") == "0":
-            return
+            return None
         try:
             import jax  # noqa: F401
             from torch_xla.experimental.custom_kernel import flash_attention
         except ImportError:
-            return
-        from shared.train.model import set_attention_kernel
-
+            return None
         mesh = self.mesh
 
         def tpu_flash_attention(q, k, v):
             return flash_attention(q, k, v, causal=True, sm_scale=q.shape[-1] ** -0.5,
                                    partition_spec=("data", None, None, None), mesh=mesh)
 
-        # The image's jax may not be the one this torch_xla was built against (Kaggle's TPU image pairs
-        # torch_xla 2.8.0 with jax 0.7.x, docs/kaggle-tpu.md): compile the kernel once on a small input, and
-        # keep SDPA if that fails, rather than dying at the first training step.
-        failure = probe_attention_kernel(tpu_flash_attention, self.device, self.num_devices, self.sync)
-        if failure:
-            print(f"notice: the Pallas flash-attention kernel did not run here ({failure}); using SDPA", flush=True)
-            return
-        set_attention_kernel(tpu_flash_attention)
-        self.attention = "pallas-flash"
+        return tpu_flash_attention
+
+    def shard_batch(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A device tensor's first (batch) dimension sharded over the mesh, as `batch_to_device` lays out batches."""
+        self._xs.mark_sharding(tensor, self.mesh, ("data",) + (None,) * (tensor.dim() - 1))
+        return tensor
 
     def autocast(self, enabled: bool):
         if not enabled:
@@ -398,27 +428,65 @@ class DdpRuntime(Runtime):
 
 
 
-def probe_attention_kernel(kernel: Callable, device: torch.device, batch: int, sync: Callable = lambda: None,
-                           seq_len: int = 128, head_dim: int = 64) -> str | None:
-    """Run `kernel` (q, k, v) -> out forward and backward on a small bf16 input; None if it ran and agrees with
-    SDPA, else one line saying why not."""
+# How far a candidate attention kernel may be from SDPA: max |candidate - reference| over max |reference|, for the
+# output and each of dq, dk, dv. The candidate runs in bf16 (8 significant bits: one rounding is up to 2^-9, 0.2%),
+# the reference in fp32 from the same bf16 inputs (on a TPU its fp32 matmuls may themselves round through bf16,
+# torch_xla's default precision). A correct bf16 kernel rounds several times on the way (P and dS are cast to bf16
+# before their matmuls): torch's own bf16 SDPA on the CPU is within 0.7% (output, dq, dk) and 1.1% (dv) of this
+# reference at gpt2-xl's heads (2 x 25 x 1024 x 64). 3e-2 leaves room for those errors plus the reference's,
+# while a real fault (a gradient scaled or missing a term, no causal mask, a wrong softmax scale) is off by 10% or
+# more. Normalising by the largest value, not elementwise, keeps near-zero entries (whose relative error means
+# nothing) from failing a correct kernel.
+ATTENTION_PROBE_TOLERANCE = 3e-2
+PROBE_RESULTS = ("output", "dq", "dk", "dv")
+
+
+def sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The reference attention: torch's scaled_dot_product_attention with a causal mask."""
     import torch.nn.functional as F
 
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _attention_and_grads(kernel: Callable, inputs: list[torch.Tensor], dtype: torch.dtype, device: torch.device,
+                         place: Callable) -> tuple[torch.Tensor, ...]:
+    """(out, dq, dk, dv) of `kernel` on q, k, v (and the output's gradient) made `dtype` leaves on `device`."""
+    q, k, v, grad_out = (place(t.to(device, dtype)) for t in inputs)
+    for t in (q, k, v):
+        t.requires_grad_()
+    out = kernel(q, k, v)
+    return (out.detach(), *torch.autograd.grad(out, (q, k, v), grad_out.to(out.dtype)))
+
+
+def probe_attention_kernel(kernel: Callable, shape: tuple[int, int, int, int], device: torch.device | str = "cpu",
+                           place: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+                           sync: Callable[[], None] = lambda: None,
+                           tolerance: float = ATTENTION_PROBE_TOLERANCE) -> str | None:
+    """Run `kernel` (q, k, v) -> causal attention forward and backward on random bf16 q, k, v of `shape` (B, H, T, D)
+    on `device`, each laid out by `place` (the runtime's batch sharding), against SDPA in fp32 on the same inputs.
+    None if the output and the gradients of q, k and v all agree within `tolerance`; else one line naming what
+    differs, or why the kernel failed."""
+    device = torch.device(device)
     try:
         gen = torch.Generator().manual_seed(0)
-        q, k, v = (torch.randn(batch, 2, seq_len, head_dim, generator=gen).to(device, torch.bfloat16).requires_grad_()
-                   for _ in range(3))
-        out = kernel(q, k, v)
-        out.float().sum().backward()
-        expected = F.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), is_causal=True)
-        error = (out.detach().float() - expected.float()).abs().max()
+        inputs = [torch.randn(shape, generator=gen) for _ in range(4)]  # q, k, v and the output's gradient
+        inputs = [t.to(torch.bfloat16) for t in inputs]  # both runs see exactly the same (bf16) values
+        got = _attention_and_grads(kernel, inputs, torch.bfloat16, device, place)
+        want = _attention_and_grads(sdpa_causal, inputs, torch.float32, device, place)
+        errors = torch.stack([(g.float() - w).abs().max() / w.abs().max() for g, w in zip(got, want, strict=True)])
+        del got, want  # under XLA the graph then returns only the four errors, not the full-size tensors
         sync()
-        if not torch.isfinite(q.grad.float()).all().item() or error.item() > 0.05:
-            return f"its output differs from SDPA by {error.item():.3g}"
-        return None
+        errors = errors.cpu().tolist()  # once, at the start of a session: a host read is fine here
     except Exception as err:  # a Mosaic/Pallas compile error, a jax/torch_xla mismatch, ...
         lines = str(err).strip().splitlines()
         return f"{type(err).__name__}: {lines[0][:200] if lines else ''}"
+    # `not error <= tolerance` also fails NaN and inf (a kernel whose gradients overflow).
+    bad = [f"{name} by {error:.3g}" for name, error in zip(PROBE_RESULTS, errors, strict=True)
+           if not error <= tolerance]
+    if bad:
+        return (f"it differs from SDPA: {', '.join(bad)} (max error over SDPA's largest value; "
+                f"tolerance {tolerance:g})")
+    return None
 
 
 def runtime_versions() -> dict[str, str | None]:
@@ -469,7 +537,16 @@ _xla_runtime: XlaRuntime | None = None
 def make_runtime(backend: str = "auto", compile_cache: str | os.PathLike | None = None) -> Runtime:
     """`xla` (TPU, or torch_xla's CPU devices), `cuda`, `cpu`; `auto` picks xla unless a GPU is present.
     Under torchrun (WORLD_SIZE > 1), `cuda` and `cpu` run DistributedDataParallel, one process per device.
-    `compile_cache` is XLA's persistent compilation cache; only the process's first XLA runtime can set it."""
+    `compile_cache` is XLA's persistent compilation cache; only the process's first XLA runtime can set it.
+    A session built for a TPU whose runtime started on anything else stops here (UserError): train and eval alike."""
+    from shared.kaggle.env import check_session_device
+
+    runtime = _start_runtime(backend, compile_cache)
+    check_session_device(runtime.device_type)  # a session built for a TPU trains on nothing else
+    return runtime
+
+
+def _start_runtime(backend: str, compile_cache: str | os.PathLike | None) -> Runtime:
     global _xla_runtime
     if backend == "auto":
         backend = "cuda" if torch.cuda.is_available() else "xla"

@@ -71,6 +71,12 @@ class MetricsLogger:
         if not key:
             self.log("notice: no W&B key found (WANDB_API_KEY); logging to metrics.jsonl only")
             return None
+        from shared.kaggle.packages import provide
+
+        problem = provide("wandb", "W&B logging", self.log)  # Kaggle's TPU image has no wandb: installed if it can be
+        if problem:
+            self.log(f"notice: W&B off: {problem}; logging to metrics.jsonl only")
+            return None
         host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"))
         try:  # a Kaggle session without internet fails here in seconds, not in wandb's minutes of retries
             socket.create_connection((host.hostname, host.port or 443), timeout=5).close()

@@ -113,8 +113,13 @@ def tpu_devices_present(pci_root: str = "/sys/bus/pci/devices") -> bool:
 
 
 def default_xla_env() -> None:
-    """Without a TPU, use torch_xla's CPU backend with 8 devices: the same SPMD path as a v3-8/v5e-8 board."""
-    if "PJRT_DEVICE" not in os.environ and not tpu_devices_present():
-        os.environ["PJRT_DEVICE"] = "CPU"
-    if os.environ.get("PJRT_DEVICE") == "CPU":
+    """PJRT_DEVICE, where unset, before torch_xla's runtime starts: TPU on a host with TPU chips, else torch_xla's
+    CPU backend with 8 devices (the same SPMD path as a v3-8/v5e-8 board).
+
+    Asking for the TPU by name matters: left to choose, torch_xla 2.8 (torch_xla/runtime.py) logs "Defaulting to
+    PJRT_DEVICE=CPU" when its own probe (the PCI device ids it knows) misses the chips, and a session would train
+    on one CPU device; told TPU, it fails loudly instead."""
+    if "PJRT_DEVICE" not in os.environ:
+        os.environ["PJRT_DEVICE"] = "TPU" if tpu_devices_present() else "CPU"
+    if os.environ["PJRT_DEVICE"] == "CPU":
         os.environ.setdefault("CPU_NUM_DEVICES", "8")

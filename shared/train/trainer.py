@@ -141,6 +141,9 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print) -> TrainR
         log = lambda *args, **kwargs: None  # noqa: E731
     compile_at_start, compiles_at_start = runtime.compile_seconds(), runtime.compile_count()
     cfg.validate(runtime.num_devices)
+    # The attention kernel is chosen for this model's shapes (on a TPU the Pallas kernel is probed at them).
+    runtime.select_attention(cfg.micro_batch, model_cfg.n_head, model_cfg.block_size,
+                             model_cfg.n_embd // model_cfg.n_head)
     loader = TokenLoader(train_shards, cfg.micro_batch, model_cfg.block_size, seed=cfg.seed,
                          state=LoaderState.from_dict(resumed.state["loader"]) if resumed else None,
                          on_change=cfg.on_data_change)

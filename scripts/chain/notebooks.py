@@ -1,0 +1,77 @@
+"""Before any session: the notebooks that read secrets exist, and the user knows which secrets to attach where.
+
+On Kaggle a secret is attached to one notebook, on its page (Add-ons > Secrets), and only once that notebook
+exists; no API call attaches one (docs/kaggle-tpu.md, section 6). So the first time the chain meets a config, it
+saves the train notebook (and the eval notebook, when that reads secrets) without running it (kagglesdk's
+QUICK_SAVE), and names, a line each, the secrets to attach and the page to attach them on. It then waits for the
+user (asked on a terminal; otherwise it stops and the same command continues), so that no session starts before
+its secrets can exist.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+from scripts.chain.context import StageContext
+from shared.errors import UserError
+from shared.kaggle.publish import CREDENTIAL_NAMES
+
+WANDB_SECRET = "WANDB_API_KEY"
+KAGGLE_CODE_URL = "https://www.kaggle.com/code/"
+
+
+def needed_secrets(cfg) -> dict[str, list[str]]:
+    """{kernel name: the secrets it reads} for the kernels of this config that read any."""
+    wandb = bool(cfg.train.get("wandb_project"))
+    needs = {"train": [*CREDENTIAL_NAMES] + ([WANDB_SECRET] if wandb else [])}
+    ev = cfg.eval
+    if ev.get("enabled", True) is not False:
+        settings = ev.get("settings", {})
+        names = list(CREDENTIAL_NAMES) if settings.get("kaggle_model") else []
+        if settings.get("wandb_project", "") or wandb:
+            names.append(WANDB_SECRET)
+        if names:
+            needs["eval"] = names
+    return needs
+
+
+def ask_on_terminal(lines: list[str]) -> None:
+    """The default for new notebooks: on a terminal, wait for Enter; otherwise stop (the same command goes on)."""
+    if sys.stdin is not None and sys.stdin.isatty():
+        input("attach them, then press Enter to go on (Ctrl-C to stop; the same command continues later) ")
+        return
+    raise UserError("attach the secrets named above, then run the same command again; no session has started")
+
+
+class NotebooksStage:
+    def __init__(self, ctx: StageContext, builders: dict[str, Callable[[str], object]],
+                 on_new: Callable[[list[str]], None] = ask_on_terminal):
+        """`builders`: kernel name -> build(push_id) -> the built folder; `on_new`: called with the lines that
+        name the secrets to attach, when this run created notebooks (it returns once they are attached)."""
+        self.ctx = ctx
+        self.builders = builders
+        self.on_new = on_new
+
+    def run(self) -> list[str]:
+        """Create the notebooks that read secrets and do not exist yet; returns the refs created."""
+        ctx = self.ctx
+        created, lines = [], []
+        for kernel, names in needed_secrets(ctx.cfg).items():
+            ref = ctx.ref(ctx.cfg.slug(kernel))
+            version, _ = ctx.client.kernel_info(ref)
+            if version == 0:
+                folder = self.builders[kernel]("quick-save")
+                version = ctx.client.quick_save(folder)
+                created.append(ref)
+                ctx.log(f"created the {kernel} notebook {ref} (version {version}, saved without running)")
+            lines.append(f"attach the secret{'s' if len(names) > 1 else ''} {', '.join(names)} to the {kernel} "
+                         f"notebook: {KAGGLE_CODE_URL}{ref} (Add-ons > Secrets)")
+        if created:
+            for line in lines:
+                ctx.log(line)
+            ctx.state.data["notebooks_created"] = sorted(set(ctx.state.data.get("notebooks_created", [])) |
+                                                         set(created))
+            ctx.state.save()
+            self.on_new(lines)
+        return created

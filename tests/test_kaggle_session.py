@@ -1,0 +1,182 @@
+"""A Kaggle session as it really is: packages its image lacks are installed at start (or the kernel stops in one
+line), and a kernel that cannot publish its checkpoints says so before training."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import REPO, error_lines, importable_in
+from kaggle_fixtures import KEY, USER, local_kaggle, save_without_running, write_kernel  # noqa: F401
+
+from shared.errors import UserError, run_cli
+from shared.kaggle import packages
+from shared.kaggle.env import LOCAL_ROOT_ENV, LOCAL_SECRETS_ENV
+from shared.kaggle.publish import MANIFEST, _config, after_training, resolve_build_settings
+
+
+@pytest.fixture
+def session(tmp_path, monkeypatch):
+    """This process inside a local Kaggle session (its folders under tmp_path, no secrets attached), with
+    sys.path and the publish configuration restored afterwards."""
+    monkeypatch.setenv(LOCAL_ROOT_ENV, str(tmp_path / "kaggle"))
+    monkeypatch.setenv(LOCAL_SECRETS_ENV, str(tmp_path / "secrets.json"))
+    (tmp_path / "secrets.json").write_text("{}")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr("shared.kaggle.publish._config", dict(_config))
+    return tmp_path / "kaggle"
+
+
+def fake_installer(module: str):
+    """An installer that puts an importable `module` into the target folder, recording what it was asked."""
+    calls = []
+
+    def install(requirements, target: Path):
+        calls.append((requirements, target))
+        (target / f"{module}.py").write_text("VALUE = 42\n")
+        return None
+
+    return install, calls
+
+
+def test_a_missing_package_is_installed_pinned_into_the_session_temp_and_imports_after_the_image(session,
+                                                                                              monkeypatch):
+    monkeypatch.setitem(packages.PACKAGES, "wandb",
+                        packages.Package("gpt2k_fake_wandb", ("gpt2k-fake-wandb==1.0",), "W&B logging"))
+    install, calls = fake_installer("gpt2k_fake_wandb")
+    lines = []
+    assert packages.provide("wandb", log=lines.append, installer=install) is None
+    target = session / "temp" / packages.TARGET_DIR
+    assert calls == [(("gpt2k-fake-wandb==1.0",), target)]
+    assert sys.path[-1] == str(target)  # last: the image's own packages win
+    import gpt2k_fake_wandb
+
+    assert gpt2k_fake_wandb.VALUE == 42
+    assert len(lines) == 1 and lines[0].startswith("installed gpt2k-fake-wandb==1.0 for W&B logging in ")
+    assert lines[0].endswith(f"(not in this image; into {target}, gone with the session)")
+    sys.modules.pop("gpt2k_fake_wandb")
+
+
+def test_without_internet_a_required_package_stops_the_kernel_in_one_line_with_exit_2(session, monkeypatch):
+    monkeypatch.setitem(packages.PACKAGES, "tiktoken",
+                        packages.Package("gpt2k_not_here", ("gpt2k-not-here==1.0",), "GPT-2's tokenizer"))
+
+    def offline(requirements, target):
+        return "ERROR: No matching distribution found for gpt2k-not-here==1.0"
+
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(lambda: packages.require("tiktoken", "tokenizing the corpus", installer=offline))
+    assert exit_info.value.code == 2
+    # An optional package is a notice instead, and the kernel goes on.
+    notices = []
+    problem = packages.provide("tiktoken", "tokenizing the corpus", log=notices.append, installer=offline)
+    assert problem == ("the gpt2k_not_here package is not in this Kaggle image and could not be installed (ERROR: No "
+                       "matching distribution found for gpt2k-not-here==1.0); it is needed for tokenizing the corpus: "
+                       "turn on the notebook's internet (Settings > Internet)")
+    assert notices == [] and "\n" not in problem
+
+
+def test_pip_with_no_way_to_the_index_fails_within_seconds_and_installs_nothing(tmp_path):
+    """The real installer, as a session with internet off runs it: every request goes to a closed port."""
+    env = {**os.environ, "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9",
+           "PIP_CONFIG_FILE": os.devnull, "PIP_NO_CACHE_DIR": "1"}
+    env = {k: v for k, v in env.items() if not (k.startswith("PIP_") and k not in ("PIP_CONFIG_FILE",
+                                                                                    "PIP_NO_CACHE_DIR"))}
+    code = ("import sys; from pathlib import Path; from shared.kaggle.packages import _pip_install; "
+            "print(_pip_install(('tiktoken==0.14.0',), Path(sys.argv[1])))")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "t")], env=env, capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().startswith("ERROR"), proc.stdout
+    assert not list((tmp_path / "t").glob("tiktoken*"))
+
+
+def test_the_pins_are_the_versions_the_project_is_set_up_with():
+    """The session installs exactly what the laptop's setup tests with (pyproject.toml pulls these)."""
+    from importlib.metadata import version
+
+    for pkg in packages.PACKAGES.values():
+        for requirement in pkg.requirements:
+            name, pinned = requirement.split("==")
+            assert version(name) == pinned, requirement
+
+
+def train_build(checkpoint_dir: str) -> dict:
+    return {"kernel": "train", "accelerator": "",
+            "settings": {"out_dir": "{working}/train", "checkpoint_dir": checkpoint_dir},
+            "checkpoint_dataset": {"dataset": "alice/run-checkpoints", "resume_setting": "resume_from",
+                                   "publish": True, "expect_step": 0}}
+
+
+def mount_checkpoint(session: Path, step: int) -> None:
+    folder = session / "input" / "run-checkpoints"
+    folder.mkdir(parents=True)
+    (folder / MANIFEST).write_text(json.dumps({"step": step, "files": {}}))
+
+
+def test_a_kernel_that_cannot_publish_checkpoints_kept_in_temp_stops_before_training_with_nothing_staged(session):
+    mount_checkpoint(session, 30)
+    with pytest.raises(UserError) as err:
+        resolve_build_settings(train_build("{temp}/checkpoints"), log=lambda _: None)
+    assert str(err.value) == (
+        "this session cannot publish its checkpoints (the secrets KAGGLE_USERNAME, KAGGLE_KEY are not attached to "
+        "this notebook: attach them on the notebook's page (Add-ons > Secrets)), and they would live in "
+        f"{session / 'temp'}, which is gone when the session ends; stopping before training")
+    assert sorted(p.name for p in (session / "temp").iterdir()) == []  # nothing staged, nothing installed
+
+
+def test_a_kernel_that_cannot_publish_checkpoints_kept_in_working_leaves_them_to_the_chain(session):
+    mount_checkpoint(session, 30)
+    lines = []
+    settings = resolve_build_settings(train_build("{working}/train/checkpoints"), log=lines.append)
+    assert settings["resume_from"] == str(session / "temp" / "gpt2k-resume")
+    assert lines[0] == ("notice: this session cannot publish its checkpoint (the secrets KAGGLE_USERNAME, KAGGLE_KEY "
+                        "are not attached to this notebook: attach them on the notebook's page (Add-ons > Secrets)); "
+                        "the chain publishes it from the session's output")
+
+    class Result:
+        step, checkpoint = 40, session / "working" / "train" / "checkpoints" / "step_000040"
+
+    (session / "working").mkdir(exist_ok=True)
+    record = after_training(Result(), log=lines.append)
+    assert record["published"] is False and record["step"] == 40
+    assert record["reason"].startswith("the secrets KAGGLE_USERNAME, KAGGLE_KEY are not attached")
+    assert json.loads((session / "working" / "publish.json").read_text())["reason"] == record["reason"]
+
+
+def test_a_notebook_with_one_secret_attached_names_the_other(session, tmp_path):
+    (tmp_path / "secrets.json").write_text(json.dumps({"KAGGLE_USERNAME": "alice"}))
+    from shared.kaggle.publish import publish_problem
+
+    assert publish_problem() == ("the secret KAGGLE_KEY is not attached to this notebook: attach it on the "
+                                 "notebook's page (Add-ons > Secrets)")
+
+
+INSTALLS_TIKTOKEN = textwrap.dedent("""
+    from shared.errors import run_cli
+    from shared.kaggle.packages import require
+    run_cli(lambda: require("tiktoken", "tokenizing the corpus"))
+    import tiktoken
+    print("tiktoken", tiktoken.__version__)
+    """)
+
+
+def test_a_session_in_the_cpu_image_installs_tiktoken_with_internet_and_stops_without(
+        local_kaggle, tmp_path, image_pythons):  # noqa: F811
+    lk = local_kaggle
+    kdir = write_kernel(tmp_path / "k", "alice/needs-tiktoken", INSTALLS_TIKTOKEN, enable_internet=True)
+    lk.cli("kernels", "push", "-p", str(kdir))
+    assert lk.wait("alice/needs-tiktoken", timeout=180) == ("COMPLETE", None)
+    log = lk.cli("kernels", "logs", "alice/needs-tiktoken").stdout
+    assert "installed tiktoken==0.14.0 for tokenizing the corpus in " in log and "tiktoken 0.14.0" in log
+    write_kernel(kdir, "alice/needs-tiktoken", INSTALLS_TIKTOKEN, enable_internet=False)
+    lk.cli("kernels", "push", "-p", str(kdir))
+    assert lk.wait("alice/needs-tiktoken", timeout=180) == ("ERROR", "Kernel process exited with code 2")
+    log = lk.cli("kernels", "logs", "alice/needs-tiktoken").stdout
+    (line,) = error_lines(log)
+    assert line.startswith("error: the tiktoken package is not in this Kaggle image and could not be installed (")
+    assert line.endswith("turn on the notebook's internet (Settings > Internet); stopping before any work")
+    assert importable_in(image_pythons["cpu"], ("tiktoken",)) == []  # nothing leaked into the image
