@@ -36,9 +36,9 @@ if [ "${1:-}" = "--kaggle-image" ]; then
     .venv-kaggle-$image/bin/python - "$image" <<'PY'
 import importlib.util, sys
 import torch
-absent = [m for m in ("tiktoken", "wandb", "kaggle") if importlib.util.find_spec(m)]
-print(f"Kaggle {sys.argv[1].upper()} image stand-in: torch {torch.__version__}; "
-      f"has {', '.join(absent) or 'none'} of tiktoken, wandb, kaggle")
+has = [m for m in ("tiktoken", "wandb", "kaggle") if importlib.util.find_spec(m)]
+print(f"Kaggle {sys.argv[1].upper()} image stand-in: torch {torch.__version__}; of tiktoken, wandb and kaggle "
+      f"it has {', '.join(has) or 'none'}")
 PY
   done
 fi

@@ -175,8 +175,8 @@ def test_a_session_in_the_cpu_image_installs_tiktoken_with_internet_and_stops_wi
     write_kernel(kdir, "alice/needs-tiktoken", INSTALLS_TIKTOKEN, enable_internet=False)
     lk.cli("kernels", "push", "-p", str(kdir))
     assert lk.wait("alice/needs-tiktoken", timeout=180) == ("ERROR", "Kernel process exited with code 2")
-    log = lk.cli("kernels", "logs", "alice/needs-tiktoken").stdout
-    (line,) = error_lines(log)
+    events = json.loads(lk.cli("kernels", "logs", "alice/needs-tiktoken").stdout)
+    (line,) = error_lines("".join(e["data"] for e in events))
     assert line.startswith("error: the tiktoken package is not in this Kaggle image and could not be installed (")
     assert line.endswith("turn on the notebook's internet (Settings > Internet); stopping before any work")
     assert importable_in(image_pythons["cpu"], ("tiktoken",)) == []  # nothing leaked into the image

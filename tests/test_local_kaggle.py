@@ -452,7 +452,7 @@ def test_server_cli_and_admin_endpoint(tmp_path):
     subprocess.run([sys.executable, *script, "user-add", "--root", str(root), USER], input=KEY + "\n", text=True,
                    check=True, cwd=REPO)
     with pytest.raises(subprocess.CalledProcessError):  # no such notebook yet
-        subprocess.run([sys.executable, *script, "secret-attach", "--root", str(root), "alice/tool", "TOKEN"],
+        subprocess.run([sys.executable, *script, "secret-attach", "--root", str(root), "alice/admin-tool", "TOKEN"],
                        input="t0k\n", text=True, check=True, cwd=REPO, capture_output=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KAGGLE_")}
     server = subprocess.Popen([sys.executable, *script, "serve", "--root", str(root), "--port", "0",
@@ -471,7 +471,7 @@ def test_server_cli_and_admin_endpoint(tmp_path):
         assert out.returncode == 1 and "admin-injected" in out.stderr
         out = subprocess.run(cli + ["kernels", "list", "--mine"], env=cenv, capture_output=True, text=True)
         assert out.returncode == 0 and "Not found" in out.stdout
-        kdir = write_kernel(tmp_path / "tool", "alice/tool", "print('hi')")
+        kdir = write_kernel(tmp_path / "tool", "alice/admin-tool", "print('hi')")
         out = subprocess.run(cli + ["kernels", "push", "-p", str(kdir)], env=cenv, capture_output=True, text=True)
         assert out.returncode == 0, out.stdout + out.stderr
         with pytest.raises(RuntimeError, match="403"):
@@ -481,7 +481,7 @@ def test_server_cli_and_admin_endpoint(tmp_path):
         server.terminate()
         server.wait(10)
     assert not (root / "secrets.json").exists()
-    subprocess.run([sys.executable, *script, "secret-attach", "--root", str(root), "alice/tool", "TOKEN"],
+    subprocess.run([sys.executable, *script, "secret-attach", "--root", str(root), "alice/admin-tool", "TOKEN"],
                    input="t0k\n", text=True, check=True, cwd=REPO)
-    assert json.loads((root / "secrets.json").read_text()) == {"alice/tool": {"TOKEN": "t0k"}}
+    assert json.loads((root / "secrets.json").read_text()) == {"alice/admin-tool": {"TOKEN": "t0k"}}
     assert (root / "secrets.json").stat().st_mode & 0o077 == 0
