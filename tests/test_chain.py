@@ -183,7 +183,8 @@ def test_chain_end_to_end_resumes_bit_exactly_and_survives_a_kill(local_kaggle, 
                                        "cpu": str(image_pythons["cpu"])}
     for n in (1, 2, 3):
         log = session_log(workdir / "sessions" / f"train-{n:02d}")
-        assert "torch 2.8.0, torch_xla 2.8.0" in log and "installed kaggle==2.2.4, six==1.17.0 for publishing" in log
+        assert re.search(r"torch 2\.8\.0(\+\w+)?, torch_xla 2\.8\.0", log), log[:3000]
+        assert "installed kaggle==2.2.4, six==1.17.0 for publishing checkpoints in " in log
     for ref in ("alice/gpt2-demo-tokens-part-0", "alice/gpt2-demo-eval"):
         assert "installed tiktoken==0.14.0 for" in version_log(lk, ref, kernels[ref]["versions"][-1]["number"])
     assert importable_in(image_pythons["tpu"], ("kaggle", "tiktoken", "wandb")) == []
