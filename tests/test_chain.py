@@ -48,6 +48,20 @@ def run_chain(lk, config: Path, workdir: Path, *extra: str, env: dict | None = N
                           text=True, timeout=timeout)
 
 
+NOTEBOOKS_STOP = "error: attach the secrets named above, then run the same command again; no session has started"
+
+
+def first_contact(lk, config: Path, workdir: Path) -> None:
+    """A new chain's first run: it saves the train notebook without running it, names the secrets to attach and
+    stops; the user attaches them (as on the notebook's page)."""
+    proc = run_chain(lk, config, workdir)
+    assert proc.returncode == 2 and error_lines(proc.stderr) == [NOTEBOOKS_STOP], proc.stdout + proc.stderr
+    ref = f"{USER}/{json.loads(config.read_text())['name']}-train"
+    assert [v["quick_save"] for v in lk.app.state["kernels"][ref]["versions"]] == [True]
+    lk.app.attach_secret(ref, "KAGGLE_USERNAME", USER)
+    lk.app.attach_secret(ref, "KAGGLE_KEY", KEY)
+
+
 def upload(lk, tmp_path: Path, ref: str, files: dict) -> None:
     lk.cli("datasets", "create", "-p", str(write_dataset(tmp_path / ref.replace("/", "_"), ref, files)))
 
@@ -97,8 +111,7 @@ def test_chain_end_to_end_resumes_bit_exactly_and_survives_a_kill(local_kaggle, 
     assert contact.returncode == 2, contact.stdout[-3000:] + contact.stderr[-3000:]
     assert ("attach the secrets KAGGLE_USERNAME, KAGGLE_KEY to the train notebook: "
             "https://www.kaggle.com/code/alice/gpt2-demo-train (Add-ons > Secrets)") in contact.stdout
-    assert error_lines(contact.stderr) == ["error: attach the secrets named above, then run the same command again; "
-                                           "no session has started"]
+    assert error_lines(contact.stderr) == [NOTEBOOKS_STOP]
     kernels = lk.app.state["kernels"]
     assert sorted(kernels) == ["alice/gpt2-demo-train"]  # the eval notebook reads no secret here
     assert [(v["status"], v["quick_save"], v["outputs_saved"]) for v in kernels["alice/gpt2-demo-train"]["versions"]
@@ -343,24 +356,27 @@ def test_bad_input_gives_one_line_errors_and_loses_nothing(local_kaggle, tmp_pat
     # Sessions that fail without progress: the chain gives up after max_failed_sessions in a row.
     for _ in range(2):
         lk.app.inject("session_error", kernel="alice/failing-run-train", message="TPU could not be allocated")
-    proc = run_chain(lk, write_config(tmp_path / "f.json", **base, name="failing-run", max_failed_sessions=2),
-                     tmp_path / "w6")
+    config = write_config(tmp_path / "f.json", **base, name="failing-run", max_failed_sessions=2)
+    first_contact(lk, config, tmp_path / "w6")
+    proc = run_chain(lk, config, tmp_path / "w6")
     assert proc.returncode == 2 and error_lines(proc.stderr) == [
         "error: stopping: 2 train sessions in a row made no progress (last: TPU could not be allocated); logs in "
         f"{tmp_path / 'w6' / 'sessions'}"]
     assert "session 2 error" in proc.stdout
-    assert len(lk.app.state["kernels"]["alice/failing-run-train"]["versions"]) == 2
+    assert len(lk.app.state["kernels"]["alice/failing-run-train"]["versions"]) == 3  # the quick save, two sessions
     assert [v["notes"] for v in lk.app.state["datasets"]["alice/failing-run-checkpoints"]["versions"]] == [
         "Initial release"]
 
     # Too little weekly TPU quota left for one more session: stop before pushing.
     lk.app.quota_s["tpu"] = 30.0
-    proc = run_chain(lk, write_config(tmp_path / "e.json", **base, name="quota-run"), tmp_path / "w5")
+    config = write_config(tmp_path / "e.json", **base, name="quota-run")
+    first_contact(lk, config, tmp_path / "w5")  # a quick save runs nothing: it needs no quota
+    proc = run_chain(lk, config, tmp_path / "w5")
     assert proc.returncode == 2
     (line,) = error_lines(proc.stderr)
     assert line.startswith("error: stopping: the weekly TPU quota would be exceeded: 0.01 h left of 0.00833333 h")
     assert "run the chain again then (it continues at step 0)" in line
-    assert "alice/quota-run-train" not in lk.app.state["kernels"]
+    assert [v["quick_save"] for v in lk.app.state["kernels"]["alice/quota-run-train"]["versions"]] == [True]
 
 
 # --- a session that cannot see the checkpoint the chain saw -------------------------------------------------------

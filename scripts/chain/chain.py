@@ -68,6 +68,7 @@ class Chain:
             log(f"notice: {shape} is not in Kaggle's Sep 2026 accelerator list (TPU: TpuV5E8, TpuV6E8; GPU: "
                 "NvidiaTeslaT4 and up); Kaggle may refuse the push")
         self.check_inputs()
+        self.train.check_work_left()
         self.notebooks.run()
         self.tokenize.run()
         self.train.run()

@@ -28,16 +28,23 @@ class TrainStage:
         self.ctx = ctx
         self.cfg = ctx.cfg
 
+    def check_work_left(self) -> int:
+        """The checkpoint dataset's step; a chain that has trained nothing yet and finds it at total_steps already
+        is one line (before anything is pushed)."""
+        ckpt_ref = self.ctx.ref(self.cfg.slug("checkpoints"))
+        step = dataset_step(self.ctx, ckpt_ref)
+        if step >= self.cfg.total_steps and not self.ctx.state.data["train_sessions"]:
+            raise UserError(f"nothing to train: checkpoint dataset {ckpt_ref} already holds step {step} of "
+                            f"total_steps {self.cfg.total_steps} (raise total_steps to train further)")
+        return step
+
     def run(self) -> None:
         ctx, cfg = self.ctx, self.cfg
         ckpt_ref = ctx.ref(cfg.slug("checkpoints"))
         ensure_checkpoint_dataset(ctx, ckpt_ref)
         sessions = ctx.state.data["train_sessions"]
-        step = dataset_step(ctx, ckpt_ref)
+        step = self.check_work_left()
         if step >= cfg.total_steps:
-            if not sessions:
-                raise UserError(f"nothing to train: checkpoint dataset {ckpt_ref} already holds step {step} of "
-                                f"total_steps {cfg.total_steps} (raise total_steps to train further)")
             return
         failures = sum(1 for _ in _trailing_failures(sessions))
         while step < cfg.total_steps:
