@@ -147,6 +147,19 @@ def test_a_kernel_that_cannot_publish_checkpoints_kept_in_working_leaves_them_to
     assert json.loads((session / "working" / "publish.json").read_text())["reason"] == record["reason"]
 
 
+def test_an_eval_kernel_that_cannot_upload_its_kaggle_model_stops_before_any_work(session):
+    build = {"kernel": "eval", "accelerator": "", "settings": {"kaggle_model": "alice/gpt2/pyTorch/base",
+                                                              "hellaswag": "off", "prompts": ""}}
+    with pytest.raises(UserError) as err:
+        resolve_build_settings(build, log=lambda _: None)
+    assert str(err.value) == (
+        "this session cannot upload the Kaggle Model alice/gpt2/pyTorch/base (the secrets KAGGLE_USERNAME, "
+        "KAGGLE_KEY are not attached to this notebook: attach them on the notebook's page (Add-ons > Secrets)); "
+        "stopping before any work")
+    del build["settings"]["kaggle_model"]  # no upload asked for: nothing to check
+    assert resolve_build_settings(build, log=lambda _: None) == {"hellaswag": "off", "prompts": ""}
+
+
 def test_a_notebook_with_one_secret_attached_names_the_other(session, tmp_path):
     (tmp_path / "secrets.json").write_text(json.dumps({"KAGGLE_USERNAME": "alice"}))
     from shared.kaggle.publish import publish_problem

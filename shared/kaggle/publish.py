@@ -124,6 +124,11 @@ def resolve_build_settings(build: dict, log=print) -> dict:
     settings = {k: resolve_placeholders(v, paths) if isinstance(v, str) else v for k, v in settings.items()}
     for name, reason in kernel_needs(build.get("kernel", ""), settings):
         require(name, reason, log)
+    if build.get("kernel") == "eval" and settings.get("kaggle_model"):
+        problem = publish_problem(log)
+        if problem:
+            raise UserError(f"this session cannot upload the Kaggle Model {settings['kaggle_model']} ({problem}); "
+                            "stopping before any work")
     ckpt = build.get("checkpoint_dataset")
     if not ckpt:
         return settings
@@ -169,14 +174,12 @@ def kernel_needs(kernel: str, settings: dict) -> list[tuple[str, str]]:
     if kernel == "eval":
         if settings.get("hellaswag", "auto") != "off" or settings.get("prompts", "default") != "":
             needs.append(("tiktoken", "HellaSwag and the samples"))
-        if settings.get("kaggle_model"):
-            needs.append(("kaggle", "the Kaggle Model upload"))
     return needs
 
 
 def publish_problem(log=print) -> str | None:
-    """Why this session could not publish a checkpoint (a secret not attached, the kaggle package not to be
-    had), or None when it can. Secrets are read, never shown."""
+    """Why this session could not publish to Kaggle (a checkpoint, or the eval's Kaggle Model): a secret not
+    attached, the kaggle package not to be had; None when it can. Secrets are read, never shown."""
     from shared.kaggle.env import get_secret
     from shared.kaggle.packages import provide
 
