@@ -268,6 +268,17 @@ def test_resume_over_other_token_parts_is_refused_or_a_new_epoch(demo_data, stra
     assert state["epoch"] == 1 and len(state["shards"]) == len(find_shards(data, "train"))
 
 
+def comparable(diff: torch.Tensor, name: str) -> torch.Tensor:
+    """`diff` without the attention's key bias (the middle third of c_attn's bias): adding it shifts every score of a
+    query by the same amount, which softmax ignores, so its exact gradient is zero and what it gets is rounding
+    noise, which Adam turns into steps of +-lr. Two computations that round differently (the scan over layers) move
+    it differently by up to the whole schedule's lr (measured: 2.07e-3 against 1.9e-3 for any other parameter)."""
+    if name.endswith("attn.c_attn.bias"):
+        third = diff.shape[0] // 3
+        return torch.cat([diff[:third], diff[2 * third:]])
+    return diff
+
+
 def test_step_structures_train_the_same_model(demo_data, tmp_path):
     # The one-graph step (micro-steps in an XLA loop) against a graph per micro-step, with activation
     # checkpointing and with the scan over layers: the same data gives the same losses and parameters, to
@@ -300,4 +311,4 @@ def test_step_structures_train_the_same_model(demo_data, tmp_path):
                                                                                             strict=True):
             assert step == ref_step and lr == ref_lr
             assert abs(loss - ref_loss) < 2e-3 and abs(grad_norm - ref_grad_norm) < 2e-2 * ref_grad_norm, name
-        assert max((tensors[k] - ref_tensors[k]).abs().max().item() for k in ref_tensors) < 2e-3, name
+        assert max(comparable(tensors[k] - ref_tensors[k], k).abs().max().item() for k in ref_tensors) < 2e-3, name
