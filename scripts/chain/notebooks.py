@@ -70,8 +70,5 @@ class NotebooksStage:
         if created:
             for line in lines:
                 ctx.log(line)
-            ctx.state.data["notebooks_created"] = sorted(set(ctx.state.data.get("notebooks_created", [])) |
-                                                         set(created))
-            ctx.state.save()
             self.on_new(lines)
         return created

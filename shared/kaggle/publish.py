@@ -125,14 +125,26 @@ def resolve_build_settings(build: dict, log=print) -> dict:
     for name, reason in kernel_needs(build.get("kernel", ""), settings):
         require(name, reason, log)
     if build.get("kernel") == "eval" and settings.get("kaggle_model"):
-        problem = publish_problem(log)
+        problem = publish_problem(log, "the Kaggle Model upload")
         if problem:
             raise UserError(f"this session cannot upload the Kaggle Model {settings['kaggle_model']} ({problem}); "
                             "stopping before any work")
     ckpt = build.get("checkpoint_dataset")
     if not ckpt:
         return settings
-    problem = publish_problem(log) if ckpt.get("publish") else None
+    problem = _check_publishing(settings, paths, log) if ckpt.get("publish") else None
+    input_step = _stage_resume(ckpt, settings, paths, log) if ckpt.get("resume_setting") else None
+    if ckpt.get("publish"):
+        floor = max(input_step or 0, int(ckpt.get("expect_step") or 0))
+        configure(dataset=ckpt["dataset"], title=ckpt.get("title") or "", input_step=floor or input_step,
+                  problem=problem)
+    return settings
+
+
+def _check_publishing(settings: dict, paths, log) -> str | None:
+    """Why this train session could not publish its checkpoints (None if it can). Kept in /kaggle/temp they would
+    be lost: stop before training; in /kaggle/working the chain publishes them from the output: a notice."""
+    problem = publish_problem(log)
     if problem:
         in_temp = Path(settings.get("checkpoint_dir") or paths.working).resolve().is_relative_to(paths.temp.resolve())
         if in_temp:
@@ -140,30 +152,29 @@ def resolve_build_settings(build: dict, log=print) -> dict:
                             f"{paths.temp}, which is gone when the session ends; stopping before training")
         log(f"notice: this session cannot publish its checkpoint ({problem}); the chain publishes it from the "
             "session's output")
+    return problem
+
+
+def _stage_resume(ckpt: dict, settings: dict, paths, log) -> int | None:
+    """Stage the attached checkpoint dataset for resuming (settings[resume_setting]); its step, or None."""
     input_step = None
     expect = int(ckpt.get("expect_step") or 0)  # the step the chain saw in the dataset before pushing
-    if ckpt.get("resume_setting"):
-        try:
-            folder = paths.input_dir(ckpt["dataset"])
-        except UserError:
-            folder = None
-            log(f"notice: checkpoint dataset {ckpt['dataset']} is not attached; starting fresh")
-        root = stage_checkpoint(folder, paths.temp / "gpt2k-resume") if folder else None
-        if root is not None:
-            input_step = checkpoint_step(folder)
-            settings[ckpt["resume_setting"]] = str(root)
-            log(f"resuming from {ckpt['dataset']} (step {input_step})")
-        # Starting from less than the chain saw would train again, then publish an older checkpoint over a
-        # newer one.
-        if expect and (input_step or 0) < expect:
-            raise UserError(f"checkpoint dataset {ckpt['dataset']} holds step {expect}, but this session "
-                            f"{'sees step ' + str(input_step) if input_step else 'finds no checkpoint'} in "
-                            f"{folder or 'its inputs'}; not starting over")
-    if ckpt.get("publish"):
-        floor = max(input_step or 0, expect)
-        configure(dataset=ckpt["dataset"], title=ckpt.get("title") or "", input_step=floor or input_step,
-                  problem=problem)
-    return settings
+    try:
+        folder = paths.input_dir(ckpt["dataset"])
+    except UserError:
+        folder = None
+        log(f"notice: checkpoint dataset {ckpt['dataset']} is not attached; starting fresh")
+    root = stage_checkpoint(folder, paths.temp / "gpt2k-resume") if folder else None
+    if root is not None:
+        input_step = checkpoint_step(folder)
+        settings[ckpt["resume_setting"]] = str(root)
+        log(f"resuming from {ckpt['dataset']} (step {input_step})")
+    # Starting from less than the chain saw would train again, then publish an older checkpoint over a newer one.
+    if expect and (input_step or 0) < expect:
+        raise UserError(f"checkpoint dataset {ckpt['dataset']} holds step {expect}, but this session "
+                        f"{'sees step ' + str(input_step) if input_step else 'finds no checkpoint'} in "
+                        f"{folder or 'its inputs'}; not starting over")
+    return input_step
 
 
 def kernel_needs(kernel: str, settings: dict) -> list[tuple[str, str]]:
@@ -177,7 +188,7 @@ def kernel_needs(kernel: str, settings: dict) -> list[tuple[str, str]]:
     return needs
 
 
-def publish_problem(log=print) -> str | None:
+def publish_problem(log=print, purpose: str = "publishing checkpoints") -> str | None:
     """Why this session could not publish to Kaggle (a checkpoint, or the eval's Kaggle Model): a secret not
     attached, the kaggle package not to be had; None when it can. Secrets are read, never shown."""
     from shared.kaggle.env import get_secret
@@ -193,7 +204,7 @@ def publish_problem(log=print) -> str | None:
         return (f"the secret{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
                 f"{'are' if len(missing) > 1 else 'is'} not attached to this notebook: attach "
                 f"{'them' if len(missing) > 1 else 'it'} on the notebook's page (Add-ons > Secrets)")
-    return provide("kaggle", "publishing checkpoints", log)
+    return provide("kaggle", purpose, log)
 
 
 # --- publishing -----------------------------------------------------------------------------------------------
