@@ -237,6 +237,21 @@ def test_chain_end_to_end_resumes_bit_exactly_and_survives_a_kill(local_kaggle, 
     assert len(lk.app.state["kernels"]["alice/gpt2-demo-train"]["versions"]) == 4
 
 
+def test_the_notebooks_that_read_secrets_are_named_with_their_secrets():
+    from scripts.chain.notebooks import needed_secrets
+
+    base = {k: v for k, v in DEMO.items() if not k.startswith("_")}
+    assert needed_secrets(config_from_dict(base)) == {"train": ["KAGGLE_USERNAME", "KAGGLE_KEY"]}
+    wandb = config_from_dict({**base, "train": {**base["train"], "wandb_project": "gpt2"}})
+    assert needed_secrets(wandb) == {"train": ["KAGGLE_USERNAME", "KAGGLE_KEY", "WANDB_API_KEY"],
+                                     "eval": ["WANDB_API_KEY"]}
+    model = config_from_dict({**base, "eval": {**base["eval"], "settings": {"kaggle_model": "alice/gpt2/pyTorch/a"}}})
+    assert needed_secrets(model) == {"train": ["KAGGLE_USERNAME", "KAGGLE_KEY"],
+                                     "eval": ["KAGGLE_USERNAME", "KAGGLE_KEY"]}
+    off = config_from_dict({**base, "eval": {"enabled": False, "settings": {"kaggle_model": "alice/gpt2/pyTorch/a"}}})
+    assert needed_secrets(off) == {"train": ["KAGGLE_USERNAME", "KAGGLE_KEY"]}
+
+
 # --- restarts without a second push --------------------------------------------------------------------------
 
 class Killed(BaseException):

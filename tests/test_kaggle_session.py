@@ -79,6 +79,24 @@ def test_without_internet_a_required_package_stops_the_kernel_in_one_line_with_e
     assert notices == [] and "\n" not in problem
 
 
+def test_wandb_is_off_with_a_one_line_notice_when_the_image_lacks_it_and_it_cannot_be_installed(session, tmp_path,
+                                                                                                monkeypatch):
+    from shared.train.metrics import MetricsLogger, read_metrics
+
+    monkeypatch.setitem(packages.PACKAGES, "wandb",
+                        packages.Package("gpt2k_no_wandb", ("gpt2k-no-wandb==1.0",), "W&B logging"))
+    monkeypatch.setattr(packages, "_pip_install", lambda requirements, target: "ERROR: no route to the index")
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    lines = []
+    logger = MetricsLogger(tmp_path / "run", 10, 0, {}, wandb_project="proj", progress=False, log=lines.append)
+    logger.write({"step": 1, "loss": 3.0})
+    logger.close()
+    assert lines == ["notice: W&B off: the gpt2k_no_wandb package is not in this Kaggle image and could not be "
+                     "installed (ERROR: no route to the index); it is needed for W&B logging: turn on the notebook's "
+                     "internet (Settings > Internet); logging to metrics.jsonl only"]
+    assert [r["loss"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [3.0]
+
+
 def test_pip_with_no_way_to_the_index_fails_within_seconds_and_installs_nothing(tmp_path):
     """The real installer, as a session with internet off runs it: every request goes to a closed port."""
     env = {**os.environ, "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9",

@@ -70,7 +70,7 @@ def install_dir() -> Path | None:
     return kaggle_paths().temp / TARGET_DIR if in_session() else None
 
 
-def provide(name: str, reason: str = "", log=print, installer=_pip_install) -> str | None:
+def provide(name: str, reason: str = "", log=print, installer=None) -> str | None:
     """Make PACKAGES[name] importable: already, or installed now into the session's temp folder. None when it
     is; otherwise one line saying why not. `reason`: what this kernel needs it for."""
     pkg = PACKAGES[name]
@@ -82,7 +82,7 @@ def provide(name: str, reason: str = "", log=print, installer=_pip_install) -> s
         return f"the {pkg.module} package is not installed (needed for {why}): pip install {' '.join(pkg.requirements)}"
     start = time.monotonic()
     target.mkdir(parents=True, exist_ok=True)
-    error = installer(pkg.requirements, target)
+    error = (installer or _pip_install)(pkg.requirements, target)
     if error is None:
         if str(target) not in sys.path:
             sys.path.append(str(target))  # last: the image's own packages win
@@ -96,7 +96,7 @@ def provide(name: str, reason: str = "", log=print, installer=_pip_install) -> s
             f"needed for {why}: turn on the notebook's internet (Settings > Internet)")
 
 
-def require(name: str, reason: str = "", log=print, installer=_pip_install) -> None:
+def require(name: str, reason: str = "", log=print, installer=None) -> None:
     """`provide`, or one line and exit 2 (UserError) before any work."""
     problem = provide(name, reason, log, installer)
     if problem:
