@@ -56,8 +56,41 @@ def test_a_missing_package_is_installed_pinned_into_the_session_temp_and_imports
 
     assert gpt2k_fake_wandb.VALUE == 42
     assert len(lines) == 1 and lines[0].startswith("installed gpt2k-fake-wandb==1.0 for W&B logging in ")
-    assert lines[0].endswith(f"(not in this image; into {target}, gone with the session)")
+    assert lines[0].endswith(f"(not in this image; into {target}, after the image's packages, gone with the session)")
     sys.modules.pop("gpt2k_fake_wandb")
+
+
+def test_a_package_an_older_copy_in_the_image_breaks_goes_before_the_image_and_a_broken_one_is_refused(
+        session, tmp_path, monkeypatch):
+    image = tmp_path / "image"  # the image's own, too old, copy of a dependency
+    image.mkdir()
+    (image / "gpt2k_dep.py").write_text("VERSION = 1\n")
+    sys.path.append(str(image))
+    monkeypatch.setitem(packages.PACKAGES, "kaggle",
+                        packages.Package("gpt2k_pub", ("gpt2k-pub==1.0",), "publishing checkpoints"))
+
+    def install(requirements, target: Path):
+        (target / "gpt2k_dep.py").write_text("VERSION = 2\n")
+        (target / "gpt2k_pub.py").write_text("import gpt2k_dep\nassert gpt2k_dep.VERSION >= 2, 'gpt2k_dep too old'\n")
+
+    lines = []
+    assert packages.provide("kaggle", log=lines.append, installer=install) is None
+    target = session / "temp" / packages.TARGET_DIR
+    assert sys.path[0] == str(target) and sys.path.count(str(target)) == 1
+    assert lines[0].endswith(f"into {target}, before the image's packages, which break it after them "
+                             "(AssertionError: gpt2k_dep too old), gone with the session)")
+    import gpt2k_pub  # noqa: F401  (imports here too now)
+
+    sys.modules.pop("gpt2k_pub"), sys.modules.pop("gpt2k_dep")
+    monkeypatch.setitem(packages.PACKAGES, "wandb",
+                        packages.Package("gpt2k_broken", ("gpt2k-broken==1.0",), "W&B logging"))
+
+    def install_broken(requirements, target: Path):
+        (target / "gpt2k_broken.py").write_text("raise ImportError('libfoo.so: cannot open shared object file')\n")
+
+    assert packages.provide("wandb", installer=install_broken) == (
+        f"the gpt2k_broken package is not in this Kaggle image, and the copy pip installed into {target} does not "
+        "import (ImportError: libfoo.so: cannot open shared object file); it is needed for W&B logging")
 
 
 def test_without_internet_a_required_package_stops_the_kernel_in_one_line_with_exit_2(session, monkeypatch):

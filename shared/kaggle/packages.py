@@ -4,7 +4,8 @@ Kaggle's TPU image has no `kaggle`, `tiktoken` or `wandb`, and no primary source
 its CPU image (docs/kaggle-tpu.md, section 5). The bootstrap of a built kernel asks for what that kernel needs
 (`ensure`). A missing package is installed then, pinned, with pip's `--target` into the session's temp folder:
 it goes with the session, as Kaggle's own `pip install` does, and the image is never changed. That folder goes
-at the end of the import path, so the image's own packages always win over the copies pip puts beside ours.
+at the end of the import path, so the image's own packages win over the copies pip puts beside ours; only where an
+older copy in the image breaks the package (checked by importing it in a fresh interpreter) does it go first.
 
 With internet off pip fails within seconds: a required package is then one line and exit 2 (UserError), an
 optional one a one-line notice. Outside a Kaggle session nothing is installed: the laptop's setup has everything.
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
+import os
 import subprocess
 import sys
 import time
@@ -32,13 +35,16 @@ class Package:
     module: str  # the import name
     requirements: tuple[str, ...]  # pinned pip requirements
     purpose: str  # what it is for, in the notices
+    check: str = ""  # the import that proves an install works (default: `import <module>`)
 
 
 # Pinned to the versions the project's own setup tests with (pyproject.toml's ranges; tests check the pins agree).
 PACKAGES = {
-    "tiktoken": Package("tiktoken", ("tiktoken==0.14.0",), "GPT-2's tokenizer"),
-    # The kaggle wheel imports six without declaring it.
-    "kaggle": Package("kaggle", ("kaggle==2.2.4", "six==1.17.0"), "publishing checkpoints to a Kaggle dataset"),
+    "tiktoken": Package("tiktoken", ("tiktoken==0.14.0",), "GPT-2's tokenizer",
+                        "import tiktoken.load, tiktoken_ext.openai_public"),
+    # The kaggle wheel imports six without declaring it; importing it authenticates (dummy credentials suffice).
+    "kaggle": Package("kaggle", ("kaggle==2.2.4", "six==1.17.0"), "publishing checkpoints to a Kaggle dataset",
+                      "import kaggle.api.kaggle_api_extended"),
     "wandb": Package("wandb", ("wandb==0.31.0",), "W&B logging"),
 }
 
@@ -63,6 +69,36 @@ def _pip_install(requirements: tuple[str, ...], target: Path) -> str | None:
     return errors[-1][:300]
 
 
+def _imports_with(path: list[str], check: str) -> str | None:
+    """Run `check` in a fresh interpreter whose import path is `path`: None if it imports, else its last error line.
+    (A fresh process: a failed import here would leave half-imported modules behind.)"""
+    code = f"import sys, json; sys.path[:] = json.loads(sys.argv[1]); {check}"
+    env = {**os.environ, "KAGGLE_USERNAME": "import-check", "KAGGLE_KEY": "import-check"}
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(path)], capture_output=True, text=True, env=env,
+                          stdin=subprocess.DEVNULL)
+    if proc.returncode == 0:
+        return None
+    lines = [line for line in proc.stderr.splitlines() if line.strip()] or [f"exit {proc.returncode}"]
+    return lines[-1].strip()[:300]
+
+
+def _place(pkg: Package, target: str) -> tuple[str | None, str]:
+    """Put `target` on the import path where `pkg` imports from it: after the image's packages (so they win), or,
+    where an older copy of a dependency in the image breaks it (kaggle 2.2.4 needs kagglesdk 0.1.35 or later, and
+    the TPU image has whatever kagglehub brought), before them. (error or None, where it went)."""
+    check = pkg.check or f"import {pkg.module}"
+    base = [p for p in sys.path if p != target]
+    after = _imports_with(base + [target], check)
+    if after is not None:
+        before = _imports_with([target] + base, check)
+        if before is not None:
+            return after, ""
+    sys.path[:] = base + [target] if after is None else [target] + base
+    importlib.invalidate_caches()
+    return None, ("after the image's packages" if after is None else
+                  f"before the image's packages, which break it after them ({after})")
+
+
 def install_dir() -> Path | None:
     """The session's folder for installed packages; None outside a Kaggle (or local Kaggle) session."""
     from shared.kaggle.env import in_session, kaggle_paths
@@ -84,14 +120,13 @@ def provide(name: str, reason: str = "", log=print, installer=None) -> str | Non
     target.mkdir(parents=True, exist_ok=True)
     error = (installer or _pip_install)(pkg.requirements, target)
     if error is None:
-        if str(target) not in sys.path:
-            sys.path.append(str(target))  # last: the image's own packages win
-        importlib.invalidate_caches()
-        if importable(pkg.module):
+        error, where = _place(pkg, str(target))
+        if error is None:
             log(f"installed {', '.join(pkg.requirements)} for {why} in {time.monotonic() - start:.1f}s "
-                f"(not in this image; into {target}, gone with the session)")
+                f"(not in this image; into {target}, {where}, gone with the session)")
             return None
-        error = f"pip installed it into {target}, but it does not import"
+        return (f"the {pkg.module} package is not in this Kaggle image, and the copy pip installed into {target} "
+                f"does not import ({error}); it is needed for {why}")
     return (f"the {pkg.module} package is not in this Kaggle image and could not be installed ({error}); it is "
             f"needed for {why}: turn on the notebook's internet (Settings > Internet)")
 
