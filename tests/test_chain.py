@@ -237,6 +237,17 @@ def test_chain_end_to_end_resumes_bit_exactly_and_survives_a_kill(local_kaggle, 
     assert len(lk.app.state["kernels"]["alice/gpt2-demo-train"]["versions"]) == 4
 
 
+def test_a_retired_accelerator_is_run_on_its_successor_and_the_chain_says_so(local_kaggle, tmp_path):
+    lk = local_kaggle
+    upload(lk, tmp_path, "alice/gpt2-demo-corpus", {"docs.jsonl": b'{"text": "x"}\n'})
+    proc = run_chain(lk, write_config(tmp_path / "c.json", name="old-tpu", accelerator="TpuV38"), tmp_path / "w")
+    assert proc.returncode == 2 and error_lines(proc.stderr) == [NOTEBOOKS_STOP]
+    assert ("notice: TpuV38 is retired (not in Kaggle's Sep 2026 accelerator list): Kaggle runs these sessions on "
+            "TpuV5E8 instead; set TpuV5E8 in the config to say so") in proc.stdout
+    (version,) = lk.app.state["kernels"]["alice/old-tpu-train"]["versions"]
+    assert (version["machine_shape"], version["accelerator"]) == ("TpuV5E8", "tpu")
+
+
 def test_the_notebooks_that_read_secrets_are_named_with_their_secrets():
     from scripts.chain.notebooks import needed_secrets
 

@@ -65,8 +65,8 @@ class Chain:
             f"state {self.state.path}")
         for shape in sorted({cfg.accelerator, cfg.eval.get("accelerator", ""),
                              cfg.tokenize.get("accelerator", "")} & set(RETIRED_SHAPES)):
-            log(f"notice: {shape} is not in Kaggle's Sep 2026 accelerator list (TPU: TpuV5E8, TpuV6E8; GPU: "
-                "NvidiaTeslaT4 and up); Kaggle may refuse the push")
+            log(f"notice: {shape} is retired (not in Kaggle's Sep 2026 accelerator list): Kaggle runs these sessions "
+                f"on {RETIRED_SHAPES[shape]} instead; set {RETIRED_SHAPES[shape]} in the config to say so")
         self.check_inputs()
         self.train.check_work_left()
         self.notebooks.run()

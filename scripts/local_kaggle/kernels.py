@@ -21,6 +21,7 @@ from .rules import (
     DEFAULT_TPU_SHAPE,
     MACHINE_SHAPES,
     SLUG_RE,
+    SUBSTITUTED_SHAPES,
     TERMINAL,
     Settings,
     check_access,
@@ -50,7 +51,7 @@ def _kind(req: ApiSaveKernelRequest, kernel: dict | None) -> tuple[str, str]:
 
 
 def _machine(req: ApiSaveKernelRequest) -> tuple[str | None, str | None]:
-    """(machine shape, what it counts against: "tpu", "gpu" or None for CPU) of a push."""
+    """(machine shape it runs on, what it counts against: "tpu", "gpu" or None for CPU) of a push."""
     shape = req.machine_shape or None
     if shape is not None and shape not in MACHINE_SHAPES:
         raise ApiError(400, f"Unknown machine_shape {shape!r}; valid: {', '.join(sorted(MACHINE_SHAPES))}")
@@ -59,6 +60,7 @@ def _machine(req: ApiSaveKernelRequest) -> tuple[str | None, str | None]:
         raise ApiError(400, "enable_tpu and enable_gpu are both true; choose one accelerator")
     if shape is None:
         shape = DEFAULT_TPU_SHAPE if tpu else DEFAULT_GPU_SHAPE if gpu else None
+    shape = SUBSTITUTED_SHAPES.get(shape, shape)  # a retired shape runs on its successor
     return shape, MACHINE_SHAPES.get(shape) if shape else None
 
 

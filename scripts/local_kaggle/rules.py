@@ -26,6 +26,10 @@ MACHINE_SHAPES: dict[str, str] = {
     "TpuV5E8": "tpu",
     "TpuV6E8": "tpu",
 }
+# Retired shapes are accepted and run on another (kaggle-cli tests/unit/test_kernels_push_retired_accelerator.py
+# @13dad8ee). The server's own copy, apart from the chain's (scripts/chain/limits.py): a test of the chain then
+# also tests what the chain believes about Kaggle.
+SUBSTITUTED_SHAPES = {"TpuV38": "TpuV5E8", "Tpu1VmV38": "TpuV5E8", "NvidiaTeslaP100": "NvidiaTeslaT4"}
 # enable_tpu / enable_gpu without a machine_shape: what Kaggle picks is not verified; here the TPU and the "default
 # GPU" of kaggle-cli's Sep 2026 accelerator list (docs/kernels.md @13dad8ee).
 DEFAULT_TPU_SHAPE = "TpuV5E8"
