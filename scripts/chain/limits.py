@@ -16,10 +16,12 @@ MACHINE_SHAPES = {
 # warns (kaggle-cli tests/unit/test_kernels_push_retired_accelerator.py @13dad8ee: "the server substitutes";
 # TpuV232 and TpuV2256 become CPU there, and are not accepted here at all).
 RETIRED_SHAPES = {"TpuV38": "TpuV5E8", "Tpu1VmV38": "TpuV5E8", "NvidiaTeslaP100": "NvidiaTeslaT4"}
-# The longest session Kaggle runs on each kind of machine: 9 h on a TPU, 12 h on a GPU or CPU (Kaggle's notebook
-# docs, kaggle.com/docs/notebooks; not verified from a primary source here, docs/kaggle-api.md). kagglesdk says
-# only that sessionTimeoutSeconds "must be lower than the global maximum" (kernels_api_service.py:2015-2017).
-SESSION_MAX_S = {"tpu": NINE_HOURS, "gpu": 12 * 3600, "cpu": 12 * 3600}
+# The longest session Kaggle runs on each kind of machine. 9 h on a TPU; 12 h is often quoted for a GPU or CPU
+# (kaggle.com/docs/notebooks), but no primary source in reach says so (docs/kaggle-api.md), so a GPU session is
+# planned at 9 h until one does: a session planned longer than Kaggle allows is killed with its output lost.
+# kagglesdk says only that sessionTimeoutSeconds "must be lower than the global maximum"
+# (kernels_api_service.py:2015-2017).
+SESSION_MAX_S = {"tpu": NINE_HOURS, "gpu": NINE_HOURS, "cpu": 12 * 3600}
 # /kaggle/working, the session's output, holds 20 GB (Kaggle's notebook docs; not verified here). Checkpoints
 # that do not fit go to /kaggle/temp, which is not kept: the session publishes from there.
 OUTPUT_LIMIT_BYTES = 20 * 10**9
