@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import requests
 from conftest import REPO
-from kaggle_fixtures import local_kaggle, write_kernel  # noqa: F401
+from kaggle_fixtures import USER, local_kaggle, write_kernel  # noqa: F401
 
 from scripts.chain import ApiFailure, Chain, config_from_dict
 from shared.config import MODEL_PRESETS
@@ -35,14 +35,16 @@ class StatusApi:
 
 
 def status_chain(tmp_path: Path, api, pushed_ago_s: float, **cfg) -> tuple[Chain, list[str]]:
+    """A chain that pushed "train-1" `pushed_ago_s` ago without learning its version number (the fallback: the
+    newest version's status stands in)."""
     lines: list[str] = []
     chain = Chain(config_from_dict({**BASE, **cfg}), tmp_path / "chain", api=api, log=lines.append,
                   sleep=lambda s: None)
-    chain.state.pushes["train-1"] = {"push_id": "x", "version": 2, "pushed": time.time() - pushed_ago_s}
+    chain.state.pushes["train-1"] = {"push_id": "x", "version": 0, "pushed": time.time() - pushed_ago_s}
     return chain, lines
 
 
-def test_a_finished_status_right_after_a_push_waits_for_the_new_version(tmp_path):
+def test_without_its_version_a_finished_status_right_after_a_push_waits_for_the_new_version(tmp_path):
     # The previous version's COMPLETE, read twice before the new version shows as queued: not this session's end.
     api = StatusApi(["COMPLETE", "COMPLETE", "QUEUED", "RUNNING", "ERROR"])
     chain, lines = status_chain(tmp_path, api, pushed_ago_s=1)
@@ -54,6 +56,47 @@ def test_a_finished_status_right_after_a_push_waits_for_the_new_version(tmp_path
     api = StatusApi(["COMPLETE"])
     chain, _ = status_chain(tmp_path / "later", api, pushed_ago_s=700)
     assert chain.ctx.wait("alice/unit-run-train", "train v2", "train-1")[0] == "COMPLETE" and api.reads == 1
+
+
+VERSIONED_PROBE = """
+import json, sys
+from pathlib import Path
+sys.path.insert(0, {repo!r})  # scripts/ is not installed: the checkout's
+from scripts.chain import Chain, config_from_dict
+chain = Chain(config_from_dict({base}), {work!r}, log=lambda _: None, sleep=lambda s: None)
+chain.connect()
+chain.state.pushes["train-2"] = {{"push_id": "x", "version": 2, "pushed": 0}}
+newest = chain.client.kernel_status("alice/unit-run-train")
+status = chain.ctx.wait("alice/unit-run-train", "train v2", "train-2")[:2]
+files = chain.client.download_output("alice/unit-run-train", Path({out!r}), version=1)
+print(json.dumps({{"newest": newest, "status": status, "files": sorted(Path(f).name for f in files),
+                  "v1": Path({out!r}, "which.txt").read_text()}}))
+"""
+
+
+def test_the_chain_reads_the_status_and_output_of_the_version_it_pushed(local_kaggle, tmp_path):
+    """Status and output are asked for by version label ("v2"), so a status call that still describes the
+    previous version (an injected stale status) cannot end the wait early."""
+    lk = local_kaggle
+    kdir = write_kernel(tmp_path / "k", "alice/unit-run-train", "open('which.txt', 'w').write('v1')\n")
+    lk.cli("kernels", "push", "-p", str(kdir))
+    assert lk.wait("alice/unit-run-train") == ("COMPLETE", None)
+    write_kernel(kdir, "alice/unit-run-train", "import time\ntime.sleep(3)\nraise SystemExit(3)\n")
+    lk.cli("kernels", "push", "-p", str(kdir))
+    lk.app.inject("stale_status", kernel="alice/unit-run-train", count=1000)
+    probe = VERSIONED_PROBE.format(repo=str(REPO), base=json.dumps(BASE), work=str(tmp_path / "chain"),
+                                   out=str(tmp_path / "out"))
+    result = json.loads(lk.python(probe, timeout=120).stdout.strip().splitlines()[-1])
+    assert result["newest"] == ["COMPLETE", ""]  # unlabelled: version 1's, though version 2 runs
+    assert result["status"] == ["ERROR", "Kernel process exited with code 3"]
+    assert result["files"] == ["unit-run-train.log", "which.txt"] and result["v1"] == "v1"
+    # A bare version number is not a label (404), as on Kaggle.
+    from scripts.local_kaggle.errors import ApiError
+
+    with pytest.raises(ApiError) as err:
+        lk.app.api(USER, "kernels.KernelsApiService", "GetKernelSessionStatus",
+                   {"userName": USER, "kernelSlug": "unit-run-train", "versionLabel": "2"})
+    assert err.value.status == 404
 
 
 def test_cancel_requested_is_not_an_end(tmp_path):

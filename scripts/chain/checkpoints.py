@@ -53,13 +53,13 @@ def ensure_checkpoint_dataset(ctx: StageContext, ref: str) -> None:
     ctx.log(f"created the checkpoint dataset {ref}")
 
 
-def publish_from_output(ctx: StageContext, ref: str, ckpt_ref: str, out_step: int, reason: str) -> bool:
-    """Publish checkpoint `out_step` from the output of session `ref` to `ckpt_ref` (the session saved it but did
-    not publish it); False, with a warning, when the output holds no complete copy of it."""
+def publish_from_output(ctx: StageContext, ref: str, version: int, ckpt_ref: str, out_step: int, reason: str) -> bool:
+    """Publish checkpoint `out_step` from the output of version `version` of `ref` to `ckpt_ref` (the session
+    saved it but did not publish it); False, with a warning, when the output holds no complete copy of it."""
     name = f"step_{out_step:06d}"
     fallback = ctx.workdir / "fallback"
     shutil.rmtree(fallback / name, ignore_errors=True)
-    got = ctx.client.download_output(ref, fallback, pattern=rf"^train/checkpoints/{name}/")
+    got = ctx.client.download_output(ref, fallback, pattern=rf"^train/checkpoints/{name}/", version=version)
     src = fallback / "train" / "checkpoints" / name
     if not [f for f in got if not f.endswith(".log")]:
         ctx.log(f"  warning: the session's output holds no checkpoint {name} (large models keep theirs in "

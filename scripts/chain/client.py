@@ -91,6 +91,12 @@ def _normalize_single_download(dest: Path, name: str) -> None:
         files[0].rename(dest / name)
 
 
+def version_label(version: int) -> str:
+    """A kernel version as the API's `versionLabel` takes it: "v<N>"; a bare number is 404 (kaggle 2.2.5,
+    kaggle/api/kaggle_api_extended.py `_kernel_version_label`, which its status, output and pull calls use)."""
+    return f"v{version}"
+
+
 class ApiFailure(UserError):
     """A Kaggle API call that failed for good (after retries where the error was transient)."""
 
@@ -222,14 +228,30 @@ class KaggleClient:
             raise UserError(f"quick save of {meta['id']} refused: {resp.error}")
         return int(resp.version_number or 0)
 
-    def kernel_status(self, ref: str) -> tuple[str, str]:
-        resp = self.call(f"status of {ref}", self.api.kernels_status, ref)
-        return status_name(resp.status), getattr(resp, "failure_message", "") or ""
+    def kernel_status(self, ref: str, version: int = 0) -> tuple[str, str]:
+        """(status, failure message) of `ref`'s session: of version `version` where given (the reply names no
+        version, so only a labelled request is sure to describe the version meant), else of the newest."""
+        if not version:
+            resp = self.call(f"status of {ref}", self.api.kernels_status, ref)
+            return status_name(resp.status), getattr(resp, "failure_message", "") or ""
+        from kagglesdk.kernels.types.kernels_api_service import ApiGetKernelSessionStatusRequest
 
-    def download_output(self, ref: str, dest: Path, pattern: str | None = None) -> list[str]:
-        """The output files of `ref`'s newest session whose path matches `pattern` (re.search), each streamed to
-        disk (an 18 GB checkpoint never sits in memory, unlike the kaggle client's kernels_output), and the
-        session's log as `<slug>.log`, as the kaggle client writes it. Paths are checked to stay under `dest`."""
+        owner, slug = ref.split("/")
+
+        def get():
+            with self.api.build_kaggle_client() as client:
+                req = ApiGetKernelSessionStatusRequest()
+                req.user_name, req.kernel_slug, req.version_label = owner, slug, version_label(version)
+                return client.kernels.kernels_api_client.get_kernel_session_status(req)
+
+        resp = self.call(f"status of {ref} v{version}", get)
+        return status_name(resp.status), resp.failure_message or ""
+
+    def download_output(self, ref: str, dest: Path, pattern: str | None = None, version: int = 0) -> list[str]:
+        """The output files of `ref`'s session (version `version` where given, else the newest finished) whose
+        path matches `pattern` (re.search), each streamed to disk (an 18 GB checkpoint never sits in memory, unlike
+        the kaggle client's kernels_output), and the session's log as `<slug>.log`, as the kaggle client writes it.
+        Paths are checked to stay under `dest`."""
         from kagglesdk.kernels.types.kernels_api_service import ApiListKernelSessionOutputRequest
 
         owner, slug = ref.split("/")
@@ -244,6 +266,8 @@ class KaggleClient:
                     request = ApiListKernelSessionOutputRequest()
                     request.user_name, request.kernel_slug, request.page_size = owner, slug, 200
                     request.page_token = token
+                    if version:
+                        request.version_label = version_label(version)
                     return client.kernels.kernels_api_client.list_kernel_session_output(request)
 
             resp = self.call(f"output of {ref}", page)

@@ -98,13 +98,15 @@ class StageContext:
     def wait(self, ref: str, label: str, key: str | None = None) -> tuple[str, str, float]:
         """Poll until the version pushed for `key` ends; backoff from poll_initial_s to poll_max_s.
 
-        The status call names no version: right after a push it may still report the previous version's end.
-        A finished status counts once the pushed version was seen queued or running, or stale_status_s after
-        the push (a session that ended between two polls)."""
+        The status of the pushed version is asked for by its label, so a finished status is that version's.
+        Only where the version is unknown does the newest version's status stand in; right after a push that may
+        still report the previous version's end, so a finished status then counts once the pushed version was seen
+        queued or running, or stale_status_s after the push (a session that ended between two polls)."""
         rec = self.state.pushes.get(key) if key else None
+        version = int((rec or {}).get("version") or 0)
         interval, last, start, told = self.cfg.poll_initial_s, None, time.monotonic(), False
         while True:
-            status, message = self.client.kernel_status(ref)
+            status, message = self.client.kernel_status(ref, version)
             if status != last:
                 self.log(f"  {label}: {status.lower()}" + (f" ({message})" if message else ""))
                 last = status
@@ -113,7 +115,8 @@ class StageContext:
                 self.state.save()
             if status in TERMINAL:
                 pushed = rec.get("pushed", 0) if rec is not None else 0
-                if rec is None or rec.get("seen_active") or time.time() - pushed >= self.cfg.stale_status_s:
+                if (rec is None or version or rec.get("seen_active")
+                        or time.time() - pushed >= self.cfg.stale_status_s):
                     return status, message, time.monotonic() - start
                 if not told:
                     self.log(f"  {label}: not seen queued or running yet; taking {status.lower()} as the previous "

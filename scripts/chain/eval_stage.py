@@ -31,7 +31,7 @@ class EvalStage:
         status, message, secs = ctx.wait(ref, f"{ref} v{version}", "eval")
         dest = ctx.workdir / "eval"
         try:
-            ctx.client.download_output(ref, dest, pattern=r"^(?!hf/)")
+            ctx.client.download_output(ref, dest, pattern=r"^(?!hf/)", version=version)
         except ApiFailure as err:
             ctx.log(f"  warning: could not download the eval output ({err})")
         ctx.state.data["eval"] = {"version": version, "status": status, "message": message, "dir": str(dest)}

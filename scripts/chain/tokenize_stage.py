@@ -50,7 +50,7 @@ class TokenizeStage:
             if key not in ctx.state.pushes:
                 version, _ = ctx.client.kernel_info(ref)
                 if version and attempt == 1:
-                    status, _ = ctx.client.kernel_status(ref)
+                    status, _ = ctx.client.kernel_status(ref, version)
                     if status == "COMPLETE":
                         ctx.log(f"tokenize part {part}: {ref} already complete (version {version}); not pushed")
                         return
@@ -62,7 +62,7 @@ class TokenizeStage:
                 return
             failures += 1
             logs = ctx.workdir / "sessions" / f"tokenize-{part}-{attempt}"
-            ctx.client.download_output(ref, logs, pattern=r"^$")
+            ctx.client.download_output(ref, logs, pattern=r"^$", version=version)
             ctx.log(f"  part {part} failed: {message or status}; log in {logs}")
             if failures >= ctx.cfg.max_failed_sessions:
                 raise UserError(f"tokenize part {part} failed {failures} times in a row "

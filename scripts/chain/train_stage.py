@@ -116,7 +116,8 @@ class TrainStage:
         """Fetch the session's log, metrics and plot; publish its checkpoint from its output if it could not."""
         ctx = self.ctx
         dest = ctx.workdir / "sessions" / f"train-{sess['n']:02d}"
-        ctx.client.download_output(ref, dest, pattern=r"^(publish\.json|train/metrics\.jsonl|train/loss\.png)$")
+        ctx.client.download_output(ref, dest, pattern=r"^(publish\.json|train/metrics\.jsonl|train/loss\.png)$",
+                                   version=sess["version"])
         info: dict = {"logs": str(dest)}
         for name in ("metrics.jsonl", "loss.png"):
             if (dest / "train" / name).exists():
@@ -129,7 +130,7 @@ class TrainStage:
         out_step = record.get("step") or 0
         if out_step > step:  # the session saved a newer checkpoint than the dataset holds: publish it from here
             reason = record.get("reason") or "the session did not publish it"
-            if publish_from_output(ctx, ref, ckpt_ref, out_step, reason):
+            if publish_from_output(ctx, ref, sess["version"], ckpt_ref, out_step, reason):
                 info["published_by"] = "chain"
                 step = dataset_step(ctx, ckpt_ref)
         elif record.get("published"):

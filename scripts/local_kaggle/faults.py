@@ -1,4 +1,5 @@
-"""Injected failures for tests: HTTP errors on chosen calls, a session that fails to start, a kill at a moment."""
+"""Injected failures for tests: HTTP errors on chosen calls, a session that fails to start, a kill at a moment, a
+status call that still describes the previous version."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ class Faults:
         self.http: list[dict] = []
         self.session_errors: list[dict] = []
         self.kills: list[dict] = []
+        self.stale_statuses: list[dict] = []
 
     def add(self, fault: dict) -> None:
         kind = fault.get("kind", "http")
@@ -37,6 +39,9 @@ class Faults:
                 if fault.get("after_s") is None and not fault.get("on_log"):
                     raise ApiError(400, "a kill fault needs after_s or on_log")
                 self.kills.append(fault)
+            elif kind == "stale_status":  # an unlabelled status call answers for the version before the newest
+                fault.setdefault("kernel", "*")
+                self.stale_statuses.append(fault)
             else:
                 raise ApiError(400, f"unknown fault kind {kind!r}")
 
@@ -45,6 +50,7 @@ class Faults:
             self.http.clear()
             self.session_errors.clear()
             self.kills.clear()
+            self.stale_statuses.clear()
 
     @staticmethod
     def _take(items: list[dict], pred: Callable[[dict], bool]) -> dict | None:
@@ -67,3 +73,12 @@ class Faults:
     def take_kill(self, ref: str) -> dict | None:
         with self.lock:
             return self._take(self.kills, lambda f: f["kernel"] in ("*", ref))
+
+    def status_version(self, kernel: dict) -> dict:
+        """The version an unlabelled status call describes: the newest, or (a stale_status fault) the one before."""
+        versions = kernel["versions"]
+        if len(versions) > 1:
+            with self.lock:
+                if self._take(self.stale_statuses, lambda f: f["kernel"] in ("*", kernel["ref"])):
+                    return versions[-2]
+        return versions[-1]

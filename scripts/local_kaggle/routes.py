@@ -4,6 +4,7 @@ request type and the reply an instance of its kagglesdk reply type (SDK_ROUTES).
 from __future__ import annotations
 
 import json
+import re
 import urllib.parse
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -33,6 +34,7 @@ from kagglesdk.security.types.oauth_service import IntrospectTokenResponse
 from .datasets import dataset_info, dataset_reply, is_ready, live_versions
 from .errors import ApiError
 from .kernels import kernel_reply
+from .rules import TERMINAL
 from .sdk import SDK_ROUTES, message, to_wire, utc
 
 if TYPE_CHECKING:
@@ -114,9 +116,22 @@ def _get_kernel(app: LocalKaggle, user: str, req):
         return message(ApiGetKernelResponse, metadata=kernel_reply(kernel), blob=blob)
 
 
+def _labelled_version(kernel: dict, label: str | None) -> dict | None:
+    """The version a `versionLabel` names: "v<N>", as the API expects (a bare number is 404; kaggle 2.2.5
+    kaggle_api_extended.py `_kernel_version_label`); None without a label."""
+    if not label:
+        return None
+    match = re.fullmatch(r"v(\d+)", label)
+    found = [v for v in kernel["versions"] if match and v["number"] == int(match.group(1))]
+    if not found:
+        raise ApiError(404, f"Kernel '{kernel['ref']}' has no version labelled {label!r}")
+    return found[0]
+
+
 def _kernel_status(app: LocalKaggle, user: str, req):
     with app.store.lock:
-        v = app.kernels.visible(user, _kernel_ref(req))["versions"][-1]
+        kernel = app.kernels.visible(user, _kernel_ref(req))
+        v = _labelled_version(kernel, req.version_label) or app.faults.status_version(kernel)
         return message(ApiGetKernelSessionStatusResponse, status=KernelWorkerStatus[v["status"]],
                        failure_message=v.get("failure_message") or None)
 
@@ -124,8 +139,8 @@ def _kernel_status(app: LocalKaggle, user: str, req):
 def _list_output(app: LocalKaggle, user: str, req):
     with app.store.lock:
         kernel = app.kernels.visible(user, _kernel_ref(req))
-        version = app.kernels.output_version(kernel)
-        if version is None:
+        version = _labelled_version(kernel, req.version_label) or app.kernels.output_version(kernel)
+        if version is None or version["status"] not in TERMINAL:
             return ApiListKernelSessionOutputResponse()
         page, nxt = _paginate(app.kernels.output_files(kernel, version), req)
         base = f"http://localhost/_blobs/kernel-output/{kernel['ref']}/{version['number']}/"
