@@ -38,7 +38,7 @@ class Package:
     check: str = ""  # the import that proves an install works (default: `import <module>`)
 
 
-# Pinned to the versions the project's own setup tests with (pyproject.toml's ranges; tests check the pins agree).
+# The versions the project's own setup installs and tests with (pyproject.toml pins the same; a test checks).
 PACKAGES = {
     "tiktoken": Package("tiktoken", ("tiktoken==0.14.0",), "GPT-2's tokenizer",
                         "import tiktoken.load, tiktoken_ext.openai_public"),
