@@ -4,8 +4,9 @@ Kaggle's TPU image has no `kaggle`, `tiktoken` or `wandb`, and no primary source
 its CPU image (docs/kaggle-tpu.md, section 5). The bootstrap of a built kernel asks for what that kernel needs
 (`require`; `provide` for an optional one, such as W&B's). A missing package is installed then, pinned, with
 pip's `--target` into the session's temp folder: it goes with the session, as Kaggle's own `pip install` does,
-and the image is never changed. That folder goes at the end of the import path, so the image's own packages win over the copies pip puts beside ours; only where an
-older copy in the image breaks the package (checked by importing it in a fresh interpreter) does it go first.
+and the image is never changed. That folder goes at the end of the import path, so the image's own packages win
+over the copies pip puts beside ours; only where an older copy in the image breaks the package (checked by
+importing it in a fresh interpreter) does it go first.
 
 With internet off pip fails within seconds: a required package is then one line and exit 2 (UserError), an
 optional one a one-line notice. Outside a Kaggle session nothing is installed: the laptop's setup has everything.
