@@ -13,16 +13,16 @@ _KERNELS_DIR = os.path.dirname(os.path.realpath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.getcwd()) != _KERNELS_DIR]
 sys.path.insert(0, os.path.dirname(_KERNELS_DIR))
 
-from shared.config import parse_dataclass  # noqa: E402
+from shared.config import EvalConfig, parse_dataclass  # noqa: E402
 from shared.errors import run_cli  # noqa: E402
 
 BAKED_SETTINGS: dict = {}  # filled in by scripts/build_kernels.py for Kaggle
 
 
 def main() -> None:
-    from shared.eval.evaluate import EvalConfig, run_eval
-
     cfg = parse_dataclass(EvalConfig, description=__doc__, defaults=BAKED_SETTINGS)
+    from shared.eval.evaluate import run_eval
+
     if cfg.out_dir == "runs/eval":  # the default: on Kaggle, the session's saved output
         from shared.kaggle.env import is_kaggle, is_local_kaggle, kaggle_paths
 

@@ -20,9 +20,9 @@ sys.path.insert(0, os.path.dirname(_KERNELS_DIR))
 for _var in ("USE_TORCH", "USE_TF", "USE_JAX"):
     os.environ.setdefault(_var, "0")
 
-from shared.config import parse_dataclass  # noqa: E402
+from shared.config import TokenizeConfig, parse_dataclass  # noqa: E402
 from shared.errors import run_cli  # noqa: E402
-from shared.tokenize.part import TokenizeConfig, tokenize_part  # noqa: E402
+from shared.tokenize.part import tokenize_part  # noqa: E402
 
 DEFAULTS: dict = {}  # a Kaggle build may bake flag defaults here
 

@@ -35,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 for _var in ("USE_TORCH", "USE_TF", "USE_JAX"):  # as kernels/tokenize.py: keep torch out of `datasets`
     os.environ.setdefault(_var, "0")
 
-from shared.tokenize.part import TokenizeConfig, tokenize_part  # noqa: E402
+from shared.config import TokenizeConfig  # noqa: E402
+from shared.tokenize.part import tokenize_part  # noqa: E402
 from shared.tokenize.tokenizer import fetch_gpt2_ranks, gpt2_encoding  # noqa: E402
 
 _TEXTS: list[str] = []

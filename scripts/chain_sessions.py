@@ -3,6 +3,7 @@
 dataset, then the eval kernel. Restartable: run the same command again after a kill and it continues.
 
     python scripts/chain_sessions.py --local-demo          # the whole chain on a local Kaggle, ~2 minutes
+    python scripts/chain_sessions.py --config my-run.json --plan  # what it will do; pushes nothing, no credentials
     python scripts/chain_sessions.py --config my-run.json  # on Kaggle (KAGGLE_USERNAME/KAGGLE_KEY or kaggle.json)
 
 The config (JSON or TOML; see examples/chain-demo.json and scripts/chain/config.py's ChainConfig) names the model and
@@ -115,6 +116,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--local-demo", action="store_true",
                         help="run the whole chain on a local Kaggle (default config examples/chain-demo.json)")
     parser.add_argument("--demo-chars", type=int, default=400_000, help="local demo: characters of corpus text")
+    parser.add_argument("--plan", action="store_true",
+                        help="print the plan (stages, machines, tokens, sessions, quota, checkpoint, margins) and "
+                             "exit; pushes nothing and needs no credentials")
     parser.add_argument("--total-steps", type=int, help="override the config's total_steps")
     parser.add_argument("--max-train-sessions", type=int, help="override the config's max_train_sessions")
     args = parser.parse_args(argv)
@@ -123,6 +127,10 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.config:
         raise UserError("give --config FILE (or --local-demo)")
     cfg = load_config(args.config, overrides=_overrides(args))
+    if args.plan:
+        from scripts.chain.plan import print_plan
+
+        return print_plan(cfg, source=args.config)
     workdir = Path(args.workdir or REPO / "runs" / "chain" / cfg.name)
     return Chain(cfg, workdir).run()
 

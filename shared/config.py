@@ -1,7 +1,11 @@
-"""Config dataclasses (model, training) and a command line built from them.
+"""The settings of every kernel, in one light module (standard library only): `TokenizeConfig`, `TrainConfig`
+(with `ModelConfig`) and `EvalConfig`, and a command line built from them.
 
-Every training setting lives in `TrainConfig`; a kernel's flags are generated from its fields, so a new
-setting is one new field with a default and a help string.
+A kernel's flags are generated from its config's fields, so a new setting is one new field with a default and a
+help string. Each config checks itself in `__post_init__` (types and ranges), so every way of building one is
+checked the same way: the kernel's flags, a Kaggle build's baked settings, and the chain's config file on the
+laptop (scripts/chain/config.py), which builds these same classes before anything is pushed. Only what needs the
+machine waits for it: `TrainConfig.validate(num_devices)`.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import typing
 from dataclasses import dataclass, field
 
@@ -18,6 +23,48 @@ GPT2_VOCAB_SIZE = 50257  # the tokenizer's vocabulary
 # A checkpoint holds fp32 weights and AdamW's two fp32 moments (the XLA cache and JSON are small).
 CHECKPOINT_BYTES_PER_PARAM = 12
 PADDED_VOCAB_SIZE = 50304  # a multiple of 128: faster matmuls; trimmed back to 50257 on export
+SHARD_HEADER_BYTES = 256 * 4  # llm.c's shard header: 256 int32 (shared/data.py)
+MANIFEST_SLACK = 4096  # room kept in a tokenize part's budget for the manifest growing by one shard entry
+GB = 1e9
+BACKENDS = ("auto", "xla", "cuda", "cpu")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_field_types(config, name=_flag) -> None:
+    """Each field holds its annotated type (bool, int, float, str): a JSON config's `"lr": "3e-4"` or
+    `"micro_batch": 32.5` is one line here, not a TypeError deep in a session. An int is accepted for a float.
+    `name(field)` is how the message names a field (a flag, by default)."""
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        kind, value = hints[f.name], getattr(config, f.name)
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            object.__setattr__(config, f.name, float(value))  # frozen dataclasses too
+            continue
+        if kind in (bool, int, float, str) and not (isinstance(value, kind) and (kind is bool
+                                                                                 or not isinstance(value, bool))):
+            raise UserError(f"{name(f.name)}: expected {'a number' if kind is float else kind.__name__}, "
+                            f"got {value!r}")
+
+
+def _at_least(config, minimum: float, *names: str) -> None:
+    for name in names:
+        if getattr(config, name) < minimum:
+            raise UserError(f"{_flag(name)} must be >= {minimum:g}, got {getattr(config, name)}")
+
+
+def _positive(config, *names: str) -> None:
+    for name in names:
+        if getattr(config, name) <= 0:
+            raise UserError(f"{_flag(name)} must be positive, got {getattr(config, name)}")
+
+
+def _one_of(config, name: str, allowed: tuple[str, ...]) -> None:
+    if getattr(config, name) not in allowed:
+        raise UserError(f"{_flag(name)} must be {', '.join(allowed[:-1])} or {allowed[-1]}, "
+                        f"got {getattr(config, name)!r}")
 
 
 @dataclass(frozen=True)
@@ -27,6 +74,12 @@ class ModelConfig:
     n_embd: int = 768
     block_size: int = 1024
     vocab_size: int = PADDED_VOCAB_SIZE
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        _positive(self, "n_layer", "n_head", "n_embd", "block_size", "vocab_size")
+        if self.n_embd % self.n_head:
+            raise UserError(f"n_embd {self.n_embd} is not a multiple of n_head {self.n_head}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -40,6 +93,11 @@ class ModelConfig:
         (4C), attention (4C^2 + 4C) and the MLP (8C^2 + 5C); embeddings and the final LayerNorm besides."""
         c = self.n_embd
         return self.n_layer * (12 * c * c + 13 * c) + (self.vocab_size + self.block_size) * c + 2 * c
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token: 6 N (forward 2N, backward 4N) + 12 L C T for attention's scores and values
+        (docs/tpu-throughput.md section 1)."""
+        return 6 * self.num_params() + 12 * self.n_layer * self.n_embd * self.block_size
 
     def checkpoint_bytes(self) -> int:
         """Bytes of one checkpoint (CHECKPOINT_BYTES_PER_PARAM per parameter)."""
@@ -174,25 +232,34 @@ class TrainConfig:
             )
         return self.total_batch_tokens // per_micro
 
-    def validate(self, num_devices: int = 1) -> None:
+    def __post_init__(self) -> None:
+        check_field_types(self)
         self.model  # noqa: B018 - raises on a bad preset or sequence length
-        self.grad_accum_steps  # noqa: B018
-        if self.micro_batch % num_devices:
-            raise UserError(f"--micro-batch {self.micro_batch} must be a multiple of the {num_devices} devices")
-        if self.max_steps <= 0:
-            raise UserError(f"--max-steps must be positive, got {self.max_steps}")
-        if self.time_budget < 0:
-            raise UserError(f"--time-budget must be >= 0, got {self.time_budget}")
+        _at_least(self, 0, "seq_len", "warmup_steps", "min_lr_ratio", "weight_decay", "muon_weight_decay",
+                  "time_budget", "checkpoint_every", "eval_every", "hellaswag_examples", "sample_tokens",
+                  "stop_after_steps")
+        _positive(self, "micro_batch", "total_batch_tokens", "max_steps", "lr", "muon_lr", "grad_clip",
+                  "keep_checkpoints", "log_every", "eval_batches")
+        self.grad_accum_steps  # noqa: B018 - raises unless the batch is a whole number of micro-batches
         for name in ("activation_checkpointing", "scan_layers"):
-            if getattr(self, name) not in ("auto", "on", "off"):
-                raise UserError(f"{_flag(name)} must be auto, on or off, got {getattr(self, name)!r}")
-        for name, allowed in (("optimizer", OPTIMIZERS), ("schedule", SCHEDULES)):
-            if getattr(self, name) not in allowed:
-                raise UserError(f"{_flag(name)} must be {' or '.join(allowed)}, got {getattr(self, name)!r}")
+            _one_of(self, name, ("auto", "on", "off"))
+        _one_of(self, "optimizer", OPTIMIZERS)
+        _one_of(self, "schedule", SCHEDULES)
+        _one_of(self, "backend", BACKENDS)
+        _one_of(self, "on_data_change", ("error", "new-epoch"))
+        if self.min_lr_ratio > 1:
+            raise UserError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
         if not 0.0 < self.cooldown_frac <= 1.0:
             raise UserError(f"--cooldown-frac must be in (0, 1], got {self.cooldown_frac}")
-        if self.on_data_change not in ("error", "new-epoch"):
-            raise UserError(f"--on-data-change must be error or new-epoch, got {self.on_data_change!r}")
+        if not 0.0 <= self.muon_momentum < 1.0:
+            raise UserError(f"--muon-momentum must be in [0, 1), got {self.muon_momentum}")
+
+    def validate(self, num_devices: int = 1) -> None:
+        """Every check again (a field may have been set since), then what needs the machine: the micro-batch is
+        split evenly over its devices."""
+        self.__post_init__()
+        if self.micro_batch % num_devices:
+            raise UserError(f"--micro-batch {self.micro_batch} must be a multiple of the {num_devices} devices")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -201,8 +268,94 @@ class TrainConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+@dataclass
+class TokenizeConfig:
+    dataset: str = field(default="HuggingFaceFW/fineweb-edu", metadata={"help": "Hugging Face dataset to stream"})
+    config: str = field(default="sample-10BT", metadata={"help": "dataset config (subset) name; '' for none"})
+    split: str = field(default="train", metadata={"help": "dataset split"})
+    revision: str = field(
+        default="", metadata={"help": "dataset revision ('': newest, pinned in the manifest; part K>0: part K-1's)"}
+    )
+    text_column: str = field(default="text", metadata={"help": "column holding each document's text"})
+    data_files: str = field(
+        default="", metadata={"help": "local parquet or jsonl files (glob, comma-separated) instead of --dataset"}
+    )
+    out_dir: str = field(default="data/fineweb-edu", metadata={"help": "output: shards and manifest.json"})
+    part: int = field(default=0, metadata={"help": "which part of the corpus this run makes (0, 1, ...)"})
+    prev_dir: str = field(default="", metadata={"help": "directory holding part K-1's manifest.json (part K > 0)"})
+    tokens_per_part: int = field(
+        default=9_400_000_000, metadata={"help": "tokens in a part (ends at the next document boundary)"}
+    )
+    shard_size: int = field(default=100_000_000, metadata={"help": "tokens per shard"})
+    max_output_gb: float = field(default=19.0, metadata={"help": "most the output directory may hold (1 GB = 1e9 B)"})
+    prefix: str = field(default="fineweb", metadata={"help": "shard names: PREFIX_val_000000.bin, PREFIX_train_..."})
+    processes: int = field(default=0, metadata={"help": "tokenizer processes (0: one per CPU core)"})
+    batch_docs: int = field(default=256, metadata={"help": "documents per task sent to a tokenizer process"})
+    tmp_dir: str = field(default="", metadata={"help": "where shards are written before moving in ('': system temp)"})
+    ranks_path: str = field(
+        default="", metadata={"help": "local GPT-2 ranks file (gpt2.tiktoken); '': $GPT2_TIKTOKEN_RANKS or cache"}
+    )
+    progress: bool = field(default=True, metadata={"help": "show a progress bar"})
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        _at_least(self, 0, "part", "processes", "max_output_gb")
+        _positive(self, "tokens_per_part", "shard_size", "batch_docs")
+        if self.shard_size >= 2**31:
+            raise UserError(f"--shard-size {self.shard_size} does not fit a shard header (< 2^31 tokens)")
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9.-]*", self.prefix):
+            raise UserError(f"--prefix {self.prefix!r}: use letters, digits, '.' and '-' only")
+        if not self.text_column:
+            raise UserError("--text-column is empty")
+        need = SHARD_HEADER_BYTES + 2 * self.shard_size + MANIFEST_SLACK
+        if self.max_output_gb * GB < need:
+            raise UserError(f"--max-output-gb {self.max_output_gb:g} is smaller than one shard of {self.shard_size} "
+                            f"tokens ({need / GB:.6g} GB with its manifest)")
+
+
+@dataclass
+class EvalConfig:
+    checkpoint: str = field(default="", metadata={
+        "help": "a checkpoint (step_NNNNNN), a checkpoints/ root or a run dir; '' on Kaggle: the newest under "
+                "/kaggle/input"})
+    hf_model: str = field(default="", metadata={"help": "evaluate a Hugging Face GPT-2 folder instead"})
+    data_dir: str = field(default="", metadata={
+        "help": "directory searched for *_val_*.bin shards ('' on Kaggle: /kaggle/input; 'off': no val loss)"})
+    out_dir: str = field(default="runs/eval", metadata={"help": "report, plots, metrics and the HF export go here"})
+    val_tokens: int = field(default=10_485_760, metadata={"help": "validation tokens to score (0: the whole split)"})
+    micro_batch: int = field(default=16, metadata={"help": "sequences per validation batch over all devices"})
+    bf16: bool = field(default=True, metadata={"help": "bf16 autocast, as in training"})
+    hellaswag: str = field(default="auto", metadata={
+        "help": "a HellaSwag jsonl file, 'download' (GitHub, else the HF hub), 'auto' (download when online, else "
+                "skip), 'demo' (a small offline set from the demo corpus) or 'off'"})
+    hellaswag_examples: int = field(default=0, metadata={"help": "evaluate the first N examples (0: all)"})
+    hellaswag_batch: int = field(default=64, metadata={"help": "rows (4 per example) per forward pass"})
+    prompts: str = field(default="Hello, I'm a language model,|The meaning of life is|In a shocking finding,",
+                         metadata={"help": "sample prompts separated by '|' ('': no samples)"})
+    samples_per_prompt: int = field(default=2, metadata={"help": "samples per prompt"})
+    max_new_tokens: int = field(default=64, metadata={"help": "tokens per sample"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature (0: greedy)"})
+    top_k: int = field(default=50, metadata={"help": "sample from the k likeliest tokens (0: all)"})
+    seed: int = field(default=42, metadata={"help": "sampling seed"})
+    export: bool = field(default=True, metadata={"help": "write the model as a Hugging Face folder (out_dir/hf)"})
+    kaggle_model: str = field(default="", metadata={
+        "help": "upload the export as a new version of owner/model/framework/variation ('': no upload)"})
+    wandb_project: str = field(default="", metadata={"help": "W&B project ('': the training run's, if any)"})
+    ranks_path: str = field(default="", metadata={"help": "GPT-2 tiktoken ranks file ('': the default lookup)"})
+    backend: str = field(default="auto", metadata={"help": "xla (TPU or torch_xla CPU devices), cuda, cpu, auto"})
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        _at_least(self, 0, "val_tokens", "hellaswag_examples", "samples_per_prompt", "max_new_tokens", "temperature",
+                  "top_k")
+        _positive(self, "micro_batch", "hellaswag_batch")
+        _one_of(self, "backend", BACKENDS)
+        if self.kaggle_model and (len(self.kaggle_model.split("/")) != 4 or not all(self.kaggle_model.split("/"))):
+            raise UserError(f"--kaggle-model {self.kaggle_model!r}: expected owner/model/framework/variation")
+
+
+# The settings class of each kernel (scripts/chain builds them from a config file to check it).
+KERNEL_SETTINGS: dict[str, type] = {"tokenize": TokenizeConfig, "train": TrainConfig, "eval": EvalConfig}
 
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:

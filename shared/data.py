@@ -13,13 +13,14 @@ from pathlib import Path
 
 import numpy as np
 
+from shared.config import SHARD_HEADER_BYTES
 from shared.errors import UserError
 from shared.fsutil import atomic_write_bytes
 
 SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
-HEADER_INTS = 256
-HEADER_BYTES = HEADER_INTS * 4
+HEADER_BYTES = SHARD_HEADER_BYTES  # 256 int32; defined beside the configs, which size shards without numpy
+HEADER_INTS = HEADER_BYTES // 4
 
 
 def shard_header(num_tokens: int) -> np.ndarray:

@@ -221,8 +221,8 @@ def test_parts_through_documents_longer_than_a_shard(enc, ranks, tmp_path):
 
 
 def test_a_part_that_cannot_write_one_shard_is_an_error(corpus, ranks, tmp_path):
+    from shared.config import MANIFEST_SLACK
     from shared.errors import UserError
-    from shared.tokenize.manifest import MANIFEST_SLACK
 
     gb = (1024 + 2 * 20_000 + MANIFEST_SLACK) / 1e9  # one shard passes the flag check, but not next to a manifest
     with pytest.raises(UserError, match=r"--max-output-gb 4.512e-05: no room for part 0's first shard "

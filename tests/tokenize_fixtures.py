@@ -19,10 +19,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from shared.config import TokenizeConfig
 from shared.data import read_shard
 from shared.errors import run_cli
 from shared.tokenize.manifest import MANIFEST
-from shared.tokenize.part import TokenizeConfig, tokenize_part
+from shared.tokenize.part import tokenize_part
 from shared.tokenize.tokenizer import EOT_TOKEN, gpt2_encoding
 
 ROOT = Path(__file__).resolve().parents[1]

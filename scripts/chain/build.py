@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import base64
+import dataclasses
 import hashlib
 import io
 import json
@@ -29,7 +30,8 @@ import shutil
 import zipfile
 from pathlib import Path
 
-from scripts.chain.limits import MACHINE_SHAPES
+from scripts.chain.limits import MACHINE_SHAPES, session_devices
+from shared.config import KERNEL_SETTINGS
 from shared.errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,9 +39,6 @@ KERNEL_NAMES = ("tokenize", "train", "eval")
 KERNEL_SOURCES = {name: f"kernels/{name}.py" for name in KERNEL_NAMES}
 # The line of each kernel that the build replaces with the baked settings.
 BAKED_LINE = re.compile(r"^(BAKED_SETTINGS|DEFAULTS): dict = \{\}", re.M)
-SETTINGS_CLASSES = {"tokenize": ("shared/tokenize/part.py", "TokenizeConfig"),
-                    "train": ("shared/config.py", "TrainConfig"),
-                    "eval": ("shared/eval/evaluate.py", "EvalConfig")}
 # The first lines of every kernel's source (the module docstring above them): see this module's docstring.
 KERNEL_PREAMBLE = """\
 import os
@@ -52,26 +51,20 @@ sys.path.insert(0, os.path.dirname(_KERNELS_DIR))
 """
 
 
-def settings_fields(kernel: str, repo: Path = REPO) -> list[str] | None:
-    """The field names of a kernel's settings dataclass, read from its source (no import: no torch)."""
-    rel, cls_name = SETTINGS_CLASSES[kernel]
-    path = repo / rel
-    if not path.exists():
-        return None
-    tree = ast.parse(path.read_text())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ClassDef) and node.name == cls_name:
-            return [n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
-    return None
-
-
-def check_settings(kernel: str, settings: dict, where: str, repo: Path = REPO) -> None:
-    fields = settings_fields(kernel, repo)
-    if fields is None:
-        return
+def check_settings(kernel: str, settings: dict, where: str, num_devices: int = 1) -> None:
+    """The kernel's own settings class (shared/config.py KERNEL_SETTINGS) built from `settings`: the checks the
+    session runs at its start, run here first. A train config also splits its micro-batch over `num_devices`."""
+    cls = KERNEL_SETTINGS[kernel]
+    fields = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(settings) - set(fields))
     if unknown:
         raise UserError(f"{where}: unknown {kernel} setting(s) {', '.join(unknown)}; known: {', '.join(fields)}")
+    try:
+        config = cls(**settings)
+        if kernel == "train":
+            config.validate(num_devices)
+    except UserError as err:
+        raise UserError(f"{where}: {err}") from None
 
 
 def shared_zip_b64(repo: Path = REPO) -> str:
@@ -227,13 +220,14 @@ def build_kernel(kernel: str, out_dir: str | os.PathLike, *, user: str, slug: st
     if kernel_type not in ("script", "notebook"):
         raise UserError(f"kernel_type must be script or notebook, not {kernel_type!r}")
     settings = dict(settings or {})
-    check_settings(kernel, settings, f"{kernel} settings", repo)
     template_dir = Path(template_dir) if template_dir else repo / "kernel-metadata"
     title = title or slug.replace("-", " ")
     code_file = f"{slug}.{'ipynb' if kernel_type == 'notebook' else 'py'}"
     meta = fill_metadata(template_dir / f"{kernel}.json", user=user, slug=slug, title=title, code_file=code_file,
                          kernel_type=kernel_type, accelerator=accelerator, internet=internet,
                          dataset_sources=dataset_sources, kernel_sources=kernel_sources)
+    shape = meta.get("machine_shape") or ""
+    check_settings(kernel, settings, f"{kernel} settings", session_devices(shape, settings.get("backend", "auto")))
     build = {"kernel": kernel, "code_file": code_file, "settings": settings, "push_id": push_id,
              "accelerator": meta.get("machine_shape") or ""}
     if checkpoint_dataset:

@@ -16,8 +16,9 @@ from scripts.chain.limits import (
     MACHINE_SHAPES,
     OUTPUT_LIMIT_BYTES,
     SESSION_MAX_S,
+    session_devices,
 )
-from shared.config import NINE_HOURS, TrainConfig
+from shared.config import NINE_HOURS, TrainConfig, check_field_types
 from shared.errors import UserError
 
 
@@ -54,6 +55,12 @@ class ChainConfig:
     publish_margin_s: float = 0  # the final checkpoint's upload (0: sized from the checkpoint, at least 1200 s)
     max_train_sessions: int = 0  # stop training after this many sessions, then evaluate (0: until total_steps)
     max_failed_sessions: int = 3  # consecutive sessions without progress before the chain gives up
+    # Checkpoint dataset versions kept on Kaggle (0: all); a publish that would exceed it deletes the older ones
+    # (Kaggle deletes only all older versions at once: docs/kaggle-api.md, Checkpoint dataset versions).
+    keep_dataset_versions: int = 2
+    # Training tokens/s that `--plan` counts sessions with (0: the newest --smoke measurement on this accelerator
+    # and preset, else an estimate from the TPU's peak: scripts/chain/plan.py).
+    plan_tokens_per_s: float = 0
     train: dict = dataclasses.field(default_factory=dict)  # TrainConfig settings (model, batch, lr, ...)
     tokenize: dict = dataclasses.field(default_factory=dict)  # parts, settings, inputs, accelerator
     token_datasets: list = dataclasses.field(default_factory=list)  # existing datasets of shards (instead/as well)
@@ -123,10 +130,17 @@ def config_from_dict(raw: dict, where: str = "config") -> ChainConfig:
     if unknown:
         raise UserError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(fields)}")
     cfg = ChainConfig(**raw)
+    try:
+        check_field_types(cfg, name=str)
+    except UserError as err:
+        raise UserError(f"{where}: {err}") from None
     if not re.fullmatch(r"[a-z0-9][a-z0-9-]{2,}", cfg.name):
         raise UserError(f"{where}: name {cfg.name!r} must be lowercase letters, digits and dashes (3+), a slug prefix")
     if cfg.total_steps <= 0:
         raise UserError(f"{where}: total_steps must be positive, got {cfg.total_steps}")
+    keep = cfg.keep_dataset_versions
+    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 0:
+        raise UserError(f"{where}: keep_dataset_versions must be a whole number >= 0, got {keep!r}")
     if cfg.accelerator and cfg.accelerator not in MACHINE_SHAPES:
         raise UserError(f"{where}: unknown accelerator {cfg.accelerator!r}; valid: {', '.join(MACHINE_SHAPES)} "
                         "(or \"\" for CPU)")
@@ -136,20 +150,26 @@ def config_from_dict(raw: dict, where: str = "config") -> ChainConfig:
     if cfg.session_limit_s > longest:
         raise UserError(f"{where}: session_limit_s {cfg.session_limit_s:g} is over the {longest / 3600:g} h Kaggle "
                         f"allows a {cfg.accelerator_kind.upper()} session ({cfg.accelerator or 'CPU'})")
-    check_settings("train", cfg.train, f"{where}: train")
+    for key in ("data_dir", "out_dir", "resume_from", "max_steps", "time_budget", "wandb_run_id"):
+        if key in cfg.train:
+            raise UserError(f"{where}: train.{key} is set by the chain; remove it")
+    devices = session_devices(cfg.accelerator, cfg.train.get("backend", "auto"))
+    check_settings("train", {**cfg.train, "max_steps": cfg.total_steps}, f"{where}: train", devices)
     _place_checkpoints(cfg, where)
     if cfg.time_budget <= 0:
         raise UserError(f"{where}: session_limit_s {cfg.session_limit_s:g} leaves no training time after "
                         f"startup_margin_s {cfg.startup_margin_s:g} + publish_margin_s {cfg.publish_margin_s:g}")
-    for key in ("data_dir", "out_dir", "resume_from", "max_steps", "time_budget", "wandb_run_id"):
-        if key in cfg.train:
-            raise UserError(f"{where}: train.{key} is set by the chain; remove it")
     for section, keys in (("tokenize", _TOKENIZE_KEYS), ("eval", _EVAL_KEYS)):
         extra = sorted(set(getattr(cfg, section)) - keys)
         if extra:
             raise UserError(f"{where}: unknown {section} key(s) {', '.join(extra)}; known: {', '.join(sorted(keys))}")
     check_settings("tokenize", cfg.tokenize.get("settings", {}), f"{where}: tokenize.settings")
-    check_settings("eval", cfg.eval.get("settings", {}), f"{where}: eval.settings")
+    eval_shape = cfg.eval.get("accelerator", cfg.accelerator)
+    check_settings("eval", cfg.eval.get("settings", {}), f"{where}: eval.settings",
+                   session_devices(eval_shape, cfg.eval.get("settings", {}).get("backend", "auto")))
+    parts = cfg.tokenize.get("parts", 0)
+    if not isinstance(parts, int) or isinstance(parts, bool) or parts < 0:
+        raise UserError(f"{where}: tokenize.parts must be a whole number >= 0, got {parts!r}")
     shape = cfg.tokenize.get("accelerator", "")
     if shape and shape not in MACHINE_SHAPES:
         raise UserError(f"{where}: unknown tokenize.accelerator {shape!r}")

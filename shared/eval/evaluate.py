@@ -8,11 +8,11 @@ from __future__ import annotations
 import shutil
 import time
 import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from shared.config import EvalConfig
 from shared.data import TokenLoader
 from shared.eval.report import HELLASWAG_PNG, LOSS_PNG, REPORT_FILE, THROUGHPUT_PNG
 from shared.train.checkpoint import METRICS_FILE
@@ -110,38 +110,6 @@ def periodic_eval(model, runtime, cfg, step: int, tokens: int, val_loader: Token
 
 
 # --- the eval kernel ------------------------------------------------------------------------------------------
-
-@dataclass
-class EvalConfig:
-    checkpoint: str = field(default="", metadata={
-        "help": "a checkpoint (step_NNNNNN), a checkpoints/ root or a run dir; '' on Kaggle: the newest under "
-                "/kaggle/input"})
-    hf_model: str = field(default="", metadata={"help": "evaluate a Hugging Face GPT-2 folder instead"})
-    data_dir: str = field(default="", metadata={
-        "help": "directory searched for *_val_*.bin shards ('' on Kaggle: /kaggle/input; 'off': no val loss)"})
-    out_dir: str = field(default="runs/eval", metadata={"help": "report, plots, metrics and the HF export go here"})
-    val_tokens: int = field(default=10_485_760, metadata={"help": "validation tokens to score (0: the whole split)"})
-    micro_batch: int = field(default=16, metadata={"help": "sequences per validation batch over all devices"})
-    bf16: bool = field(default=True, metadata={"help": "bf16 autocast, as in training"})
-    hellaswag: str = field(default="auto", metadata={
-        "help": "a HellaSwag jsonl file, 'download' (GitHub, else the HF hub), 'auto' (download when online, else "
-                "skip), 'demo' (a small offline set from the demo corpus) or 'off'"})
-    hellaswag_examples: int = field(default=0, metadata={"help": "evaluate the first N examples (0: all)"})
-    hellaswag_batch: int = field(default=64, metadata={"help": "rows (4 per example) per forward pass"})
-    prompts: str = field(default="Hello, I'm a language model,|The meaning of life is|In a shocking finding,",
-                         metadata={"help": "sample prompts separated by '|' ('': no samples)"})
-    samples_per_prompt: int = field(default=2, metadata={"help": "samples per prompt"})
-    max_new_tokens: int = field(default=64, metadata={"help": "tokens per sample"})
-    temperature: float = field(default=1.0, metadata={"help": "sampling temperature (0: greedy)"})
-    top_k: int = field(default=50, metadata={"help": "sample from the k likeliest tokens (0: all)"})
-    seed: int = field(default=42, metadata={"help": "sampling seed"})
-    export: bool = field(default=True, metadata={"help": "write the model as a Hugging Face folder (out_dir/hf)"})
-    kaggle_model: str = field(default="", metadata={
-        "help": "upload the export as a new version of owner/model/framework/variation ('': no upload)"})
-    wandb_project: str = field(default="", metadata={"help": "W&B project ('': the training run's, if any)"})
-    ranks_path: str = field(default="", metadata={"help": "GPT-2 tiktoken ranks file ('': the default lookup)"})
-    backend: str = field(default="auto", metadata={"help": "xla (TPU or torch_xla CPU devices), cuda, cpu, auto"})
-
 
 REPORT_FILES = (REPORT_FILE, METRICS_FILE, LOSS_PNG, HELLASWAG_PNG, THROUGHPUT_PNG)  # what write_report writes
 

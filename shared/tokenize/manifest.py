@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from shared.config import GB
 from shared.data import HEADER_BYTES
 from shared.errors import UserError, describe_error
 from shared.fsutil import atomic_write_bytes, fsync_dir, sha256_file
@@ -19,8 +20,6 @@ from shared.tokenize.source import same_source
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "gpt2-on-kaggle/tokens/1"
-GB = 1e9
-MANIFEST_SLACK = 4096  # room kept in the budget for the manifest growing by one shard entry
 DISK_SLACK = 64 << 20  # free space left on a disk before a shard is written to it
 
 

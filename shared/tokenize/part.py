@@ -27,27 +27,24 @@ Module-level imports are stdlib and numpy only; datasets, pyarrow, tiktoken and 
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import sys
 import tempfile
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from shared.config import GB, MANIFEST_SLACK, TokenizeConfig
 from shared.data import write_shard
 from shared.errors import UserError
 from shared.fsutil import sha256_file
 from shared.tokenize.manifest import (
     DISK_SLACK,
-    GB,
     MANIFEST,
     MANIFEST_FORMAT,
-    MANIFEST_SLACK,
     clean_leftovers,
     dir_bytes,
     find_prev_manifest,
@@ -75,61 +72,6 @@ from shared.tokenize.workers import encode_docs, init_worker, pool_context, shut
 CRASH_ENV = "GPT2K_TOKENIZE_CRASH_AFTER_SHARDS"  # tests: die right after moving in the N-th new shard
 
 
-@dataclass
-class TokenizeConfig:
-    dataset: str = field(default="HuggingFaceFW/fineweb-edu", metadata={"help": "Hugging Face dataset to stream"})
-    config: str = field(default="sample-10BT", metadata={"help": "dataset config (subset) name; '' for none"})
-    split: str = field(default="train", metadata={"help": "dataset split"})
-    revision: str = field(
-        default="", metadata={"help": "dataset revision ('': newest, pinned in the manifest; part K>0: part K-1's)"}
-    )
-    text_column: str = field(default="text", metadata={"help": "column holding each document's text"})
-    data_files: str = field(
-        default="", metadata={"help": "local parquet or jsonl files (glob, comma-separated) instead of --dataset"}
-    )
-    out_dir: str = field(default="data/fineweb-edu", metadata={"help": "output: shards and manifest.json"})
-    part: int = field(default=0, metadata={"help": "which part of the corpus this run makes (0, 1, ...)"})
-    prev_dir: str = field(default="", metadata={"help": "directory holding part K-1's manifest.json (part K > 0)"})
-    tokens_per_part: int = field(
-        default=9_400_000_000, metadata={"help": "tokens in a part (ends at the next document boundary)"}
-    )
-    shard_size: int = field(default=100_000_000, metadata={"help": "tokens per shard"})
-    max_output_gb: float = field(default=19.0, metadata={"help": "most the output directory may hold (1 GB = 1e9 B)"})
-    prefix: str = field(default="fineweb", metadata={"help": "shard names: PREFIX_val_000000.bin, PREFIX_train_..."})
-    processes: int = field(default=0, metadata={"help": "tokenizer processes (0: one per CPU core)"})
-    batch_docs: int = field(default=256, metadata={"help": "documents per task sent to a tokenizer process"})
-    tmp_dir: str = field(default="", metadata={"help": "where shards are written before moving in ('': system temp)"})
-    ranks_path: str = field(
-        default="", metadata={"help": "local GPT-2 ranks file (gpt2.tiktoken); '': $GPT2_TIKTOKEN_RANKS or cache"}
-    )
-    progress: bool = field(default=True, metadata={"help": "show a progress bar"})
-
-
-def _validate(cfg: TokenizeConfig) -> None:
-    if cfg.part < 0:
-        raise UserError(f"--part must be >= 0, got {cfg.part}")
-    if cfg.shard_size <= 0:
-        raise UserError(f"--shard-size must be positive, got {cfg.shard_size}")
-    if cfg.shard_size >= 2**31:
-        raise UserError(f"--shard-size {cfg.shard_size} does not fit a shard header (< 2^31 tokens)")
-    if cfg.tokens_per_part <= 0:
-        raise UserError(f"--tokens-per-part must be positive, got {cfg.tokens_per_part}")
-    if cfg.batch_docs <= 0:
-        raise UserError(f"--batch-docs must be positive, got {cfg.batch_docs}")
-    if cfg.processes < 0:
-        raise UserError(f"--processes must be >= 0, got {cfg.processes}")
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9.-]*", cfg.prefix):
-        raise UserError(f"--prefix {cfg.prefix!r}: use letters, digits, '.' and '-' only")
-    if not cfg.text_column:
-        raise UserError("--text-column is empty")
-    need = shard_bytes(cfg.shard_size) + MANIFEST_SLACK
-    if cfg.max_output_gb * GB < need:
-        raise UserError(
-            f"--max-output-gb {cfg.max_output_gb:g} is smaller than one shard of {cfg.shard_size} tokens "
-            f"({need / GB:.6g} GB with its manifest)"
-        )
-
-
 class _Stop(Exception):
     """Ends the run from inside the shard loop (part full, budget or disk reached); `reason` goes to the manifest."""
 
@@ -141,7 +83,7 @@ def tokenize_part(cfg: TokenizeConfig, log: Callable[[str], None] | None = None)
     """Make (or finish) part `cfg.part` in `cfg.out_dir`; returns its manifest with a `summary` added."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     t_start = time.time()
-    _validate(cfg)
+    cfg.__post_init__()  # the checks again: a field may have been set since the config was built
     out_dir = Path(cfg.out_dir)
     source = describe_source(cfg)
 

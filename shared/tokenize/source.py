@@ -19,7 +19,7 @@ from shared.errors import UserError, describe_error
 if TYPE_CHECKING:  # annotations only: importing these for real would be circular (the config) or slow (datasets)
     import datasets
 
-    from shared.tokenize.part import TokenizeConfig
+    from shared.config import TokenizeConfig
 
 
 def _natural_key(s: str) -> list:

@@ -1,0 +1,298 @@
+"""`scripts/chain_sessions.py --plan`: what a chain config will do, before anything is pushed and without
+credentials: each stage and its machine, the tokens, the steps and the sessions they take at a stated tokens/s,
+the TPU hours against the weekly quota, the checkpoint's size and where it is kept, and the margins.
+
+The config was checked on loading (scripts/chain/config.py); the plan also builds every kernel the chain would
+push, into a scratch folder, so each kernel's settings pass the same checks its session runs at its start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import tempfile
+import time
+from pathlib import Path
+
+from scripts.chain.config import ChainConfig
+from scripts.chain.limits import (
+    ASSUMED_UPLOAD_BYTES_PER_S,
+    MACHINE_SHAPES,
+    OUTPUT_LIMIT_BYTES,
+    RETIRED_SHAPES,
+    session_devices,
+)
+from shared.config import EvalConfig, TokenizeConfig, TrainConfig
+
+REPO = Path(__file__).resolve().parents[2]
+# What --smoke measured, one record per run (newest last); the plan counts sessions with the newest that matches.
+MEASURED_THROUGHPUT = REPO / "runs" / "measured-throughput.json"
+# The MFU a plan assumes before anything is measured: the middle of docs/tpu-throughput.md's 25-35% estimate for
+# torch_xla GPT-2 on a v5e-8 (no published TPU figure exists to take instead).
+PLAN_MFU = 0.30
+# The TPU generation a shape runs on (shared/train/tpu.py TPU_GENERATIONS has its peak).
+SHAPE_GENERATION = {"TpuV5E8": "v5e", "TpuV6E8": "v6e"}
+# Kaggle's weekly quotas as Kaggle's pages state them; not verified from a primary source (docs/kaggle-api.md);
+# with credentials the plan reads the account's own quota instead.
+WEEKLY_QUOTA_S = {"tpu": 20 * 3600.0, "gpu": 30 * 3600.0}
+# HellaSwag's validation split: examples x 4 endings, ~ tokens a row (context + ending), for the eval estimate.
+HELLASWAG_ROWS, HELLASWAG_TOKENS_PER_ROW = 10042 * 4, 100
+
+
+@dataclasses.dataclass
+class Throughput:
+    tokens_per_s: float | None  # None: nothing to plan sessions with
+    source: str
+
+
+def running_shape(shape: str) -> str:
+    """The shape a session really runs on: Kaggle substitutes a retired one."""
+    return RETIRED_SHAPES.get(shape, shape)
+
+
+def measured_throughput(shape: str, train: TrainConfig, path: Path = MEASURED_THROUGHPUT) -> dict | None:
+    """The newest --smoke measurement on this shape, preset and sequence length, if any."""
+    try:
+        records = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    matching = [r for r in records if r.get("accelerator") == shape and r.get("preset") == train.preset
+                and r.get("seq_len") == train.model.block_size and r.get("tokens_per_s")]
+    return matching[-1] if matching else None
+
+
+def train_throughput(cfg: ChainConfig, train: TrainConfig, measured_path: Path = MEASURED_THROUGHPUT) -> Throughput:
+    """Training tokens/s to plan with, and where the figure comes from."""
+    shape = running_shape(cfg.accelerator)
+    if cfg.plan_tokens_per_s:
+        return Throughput(cfg.plan_tokens_per_s, "plan_tokens_per_s in the config")
+    record = measured_throughput(shape, train, measured_path)
+    if record:
+        return Throughput(float(record["tokens_per_s"]),
+                          f"measured by --smoke ({record.get('chain', '?')}, {record.get('measured_at', '?')}, "
+                          f"MFU {record.get('mfu') or 0:.1%})")
+    generation = SHAPE_GENERATION.get(shape)
+    if not generation:
+        return Throughput(None, f"no estimate for {shape or 'CPU'}: measure it with --smoke, or set "
+                                "plan_tokens_per_s in the config")
+    from shared.train.tpu import TPU_GENERATIONS  # standard library only at import
+
+    gen = TPU_GENERATIONS[generation]
+    board = gen.peak_bf16_per_device * session_devices(shape)
+    rate = board * PLAN_MFU / train.model.flops_per_token()
+    return Throughput(rate, f"estimate: {PLAN_MFU:.0%} MFU of {session_devices(shape)} x "
+                            f"{gen.peak_bf16_per_device / 1e12:g} TFLOP/s bf16 ({generation}; docs/tpu-throughput.md "
+                            "section 7); not measured: run --smoke first")
+
+
+def _tokenize_config(cfg: ChainConfig) -> TokenizeConfig:
+    return TokenizeConfig(**{**cfg.tokenize.get("settings", {}), "part": 0})
+
+
+def _eval_config(cfg: ChainConfig) -> EvalConfig:
+    return EvalConfig(**cfg.eval.get("settings", {}))
+
+
+def _hours(seconds: float) -> str:
+    return f"{seconds / 3600:.2f} h"
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def _tokens(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n:,.0f}"
+
+
+def make_plan(cfg: ChainConfig, quota: tuple[float, float, str] | None = None,
+              measured_path: Path = MEASURED_THROUGHPUT) -> dict:
+    """The plan's figures (the printed lines come from these; tests assert them)."""
+    train = TrainConfig(**{**cfg.train, "max_steps": cfg.total_steps})
+    model = train.model
+    tok = _tokenize_config(cfg)
+    parts = int(cfg.tokenize.get("parts") or 0)
+    kind = MACHINE_SHAPES.get(cfg.accelerator)
+    train_tokens = cfg.total_steps * train.total_batch_tokens
+    made_tokens = parts * tok.tokens_per_part
+    val_tokens = tok.shard_size if parts else 0  # part 0's first shard is the validation shard
+    speed = train_throughput(cfg, train, measured_path)
+    plan = {"train_tokens": train_tokens, "tokenized_tokens": made_tokens, "validation_tokens": val_tokens,
+            "parts": parts, "tokens_per_part": tok.tokens_per_part, "tokens_per_s": speed.tokens_per_s,
+            "tokens_per_s_source": speed.source, "kind": kind, "devices": session_devices(
+                cfg.accelerator, train.backend), "time_budget_s": cfg.time_budget,
+            "checkpoint_bytes": model.checkpoint_bytes(), "num_params": model.num_params()}
+    # Periodic validation evals cost forward passes (a third of a training token's FLOPs each).
+    eval_share = (train.eval_batches * train.micro_batch * model.block_size / 3
+                  / (train.eval_every * train.total_batch_tokens)) if train.eval_every else 0.0
+    plan["eval_share"] = eval_share
+    if speed.tokens_per_s:
+        train_s = train_tokens / speed.tokens_per_s * (1 + eval_share)
+        sessions = max(1, math.ceil(train_s / cfg.time_budget))
+        if cfg.max_train_sessions:
+            sessions = min(sessions, cfg.max_train_sessions)
+        overhead_s = sessions * (cfg.startup_margin_s + cfg.publish_margin_s)
+        plan.update(train_seconds=train_s, sessions=sessions,
+                    session_tokens=cfg.time_budget * speed.tokens_per_s / (1 + eval_share),
+                    train_quota_s=min(train_s, sessions * cfg.time_budget) + overhead_s)
+        plan["eval_quota_s"] = _eval_seconds(cfg, speed.tokens_per_s) if cfg.eval.get("enabled", True) else 0.0
+        eval_kind = MACHINE_SHAPES.get(cfg.eval.get("accelerator", cfg.accelerator))
+        plan["quota_s"] = plan["train_quota_s"] + (plan["eval_quota_s"] if eval_kind == kind else 0.0)
+    weekly = quota[1] if quota else WEEKLY_QUOTA_S.get(kind) if kind else None
+    plan["weekly_quota_s"], plan["quota_left_s"] = weekly, quota[0] if quota else None
+    if weekly and plan.get("sessions"):
+        per_week = int(weekly // cfg.session_limit_s)  # a session starts only with a whole session's quota left
+        plan["sessions_per_week"] = per_week
+        plan["weeks"] = math.ceil(plan["sessions"] / per_week) if per_week else None
+    return plan
+
+
+def _eval_seconds(cfg: ChainConfig, train_tokens_per_s: float) -> float:
+    """An eval session: start-up, then forward passes at three times the training rate (forward only)."""
+    ev = _eval_config(cfg)
+    rows = 0 if ev.hellaswag == "off" else ev.hellaswag_examples * 4 or HELLASWAG_ROWS
+    forward_tokens = ev.val_tokens + rows * HELLASWAG_TOKENS_PER_ROW
+    return cfg.startup_margin_s + forward_tokens / (3 * train_tokens_per_s)
+
+
+def plan_lines(cfg: ChainConfig, plan: dict, source: str = "") -> list[str]:
+    """The plan as the lines --plan prints."""
+    train = TrainConfig(**{**cfg.train, "max_steps": cfg.total_steps})
+    model, user = train.model, cfg.user or "<you>"
+    shape = cfg.accelerator or "CPU"
+    lines = [f"plan for chain {cfg.name}{f' ({source})' if source else ''}: nothing is pushed", ""]
+    tok_shape = cfg.tokenize.get("accelerator", "") or "CPU"
+    if plan["parts"]:
+        tok = _tokenize_config(cfg)
+        corpus = tok.data_files or f"{tok.dataset} {tok.config}".strip()
+        lines.append(f"tokenize  {tok_shape}, internet on: {plan['parts']} part(s) x {_tokens(tok.tokens_per_part)} "
+                     f"tokens = {_tokens(plan['tokenized_tokens'])} tokens of {corpus}, shards of "
+                     f"{_tokens(tok.shard_size)} ({_gb(2 * tok.tokens_per_part)} a part, {tok.max_output_gb:g} GB "
+                     "allowed)")
+    for ref in list(cfg.token_datasets) + list(cfg.token_kernels):
+        lines.append(f"tokens    {ref} (existing; not counted below)")
+    retired = f" (retired: runs on {running_shape(shape)})" if shape in RETIRED_SHAPES else ""
+    lines.append(f"train     {shape}{retired}, {plan['devices']} devices: {train.preset} "
+                 f"({plan['num_params'] / 1e6:.1f}M params, T={model.block_size}), {cfg.total_steps:,} steps x "
+                 f"{train.total_batch_tokens:,} tokens = {_tokens(plan['train_tokens'])} tokens; micro-batch "
+                 f"{train.micro_batch} x {train.grad_accum_steps} accumulation; "
+                 f"{train.optimizer} + {train.schedule}")
+    if cfg.eval.get("enabled", True):
+        ev = _eval_config(cfg)
+        lines.append(f"eval      {cfg.eval.get('accelerator', cfg.accelerator) or 'CPU'}: validation loss on "
+                     f"{_tokens(ev.val_tokens) if ev.val_tokens else 'all'} tokens, HellaSwag {ev.hellaswag}, "
+                     f"samples, HF export {'on' if ev.export else 'off'}")
+    lines.append("")
+    rate = plan["tokens_per_s"]
+    lines.append(f"throughput  {f'{rate:,.0f} tokens/s' if rate else 'unknown'} on {running_shape(shape)}: "
+                 f"{plan['tokens_per_s_source']}")
+    lines.append(f"sessions    each {_hours(cfg.session_limit_s)}: {_hours(cfg.time_budget)} of training after "
+                 f"{cfg.startup_margin_s:g} s start-up and {cfg.publish_margin_s:g} s publish margins")
+    if plan.get("sessions"):
+        capped = " (max_train_sessions)" if cfg.max_train_sessions and plan["sessions"] == cfg.max_train_sessions \
+            else ""
+        lines.append(f"            {_tokens(plan['train_tokens'])} tokens take {_hours(plan['train_seconds'])} of "
+                     f"training ({_tokens(plan['session_tokens'])} a session): {plan['sessions']} session(s)"
+                     f"{capped}; validation evals add {plan['eval_share']:.1%}")
+        kind = (plan["kind"] or "cpu").upper()
+        lines.append(f"{kind} hours   ~{_hours(plan['quota_s'])}: training {_hours(plan['train_quota_s'])} with "
+                     f"margins, eval ~{_hours(plan['eval_quota_s'])}")
+    if plan.get("weekly_quota_s"):
+        left = (f"{_hours(plan['quota_left_s'])} left this week of {_hours(plan['weekly_quota_s'])} (your account)"
+                if plan["quota_left_s"] is not None else
+                f"{_hours(plan['weekly_quota_s'])} a week (Kaggle's stated quota, not verified; run with "
+                "credentials to read yours)")
+        weeks = plan.get("weeks")
+        lines.append(f"quota       {left}: {plan.get('sessions_per_week', 0)} session(s) a week"
+                     + (f" -> {weeks} week(s)" if weeks else ""))
+    size = plan["checkpoint_bytes"]
+    ckpt_dir = cfg.train.get("checkpoint_dir") or "{working}/train/checkpoints"
+    keep = int(cfg.train.get("keep_checkpoints", 2))
+    versions = getattr(cfg, "keep_dataset_versions", 2)
+    lines.append(f"checkpoint  {_gb(size)} (fp32 weights + AdamW moments), {keep} kept in {ckpt_dir} "
+                 f"({_gb((keep + 1) * size)} while one is written; the output holds "
+                 f"{OUTPUT_LIMIT_BYTES / 1e9:g} GB), published to dataset {user}/{cfg.slug('checkpoints')} "
+                 f"({versions} versions kept)")
+    lines.append("")
+    lines += [f"margin      {line}" for line in margins(cfg, plan)]
+    lines += [f"warning     {line}" for line in warnings(cfg, plan, train)]
+    return lines
+
+
+def margins(cfg: ChainConfig, plan: dict) -> list[str]:
+    out = []
+    if plan["parts"]:
+        need = plan["train_tokens"] + plan["validation_tokens"]
+        spare = plan["tokenized_tokens"] - need
+        out.append(f"tokens: {_tokens(plan['tokenized_tokens'])} tokenized for {_tokens(plan['train_tokens'])} "
+                   f"trained + {_tokens(plan['validation_tokens'])} validation: {spare / need:+.1%}")
+    upload_s = plan["checkpoint_bytes"] / ASSUMED_UPLOAD_BYTES_PER_S
+    out.append(f"session: {cfg.startup_margin_s:g} s for start-up (imports, data, compile); "
+               f"{cfg.publish_margin_s:g} s to publish, the upload alone ~{upload_s:.0f} s at an assumed "
+               f"{ASSUMED_UPLOAD_BYTES_PER_S / 1e6:g} MB/s")
+    if plan.get("quota_s") and plan.get("weekly_quota_s"):
+        weeks = plan.get("weeks") or 1
+        out.append(f"quota: {_hours(plan['weekly_quota_s'] * weeks - plan['quota_s'])} spare over {weeks} week(s)")
+    return out
+
+
+def warnings(cfg: ChainConfig, plan: dict, train: TrainConfig) -> list[str]:
+    out = []
+    if plan["parts"] and plan["tokenized_tokens"] < plan["train_tokens"] + plan["validation_tokens"]:
+        out.append(f"the parts make {_tokens(plan['tokenized_tokens'])} tokens but training reads "
+                   f"{_tokens(plan['train_tokens'])}: the run repeats data")
+    if train.warmup_steps >= cfg.total_steps:
+        out.append(f"warmup_steps {train.warmup_steps} >= total_steps {cfg.total_steps}: the learning rate never "
+                   "reaches its peak")
+    if plan["tokens_per_s"] is None:
+        out.append("no tokens/s for this machine: sessions and quota are not estimated")
+    if plan.get("weeks") and plan["weeks"] > 1:
+        out.append(f"{plan['weeks']} weeks of quota: the chain stops when a week's quota runs low and continues "
+                   "when you run it again after the reset")
+    return out
+
+
+def read_quota(cfg: ChainConfig) -> tuple[tuple[float, float, str] | None, str]:
+    """The account's weekly quota when credentials exist ((left, allowed, reset), ''), else (None, why not).
+    One attempt, no retries: the plan must not hang on a machine without network."""
+    from scripts.chain.client import KaggleClient
+
+    client = KaggleClient(dataclasses.replace(cfg.client, retry_attempts=1), user=cfg.user, log=lambda _: None)
+    try:
+        client.connect()
+        return client.quota_left_s(MACHINE_SHAPES.get(cfg.accelerator)), ""
+    except Exception as err:  # no credentials, no network, an old client: the plan goes on without the quota
+        from scripts.chain.config import one_line
+
+        return None, one_line(str(err)) or type(err).__name__
+
+
+def check_builds(cfg: ChainConfig) -> int:
+    """Build every kernel the chain would push into a scratch folder: each kernel's final settings pass the
+    checks its session runs. Returns how many kernels were built."""
+    from scripts.chain.chain import Chain
+
+    with tempfile.TemporaryDirectory(prefix="gpt2k-plan-") as scratch:
+        chain = Chain(dataclasses.replace(cfg, user=cfg.user or "plan-user"), scratch, log=lambda _: None)
+        parts = int(cfg.tokenize.get("parts") or 0)
+        for part in range(parts):
+            chain.tokenize.build(part, "plan")
+        chain.train.build("plan", 0)
+        if cfg.eval.get("enabled", True):
+            chain.eval.build("plan")
+        return parts + 1 + int(cfg.eval.get("enabled", True))
+
+
+def print_plan(cfg: ChainConfig, source: str = "", log=print, with_quota: bool = True) -> dict:
+    built = check_builds(cfg)
+    quota, why = read_quota(cfg) if with_quota and MACHINE_SHAPES.get(cfg.accelerator) else (None, "")
+    plan = make_plan(cfg, quota)
+    plan["kernels_built"] = built
+    for line in plan_lines(cfg, plan, source):
+        log(line)
+    if why:
+        log(f"(quota not read: {why})")
+    log(f"{built} kernel(s) built and checked as their sessions will check them; run without --plan to start "
+        f"({time.strftime('%Y-%m-%d %H:%M')})")
+    return plan

@@ -1,0 +1,196 @@
+"""The chain's config is checked at load by the kernels' own settings classes, and `--plan` says what a config
+will do before anything is pushed (issue 18)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from conftest import REPO, error_lines, run_script
+from kaggle_fixtures import local_kaggle  # noqa: F401 - fixture
+
+from scripts.chain.config import config_from_dict, load_config
+from scripts.chain.limits import session_devices
+from scripts.chain.plan import PLAN_MFU, make_plan, plan_lines, print_plan
+from shared.config import EvalConfig, ModelConfig, TokenizeConfig, TrainConfig, parse_dataclass
+from shared.errors import UserError
+
+ISSUE_BAD_CONFIG = {"train": {"preset": "gpt2", "micro_batch": 33, "total_batch_tokens": 1000, "lr": -1},
+                    "tokenize": {"parts": 1}}
+EXAMPLES = sorted((REPO / "examples").glob("chain-*.json"))
+
+
+def _with_train(**train) -> dict:
+    return {**ISSUE_BAD_CONFIG, "train": {"preset": "gpt2", **train}}
+
+
+def test_the_issues_bad_config_is_refused_one_setting_at_a_time():
+    with pytest.raises(UserError, match=r"^config: train: --lr must be positive, got -1.0$"):
+        config_from_dict(ISSUE_BAD_CONFIG)
+    with pytest.raises(UserError, match=r"--total-batch-tokens 1000 is not a multiple of micro-batch x seq-len = "
+                                        r"33 x 1024 = 33792"):
+        config_from_dict(_with_train(micro_batch=33, total_batch_tokens=1000))
+    with pytest.raises(UserError, match=r"--micro-batch 33 must be a multiple of the 8 devices"):
+        config_from_dict(_with_train(micro_batch=33, total_batch_tokens=33 * 1024 * 4))
+
+
+def test_plan_refuses_the_issues_bad_config_in_one_line_and_pushes_nothing(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(ISSUE_BAD_CONFIG))
+    proc = run_script("scripts/chain_sessions.py", "--config", str(path), "--plan", timeout=120,
+                      env={"KAGGLE_CONFIG_DIR": str(tmp_path / "no-credentials")})
+    assert proc.returncode == 2
+    assert error_lines(proc.stderr) == [f"error: {path}: train: --lr must be positive, got -1.0"]
+    assert "plan for chain" not in proc.stdout
+
+
+def test_the_micro_batch_is_split_over_the_target_machines_devices():
+    assert [session_devices(s) for s in ("TpuV5E8", "TpuV6E8", "TpuV38", "", "NvidiaTeslaT4")] == [8, 8, 8, 8, 1]
+    assert session_devices("TpuV5E8", backend="cpu") == 1
+    twelve = {"tokenize": {"parts": 1}, "train": {"preset": "gpt2", "micro_batch": 12,
+                                                  "total_batch_tokens": 12 * 1024 * 2}}
+    with pytest.raises(UserError, match="--micro-batch 12 must be a multiple of the 8 devices"):
+        config_from_dict({**twelve, "accelerator": "TpuV6E8"})
+    assert config_from_dict({**twelve, "accelerator": "NvidiaTeslaT4"}).train["micro_batch"] == 12
+
+
+@pytest.mark.parametrize("section, settings, message", [
+    ("train", {"lr": "3e-4"}, "train: --lr: expected a number, got '3e-4'"),
+    ("train", {"micro_batch": 32.5}, "train: --micro-batch: expected int, got 32.5"),
+    ("train", {"grad_clip": 0}, "train: --grad-clip must be positive, got 0.0"),
+    ("train", {"schedule": "linear"}, "train: --schedule must be cosine or wsd, got 'linear'"),
+    ("train", {"muon_momentum": 1.0}, r"train: --muon-momentum must be in \[0, 1\), got 1.0"),
+    ("tokenize", {"shard_size": 0}, "tokenize.settings: --shard-size must be positive, got 0"),
+    ("tokenize", {"tokens_per_part": "9.4e9"}, "tokenize.settings: --tokens-per-part: expected int"),
+    ("eval", {"hellaswag_batch": 0}, "eval.settings: --hellaswag-batch must be positive, got 0"),
+    ("eval", {"kaggle_model": "me/gpt2"}, "eval.settings: --kaggle-model 'me/gpt2': expected owner/model/"),
+])
+def test_every_stages_settings_are_checked_at_load(section, settings, message):
+    raw = {"tokenize": {"parts": 1}, "train": {"preset": "gpt2", "micro_batch": 32}}
+    if section == "train":
+        raw["train"] = {**raw["train"], **settings}
+    else:
+        raw[section] = {**raw.get(section, {}), "settings": settings}
+    with pytest.raises(UserError, match=f"^config: {message}"):
+        config_from_dict(raw)
+
+
+def test_a_kernel_refuses_a_setting_with_the_words_the_chain_uses():
+    with pytest.raises(UserError) as chain_err:
+        config_from_dict({"tokenize": {"parts": 1}, "train": {"warmup_steps": -5}})
+    with pytest.raises(UserError) as kernel_err:
+        parse_dataclass(TrainConfig, [], defaults={"warmup_steps": -5})
+    assert str(kernel_err.value) == "--warmup-steps must be >= 0, got -5"
+    assert str(chain_err.value) == f"config: train: {kernel_err.value}"
+    with pytest.raises(UserError, match="--max-output-gb 0.0001 is smaller than one shard"):
+        parse_dataclass(TokenizeConfig, ["--max-output-gb", "0.0001"])
+    with pytest.raises(UserError, match="--top-k must be >= 0"):
+        EvalConfig(top_k=-1)
+
+
+def test_a_config_changed_after_it_was_built_is_checked_again():
+    cfg = TrainConfig()
+    cfg.lr = 0.0
+    with pytest.raises(UserError, match="--lr must be positive"):
+        cfg.validate(8)
+
+
+def test_flops_per_token_counts_the_real_models_parameters():
+    import torch
+
+    from shared.config import MODEL_PRESETS
+    from shared.train.model import GPT
+
+    with torch.device("meta"):
+        model = GPT(MODEL_PRESETS["gpt2"])
+    n = sum(p.numel() for p in model.parameters())
+    assert MODEL_PRESETS["gpt2"].num_params() == n == 124_475_904
+    assert MODEL_PRESETS["gpt2"].flops_per_token() == 6 * n + 12 * 12 * 768 * 1024 == 860_101_632
+    assert ModelConfig(n_layer=2, n_head=4, n_embd=128, block_size=256).flops_per_token() > 0
+
+
+def _no_measurement(tmp_path: Path) -> Path:
+    return tmp_path / "none.json"
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_plan_of_every_example_config_counts_its_sessions_and_tpu_hours(example, tmp_path):
+    cfg = load_config(example)
+    plan = make_plan(cfg, measured_path=_no_measurement(tmp_path))
+    train = TrainConfig(**{**cfg.train, "max_steps": cfg.total_steps})
+    # The estimate: 30% of a v5e-8's 8 x 197 TFLOP/s over the model's FLOPs per token (docs/tpu-throughput.md
+    # section 2 lists 549,702 tokens/s for gpt2 at 30%).
+    rate = 8 * 197e12 * PLAN_MFU / train.model.flops_per_token()
+    assert plan["tokens_per_s"] == pytest.approx(rate)
+    if train.preset == "gpt2":
+        assert round(plan["tokens_per_s"]) == 549_702
+    train_s = cfg.total_steps * train.total_batch_tokens / rate * (1 + plan["eval_share"])
+    sessions = min(math.ceil(train_s / cfg.time_budget), cfg.max_train_sessions or 10**9)
+    assert plan["sessions"] == sessions
+    margins = sessions * (cfg.startup_margin_s + cfg.publish_margin_s)
+    assert plan["train_quota_s"] == pytest.approx(min(train_s, sessions * cfg.time_budget) + margins)
+    lines = plan_lines(cfg, plan)
+    assert any(f"{sessions} session(s)" in line for line in lines)
+    assert any(line.startswith(f"TPU hours   ~{plan['quota_s'] / 3600:.2f} h") for line in lines)
+
+
+def test_plan_of_the_gpt2_examples_fits_one_session_and_one_week(tmp_path):
+    for name in ("chain-gpt2-124m.json", "chain-gpt2-124m-muon.json"):
+        plan = make_plan(load_config(REPO / "examples" / name), measured_path=_no_measurement(tmp_path))
+        assert (plan["sessions"], plan["sessions_per_week"], plan["weeks"]) == (1, 2, 1)
+        assert plan["tokenized_tokens"] >= plan["train_tokens"] + plan["validation_tokens"]  # no repeated data
+        assert plan["checkpoint_bytes"] == 12 * 124_475_904
+
+
+def test_plan_counts_with_the_newest_smoke_measurement_on_that_machine(tmp_path):
+    cfg = load_config(REPO / "examples" / "chain-gpt2-124m.json")
+    measured = tmp_path / "measured.json"
+    measured.write_text(json.dumps([
+        {"accelerator": "TpuV5E8", "preset": "gpt2", "seq_len": 1024, "tokens_per_s": 300_000.0, "chain": "a"},
+        {"accelerator": "TpuV6E8", "preset": "gpt2", "seq_len": 1024, "tokens_per_s": 2_000_000.0, "chain": "b"},
+        {"accelerator": "TpuV5E8", "preset": "gpt2", "seq_len": 1024, "tokens_per_s": 250_000.0, "chain": "c",
+         "mfu": 0.136},
+    ]))
+    plan = make_plan(cfg, measured_path=measured)
+    assert plan["tokens_per_s"] == 250_000.0 and plan["tokens_per_s_source"].startswith("measured by --smoke (c")
+    # 10.0B tokens at 250K tokens/s: 11.1 h of training, two 8.5-h sessions
+    assert plan["sessions"] == 2
+    assert make_plan(cfg.__class__(**{**cfg.__dict__, "plan_tokens_per_s": 1e6}),
+                     measured_path=measured)["tokens_per_s"] == 1e6
+
+
+def test_plan_warns_when_the_tokenize_parts_are_shorter_than_training(tmp_path):
+    raw = json.loads((REPO / "examples" / "chain-gpt2-124m.json").read_text())
+    raw["tokenize"] = {"parts": 1, "settings": {"tokens_per_part": 4_000_000_000}}
+    cfg = config_from_dict({k: v for k, v in raw.items() if not k.startswith("_")})
+    lines = plan_lines(cfg, make_plan(cfg, measured_path=_no_measurement(tmp_path)))
+    assert "warning     the parts make 4.00B tokens but training reads 10.00B: the run repeats data" in lines
+    assert any(line.startswith("margin      tokens: 4.00B tokenized for 10.00B trained + 0.10B validation: -60.4%")
+               for line in lines)
+
+
+def test_plan_with_credentials_shows_the_accounts_quota(local_kaggle, monkeypatch, tmp_path):  # noqa: F811
+    for name, value in local_kaggle.env.items():
+        monkeypatch.setenv(name, value)
+    cfg = load_config(REPO / "examples" / "chain-gpt2-124m.json")
+    printed = []
+    plan = print_plan(cfg, log=printed.append)
+    assert plan["quota_left_s"] == plan["weekly_quota_s"] == 20 * 3600  # the local Kaggle's 20 h, none used
+    assert any(line.startswith("quota       20.00 h left this week of 20.00 h (your account)") for line in printed)
+    assert plan["kernels_built"] == 4  # two tokenize parts, train, eval: built with their final settings
+
+
+def test_plan_without_credentials_still_prints_the_plan(tmp_path):
+    proc = run_script("scripts/chain_sessions.py", "--config", "examples/chain-gpt2-124m.json", "--plan",
+                      timeout=120, env={"KAGGLE_CONFIG_DIR": str(tmp_path), "KAGGLE_USERNAME": "", "KAGGLE_KEY": ""})
+    assert proc.returncode == 0, proc.stderr
+    assert "quota       20.00 h a week (Kaggle's stated quota, not verified" in proc.stdout
+    assert "(quota not read: " in proc.stdout
+
+
+def test_the_chain_configs_own_fields_are_type_checked():
+    with pytest.raises(UserError, match=r"^config: total_steps: expected int, got '19073'$"):
+        config_from_dict({"total_steps": "19073", "token_datasets": ["a/b"]})
+    assert config_from_dict({"session_limit_s": 32400, "token_datasets": ["a/b"]}).session_limit_s == 32400.0
