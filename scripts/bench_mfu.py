@@ -111,16 +111,29 @@ def trainer_throughput(records: list[dict], warmup: int) -> tuple[float, float, 
 
 
 def trainer_step_counts(records: list[dict], warmup: int) -> dict[str, float]:
-    """Per measured step: XLA compilations (total), graphs executed and device-to-host transfers (the host
-    waiting for the device), from the counters the trainer logs (0 on CUDA/CPU, where none are counted)."""
+    """Per measured step, from what the trainer logged (0 on CUDA/CPU, where nothing is counted): XLA compilations
+    (total), graphs executed, device-to-host transfers, explicit device waits (counted by wrapping torch_xla's
+    wait), and the timing means: host_trace_ms (the host building a step before its sync), sync_ms (the sync:
+    waiting for the previous step, hashing, launching), device_ms (graphs running on the device) and device_busy
+    (device time over wall time)."""
     logged = {r["step"]: r for r in records if "loss" in r}
+    counts = {"compiles": 0, "graphs": 0.0, "d2h": 0.0, "device_waits": 0.0, "host_trace_ms": 0.0,
+              "device_ms": 0.0, "sync_ms": 0.0, "device_busy": 0.0}
     if warmup not in logged:
-        return {"compiles": 0, "graphs": 0.0, "d2h": 0.0}
+        return counts
     first, last = logged[warmup], logged[max(logged)]
     steps = max(1, last["step"] - first["step"])
-    return {"compiles": (last.get("compiles") or 0) - (first.get("compiles") or 0),
-            "graphs": ((last.get("graphs") or 0) - (first.get("graphs") or 0)) / steps,
-            "d2h": ((last.get("d2h_transfers") or 0) - (first.get("d2h_transfers") or 0)) / steps}
+    counts.update(compiles=(last.get("compiles") or 0) - (first.get("compiles") or 0),
+                  graphs=((last.get("graphs") or 0) - (first.get("graphs") or 0)) / steps,
+                  d2h=((last.get("d2h_transfers") or 0) - (first.get("d2h_transfers") or 0)) / steps)
+    order = sorted(logged)
+    windows = [(b - a, logged[b]) for a, b in zip(order, order[1:], strict=False) if b > warmup]
+    for key in ("device_waits", "host_trace_ms", "device_ms", "sync_ms"):
+        counts[key] = sum(n * (r.get(key) or 0) for n, r in windows) / steps
+    tokens = records_tokens_per_step(records)
+    seconds = sum(n * tokens / r["tokens_per_s"] for n, r in windows if r.get("tokens_per_s"))
+    counts["device_busy"] = min(1.0, counts["device_ms"] * steps / 1e3 / seconds) if seconds else 0.0
+    return counts
 
 
 def records_tokens_per_step(records: list[dict]) -> int:
@@ -223,6 +236,9 @@ def main() -> None:
     parser.add_argument("--backend", default="auto", choices=["auto", "cuda", "cpu", "xla"],
                         help="auto: CUDA if present, else a TPU (xla), else the CPU")
     parser.add_argument("--skip-reference", action="store_true", help="measure the trainer only")
+    parser.add_argument("--torch-xla-accum", action="store_true",
+                        help="XLA: torch_xla's gradient_accumulation helper (a device wait and a full re-trace per "
+                             "step) instead of the project's loop, to compare")
     args = parser.parse_args()
 
     backend = pick_backend(args.backend)
@@ -236,11 +252,14 @@ def main() -> None:
     from shared.train.device import make_runtime
     from shared.train.metrics import read_metrics
     from shared.train.model import GPT
-    from shared.train.trainer import plan_step, train
+    from shared.train.trainer import train
 
     if backend == "cuda" and not torch.cuda.is_available():
         raise UserError("--backend cuda: no CUDA device found")
     runtime = make_runtime(backend)
+    accum_impl = "n/a"
+    if runtime.name == "xla":
+        runtime.accum_impl = accum_impl = "torch_xla" if args.torch_xla_accum else "own"
     on_tpu = runtime.name == "xla" and runtime._xr.device_type() == "TPU"
     micro_d, accum_d, steps_d, warmup_d, why = default_settings(backend, on_tpu, runtime.num_devices, args.seq_len)
     micro = args.micro_batch or micro_d
@@ -304,10 +323,8 @@ def main() -> None:
             records = read_metrics(f"{tmp}/run/metrics.jsonl")
             tok_s, step_s, measured = trainer_throughput(records, warmup)
             counts = trainer_step_counts(records, warmup)
-            # torch_xla's gradient_accumulation waits for the device once per step (xm.wait_device_ops) before
-            # tracing its loop; every other host wait is a device-to-host transfer (the logged scalars).
-            loop_waits = 1 if plan_step(cfg, runtime).accum_loop else 0
-            counts["host_syncs"] = counts["d2h"] + loop_waits
+            end = next((r for r in records if r.get("event") == "session_end"), {})
+            counts["compile_s"], counts["session_compiles"] = end.get("compile_s"), end.get("compiles")
             if counts["compiles"]:
                 say(f"note: the trainer compiled {counts['compiles']} XLA graphs during its measured steps; "
                     f"raise --warmup")
@@ -349,9 +366,14 @@ def main() -> None:
                 + (f"  {mem:6.1f} GiB" if mem else ""))
         if rows and rows[0][0].startswith("project trainer"):
             say(f"trainer per optimizer step ({accum} micro-steps): {counts['graphs']:.2f} graphs executed, "
-                f"{counts['host_syncs']:.2f} host syncs ({counts['d2h']:.2f} device-to-host transfers"
-                f"{' + 1 device wait in the accumulation loop' if loop_waits else ''}), {counts['compiles']} "
-                f"compilations during the {measured} measured steps")
+                f"{counts['device_waits']:.2f} device waits, {counts['d2h']:.2f} device-to-host transfers, "
+                f"{counts['compiles']} compilations during the {measured} measured steps")
+            say(f"trainer timing per step: host trace {counts['host_trace_ms']:.1f} ms, device execute "
+                f"{counts['device_ms']:.1f} ms, sync (waiting for the previous step, launching) "
+                f"{counts['sync_ms']:.1f} ms; device busy {100 * counts['device_busy']:.1f}% of wall time "
+                f"(accumulation loop: {accum_impl})")
+            say(f"trainer compilation over the session: {counts['compile_s']} s for {counts['session_compiles']} "
+                f"graphs (session_end)")
         if len(rows) == 2:
             say(f"trainer / reference tokens/s: {rows[0][1] / rows[1][1]:.2f}x"
                 + (f" (trainer on {n_dev} devices, reference on 1)" if n_dev > 1 else ""))

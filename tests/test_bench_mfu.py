@@ -42,6 +42,8 @@ def test_xla_run_reports_one_graph_step_with_accumulation():
                       timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "micro-batch 1 per device x 3 micro-steps per optimizer step" in proc.stdout
-    assert ("trainer per optimizer step (3 micro-steps): 2.00 graphs executed, 2.50 host syncs (1.50 "
-            "device-to-host transfers + 1 device wait in the accumulation loop), 0 compilations during the 4 "
-            "measured steps") in proc.stdout
+    # One graph per step, no device wait (counted by wrapping torch_xla's), the three logged scalars every other
+    # step; the timing line's figures are measurements, so only its presence is checked.
+    assert ("trainer per optimizer step (3 micro-steps): 1.00 graphs executed, 0.00 device waits, 1.50 "
+            "device-to-host transfers, 0 compilations during the 4 measured steps") in proc.stdout
+    assert "trainer timing per step: host trace " in proc.stdout and "(accumulation loop: own)" in proc.stdout

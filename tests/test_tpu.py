@@ -307,3 +307,61 @@ def test_the_trainer_probes_the_kernel_at_its_own_shapes_sharded_per_device(xla_
     for shape, sharding in calls[0]:
         assert shape == (16, 4, 64, 32)
         assert sharding.startswith("{devices=[8,1,1,1]")  # the batch split over the 'data' axis: 2 per device
+
+
+@pytest.mark.parametrize("generation, attention, preset, checkpointing, expected", [
+    ("v5e", "pallas-flash", "gpt2", False, 64),  # 8 per chip (docs/tpu-throughput.md section 5)
+    ("v5e", "sdpa", "gpt2", False, 32),  # the T x T scores halve it
+    ("v6e", "pallas-flash", "gpt2", False, 128),
+    ("v6e", "sdpa", "gpt2", False, 64),
+    ("v3", "sdpa", "gpt2", False, 32),  # 16 GB per core, 8 cores
+    ("v5e", "pallas-flash", "gpt2-medium", True, 64),
+    (None, "sdpa", "gpt2", False, 16),  # no TPU: the project's default
+])
+def test_auto_micro_batch_from_the_memory_arithmetic(generation, attention, preset, checkpointing, expected):
+    from shared.train.tpu import HBM_USABLE_FRACTION, activation_bytes_per_sequence, auto_micro_batch
+
+    model = TrainConfig(preset=preset).model
+    assert auto_micro_batch(generation, attention, model, 1024, 8, checkpointing) == expected
+    # gpt2 by hand: 22 bytes per parameter static; per sequence 12 layers x 1024 tokens x 38 x 768 bytes plus
+    # the head's 1024 x 50,304 x 10, plus 12 layers x 12 heads x 1024^2 x 6 without flash attention.
+    flash = 12 * 1024 * 38 * 768 + 1024 * 50304 * 10
+    assert activation_bytes_per_sequence(12, 12, 768, 50304, 1024, "pallas-flash") == flash == 873_725_952
+    assert activation_bytes_per_sequence(12, 12, 768, 50304, 1024, "sdpa") == flash + 12 * 12 * 1024**2 * 6
+    if generation and preset == "gpt2" and not checkpointing:  # the largest power of two that fits, not more
+        room = HBM_USABLE_FRACTION * TPU_GENERATIONS[generation].hbm_gib_per_device * 2**30 - 22 * 124_475_904
+        per_sequence = activation_bytes_per_sequence(12, 12, 768, 50304, 1024, attention)
+        assert (expected // 8) * per_sequence <= room < (expected // 4) * per_sequence
+
+
+def test_count_allreduce_attributes_reduces_to_the_loop_or_the_step():
+    import importlib.util
+
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("count_allreduce", REPO / "scripts" / "count_allreduce.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    hlo = """HloModule step
+%add (a: f32[], b: f32[]) -> f32[] {
+  ROOT %r = f32[] add(f32[] %a, f32[] %b)
+}
+%inner (p: f32[768,2304]) -> f32[768,2304] {
+  ROOT %ar.1 = f32[768,2304]{1,0} all-reduce(f32[768,2304]{1,0} %p), replica_groups={}, to_apply=%add
+}
+%body (t: (s32[], f32[], f32[], f32[], f32[], /*index=5*/f32[768,2304])) -> (s32[], f32[768,2304]) {
+  %c = f32[768,2304]{1,0} call(f32[768,2304]{1,0} %x), to_apply=%inner
+  %ar.2 = bf16[10]{0} all-reduce(bf16[10]{0} %y), to_apply=%add
+  ROOT %t2 = (s32[], f32[768,2304]) tuple(%i, %c)
+}
+%cond (t: (s32[], f32[768,2304])) -> pred[] {
+  ROOT %lt = pred[] compare(s32[] %i, s32[] %n), direction=LT
+}
+ENTRY %main (a: f32[768]) -> f32[768] {
+  %w = (s32[], f32[768,2304]) while((s32[], f32[768,2304]) %init), condition=%cond, body=%body
+  ROOT %ar.3 = f32[768]{0} all-reduce(f32[768]{0} %a), to_apply=%add
+}
+"""
+    counts = module.count_all_reduces(hlo)
+    assert counts == {"loops": 1, "in_loop": 2, "in_loop_mb": (768 * 2304 * 4 + 20) / 1e6, "outside": 1,
+                      "outside_mb": 768 * 4 / 1e6}

@@ -134,7 +134,7 @@ class Runtime:
         return 0
 
     def execution_count(self) -> int:
-        """Compiled graphs executed so far (XLA; 0 where the backend does not count them)."""
+        """Compiled graphs launched so far (XLA; 0 where the backend does not count them)."""
         return 0
 
     def compile_seconds(self) -> float:
@@ -148,6 +148,12 @@ class Runtime:
     def transfer_counts(self) -> tuple[int, int]:
         """(host-to-device, device-to-host) transfers so far, where the backend counts them."""
         return (0, 0)
+
+    def device_timers(self) -> dict[str, float]:
+        """Running totals, where the backend measures them (XLA; empty elsewhere): `execute_s`, seconds the device
+        ran graphs (launch to results ready); `device_waits`, explicit waits for the device (`wait_device_ops`,
+        counted by wrapping torch_xla's)."""
+        return {}
 
     def peak_flops(self) -> float | None:
         """bf16 peak FLOP/s of all devices together, or None where MFU would be meaningless (CPU)."""
@@ -181,10 +187,13 @@ class XlaRuntime(Runtime):
             xr.initialize_cache(str(compile_cache), readonly=False)
         xr.use_spmd()
         self._xla, self._xs, self._xr = torch_xla, xs, xr
+        count_device_waits()  # from here on, every wait for the device is counted
         self.device = torch_xla.device()
         self.num_devices = xr.global_runtime_device_count()
         self.mesh = xs.Mesh(np.arange(self.num_devices), (self.num_devices,), ("data",))
         self._fsdp = False
+        self._accum_loop: tuple | None = None  # (model, bf16, AccumulationLoop) of the last step
+        self.accum_impl = "own"  # or "torch_xla": its gradient_accumulation helper (bench_mfu --torch-xla-accum)
         self.tpu_generation, self.tpu_generation_source = None, ""
         if xr.device_type() == "TPU":
             self._detect_tpu_generation()
@@ -269,20 +278,31 @@ class XlaRuntime(Runtime):
 
     def forward_backward(self, model: torch.nn.Module, tokens: np.ndarray, bf16: bool, scaler,
                          accum_loop: bool = True) -> torch.Tensor:
-        """One optimizer step's gradients as one graph: the (accum, B, T+1) tokens go to the device once and
-        torch_xla's gradient_accumulation runs the micro-steps as an XLA While loop over their first dimension.
+        """One optimizer step's gradients as one graph: the (accum, B, T+1) tokens go to the device once and the
+        micro-steps run as an XLA While loop over their first dimension (`shared.train.accum_loop`: traced on the
+        first step, no device wait; `accum_impl = "torch_xla"` runs torch_xla's gradient_accumulation instead).
         accum_loop=False: one graph per micro-step, each micro-batch sent on its own (the earlier structure)."""
         accum = tokens.shape[0]
         if accum == 1 or not accum_loop:
             return super().forward_backward(model, tokens, bf16, scaler)
-        from torch_xla.experimental.gradient_accumulation import gradient_accumulation
+        tokens_on_device = self.batch_to_device(tokens, batch_dim=1)
 
         def micro_step(batch: torch.Tensor) -> torch.Tensor:
             with self.autocast(bf16):
                 return model(batch[:, :-1], batch[:, 1:])[1]
 
-        # It divides each micro-step's loss by accum and sums: the returned loss is the step's mean.
-        return gradient_accumulation(micro_step, (self.batch_to_device(tokens, batch_dim=1),), model)
+        if self.accum_impl == "torch_xla":  # torch_xla's own helper (a device wait per step), to measure against
+            from torch_xla.experimental.gradient_accumulation import gradient_accumulation
+
+            return gradient_accumulation(micro_step, (tokens_on_device,), model)
+        # It divides each micro-step's loss by accum and sums: the returned loss is the step's mean. The loop is
+        # traced on the first step and reused after; it is kept per model and autocast setting.
+        if self._accum_loop is None or self._accum_loop[:2] != (model, bf16):
+            from shared.train.accum_loop import AccumulationLoop
+
+            loop = AccumulationLoop(micro_step, list(model.parameters()), place_slice=self.shard_batch)
+            self._accum_loop = (model, bf16, loop)
+        return self._accum_loop[2](tokens_on_device)
 
     def _param_spec(self, param: torch.Tensor) -> tuple:
         # fsdp: shard the first dimension the mesh divides; otherwise (or if none divides) replicate.
@@ -335,9 +355,10 @@ class XlaRuntime(Runtime):
     def execution_count(self) -> int:
         import torch_xla.debug.metrics as met
 
-        # Counters, not the *Time metrics: a sharded tensor's transfer to the host adds an execution sample to
-        # ExecuteReplicatedTime without counting in ExecuteReplicated (SPMD graphs; ExecuteComputation otherwise).
-        return sum(int(met.counter_value(name) or 0) for name in ("ExecuteReplicated", "ExecuteComputation"))
+        # Graphs launched: every sync looks its graph up, found (CachedCompile) or compiled (UncachedCompile), then
+        # launches it. Counted in the launching thread, so exact at any moment; the ExecuteReplicated counter
+        # moves on the runtime's own threads, a step late or early.
+        return sum(int(met.counter_value(name) or 0) for name in ("CachedCompile", "UncachedCompile"))
 
     def compile_seconds(self) -> float:
         import torch_xla.debug.metrics as met
@@ -357,6 +378,20 @@ class XlaRuntime(Runtime):
 
         to_dev, from_dev = met.metric_data("TransferToDeviceTime"), met.metric_data("TransferFromDeviceTime")
         return (int(to_dev[0]) if to_dev else 0, int(from_dev[0]) if from_dev else 0)
+
+    def device_timers(self) -> dict[str, float]:
+        import torch_xla.debug.metrics as met
+
+        def total_s(name: str) -> float:
+            data = met.metric_data(name)
+            return float(data[1]) / 1e9 if data else 0.0  # accumulators are in nanoseconds
+
+        # ExecuteReplicatedTime (SPMD) runs from the launch until the results are ready: the PJRT client releases
+        # its timer in the execution's OnReady callback (pytorch/xla torch_xla/csrc/runtime/
+        # pjrt_computation_client.cpp, ExecuteReplicated). (DeviceLockWait is no host-wait measure: it also sums
+        # the logging thread's waits for a step's values.)
+        return {"execute_s": total_s("ExecuteReplicatedTime") + total_s("ExecuteTime"),
+                "device_waits": float(count_device_waits())}
 
     def peak_flops(self) -> float | None:
         gen = self.tpu_generation
@@ -529,6 +564,25 @@ def make_scan_layers(activation_checkpointing: bool) -> Callable:
 
     partition = min_cut_rematerialization_partition if activation_checkpointing else default_partition
     return lambda blocks, x: scan_layers(blocks, x, partition_fn=partition, is_layer_pure=True)
+
+
+_device_waits = [0]
+
+
+def count_device_waits() -> int:
+    """Explicit waits for the device (torch_xla's `wait_device_ops`, as `xm.wait_device_ops` and torch_xla's
+    gradient_accumulation call it) since the first call, which installs the counting wrapper."""
+    import torch_xla
+
+    wait = torch_xla._XLAC._xla_wait_device_ops
+    if not getattr(wait, "counted", False):
+        def counted_wait(*args, **kwargs):
+            _device_waits[0] += 1
+            return wait(*args, **kwargs)
+
+        counted_wait.counted = True
+        torch_xla._XLAC._xla_wait_device_ops = counted_wait  # xm.wait_device_ops looks it up at each call
+    return _device_waits[0]
 
 
 _xla_runtime: XlaRuntime | None = None

@@ -9,8 +9,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import queue
 import re
 import socket
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -122,6 +125,45 @@ class MetricsLogger:
                 self._wandb.finish()
             except Exception:
                 pass
+
+
+class BackgroundCalls:
+    """Runs submitted calls one at a time, in order, on a thread of their own, so that a logging call that reads
+    device values (and so waits for the device to finish the step) does not hold up the training loop: the host
+    goes on tracing the next step. `threaded=False` runs each call at once, in the caller (DDP: the logging call
+    takes part in a collective, which every process must enter from its main thread).
+
+    `flush()` waits for every call submitted so far and re-raises the first error one of them raised."""
+
+    def __init__(self, threaded: bool = True):
+        self._queue: queue.Queue | None = queue.Queue() if threaded else None
+        self._error: BaseException | None = None
+        if self._queue is not None:
+            threading.Thread(target=self._work, name="metrics-writer", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            fn, args = self._queue.get()
+            try:
+                if self._error is None:  # after a failure the rest are dropped; flush() reports the failure
+                    fn(*args)
+            except BaseException as err:  # re-raised in the training loop's thread by flush()
+                self._error = err
+            finally:
+                self._queue.task_done()
+
+    def submit(self, fn: Callable, *args) -> None:
+        if self._queue is None:
+            fn(*args)
+        else:
+            self._queue.put((fn, args))
+
+    def flush(self) -> None:
+        if self._queue is not None:
+            self._queue.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
 
 def plot_loss(metrics_path: str | os.PathLike, png_path: str | os.PathLike, reference: float | None = None,

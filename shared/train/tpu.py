@@ -123,3 +123,46 @@ def default_xla_env() -> None:
         os.environ["PJRT_DEVICE"] = "TPU" if tpu_devices_present() else "CPU"
     if os.environ["PJRT_DEVICE"] == "CPU":
         os.environ.setdefault("CPU_NUM_DEVICES", "8")
+
+
+# Memory arithmetic for `auto_micro_batch` (docs/tpu-throughput.md section 5), bytes:
+# fp32 weights 4 + gradients 4 + AdamW moments 8 + autocast's bf16 copies 2 + the accumulation loop's accumulators 4
+STATIC_BYTES_PER_PARAM = 22
+# per layer and token, in units of C: LayerNorm inputs (fp32) 8, matmul inputs (bf16) 14, attention 8, GELU 8
+ACTIVATION_BYTES_PER_LAYER_TOKEN_PER_C = 38
+HEAD_BYTES_PER_TOKEN_PER_VOCAB = 10  # bf16 logits 2 + their fp32 copy 4 + log-softmax 4 (its gradient reuses them)
+SDPA_SCORE_BYTES = 6  # without flash attention: fp32 scores 4 + bf16 probabilities 2, per head per T x T
+HBM_USABLE_FRACTION = 0.85  # what XLA's buffers may take; the rest for its workspace, fragmentation, the runtime
+CPU_MICRO_BATCH_PER_DEVICE = 2  # no TPU (or an unknown one): the project's default 16 over 8 devices
+
+
+def activation_bytes_per_sequence(n_layer: int, n_head: int, n_embd: int, vocab_size: int, seq_len: int,
+                                  attention: str, activation_checkpointing: bool = False) -> int:
+    """Bytes the backward pass keeps per sequence: each layer's activations (only the block input, 4C per token,
+    with activation checkpointing, plus one layer recomputed at a time), the head's logits, and without flash
+    attention the T x T scores and probabilities of every head."""
+    per_layer = ACTIVATION_BYTES_PER_LAYER_TOKEN_PER_C * n_embd * seq_len
+    if attention != "pallas-flash":
+        per_layer += SDPA_SCORE_BYTES * n_head * seq_len * seq_len
+    layers = (n_layer * 4 * n_embd * seq_len + per_layer) if activation_checkpointing else n_layer * per_layer
+    return layers + HEAD_BYTES_PER_TOKEN_PER_VOCAB * vocab_size * seq_len
+
+
+def auto_micro_batch(generation: str | None, attention: str, model, seq_len: int, num_devices: int,
+                     activation_checkpointing: bool = False, fsdp: bool = False) -> int:
+    """Sequences per micro-step over all `num_devices` (the config's micro_batch) for `model` (a ModelConfig: n_layer,
+    n_head, n_embd, vocab_size, num_params()) at `seq_len` on TPU `generation` ("v5e", "v6e", ...; None: no TPU)
+    with `attention` ("sdpa" or "pallas-flash"): the largest power of two per device whose parameters, gradients,
+    AdamW state (sharded over the devices with fsdp) and activations fit HBM_USABLE_FRACTION of the device's HBM
+    (TPU_GENERATIONS, Google Cloud's per-chip figures), at least 1 per device."""
+    gen = TPU_GENERATIONS.get(generation or "")
+    if gen is None:
+        return CPU_MICRO_BATCH_PER_DEVICE * num_devices
+    static = STATIC_BYTES_PER_PARAM * model.num_params() // (num_devices if fsdp else 1)
+    per_sequence = activation_bytes_per_sequence(model.n_layer, model.n_head, model.n_embd, model.vocab_size,
+                                                 seq_len, attention, activation_checkpointing)
+    room = HBM_USABLE_FRACTION * gen.hbm_gib_per_device * 2**30 - static
+    per_device = 1
+    while (2 * per_device) * per_sequence <= room:
+        per_device *= 2
+    return per_device * num_devices

@@ -28,9 +28,9 @@ from shared.train.checkpoint import (
     save_checkpoint,
 )
 from shared.train.device import Runtime, make_runtime, runtime_versions
-from shared.train.metrics import MetricsLogger, plot_loss
+from shared.train.metrics import BackgroundCalls, MetricsLogger, plot_loss
 from shared.train.model import GPT
-from shared.train.optim import lr_at, make_optimizer, optimizer_of_state, optimizer_tensors
+from shared.train.optim import clip_grad_norm, lr_at, make_optimizer, optimizer_of_state, optimizer_tensors
 
 XLA_CACHE_DIR = "xla_cache"  # inside out_dir, and inside each checkpoint (XLA's persistent compilation cache)
 
@@ -92,6 +92,21 @@ def plan_step(cfg: TrainConfig, runtime: Runtime, scan_available: bool | None = 
     else:
         scan = cfg.scan_layers == "on"
     return StepPlan(accum_loop=loop, activation_checkpointing=checkpointing, scan_layers=scan)
+
+
+def step_timing(per_step: dict[str, float], host_trace_s: float, sync_s: float, step_s: float) -> dict:
+    """A logging window's timing, per step: host_trace_ms, the loop thread's CPU time building a step (data,
+    tracing) before its sync (CPU time: a wait for the device in the middle is no host work); sync_ms, the sync's
+    wall time (hashing and launching the graph, waiting if the runtime is still busy; the window's syncs up to its
+    last step's, which the log cannot wait for); and where the runtime measures them (`device_timers`, per-step
+    deltas): device_ms, the device running graphs; device_busy, device time over the window's wall time;
+    device_waits, explicit waits for the device."""
+    record = {"host_trace_ms": round(1e3 * host_trace_s, 2), "sync_ms": round(1e3 * sync_s, 2)}
+    if per_step:
+        record.update(device_ms=round(1e3 * per_step["execute_s"], 2),
+                      device_busy=round(min(1.0, per_step["execute_s"] / max(step_s, 1e-9)), 4),
+                      device_waits=round(per_step["device_waits"], 3))
+    return record
 
 
 @dataclass
@@ -201,6 +216,8 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print) -> TrainR
     versions = runtime_versions()
     logger.write({"event": "session_start", "step": start_step, "tokens": start_step * tokens_per_step,
                   "device": runtime.description, "versions": versions, "time_budget_s": round(budget, 1),
+                  "attention": runtime.attention, "tpu": runtime.tpu_generation.name if runtime.tpu_generation
+                  else None, "unix_time": round(time.time(), 1),
                   "elapsed_s": round(time.monotonic() - session_start, 3)})
     log(f"{runtime.description}: {cfg.preset} ({num_params / 1e6:.2f}M params), {accum} micro-steps of "
         f"{cfg.micro_batch}x{model_cfg.block_size} per step, "
@@ -215,7 +232,10 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print) -> TrainR
     stop_signal = []
     previous_handler = signal.signal(signal.SIGTERM, lambda *_: stop_signal.append("SIGTERM"))
 
+    background = BackgroundCalls(threaded=runtime.name == "xla")  # logging reads the device off the loop's thread
+
     def save(step: int) -> Path:
+        background.flush()  # the logged steps before the checkpoint's record
         # Gathering sharded tensors to the host is the checkpoint's device-to-host transfer, off the step path.
         model_tensors = model.checkpoint_tensors()
         opt_tensors = optimizer_tensors(opt, named_params)
@@ -234,25 +254,43 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print) -> TrainR
                       "elapsed_s": round(time.monotonic() - session_start, 3)})
         return path
 
-    last_log = {"time": time.monotonic(), "step": start_step}
+    last_log = {"time": time.monotonic(), "step": start_step, "host_trace_s": 0.0, "sync_s": 0.0,
+                **runtime.device_timers()}
     last_loss: list[float] = []
 
-    def log_step(step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: torch.Tensor) -> None:
-        # Runs as a step closure, after the step's graph has executed: the only device-to-host reads. The values
-        # are read first, so the window's clock stops once the device has finished the step, not when it was queued.
+    def queue_log(step: int, *values) -> None:
+        # A step closure: runs in the loop's thread once the step is launched, so the host-side counts include
+        # this step's compilation, graph launch and tokens; the device values are read on the logging thread.
+        # The previous log must be written first: the device is busy with this step meanwhile, and a read the
+        # runtime kept waiting (its device lock goes to the loop's syncs first) is late by one window at most.
+        background.flush()
+        h2d, _ = runtime.transfer_counts()
+        counts = {"compiles": runtime.compile_count(), "graphs": runtime.execution_count(), "h2d_transfers": h2d}
+        background.submit(log_step, step, *values, counts)
+
+    def log_step(step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: torch.Tensor, host_trace_s: float,
+                 sync_s: float, counts: dict) -> None:
+        # Under XLA this runs on a background thread: reading the values waits for the device to finish the step,
+        # while the loop goes on tracing the next one. The values are read first, so the window's clock stops once
+        # the device has finished the step, not when it was queued. Every other device-to-host read (evals,
+        # checkpoints) waits for this one first, so the count read after it is exact.
         last_loss[:] = [runtime.mean_across(loss).item()]
         lr_value, grad_norm_value = lr.item(), grad_norm.item()
-        now = time.monotonic()
-        tokens_per_s = (step - last_log["step"]) * tokens_per_step / max(now - last_log["time"], 1e-9)
-        last_log.update(time=now, step=step)
-        h2d, d2h = runtime.transfer_counts()
+        now, timers = time.monotonic(), runtime.device_timers()
+        steps, seconds = step - last_log["step"], max(now - last_log["time"], 1e-9)
+        window = {key: (timers[key] - last_log[key]) / steps for key in timers}
+        tokens_per_s = steps * tokens_per_step / seconds
         logger.write({"step": step, "loss": last_loss[0], "lr": lr_value, "grad_norm": grad_norm_value,
                       "tokens": step * tokens_per_step, "tokens_per_s": round(tokens_per_s, 1),
                       "mfu": tokens_per_s * flops_per_token / peak if peak else None,
-                      "elapsed_s": round(now - session_start, 3), "compiles": runtime.compile_count(),
-                      "graphs": runtime.execution_count(), "h2d_transfers": h2d, "d2h_transfers": d2h})
+                      "elapsed_s": round(now - session_start, 3), **counts,
+                      "d2h_transfers": runtime.transfer_counts()[1],
+                      **step_timing(window, (host_trace_s - last_log["host_trace_s"]) / steps,
+                                    (sync_s - last_log["sync_s"]) / steps, seconds / steps)})
+        last_log.update(time=now, step=step, host_trace_s=host_trace_s, sync_s=sync_s, **timers)
 
     def evaluate(step: int) -> None:  # validation loss, and the HellaSwag subset and sample when configured
+        background.flush()
         periodic_eval(model, runtime, cfg, step, step * tokens_per_step, val_loader, logger)
 
     # --- the loop ----------------------------------------------------------------------------------------------
@@ -260,23 +298,30 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print) -> TrainR
         evaluate(start_step)  # the session's baseline; also compiles the eval graph before the first step
     step, saved_step, stop_reason = start_step, start_step, "max_steps"
     first_step_end = last_step_end = time.monotonic()
+    # Summed: the host's CPU time building steps (data, tracing), and the wall time of the syncs (hashing the graph,
+    # launching it, and waiting for the runtime if the host is ahead).
+    host_trace_s = sync_s = 0.0
     try:
         while step < cfg.max_steps:
             step_started, compile_before = time.monotonic(), runtime.compile_seconds()
+            cpu_started = time.thread_time()  # the host's own work: blocking waits (back-pressure) are not in it
             tokens = np.stack([loader.next_batch() for _ in range(accum)])  # (accum, micro_batch, T+1)
             loss = runtime.forward_backward(step_model, tokens, cfg.bf16, scaler, plan.accum_loop)
             scaler.unscale_(opt)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            lr_t.copy_(lr_at(step_t, cfg))
+            grad_norm = clip_grad_norm(params, cfg.grad_clip)
+            lr = lr_at(step_t, cfg)  # a fresh tensor each step: the logging thread reads it after lr_t has moved on
+            lr_t.copy_(lr)
             scaler.step(opt)
             scaler.update()
             opt.zero_grad(set_to_none=True)
             step_t += 1
             step += 1
+            host_trace_s += time.thread_time() - cpu_started
             if step % cfg.log_every == 0 or step == cfg.max_steps:
-                runtime.add_step_closure(log_step, (step, loss, grad_norm, lr_t))
-            runtime.sync()
-
+                runtime.add_step_closure(queue_log, (step, loss, grad_norm, lr, host_trace_s, sync_s))
+            sync_started = time.monotonic()
+            runtime.sync()  # launches the step; waits only for the previous step's graph to finish
+            sync_s += time.monotonic() - sync_started
             # The next step costs what this one did, less any compilation (which does not recur).
             step_s = time.monotonic() - step_started - (runtime.compile_seconds() - compile_before)
             last_step_end = time.monotonic()
@@ -297,9 +342,12 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print) -> TrainR
             if cfg.stop_after_steps and step - start_step >= cfg.stop_after_steps:
                 stop_reason = "stop_after_steps"
                 break
-            if time.monotonic() - session_start + step_s + 1.5 * ckpt_timer.seconds > budget:
+            # Under XLA the step just launched may still be running (the host runs a step ahead): count it too.
+            in_flight = step_s if runtime.name == "xla" else 0.0
+            if time.monotonic() - session_start + in_flight + step_s + 1.5 * ckpt_timer.seconds > budget:
                 stop_reason = "time_budget"
                 break
+        background.flush()
         if step != saved_step:
             path = save(step)
         else:  # nothing new since the last checkpoint (or the run was already complete)
@@ -307,6 +355,7 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print) -> TrainR
         # The session boundary's cost: start-up to the end of the first step, last step to final checkpoint.
         logger.write({"event": "session_end", "step": step, "tokens": step * tokens_per_step,
                       "stop_reason": stop_reason, "elapsed_s": round(time.monotonic() - session_start, 3),
+                      "unix_time": round(time.time(), 1),
                       "start_to_first_step_s": round(first_step_end - session_start, 3),
                       "last_step_to_checkpoint_s": round(time.monotonic() - last_step_end, 3),
                       "compile_s": round(runtime.compile_seconds() - compile_at_start, 3),
