@@ -52,18 +52,27 @@ def pick_backend(requested: str) -> str:
 CHAIN_CONFIG = Path(__file__).resolve().parents[1] / "examples" / "chain-gpt2-124m.json"
 
 
-def chain_step(devices: int, seq_len: int) -> tuple[int, int]:
+def chain_step(devices: int, seq_len: int, generation: str | None = None) -> tuple[int, int]:
     """(micro-batch per device, accumulation) of the gpt2 chain config (examples/chain-gpt2-124m.json): what a
-    real session runs."""
-    from shared.config import TrainConfig
+    real session runs (`auto` as the session would choose it on TPU `generation`, with flash attention where the
+    generation compiles it)."""
+    import dataclasses
+
+    from shared.config import AUTO, TrainConfig
+    from shared.train.tpu import TPU_GENERATIONS, micro_batch_for
 
     train = json.loads(CHAIN_CONFIG.read_text())["train"]
     cfg = TrainConfig(**{k: v for k, v in train.items() if k in ("micro_batch", "total_batch_tokens")},
                       preset="gpt2", seq_len=seq_len)
+    if cfg.micro_batch == AUTO:
+        gen = TPU_GENERATIONS.get(generation or "")
+        attention = "pallas-flash" if gen and gen.pallas_flash_attention else "sdpa"
+        cfg = dataclasses.replace(cfg, micro_batch=micro_batch_for(cfg, generation, attention, devices))
     return max(1, cfg.micro_batch // devices), cfg.grad_accum_steps
 
 
-def default_settings(backend: str, on_tpu: bool, devices: int, seq_len: int) -> tuple[int, int, int, int, str]:
+def default_settings(backend: str, on_tpu: bool, devices: int, seq_len: int,
+                     generation: str | None = None) -> tuple[int, int, int, int, str]:
     """(micro-batch per device, accumulation, measured steps, warm-up steps, why) when the flags leave them
     unset. Measured and warm-up steps are multiples of the log interval (10), as in a real session."""
     import torch
@@ -73,7 +82,7 @@ def default_settings(backend: str, on_tpu: bool, devices: int, seq_len: int) -> 
         micro = 32 if gib >= 60 else 16 if gib >= 30 else 8
         return micro, 1, 20, 10, f"CUDA defaults for {gib:.0f} GiB: micro-batch {micro}, 20 steps after 10 warm-up"
     if backend == "xla" and on_tpu:
-        micro, accum = chain_step(devices, seq_len)
+        micro, accum = chain_step(devices, seq_len, generation)
         return micro, accum, 20, 10, (f"TPU defaults: the gpt2 chain's step ({CHAIN_CONFIG.name}): micro-batch "
                                       f"{micro} per device x {accum} micro-steps, 20 steps after 10 warm-up")
     if backend == "xla":  # torch_xla's CPU devices: steps 1 and 2 compile
@@ -261,7 +270,8 @@ def main() -> None:
     if runtime.name == "xla":
         runtime.accum_impl = accum_impl = "torch_xla" if args.torch_xla_accum else "own"
     on_tpu = runtime.name == "xla" and runtime._xr.device_type() == "TPU"
-    micro_d, accum_d, steps_d, warmup_d, why = default_settings(backend, on_tpu, runtime.num_devices, args.seq_len)
+    micro_d, accum_d, steps_d, warmup_d, why = default_settings(backend, on_tpu, runtime.num_devices, args.seq_len,
+                                                                runtime.tpu_generation and runtime.tpu_generation.name)
     micro = args.micro_batch or micro_d
     accum = args.accum or accum_d
     log_every = max(1, args.log_every)

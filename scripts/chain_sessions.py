@@ -4,6 +4,7 @@ dataset, then the eval kernel. Restartable: run the same command again after a k
 
     python scripts/chain_sessions.py --local-demo          # the whole chain on a local Kaggle, ~2 minutes
     python scripts/chain_sessions.py --config my-run.json --plan  # what it will do; pushes nothing, no credentials
+    python scripts/chain_sessions.py --config my-run.json --smoke  # first contact: every link, ~40 min of TPU
     python scripts/chain_sessions.py --config my-run.json  # on Kaggle (KAGGLE_USERNAME/KAGGLE_KEY or kaggle.json)
 
 The config (JSON or TOML; see examples/chain-demo.json and scripts/chain/config.py's ChainConfig) names the model and
@@ -72,18 +73,20 @@ def local_demo(args) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
     cfg = load_config(args.config or DEMO_CONFIG, overrides=_overrides(args))
     from scripts.chain.notebooks import needed_secrets
+    from scripts.chain.smoke import run_smoke, smoke_config
     from scripts.local_kaggle import LocalKaggle
 
+    run_cfg = smoke_config(cfg) if args.smoke else cfg
     app = LocalKaggle(workdir / "kaggle", users={DEMO_USER: DEMO_KEY}, queue_delay_s=0.2,
-                         session_limit_s=cfg.session_limit_s).start()
+                      session_limit_s=max(cfg.session_limit_s, run_cfg.session_limit_s)).start()
 
     def attach_secrets(lines: list[str]) -> None:
         """What the user does on each new notebook's page (Add-ons > Secrets), done for them here."""
         values = {"KAGGLE_USERNAME": DEMO_USER, "KAGGLE_KEY": DEMO_KEY}
-        for kernel, names in needed_secrets(cfg).items():
+        for kernel, names in needed_secrets(run_cfg).items():
             for name in names:
                 if name in values:
-                    app.attach_secret(f"{DEMO_USER}/{cfg.slug(kernel)}", name, values[name])
+                    app.attach_secret(f"{DEMO_USER}/{run_cfg.slug(kernel)}", name, values[name])
         print("local demo: attached them, as you would on each notebook's page")
 
     for var in [v for v in os.environ if v.startswith("KAGGLE_")]:
@@ -92,12 +95,17 @@ def local_demo(args) -> dict:
     os.environ["KAGGLE_CONFIG_DIR"] = str(workdir / "kaggle-config")
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     print(f"local Kaggle on port {app.port}, state in {workdir / 'kaggle'}; sessions of {cfg.session_limit_s:g}s")
-    try:
-        chain = Chain(cfg, workdir / "chain", on_new_notebooks=attach_secrets)
+    def make_chain(chain_cfg, chain_dir: Path) -> Chain:
+        chain = Chain(chain_cfg, chain_dir, on_new_notebooks=attach_secrets)
         chain.connect()
-        for ref in cfg.tokenize.get("inputs", []):
+        for ref in chain_cfg.tokenize.get("inputs", []):
             ensure_corpus_dataset(chain, ref, args.demo_chars)
-        result = chain.run()
+        return chain
+
+    try:
+        if args.smoke:
+            return {"readiness": run_smoke(cfg, workdir / "chain", make_chain)}
+        result = make_chain(cfg, workdir / "chain").run()
         print(f"demo results: {workdir / 'chain'} (loss.png, metrics.jsonl, sessions/*/ logs, eval/report.md); "
               f"the local Kaggle's files: {workdir / 'kaggle'}")
         return result
@@ -119,6 +127,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--plan", action="store_true",
                         help="print the plan (stages, machines, tokens, sessions, quota, checkpoint, margins) and "
                              "exit; pushes nothing and needs no credentials")
+    parser.add_argument("--smoke", action="store_true",
+                        help="first contact: a short chain of its own (one small tokenize part, two ~14-min train "
+                             "sessions, an eval on a subset) that proves every link on your account and measures "
+                             "your TPU, then a readiness report; under 45 min of TPU quota for gpt2")
     parser.add_argument("--total-steps", type=int, help="override the config's total_steps")
     parser.add_argument("--max-train-sessions", type=int, help="override the config's max_train_sessions")
     args = parser.parse_args(argv)
@@ -131,6 +143,11 @@ def main(argv: list[str] | None = None) -> dict:
         from scripts.chain.plan import print_plan
 
         return print_plan(cfg, source=args.config)
+    if args.smoke:
+        from scripts.chain.smoke import run_smoke
+
+        workdir = Path(args.workdir or REPO / "runs" / "chain" / f"{cfg.name}-smoke")
+        return {"readiness": run_smoke(cfg, workdir, lambda smoke_cfg, folder: Chain(smoke_cfg, folder))}
     workdir = Path(args.workdir or REPO / "runs" / "chain" / cfg.name)
     return Chain(cfg, workdir).run()
 

@@ -27,6 +27,7 @@ SHARD_HEADER_BYTES = 256 * 4  # llm.c's shard header: 256 int32 (shared/data.py)
 MANIFEST_SLACK = 4096  # room kept in a tokenize part's budget for the manifest growing by one shard entry
 GB = 1e9
 BACKENDS = ("auto", "xla", "cuda", "cpu")
+AUTO = "auto"
 
 
 def _flag(name: str) -> str:
@@ -133,7 +134,9 @@ class TrainConfig:
         default="", metadata={"help": "checkpoint root to resume from if out_dir has none (e.g. a Kaggle input)"}
     )
     seq_len: int = field(default=0, metadata={"help": "tokens per sequence (0: the preset's block size)"})
-    micro_batch: int = field(default=16, metadata={"help": "sequences per micro-step over all devices"})
+    micro_batch: int | str = field(default=16, metadata={
+        "help": "sequences per micro-step over all devices, or auto: the most that fits, from the TPU generation, "
+                "the attention kernel and the model (shared/train/tpu.py auto_micro_batch; docs/tpu-throughput.md)"})
     total_batch_tokens: int = field(default=524288, metadata={"help": "tokens per optimizer step"})
     max_steps: int = field(default=19073, metadata={"help": "optimizer steps for the whole run (all sessions)"})
     warmup_steps: int = field(default=715, metadata={"help": "linear learning-rate warm-up steps"})
@@ -220,6 +223,8 @@ class TrainConfig:
 
     @property
     def tokens_per_micro_step(self) -> int:
+        if self.micro_batch == AUTO:
+            raise UserError("--micro-batch auto is chosen once the runtime is up (shared/train/tpu.py micro_batch_for)")
         return self.micro_batch * self.model.block_size
 
     @property
@@ -238,9 +243,13 @@ class TrainConfig:
         _at_least(self, 0, "seq_len", "warmup_steps", "min_lr_ratio", "weight_decay", "muon_weight_decay",
                   "time_budget", "checkpoint_every", "eval_every", "hellaswag_examples", "sample_tokens",
                   "stop_after_steps")
-        _positive(self, "micro_batch", "total_batch_tokens", "max_steps", "lr", "muon_lr", "grad_clip",
-                  "keep_checkpoints", "log_every", "eval_batches")
-        self.grad_accum_steps  # noqa: B018 - raises unless the batch is a whole number of micro-batches
+        _positive(self, "total_batch_tokens", "max_steps", "lr", "muon_lr", "grad_clip", "keep_checkpoints",
+                  "log_every", "eval_batches")
+        if self.micro_batch != AUTO:
+            if not isinstance(self.micro_batch, int) or isinstance(self.micro_batch, bool):
+                raise UserError(f"--micro-batch: expected a whole number or auto, got {self.micro_batch!r}")
+            _positive(self, "micro_batch")
+            self.grad_accum_steps  # noqa: B018 - raises unless the batch is a whole number of micro-batches
         for name in ("activation_checkpointing", "scan_layers"):
             _one_of(self, name, ("auto", "on", "off"))
         _one_of(self, "optimizer", OPTIMIZERS)
@@ -258,7 +267,12 @@ class TrainConfig:
         """Every check again (a field may have been set since), then what needs the machine: the micro-batch is
         split evenly over its devices."""
         self.__post_init__()
-        if self.micro_batch % num_devices:
+        if self.micro_batch == AUTO:  # auto picks a multiple of the devices that divides the batch: one must exist
+            smallest = num_devices * self.model.block_size
+            if self.total_batch_tokens % smallest:
+                raise UserError(f"--total-batch-tokens {self.total_batch_tokens} is not a multiple of {num_devices} "
+                                f"devices x seq-len {self.model.block_size} = {smallest}, so no micro-batch fits it")
+        elif self.micro_batch % num_devices:
             raise UserError(f"--micro-batch {self.micro_batch} must be a multiple of the {num_devices} devices")
 
     def to_dict(self) -> dict:
@@ -366,8 +380,17 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
         help_text = f"{f.metadata.get('help', '')} (default: {f.default!r})"
         if kind is bool:
             parser.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+        elif kind == int | str:  # a number, or a word such as auto
+            parser.add_argument(_flag(f.name), type=_int_or_word, default=f.default, help=help_text)
         else:
             parser.add_argument(_flag(f.name), type=kind, default=f.default, help=help_text)
+
+
+def _int_or_word(text: str) -> int | str:
+    try:
+        return int(text)
+    except ValueError:
+        return text
 
 
 def parse_dataclass(cls: type, argv: list[str] | None = None, description: str = "", defaults: dict | None = None):

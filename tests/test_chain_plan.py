@@ -58,7 +58,7 @@ def test_the_micro_batch_is_split_over_the_target_machines_devices():
 
 @pytest.mark.parametrize("section, settings, message", [
     ("train", {"lr": "3e-4"}, "train: --lr: expected a number, got '3e-4'"),
-    ("train", {"micro_batch": 32.5}, "train: --micro-batch: expected int, got 32.5"),
+    ("train", {"micro_batch": 32.5}, "train: --micro-batch: expected a whole number or auto, got 32.5"),
     ("train", {"grad_clip": 0}, "train: --grad-clip must be positive, got 0.0"),
     ("train", {"schedule": "linear"}, "train: --schedule must be cosine or wsd, got 'linear'"),
     ("train", {"muon_momentum": 1.0}, r"train: --muon-momentum must be in \[0, 1\), got 1.0"),
@@ -194,3 +194,23 @@ def test_the_chain_configs_own_fields_are_type_checked():
     with pytest.raises(UserError, match=r"^config: total_steps: expected int, got '19073'$"):
         config_from_dict({"total_steps": "19073", "token_datasets": ["a/b"]})
     assert config_from_dict({"session_limit_s": 32400, "token_datasets": ["a/b"]}).session_limit_s == 32400.0
+
+
+def test_micro_batch_auto_is_resolved_for_the_chains_tpu():
+    from scripts.chain.plan import planned_train
+    from shared.train.tpu import micro_batch_for
+
+    cfg = load_config(REPO / "examples" / "chain-gpt2-124m.json")
+    assert cfg.train["micro_batch"] == "auto"
+    train, note = planned_train(cfg)
+    assert (train.micro_batch, train.grad_accum_steps) == (64, 8)  # docs/tpu-throughput.md's v5e-8 flash row
+    assert note == "auto: 64 on v5e with pallas-flash attention, 32 if it falls back to SDPA"
+    v6e = config_from_dict({**{k: v for k, v in json.loads((REPO / "examples" / "chain-gpt2-124m.json").read_text())
+                               .items() if not k.startswith("_")}, "accelerator": "TpuV6E8"})
+    assert planned_train(v6e)[0].micro_batch == 128
+    small = TrainConfig(preset="gpt2", micro_batch="auto", total_batch_tokens=8 * 1024 * 3)
+    assert micro_batch_for(small, "v6e", "pallas-flash", 8) == 8  # 24 sequences: only 1 a device divides them
+    with pytest.raises(UserError, match="--micro-batch: expected a whole number or auto, got 'lots'"):
+        parse_dataclass(TrainConfig, ["--micro-batch", "lots"])
+    with pytest.raises(UserError, match="is not a multiple of 8 devices x seq-len 1024 = 8192, so no micro-batch"):
+        TrainConfig(preset="gpt2", micro_batch="auto", total_batch_tokens=4096).validate(8)

@@ -365,3 +365,40 @@ ENTRY %main (a: f32[768]) -> f32[768] {
     counts = module.count_all_reduces(hlo)
     assert counts == {"loops": 1, "in_loop": 2, "in_loop_mb": (768 * 2304 * 4 + 20) / 1e6, "outside": 1,
                       "outside_mb": 768 * 4 / 1e6}
+
+
+class _ProbedRuntime:
+    """A runtime whose flash kernel passes its probe only up to `flash_up_to` sequences a micro-step."""
+
+    def __init__(self, generation: str | None, flash_up_to: int, num_devices: int = 8):
+        from shared.train.tpu import TPU_GENERATIONS
+
+        self.tpu_generation = TPU_GENERATIONS.get(generation or "")
+        self.num_devices, self.flash_up_to, self.attention, self.probed = num_devices, flash_up_to, "sdpa", []
+
+    def select_attention(self, batch: int, n_head: int, seq_len: int, head_dim: int) -> None:
+        self.probed.append(batch)
+        flash = self.tpu_generation is not None and self.tpu_generation.pallas_flash_attention
+        self.attention = "pallas-flash" if flash and batch <= self.flash_up_to else "sdpa"
+
+
+@pytest.mark.parametrize("generation, flash_up_to, probed, chosen, attention", [
+    ("v5e", 10**6, [8, 64], 64, "pallas-flash"),  # flash passes at 1 a device and at the chosen 8 a device
+    ("v5e", 8, [8, 64], 32, "sdpa"),  # flash fails at 64: SDPA, and SDPA's smaller micro-batch
+    ("v6e", 10**6, [8, 128], 128, "pallas-flash"),
+    (None, 0, [8], 16, "sdpa"),  # no TPU: 2 a device
+])
+def test_micro_batch_auto_follows_the_attention_kernel_that_passed(generation, flash_up_to, probed, chosen,
+                                                                    attention):
+    from shared.config import TrainConfig
+    from shared.train.trainer import select_attention_and_micro_batch
+
+    runtime = _ProbedRuntime(generation, flash_up_to)
+    lines = []
+    cfg = select_attention_and_micro_batch(TrainConfig(preset="gpt2", micro_batch="auto"), runtime, lines.append)
+    assert (runtime.probed, cfg.micro_batch, runtime.attention) == (probed, chosen, attention)
+    assert cfg.grad_accum_steps == 512 // chosen
+    assert lines == [f"micro-batch auto: {chosen} ({chosen // 8} a device; TPU {generation or 'none'}, {attention} "
+                     "attention)"]
+    fixed = select_attention_and_micro_batch(TrainConfig(preset="gpt2", micro_batch=32), runtime, lines.append)
+    assert fixed.micro_batch == 32 and runtime.probed[-1] == 32 and len(lines) == 1

@@ -67,6 +67,7 @@ class ChainConfig:
     token_kernels: list = dataclasses.field(default_factory=list)  # existing kernels whose output holds shards
     eval: dict = dataclasses.field(default_factory=dict)  # enabled, settings, inputs, accelerator
     slugs: dict = dataclasses.field(default_factory=dict)  # tokenize, train, eval, checkpoints
+    smoke: dict = dataclasses.field(default_factory=dict)  # --smoke's sizes and limits (scripts/chain/smoke.py)
     poll_initial_s: float = 10.0
     poll_max_s: float = 120.0
     # A finished status read before the pushed version was ever seen queued or running may still be the
@@ -178,6 +179,11 @@ def config_from_dict(raw: dict, where: str = "config") -> ChainConfig:
     unknown_slugs = sorted(set(cfg.slugs) - {"tokenize", "train", "eval", "checkpoints"})
     if unknown_slugs:
         raise UserError(f"{where}: unknown slugs key(s) {', '.join(unknown_slugs)}")
+    from scripts.chain.smoke import SMOKE_DEFAULTS  # (smoke.py builds on this module)
+
+    unknown_smoke = sorted(set(cfg.smoke) - set(SMOKE_DEFAULTS))
+    if unknown_smoke:
+        raise UserError(f"{where}: unknown smoke key(s) {', '.join(unknown_smoke)}; known: {', '.join(SMOKE_DEFAULTS)}")
     return cfg
 
 

@@ -23,7 +23,7 @@ from scripts.chain.limits import (
     RETIRED_SHAPES,
     session_devices,
 )
-from shared.config import EvalConfig, TokenizeConfig, TrainConfig
+from shared.config import AUTO, EvalConfig, TokenizeConfig, TrainConfig
 
 REPO = Path(__file__).resolve().parents[2]
 # What --smoke measured, one record per run (newest last); the plan counts sessions with the newest that matches.
@@ -86,6 +86,25 @@ def train_throughput(cfg: ChainConfig, train: TrainConfig, measured_path: Path =
                             "section 7); not measured: run --smoke first")
 
 
+def planned_train(cfg: ChainConfig) -> tuple[TrainConfig, str]:
+    """The train settings a session will run with, `micro_batch: auto` resolved as the session would on the
+    chain's machine (flash attention assumed where the TPU compiles it), and a note saying so ('' if not auto)."""
+    train = TrainConfig(**{**cfg.train, "max_steps": cfg.total_steps})
+    if train.micro_batch != AUTO:
+        return train, ""
+    from shared.train.tpu import TPU_GENERATIONS, micro_batch_for  # standard library only at import
+
+    generation = SHAPE_GENERATION.get(running_shape(cfg.accelerator))
+    devices = session_devices(cfg.accelerator, train.backend)
+    gen = TPU_GENERATIONS.get(generation or "")
+    attention = "pallas-flash" if gen and gen.pallas_flash_attention else "sdpa"
+    chosen = micro_batch_for(train, generation, attention, devices)
+    note = f"auto: {chosen} on {generation or 'no TPU'} with {attention} attention"
+    if attention != "sdpa":
+        note += f", {micro_batch_for(train, generation, 'sdpa', devices)} if it falls back to SDPA"
+    return dataclasses.replace(train, micro_batch=chosen), note
+
+
 def _tokenize_config(cfg: ChainConfig) -> TokenizeConfig:
     return TokenizeConfig(**{**cfg.tokenize.get("settings", {}), "part": 0})
 
@@ -109,7 +128,7 @@ def _tokens(n: float) -> str:
 def make_plan(cfg: ChainConfig, quota: tuple[float, float, str] | None = None,
               measured_path: Path = MEASURED_THROUGHPUT) -> dict:
     """The plan's figures (the printed lines come from these; tests assert them)."""
-    train = TrainConfig(**{**cfg.train, "max_steps": cfg.total_steps})
+    train, _ = planned_train(cfg)
     model = train.model
     tok = _tokenize_config(cfg)
     parts = int(cfg.tokenize.get("parts") or 0)
@@ -123,9 +142,12 @@ def make_plan(cfg: ChainConfig, quota: tuple[float, float, str] | None = None,
             "tokens_per_s_source": speed.source, "kind": kind, "devices": session_devices(
                 cfg.accelerator, train.backend), "time_budget_s": cfg.time_budget,
             "checkpoint_bytes": model.checkpoint_bytes(), "num_params": model.num_params()}
-    # Periodic validation evals cost forward passes (a third of a training token's FLOPs each).
-    eval_share = (train.eval_batches * train.micro_batch * model.block_size / 3
-                  / (train.eval_every * train.total_batch_tokens)) if train.eval_every else 0.0
+    # Periodic evals (validation loss, and HellaSwag where a file is given) cost forward passes, a third of a
+    # training token's FLOPs each.
+    eval_tokens = train.eval_batches * train.micro_batch * model.block_size
+    if train.hellaswag_file:
+        eval_tokens += (train.hellaswag_examples * 4 or HELLASWAG_ROWS) * HELLASWAG_TOKENS_PER_ROW
+    eval_share = eval_tokens / 3 / (train.eval_every * train.total_batch_tokens) if train.eval_every else 0.0
     plan["eval_share"] = eval_share
     if speed.tokens_per_s:
         train_s = train_tokens / speed.tokens_per_s * (1 + eval_share)
@@ -158,7 +180,7 @@ def _eval_seconds(cfg: ChainConfig, train_tokens_per_s: float) -> float:
 
 def plan_lines(cfg: ChainConfig, plan: dict, source: str = "") -> list[str]:
     """The plan as the lines --plan prints."""
-    train = TrainConfig(**{**cfg.train, "max_steps": cfg.total_steps})
+    train, auto_note = planned_train(cfg)
     model, user = train.model, cfg.user or "<you>"
     shape = cfg.accelerator or "CPU"
     lines = [f"plan for chain {cfg.name}{f' ({source})' if source else ''}: nothing is pushed", ""]
@@ -176,7 +198,7 @@ def plan_lines(cfg: ChainConfig, plan: dict, source: str = "") -> list[str]:
     lines.append(f"train     {shape}{retired}, {plan['devices']} devices: {train.preset} "
                  f"({plan['num_params'] / 1e6:.1f}M params, T={model.block_size}), {cfg.total_steps:,} steps x "
                  f"{train.total_batch_tokens:,} tokens = {_tokens(plan['train_tokens'])} tokens; micro-batch "
-                 f"{train.micro_batch} x {train.grad_accum_steps} accumulation; "
+                 f"{train.micro_batch}{auto_note and f' ({auto_note})'} x {train.grad_accum_steps} accumulation; "
                  f"{train.optimizer} + {train.schedule}")
     if cfg.eval.get("enabled", True):
         ev = _eval_config(cfg)

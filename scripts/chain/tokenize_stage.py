@@ -59,6 +59,7 @@ class TokenizeStage:
             status, message, secs = ctx.wait(ref, f"{ref} v{version}", key)
             if status == "COMPLETE":
                 ctx.log(f"  part {part} done in {secs:.0f}s")
+                ctx.state.data.setdefault("tokenize_seconds", {})[str(part)] = round(secs, 1)
                 return
             failures += 1
             logs = ctx.workdir / "sessions" / f"tokenize-{part}-{attempt}"

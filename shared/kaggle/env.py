@@ -149,6 +149,19 @@ def check_session_device(device_type: str) -> None:
 
 
 def get_secret(name: str) -> str:
+    """A user secret (see `_read_secret`); whether it was found goes to the session's facts, its value nowhere."""
+    from shared.kaggle.facts import record_fact
+
+    try:
+        value = _read_secret(name)
+    except UserError:
+        record_fact("secrets", name, False)
+        raise
+    record_fact("secrets", name, True)
+    return value
+
+
+def _read_secret(name: str) -> str:
     """A user secret: Kaggle Secrets on Kaggle, the local Kaggle's store locally.
 
     Outside any Kaggle session the environment variable of the same name is used, so tools run on a

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.errors import UserError
+from shared.kaggle.facts import record_fact
 
 TARGET_DIR = "gpt2k-packages"  # under the session's temp folder
 
@@ -112,6 +113,7 @@ def provide(name: str, reason: str = "", log=print, installer=None) -> str | Non
     is; otherwise one line saying why not. `reason`: what this kernel needs it for."""
     pkg = PACKAGES[name]
     if importable(pkg.module):
+        record_fact("packages", name, {"from": "image"})
         return None
     why = reason or pkg.purpose
     target = install_dir()
@@ -123,13 +125,19 @@ def provide(name: str, reason: str = "", log=print, installer=None) -> str | Non
     if error is None:
         error, where = _place(pkg, str(target))
         if error is None:
-            log(f"installed {', '.join(pkg.requirements)} for {why} in {time.monotonic() - start:.1f}s "
+            seconds = time.monotonic() - start
+            record_fact("packages", name, {"from": "installed", "requirements": pkg.requirements,
+                                           "seconds": round(seconds, 1)})
+            log(f"installed {', '.join(pkg.requirements)} for {why} in {seconds:.1f}s "
                 f"(not in this image; into {target}, {where}, gone with the session)")
             return None
-        return (f"the {pkg.module} package is not in this Kaggle image, and the copy pip installed into {target} "
-                f"does not import ({error}); it is needed for {why}")
-    return (f"the {pkg.module} package is not in this Kaggle image and could not be installed ({error}); it is "
-            f"needed for {why}: turn on the notebook's internet (Settings > Internet)")
+        problem = (f"the {pkg.module} package is not in this Kaggle image, and the copy pip installed into {target} "
+                   f"does not import ({error}); it is needed for {why}")
+    else:
+        problem = (f"the {pkg.module} package is not in this Kaggle image and could not be installed ({error}); it "
+                   f"is needed for {why}: turn on the notebook's internet (Settings > Internet)")
+    record_fact("packages", name, {"from": "missing", "problem": problem})
+    return problem
 
 
 def require(name: str, reason: str = "", log=print, installer=None) -> None:

@@ -16,6 +16,7 @@ from shared.config import GB
 from shared.data import HEADER_BYTES
 from shared.errors import UserError, describe_error
 from shared.fsutil import atomic_write_bytes, fsync_dir, sha256_file
+from shared.kaggle.facts import FACTS_FILE
 from shared.tokenize.source import same_source
 
 MANIFEST = "manifest.json"
@@ -169,7 +170,7 @@ def inspect_out_dir(out_dir: Path, fresh: dict, log: Callable[[str], None]) -> d
             for key in ("paths", "empty"):  # the files may have moved (another session)
                 old["source"][key] = fresh["source"][key]
         return old
-    if out_dir.is_dir() and any(out_dir.iterdir()):
+    if out_dir.is_dir() and any(p.name != FACTS_FILE for p in out_dir.iterdir()):  # the session's own notes
         raise UserError(
             f"--out-dir {out_dir}: not empty and not a previous run of this part (no {MANIFEST}); "
             "use an empty directory"

@@ -166,3 +166,16 @@ def auto_micro_batch(generation: str | None, attention: str, model, seq_len: int
     while (2 * per_device) * per_sequence <= room:
         per_device *= 2
     return per_device * num_devices
+
+
+def micro_batch_for(cfg, generation: str | None, attention: str, num_devices: int) -> int:
+    """The micro-batch `--micro-batch auto` means for TrainConfig `cfg` on this machine: `auto_micro_batch`, lowered
+    to the largest power of two per device whose micro-steps make up the step's batch exactly."""
+    model = cfg.model
+    most = auto_micro_batch(generation, attention, model, model.block_size, num_devices,
+                            activation_checkpointing=cfg.activation_checkpointing == "on", fsdp=cfg.fsdp)
+    sequences = cfg.total_batch_tokens // model.block_size  # validate() made sure num_devices divides it
+    per_device = most // num_devices
+    while per_device > 1 and sequences % (per_device * num_devices):
+        per_device //= 2
+    return per_device * num_devices

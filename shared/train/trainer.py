@@ -6,6 +6,7 @@ the next session (a new process, maybe on another machine) resumes from it bit-e
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import signal
 import time
@@ -15,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shared.config import CHECKPOINT_BYTES_PER_PARAM, NINE_HOURS, TrainConfig
+from shared.config import AUTO, CHECKPOINT_BYTES_PER_PARAM, NINE_HOURS, TrainConfig
 from shared.data import LoaderState, TokenLoader, find_shards
 from shared.errors import UserError
 from shared.eval.evaluate import periodic_eval
@@ -31,6 +32,7 @@ from shared.train.device import Runtime, make_runtime, runtime_versions
 from shared.train.metrics import BackgroundCalls, MetricsLogger, plot_loss
 from shared.train.model import GPT
 from shared.train.optim import clip_grad_norm, lr_at, make_optimizer, optimizer_of_state, optimizer_tensors
+from shared.train.tpu import micro_batch_for
 
 XLA_CACHE_DIR = "xla_cache"  # inside out_dir, and inside each checkpoint (XLA's persistent compilation cache)
 
@@ -129,10 +131,31 @@ def restore_compile_cache(resumed, out_dir: Path) -> Path:
     return cache
 
 
+def select_attention_and_micro_batch(cfg: TrainConfig, runtime: Runtime, log=print) -> TrainConfig:
+    """The attention kernel for this model's shapes (on a TPU the Pallas kernel is probed at them); with
+    `--micro-batch auto`, the micro-batch that kernel and this TPU allow (the kernel probed again at it), as the
+    config the session trains with."""
+    m = cfg.model
+    shape = (m.n_head, m.block_size, m.n_embd // m.n_head)
+    if cfg.micro_batch != AUTO:
+        runtime.select_attention(cfg.micro_batch, *shape)
+        return cfg
+    runtime.select_attention(runtime.num_devices, *shape)
+    generation = runtime.tpu_generation.name if runtime.tpu_generation else None
+    chosen = micro_batch_for(cfg, generation, runtime.attention, runtime.num_devices)
+    if runtime.attention != "sdpa" and chosen != runtime.num_devices:
+        runtime.select_attention(chosen, *shape)
+        if runtime.attention == "sdpa":  # the kernel failed at the larger batch: size it for SDPA instead
+            chosen = micro_batch_for(cfg, generation, "sdpa", runtime.num_devices)
+    log(f"micro-batch auto: {chosen} ({chosen // runtime.num_devices} a device; TPU {generation or 'none'}, "
+        f"{runtime.attention} attention)")
+    return dataclasses.replace(cfg, micro_batch=chosen)
+
+
 def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print) -> TrainResult:
     session_start = time.monotonic()
     cfg.validate()  # the flags; the device count is checked once the runtime is up
-    model_cfg, accum = cfg.model, cfg.grad_accum_steps
+    model_cfg = cfg.model
     out_dir = Path(cfg.out_dir)
     ckpt_root = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else out_dir / "checkpoints"
     metrics_path = out_dir / METRICS_FILE
@@ -156,9 +179,8 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print) -> TrainR
         log = lambda *args, **kwargs: None  # noqa: E731
     compile_at_start, compiles_at_start = runtime.compile_seconds(), runtime.compile_count()
     cfg.validate(runtime.num_devices)
-    # The attention kernel is chosen for this model's shapes (on a TPU the Pallas kernel is probed at them).
-    runtime.select_attention(cfg.micro_batch, model_cfg.n_head, model_cfg.block_size,
-                             model_cfg.n_embd // model_cfg.n_head)
+    cfg = select_attention_and_micro_batch(cfg, runtime, log)
+    accum = cfg.grad_accum_steps
     loader = TokenLoader(train_shards, cfg.micro_batch, model_cfg.block_size, seed=cfg.seed,
                          state=LoaderState.from_dict(resumed.state["loader"]) if resumed else None,
                          on_change=cfg.on_data_change)
@@ -216,7 +238,8 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print) -> TrainR
     versions = runtime_versions()
     logger.write({"event": "session_start", "step": start_step, "tokens": start_step * tokens_per_step,
                   "device": runtime.description, "versions": versions, "time_budget_s": round(budget, 1),
-                  "attention": runtime.attention, "tpu": runtime.tpu_generation.name if runtime.tpu_generation
+                  "micro_batch": cfg.micro_batch, "attention": runtime.attention,
+                  "tpu": runtime.tpu_generation.name if runtime.tpu_generation
                   else None, "unix_time": round(time.time(), 1),
                   "elapsed_s": round(time.monotonic() - session_start, 3)})
     log(f"{runtime.description}: {cfg.preset} ({num_params / 1e6:.2f}M params), {accum} micro-steps of "

@@ -1,0 +1,288 @@
+"""`scripts/chain_sessions.py --config X --smoke`: a first-contact run that proves every link of a chain on the
+user's own account before a week of quota goes into it, and measures their TPU.
+
+From the config it derives a short chain of its own (`<name>-smoke`, its own kernels and checkpoint dataset):
+one tokenize part of about 50M tokens; a train session of about 14 minutes on the chain's accelerator that
+checkpoints and publishes; a second one that resumes from that checkpoint (the step it starts from is checked);
+an eval on a subset. It ends with a readiness report, a row per link, and records the tokens/s it measured for
+`--plan` (scripts/chain/plan.py). A config's `smoke` section can change any of SMOKE_DEFAULTS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from pathlib import Path
+
+from scripts.chain.config import ChainConfig, config_from_dict
+from scripts.chain.limits import ASSUMED_UPLOAD_BYTES_PER_S, MACHINE_SHAPES
+from scripts.chain.plan import MEASURED_THROUGHPUT, SHAPE_GENERATION, running_shape
+from shared.errors import UserError
+from shared.kaggle.facts import FACTS_FILE
+
+SMOKE_DEFAULTS = {
+    "tokens": 50_000_000,  # the tokenize part
+    "shard_size": 10_000_000,  # so the part has a validation shard and a few training shards
+    "session_limit_s": 840.0,  # each train session and the eval: Kaggle stops it there (sessionTimeoutSeconds)
+    "startup_margin_s": 420.0,  # imports, package installs, data, the first compile
+    "publish_margin_s": 0.0,  # 0: 60 s + the checkpoint's upload at the assumed rate, at least 120 s
+    "val_tokens": 1_048_576,  # the eval's subset
+    "hellaswag_examples": 200,
+}
+SMOKE_TPU_BUDGET_S = 45 * 60  # what a first contact may cost, said before it starts
+
+
+def smoke_config(cfg: ChainConfig) -> ChainConfig:
+    """The short chain: the same model, batch and machines as `cfg`, its own slugs, two short train sessions,
+    one small tokenize part, an eval on a subset; checked like any config."""
+    s = {**SMOKE_DEFAULTS, **cfg.smoke}  # the keys were checked with the config
+    raw = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    size = cfg.checkpoint_bytes
+    publish = s["publish_margin_s"] or max(120.0, 60.0 + size / ASSUMED_UPLOAD_BYTES_PER_S)
+    raw.update(name=f"{cfg.name}-smoke", slugs={k: f"{v}-smoke" for k, v in cfg.slugs.items()},
+               max_train_sessions=2, max_failed_sessions=1, session_limit_s=s["session_limit_s"],
+               startup_margin_s=s["startup_margin_s"], publish_margin_s=publish, smoke={})
+    if cfg.tokenize.get("parts"):
+        settings = dict(cfg.tokenize.get("settings", {}))
+        shard = min(int(settings.get("shard_size", s["shard_size"])), int(s["shard_size"]))
+        raw["tokenize"] = {**cfg.tokenize, "parts": 1,
+                           "settings": {**settings, "tokens_per_part": int(s["tokens"]), "shard_size": shard}}
+    ev = dict(cfg.eval.get("settings", {}))
+    ev.update(val_tokens=int(s["val_tokens"]), kaggle_model="", samples_per_prompt=1, max_new_tokens=16)
+    if ev.get("hellaswag", "auto") != "off":
+        ev["hellaswag_examples"] = int(s["hellaswag_examples"])
+    raw["eval"] = {**cfg.eval, "settings": ev}
+    return config_from_dict(raw, f"{cfg.name} smoke")
+
+
+def quota_cost_s(smoke: ChainConfig) -> float:
+    """The most TPU (or GPU) quota the smoke run can use: each session on the accelerator, at its limit."""
+    kind = MACHINE_SHAPES.get(smoke.accelerator)
+    if not kind:
+        return 0.0
+    eval_on_it = smoke.eval.get("enabled", True) and MACHINE_SHAPES.get(smoke.eval.get("accelerator",
+                                                                                      smoke.accelerator)) == kind
+    return (smoke.max_train_sessions + int(bool(eval_on_it))) * smoke.session_limit_s
+
+
+# --- the readiness report ------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Row:
+    link: str
+    ok: bool | None  # None: not checkable here (e.g. no TPU on the local Kaggle)
+    detail: str
+
+    @property
+    def mark(self) -> str:
+        return {True: "✓", False: "✗", None: "–"}[self.ok]
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _session_records(folder: Path) -> tuple[dict, dict, list[dict]]:
+    """(session_start, session_end, step records) of the session whose output is in `folder`: the last session in
+    its metrics.jsonl (a resumed run's file starts with the earlier sessions' records)."""
+    path = folder / "train" / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    starts = [i for i, r in enumerate(records) if r.get("event") == "session_start"]
+    mine = records[starts[-1]:] if starts else []
+    start = mine[0] if mine else {}
+    end = next((r for r in mine if r.get("event") == "session_end"), {})
+    steps = [r for r in mine if r.get("tokens_per_s") and "loss" in r]
+    return start, end, steps
+
+
+def _steady(steps: list[dict]) -> tuple[float | None, float | None]:
+    """Median tokens/s and MFU over a session's log windows, the first (compilation) left out."""
+    later = steps[1:] or steps
+    if not later:
+        return None, None
+    mfus = [r["mfu"] for r in later if r.get("mfu")]
+    return statistics.median(r["tokens_per_s"] for r in later), statistics.median(mfus) if mfus else None
+
+
+def readiness_rows(smoke: ChainConfig, workdir: Path, failure: str = "") -> tuple[list[Row], dict]:
+    """A row per link, from the state file and what the sessions left in their outputs; and the measurement."""
+    state = _read_json(workdir / "state.json")
+    sessions = state.get("train_sessions", [])
+    folders = [workdir / "sessions" / f"train-{s['n']:02d}" for s in sessions]
+    s1 = _session_records(folders[0]) if folders else ({}, {}, [])
+    s2 = _session_records(folders[1]) if len(folders) > 1 else ({}, {}, [])
+    facts = _read_json(folders[0] / FACTS_FILE) if folders else {}
+    local = bool(facts.get("session", {}).get("local_kaggle"))
+    rows = []
+    if smoke.tokenize.get("parts"):
+        done = state.get("tokenize", {}).get("0") == "COMPLETE"
+        secs = state.get("tokenize_seconds", {}).get("0")
+        rows.append(Row("tokenize part", done, f"{smoke.tokenize['settings']['tokens_per_part']:,} tokens"
+                        + (f" in {secs:.0f} s" if secs else "") if done else "not complete"))
+    rows.append(_packages_row(facts))
+    rows.append(_secrets_row(facts))
+    rows.append(_device_row(smoke, s1[0], local))
+    rows.append(Row("attention kernel", bool(s1[0].get("attention")) or None,
+                    s1[0].get("attention") or "not reported"))
+    rows.append(_resume_row(s1[1], s2[0]))
+    rows.append(_compile_row(s1[1], s2[1]))
+    rate, mfu = _steady(s2[2] or s1[2])
+    rows.append(Row("tokens/s and MFU", bool(rate) or False,
+                    (f"{rate:,.0f} tokens/s, MFU {mfu:.1%}" if mfu else f"{rate:,.0f} tokens/s, MFU n/a (no TPU)")
+                    + (" (session 2)" if s2[2] else " (session 1)") if rate else "no step logged"))
+    rows.append(_publish_row(sessions, folders))
+    gap = (s2[0].get("unix_time") or 0) - (s1[1].get("unix_time") or 0)
+    rows.append(Row("session 1 end -> session 2 start", gap > 0 if s2[0] else False,
+                    f"{gap:.0f} s (publish, queue, start-up)" if s2[0] and gap > 0 else "no second session"))
+    rows.append(_eval_row(smoke, state, workdir))
+    if failure:
+        rows.append(Row("chain", False, failure))
+    measured = {"accelerator": running_shape(smoke.accelerator), "preset": smoke.train.get("preset", "tiny"),
+                "seq_len": _train_config(smoke).model.block_size, "tokens_per_s": rate, "mfu": mfu, "chain": smoke.name,
+                "measured_at": time.strftime("%Y-%m-%d %H:%M"), "attention": s1[0].get("attention"),
+                "tpu": s1[0].get("tpu"), "local_kaggle": local}
+    return rows, measured
+
+
+def _train_config(smoke: ChainConfig):
+    from shared.config import TrainConfig
+
+    return TrainConfig(**{**smoke.train, "max_steps": smoke.total_steps})
+
+
+def _packages_row(facts: dict) -> Row:
+    packages = facts.get("packages", {})
+    if not packages:
+        return Row("packages", None, "none asked for, or no facts from session 1")
+    parts = []
+    for name, how in sorted(packages.items()):
+        if how.get("from") == "installed":
+            parts.append(f"{name} installed ({how.get('seconds', 0):.0f} s)")
+        else:
+            parts.append(f"{name} {'in the image' if how.get('from') == 'image' else 'MISSING'}")
+    return Row("packages", all(h.get("from") != "missing" for h in packages.values()), ", ".join(parts))
+
+
+def _secrets_row(facts: dict) -> Row:
+    secrets = facts.get("secrets", {})
+    if not secrets:
+        return Row("secrets", None, "none read in session 1")
+    missing = sorted(n for n, found in secrets.items() if not found)
+    return Row("secrets", not missing, f"missing: {', '.join(missing)}" if missing
+               else f"{', '.join(sorted(secrets))} found")
+
+
+def _device_row(smoke: ChainConfig, start: dict, local: bool) -> Row:
+    if not start:
+        return Row("device", False, "session 1 did not start training")
+    expected = SHAPE_GENERATION.get(running_shape(smoke.accelerator))
+    detail = f"{start.get('device')}, TPU {start.get('tpu') or 'none'}"
+    if local:
+        return Row("device", None, f"{detail} (the local Kaggle has no TPU)")
+    return Row("device", start.get("tpu") == expected if expected else True,
+               detail + (f" (expected {expected})" if expected and start.get("tpu") != expected else ""))
+
+
+def _resume_row(end1: dict, start2: dict) -> Row:
+    if not start2:
+        return Row("resume", False, "no second session started training")
+    ok = start2.get("step") == end1.get("step") and bool(end1)
+    return Row("resume", ok, f"session 2 started at step {start2.get('step')}, session 1 ended at "
+                             f"{end1.get('step')}")
+
+
+def _compile_row(end1: dict, end2: dict) -> Row:
+    if not end1:
+        return Row("compile", False, "session 1 did not finish")
+    cache = end2.get("compile_cache") or {}
+    detail = f"session 1: {end1.get('compile_s', 0):.0f} s"
+    if not end2:
+        return Row("compile", False, detail + "; no second session")
+    return Row("compile", cache.get("hits", 0) > 0,
+               detail + f"; session 2: {end2.get('compile_s', 0):.0f} s, cache hits {cache.get('hits', 0)}, "
+                        f"misses {cache.get('misses', 0)}")
+
+
+def _publish_row(sessions: list[dict], folders: list[Path]) -> Row:
+    if not sessions:
+        return Row("publish", False, "no session")
+    by = sessions[0].get("published_by")
+    record = _read_json(folders[0] / "publish.json")
+    if by == "session":
+        return Row("publish", True, f"in-session ({record.get('seconds', '?')} s)")
+    if by == "chain":
+        return Row("publish", True, f"from the output by the chain ({record.get('reason') or 'session could not'})")
+    return Row("publish", False, "session 1's checkpoint was not published")
+
+
+def _eval_row(smoke: ChainConfig, state: dict, workdir: Path) -> Row:
+    if smoke.eval.get("enabled", True) is False:
+        return Row("eval", None, "off in the config")
+    ev = state.get("eval") or {}
+    if ev.get("status") != "COMPLETE":
+        return Row("eval", False, ev.get("message") or ev.get("status") or "not run")
+    path = workdir / "eval" / "metrics.jsonl"
+    values: dict = {}
+    for line in path.read_text().splitlines() if path.exists() else []:
+        values.update({k: v for k, v in json.loads(line).items() if v is not None})
+    parts = []
+    if "val_loss" in values:
+        parts.append(f"val loss {values['val_loss']:.3f} on {values.get('val_tokens', 0):,} tokens")
+    if "hellaswag_acc_norm" in values:
+        parts.append(f"HellaSwag {values['hellaswag_acc_norm']:.3f} on {values.get('hellaswag_examples')} examples")
+    return Row("eval", True, ", ".join(parts) or "complete")
+
+
+def report_lines(rows: list[Row]) -> list[str]:
+    width = max(len(r.link) for r in rows)
+    ready = all(r.ok is not False for r in rows)
+    return (["readiness report", f"{'link':<{width}}  ok  measured", "-" * (width + 14)]
+            + [f"{r.link:<{width}}  {r.mark}   {r.detail}" for r in rows]
+            + ["", "ready: every link works" if ready else "not ready: fix the rows marked ✗ first"])
+
+
+def record_measurement(measured: dict, path: Path = MEASURED_THROUGHPUT) -> None:
+    """Append the smoke run's tokens/s for --plan (not from the local Kaggle: its CPUs are no TPU)."""
+    if not measured.get("tokens_per_s") or measured.get("local_kaggle"):
+        return
+    try:
+        records = json.loads(path.read_text())
+    except (OSError, ValueError):
+        records = []
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(records + [measured], indent=1))
+
+
+def run_smoke(cfg: ChainConfig, workdir: Path, make_chain, log=print) -> list[Row]:
+    """Run the smoke chain (`make_chain(smoke_cfg, workdir)` gives the Chain) and print its readiness report.
+    A failing link is a row, not a lost report."""
+    smoke = smoke_config(cfg)
+    cost = quota_cost_s(smoke)
+    kind = (MACHINE_SHAPES.get(smoke.accelerator) or "cpu").upper()
+    log(f"smoke run {smoke.name}: one tokenize part, two train sessions of at most "
+        f"{smoke.session_limit_s / 60:.0f} min on {smoke.accelerator or 'CPU'}, an eval on a subset; "
+        f"at most {cost / 60:.0f} min of {kind} quota"
+        + (f" (over the {SMOKE_TPU_BUDGET_S / 60:.0f} min a first contact should cost: this model's checkpoint "
+           "takes long to publish)" if cost > SMOKE_TPU_BUDGET_S else ""))
+    failure = ""
+    chain = make_chain(smoke, workdir)
+    try:
+        if not chain.state.data.get("done"):
+            chain.run()
+    except UserError as err:
+        failure = str(err)
+        log(f"the smoke run stopped: {failure}")
+    rows, measured = readiness_rows(smoke, workdir, failure)
+    lines = report_lines(rows)
+    for line in lines:
+        log(line)
+    (workdir / "readiness.md").write_text("\n".join(lines) + "\n")
+    (workdir / "readiness.json").write_text(json.dumps({"rows": [dataclasses.asdict(r) for r in rows],
+                                                        "measured": measured}, indent=1))
+    record_measurement(measured)
+    return rows

@@ -1,0 +1,131 @@
+"""`scripts/chain_sessions.py --smoke`: the first-contact chain derived from a config, run on the local Kaggle,
+and its readiness report (issue 18)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import REPO, run_script
+
+from scripts.chain.config import config_from_dict, load_config
+from scripts.chain.smoke import (
+    SMOKE_TPU_BUDGET_S,
+    Row,
+    quota_cost_s,
+    readiness_rows,
+    record_measurement,
+    report_lines,
+    smoke_config,
+)
+from shared.errors import UserError
+
+
+def test_the_smoke_chain_is_a_short_copy_of_the_config_under_its_own_names():
+    cfg = load_config(REPO / "examples" / "chain-gpt2-124m.json")
+    smoke = smoke_config(cfg)
+    assert (smoke.name, smoke.slug("checkpoints"), smoke.slug("train")) == (
+        "gpt2-124m-smoke", "gpt2-124m-smoke-checkpoints", "gpt2-124m-smoke-train")
+    assert (smoke.max_train_sessions, smoke.max_failed_sessions, smoke.accelerator) == (2, 1, "TpuV5E8")
+    assert smoke.train == cfg.train and smoke.total_steps == cfg.total_steps  # the same model, batch, schedule
+    assert smoke.tokenize["parts"] == 1
+    assert smoke.tokenize["settings"] == {"tokens_per_part": 50_000_000, "shard_size": 10_000_000}
+    assert smoke.eval["settings"]["kaggle_model"] == "" and smoke.eval["settings"]["hellaswag_examples"] == 200
+    # 14-min sessions: 420 s start-up, 60 s + 1.49 GB at the assumed 10 MB/s to publish, the rest trains
+    assert smoke.publish_margin_s == pytest.approx(60 + 12 * 124_475_904 / 10e6)
+    assert smoke.time_budget == pytest.approx(840 - 420 - smoke.publish_margin_s)
+    assert quota_cost_s(smoke) == 3 * 840 < SMOKE_TPU_BUDGET_S  # two train sessions and the eval on the TPU
+
+
+def test_a_configs_own_smoke_slugs_never_reuse_the_real_runs():
+    cfg = config_from_dict({"slugs": {"checkpoints": "my-ckpts"}, "token_datasets": ["a/b"],
+                            "smoke": {"session_limit_s": 600}})
+    smoke = smoke_config(cfg)
+    assert smoke.slug("checkpoints") == "my-ckpts-smoke" and smoke.session_limit_s == 600
+    assert smoke.tokenize == {} and smoke.token_datasets == ["a/b"]  # no parts to shorten: the data as given
+    with pytest.raises(UserError, match="unknown smoke key.*minutes"):
+        config_from_dict({"token_datasets": ["a/b"], "smoke": {"minutes": 10}})
+
+
+def _write_session(folder: Path, records: list[dict], facts: dict | None = None, publish: dict | None = None):
+    (folder / "train").mkdir(parents=True)
+    (folder / "train" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    if facts:
+        (folder / "session-facts.json").write_text(json.dumps(facts))
+    if publish:
+        (folder / "publish.json").write_text(json.dumps(publish))
+
+
+def test_the_readiness_report_marks_a_missing_secret_a_wrong_tpu_and_a_wrong_resume_step(tmp_path):
+    smoke = smoke_config(load_config(REPO / "examples" / "chain-gpt2-124m.json"))
+    state = {"tokenize": {"0": "COMPLETE"}, "tokenize_seconds": {"0": 80.0},
+             "train_sessions": [{"n": 1, "published_by": "chain"}, {"n": 2}], "eval": {"status": "ERROR",
+                                                                                      "message": "exit 1"}}
+    (tmp_path / "state.json").write_text(json.dumps(state))
+    s1 = [{"event": "session_start", "step": 0, "device": "xla:TPU v4 x8 (SPMD)", "tpu": "v4", "attention": "sdpa"},
+          {"step": 10, "loss": 9.0, "tokens_per_s": 1000.0, "mfu": 0.01},
+          {"step": 20, "loss": 8.0, "tokens_per_s": 400_000.0, "mfu": 0.22},
+          {"event": "session_end", "step": 20, "compile_s": 95.0, "unix_time": 1000.0}]
+    _write_session(tmp_path / "sessions" / "train-01", s1,
+                   facts={"packages": {"kaggle": {"from": "installed", "seconds": 14.2}},
+                          "secrets": {"KAGGLE_USERNAME": True, "KAGGLE_KEY": False}},
+                   publish={"published": False, "reason": "secret missing"})
+    s2 = s1 + [{"event": "session_start", "step": 10, "tpu": "v4", "unix_time": 1130.0},
+               {"step": 30, "loss": 7.0, "tokens_per_s": 450_000.0, "mfu": 0.25},
+               {"step": 40, "loss": 6.5, "tokens_per_s": 470_000.0, "mfu": 0.26},
+               {"step": 50, "loss": 6.4, "tokens_per_s": 490_000.0, "mfu": 0.27},
+               {"event": "session_end", "step": 50, "compile_s": 4.0, "compile_cache": {"hits": 3, "misses": 0}}]
+    _write_session(tmp_path / "sessions" / "train-02", s2)
+    rows, measured = readiness_rows(smoke, tmp_path)
+    by = {r.link: r for r in rows}
+    assert (by["tokenize part"].ok, by["tokenize part"].detail) == (True, "50,000,000 tokens in 80 s")
+    assert (by["packages"].ok, by["packages"].detail) == (True, "kaggle installed (14 s)")
+    assert (by["secrets"].ok, by["secrets"].detail) == (False, "missing: KAGGLE_KEY")
+    assert (by["device"].ok, by["device"].detail) == (False, "xla:TPU v4 x8 (SPMD), TPU v4 (expected v5e)")
+    assert (by["resume"].ok, by["resume"].detail) == (False, "session 2 started at step 10, session 1 ended at 20")
+    assert by["compile"].ok and by["compile"].detail.endswith("cache hits 3, misses 0")
+    # the median of session 2's windows after its first: 470K and 490K -> 480K
+    assert by["tokens/s and MFU"].detail == "480,000 tokens/s, MFU 26.5% (session 2)"
+    assert (by["publish"].ok, by["publish"].detail) == (True, "from the output by the chain (secret missing)")
+    assert by["session 1 end -> session 2 start"].detail.startswith("130 s")
+    assert (by["eval"].ok, by["eval"].detail) == (False, "exit 1")
+    assert measured["tokens_per_s"] == 480_000 and measured["accelerator"] == "TpuV5E8"
+    assert report_lines(rows)[-1] == "not ready: fix the rows marked ✗ first"
+    out = tmp_path / "measured.json"
+    record_measurement(measured, out)
+    record_measurement({**measured, "tokens_per_s": 1.0, "local_kaggle": True}, out)  # a stand-in is no TPU
+    assert [r["tokens_per_s"] for r in json.loads(out.read_text())] == [480_000]
+
+
+def test_a_report_with_no_failed_row_says_ready():
+    rows = [Row("a", True, "x"), Row("device", None, "local")]
+    assert report_lines(rows)[-1] == "ready: every link works" and "–" in report_lines(rows)[-3]
+
+
+def test_smoke_on_the_local_kaggle_proves_every_link(tmp_path):
+    proc = run_script("scripts/chain_sessions.py", "--local-demo", "--smoke", "--workdir", str(tmp_path),
+                      timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "at most 4 min of TPU quota" in proc.stdout  # said before it starts: 3 sessions of 90 s
+    report = json.loads((tmp_path / "chain" / "readiness.json").read_text())
+    by = {r["link"]: r for r in report["rows"]}
+    state = json.loads((tmp_path / "chain" / "state.json").read_text())
+    first, second = state["train_sessions"]
+    assert by["tokenize part"]["ok"] and by["tokenize part"]["detail"].startswith("40,000 tokens")
+    assert by["packages"]["ok"] and "kaggle" in by["packages"]["detail"]
+    assert by["secrets"] == {"link": "secrets", "ok": True, "detail": "KAGGLE_KEY, KAGGLE_USERNAME found"}
+    assert by["device"]["ok"] is None and by["device"]["detail"].startswith("xla:CPU")
+    assert by["attention kernel"] == {"link": "attention kernel", "ok": True, "detail": "sdpa"}
+    assert by["resume"]["ok"] and first["step_after"] > 0
+    assert by["resume"]["detail"] == (f"session 2 started at step {first['step_after']}, session 1 ended at "
+                                      f"{first['step_after']}")
+    assert second["step_after"] > first["step_after"]
+    assert by["compile"]["ok"], by["compile"]
+    assert by["tokens/s and MFU"]["ok"] and by["tokens/s and MFU"]["detail"].endswith("MFU n/a (no TPU) (session 2)")
+    assert by["publish"] == {"link": "publish", "ok": True, "detail": by["publish"]["detail"]}
+    assert by["publish"]["detail"].startswith("in-session")
+    assert by["session 1 end -> session 2 start"]["ok"]
+    assert by["eval"]["ok"] and "HellaSwag" in by["eval"]["detail"] and "on 20 examples" in by["eval"]["detail"]
+    assert "chain" not in by and "ready: every link works" in proc.stdout
+    assert report["measured"]["local_kaggle"] is True
