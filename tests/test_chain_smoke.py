@@ -4,6 +4,7 @@ and its readiness report (issue 18)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -84,7 +85,7 @@ def test_the_readiness_report_marks_a_missing_secret_a_wrong_tpu_and_a_wrong_res
     assert (by["secrets"].ok, by["secrets"].detail) == (False, "missing: KAGGLE_KEY")
     assert (by["device"].ok, by["device"].detail) == (False, "xla:TPU v4 x8 (SPMD), TPU v4 (expected v5e)")
     assert (by["resume"].ok, by["resume"].detail) == (False, "session 2 started at step 10, session 1 ended at 20")
-    assert by["compile"].ok and by["compile"].detail.endswith("cache hits 3, misses 0")
+    assert by["compile"].ok and by["compile"].detail.endswith("cache hits 3, found but not loadable 0, misses 0")
     # the median of session 2's windows after its first: 470K and 490K -> 480K
     assert by["tokens/s and MFU"].detail == "480,000 tokens/s, MFU 26.5% (session 2)"
     assert (by["publish"].ok, by["publish"].detail) == (True, "from the output by the chain (secret missing)")
@@ -121,7 +122,8 @@ def test_smoke_on_the_local_kaggle_proves_every_link(tmp_path):
     assert by["resume"]["detail"] == (f"session 2 started at step {first['step_after']}, session 1 ended at "
                                       f"{first['step_after']}")
     assert second["step_after"] > first["step_after"]
-    assert by["compile"]["ok"], by["compile"]
+    # the compiled graphs travelled with the checkpoint and were found; torch_xla's CPU backend cannot load them
+    assert by["compile"]["ok"] is None and re.search(r"found but not loadable [1-9]", by["compile"]["detail"])
     assert by["tokens/s and MFU"]["ok"] and by["tokens/s and MFU"]["detail"].endswith("MFU n/a (no TPU) (session 2)")
     assert by["publish"] == {"link": "publish", "ok": True, "detail": by["publish"]["detail"]}
     assert by["publish"]["detail"].startswith("in-session")

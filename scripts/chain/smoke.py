@@ -130,7 +130,7 @@ def readiness_rows(smoke: ChainConfig, workdir: Path, failure: str = "") -> tupl
     rows.append(Row("attention kernel", bool(s1[0].get("attention")) or None,
                     s1[0].get("attention") or "not reported"))
     rows.append(_resume_row(s1[1], s2[0]))
-    rows.append(_compile_row(s1[1], s2[1]))
+    rows.append(_compile_row(s1[1], s2[1], local))
     rate, mfu = _steady(s2[2] or s1[2])
     rows.append(Row("tokens/s and MFU", bool(rate) or False,
                     (f"{rate:,.0f} tokens/s, MFU {mfu:.1%}" if mfu else f"{rate:,.0f} tokens/s, MFU n/a (no TPU)")
@@ -196,16 +196,19 @@ def _resume_row(end1: dict, start2: dict) -> Row:
                              f"{end1.get('step')}")
 
 
-def _compile_row(end1: dict, end2: dict) -> Row:
+def _compile_row(end1: dict, end2: dict, local: bool) -> Row:
     if not end1:
         return Row("compile", False, "session 1 did not finish")
     cache = end2.get("compile_cache") or {}
     detail = f"session 1: {end1.get('compile_s', 0):.0f} s"
     if not end2:
         return Row("compile", False, detail + "; no second session")
-    return Row("compile", cache.get("hits", 0) > 0,
-               detail + f"; session 2: {end2.get('compile_s', 0):.0f} s, cache hits {cache.get('hits', 0)}, "
-                        f"misses {cache.get('misses', 0)}")
+    hits, unloadable = cache.get("hits", 0), cache.get("unloadable", 0)
+    detail += (f"; session 2: {end2.get('compile_s', 0):.0f} s, cache hits {hits}, found but not loadable "
+               f"{unloadable}, misses {cache.get('misses', 0)}")
+    if local and not hits and unloadable:  # the graphs travelled; torch_xla's CPU backend cannot load them
+        return Row("compile", None, detail + " (the CPU backend cannot load compiled graphs)")
+    return Row("compile", hits > 0, detail)
 
 
 def _publish_row(sessions: list[dict], folders: list[Path]) -> Row:
