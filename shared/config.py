@@ -154,9 +154,16 @@ class TrainConfig:
     weight_decay: float = field(default=0.1, metadata={"help": "AdamW decay on 2-D weights only"})
     muon_lr: float = field(default=0.02, metadata={"help": "muon: peak learning rate of the blocks' matrices"})
     muon_momentum: float = field(default=0.95, metadata={"help": "muon: Nesterov momentum"})
+    muon_momentum_warmup_steps: int = field(default=0, metadata={
+        "help": "muon: steps over which the momentum rises linearly from --muon-momentum-start to --muon-momentum "
+                "(modded-nanogpt's records: 0.85 -> 0.95 over 300; docs/recipe-sources.md); 0: constant"})
+    muon_momentum_start: float = field(default=0.85, metadata={"help": "muon: the momentum at step 0 of the warm-up"})
     muon_weight_decay: float = field(default=0.01, metadata={"help": "muon: decoupled decay on its matrices"})
     grad_clip: float = field(default=1.0, metadata={"help": "global gradient-norm clip"})
     seed: int = field(default=1337, metadata={"help": "init and data-order seed"})
+    zero_init_projections: bool = field(default=False, metadata={
+        "help": "start the attention and MLP output projections (c_proj) at zero (modded-nanogpt's 2024-10-14 record; "
+                "initialisation only: the architecture and the Hugging Face export are unchanged)"})
     fsdp: bool = field(default=False, metadata={"help": "shard params, grads and AdamW state over the mesh"})
     bf16: bool = field(
         default=True, metadata={"help": "bf16 autocast, fp32 master weights (fp16 + loss scaling without bf16)"}
@@ -260,8 +267,10 @@ class TrainConfig:
             raise UserError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
         if not 0.0 < self.cooldown_frac <= 1.0:
             raise UserError(f"--cooldown-frac must be in (0, 1], got {self.cooldown_frac}")
-        if not 0.0 <= self.muon_momentum < 1.0:
-            raise UserError(f"--muon-momentum must be in [0, 1), got {self.muon_momentum}")
+        for name in ("muon_momentum", "muon_momentum_start"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise UserError(f"{_flag(name)} must be in [0, 1), got {getattr(self, name)}")
+        _at_least(self, 0, "muon_momentum_warmup_steps")
 
     def validate(self, num_devices: int = 1) -> None:
         """Every check again (a field may have been set since), then what needs the machine: the micro-batch is

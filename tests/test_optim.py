@@ -24,6 +24,7 @@ from shared.train.metrics import read_metrics
 from shared.train.model import GPT
 from shared.train.optim import (
     NS_COEFFICIENTS,
+    MuonAdamW,
     lr_at,
     make_optimizer,
     muon_matrix_shape,
@@ -163,8 +164,10 @@ def test_bad_optimizer_and_schedule_flags_are_one_line_errors():
 # --- under XLA (8 CPU devices, SPMD) ----------------------------------------------------------------------------
 
 def test_muon_compiles_nothing_after_step_two(demo_data, tmp_path):
+    # with the momentum warming up (a device tensor moved every step) and zero-initialised projections
     cfg = small_config(demo_data, tmp_path, max_steps=8, warmup_steps=2, optimizer="muon", schedule="wsd",
-                       lr=3e-3, muon_lr=0.03, checkpoint_every=3)
+                       lr=3e-3, muon_lr=0.03, checkpoint_every=3, muon_momentum_warmup_steps=4,
+                       zero_init_projections=True)
     result, _ = train_in_process(cfg)
     assert result.step == 8
     records = {r["step"]: r for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r}
@@ -264,3 +267,61 @@ def test_bench_recipe_remaps_to_the_most_frequent_tokens_and_reads_tokens_needed
     assert interpolated and needed == pytest.approx(2_000_000 * 2 ** 0.5)
     assert bench.tokens_to_reach(3.5, finals) == (1_000_000, False)  # the smallest budget already reaches it
     assert bench.tokens_to_reach(1.0, finals) == (None, False)
+
+
+def test_muon_momentum_warms_up_linearly_then_holds():
+    from shared.train.optim import muon_momentum_at
+
+    cfg = TrainConfig(optimizer="muon", muon_momentum_warmup_steps=300)
+    steps = torch.tensor([0.0, 150.0, 299.0, 300.0, 5000.0])
+    expected = [0.85 + 0.10 * min(s / 300, 1.0) for s in steps.tolist()]  # the records' 0.85 -> 0.95 over 300
+    assert muon_momentum_at(steps, cfg).tolist() == pytest.approx(expected, abs=1e-7)
+    assert muon_momentum_at(torch.tensor(7.0), TrainConfig(optimizer="muon")).item() == pytest.approx(0.95)
+    with pytest.raises(UserError, match="--muon-momentum-start must be in"):
+        TrainConfig(muon_momentum_start=1.0)
+
+
+def _two_muon_steps(momenta: list, as_tensor: bool) -> torch.Tensor:
+    """A 16 x 8 matrix after two Muon steps with the given momentum at each (fp32 Newton-Schulz, fixed grads)."""
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(16, 8))
+    momentum = torch.tensor(momenta[0]) if as_tensor else momenta[0]
+    group = {"params": [weight], "kind": "muon", "lr_ratio": 1.0, "weight_decay": 0.01, "momentum": momentum,
+             "shapes": {id(weight): (16, 8)}}
+    opt = MuonAdamW([group], torch.tensor(0.02), ns_dtype=torch.float32)
+    opt.state[weight]["momentum_buffer"] = torch.zeros(16, 8)
+    for m, seed in zip(momenta, (1, 2), strict=True):
+        if as_tensor:
+            momentum.copy_(torch.tensor(m))
+        else:
+            opt.param_groups[0]["momentum"] = m
+        weight.grad = torch.randn(16, 8, generator=torch.Generator().manual_seed(seed))
+        opt.step()
+    return weight.detach().clone()
+
+
+def test_a_momentum_tensor_moved_between_steps_steps_as_the_constants_would():
+    moved = _two_muon_steps([0.85, 0.9], as_tensor=True)
+    # equal to float32 rounding (1 - m is formed in float32 from the tensor, in float64 from the constant)
+    torch.testing.assert_close(moved, _two_muon_steps([0.85, 0.9], as_tensor=False), rtol=0, atol=1e-6)
+    assert (moved - _two_muon_steps([0.95, 0.95], as_tensor=False)).abs().max() > 1e-4
+
+
+def test_zero_initialised_projections_start_each_block_as_the_identity_and_still_learn():
+    from shared.config import MODEL_PRESETS
+    from shared.train.model import to_hf_state_dict
+
+    torch.manual_seed(0)
+    model = GPT(MODEL_PRESETS["tiny"])
+    keys = set(to_hf_state_dict(model))
+    model.zero_output_projections()
+    projections = [m for b in model.transformer.h for m in (b.attn.c_proj, b.mlp.c_proj)]
+    assert len(projections) == 4 and all(not p.weight.any() and not p.bias.any() for p in projections)
+    x = torch.randint(0, 100, (2, 16))
+    block_in = model.transformer.wte(x) + model.transformer.wpe(torch.arange(16))
+    assert torch.equal(model.transformer.h[0](block_in), block_in)  # zero outputs: the residual passes through
+    _, loss = model(x, x)
+    loss.backward()
+    assert all(p.weight.grad.abs().sum() > 0 for p in projections)
+    assert set(to_hf_state_dict(model)) == keys  # the export's layout is unchanged
+    assert TrainConfig(zero_init_projections=True).zero_init_projections

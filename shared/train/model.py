@@ -96,6 +96,15 @@ class GPT(nn.Module):
         # 128-aligned width: -inf logits add nothing to the softmax and get zero gradient.
         self.register_buffer("vocab_padding", torch.arange(cfg.vocab_size) >= GPT2_VOCAB_SIZE, persistent=False)
 
+    def zero_output_projections(self) -> None:
+        """The attention and MLP output projections (c_proj) at zero: each block starts as the identity on the
+        residual stream (modded-nanogpt's 2024-10-14 record); gradients still reach them through the residual."""
+        with torch.no_grad():
+            for block in self.transformer.h:
+                for proj in (block.attn.c_proj, block.mlp.c_proj):
+                    proj.weight.zero_()
+                    proj.bias.zero_()
+
     def _init_weights(self, module: nn.Module) -> None:
         # GPT-2 init: N(0, 0.02); projections into the residual stream scaled by 1/sqrt(2 * n_layer).
         if isinstance(module, nn.Linear):

@@ -176,10 +176,21 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     return total
 
 
+def muon_momentum_at(step: torch.Tensor, cfg: TrainConfig) -> torch.Tensor:
+    """Muon's momentum at `step` (a device tensor, so the warm-up never recompiles): a linear rise from
+    muon_momentum_start to muon_momentum over muon_momentum_warmup_steps, then constant."""
+    if not cfg.muon_momentum_warmup_steps:
+        return torch.full_like(step, cfg.muon_momentum)
+    progress = (step / cfg.muon_momentum_warmup_steps).clamp(0.0, 1.0)
+    return cfg.muon_momentum_start + (cfg.muon_momentum - cfg.muon_momentum_start) * progress
+
+
 def make_optimizer(named: NamedParams, cfg: TrainConfig, runtime, lr: torch.Tensor,
-                   saved: dict[str, torch.Tensor] | None = None) -> torch.optim.Optimizer:
+                   saved: dict[str, torch.Tensor] | None = None,
+                   momentum: torch.Tensor | None = None) -> torch.optim.Optimizer:
     """cfg.optimizer with its state created up front: zeros, or `saved` tensors, laid out like their parameters
-    (sharded under fsdp) instead of however the first step would make them."""
+    (sharded under fsdp) instead of however the first step would make them. `momentum`: Muon's momentum as a
+    device tensor the trainer moves each step (the warm-up), else the constant cfg.muon_momentum."""
     device = runtime.device
     on_accelerator = device.type != "cpu"
     if cfg.optimizer == "muon":
@@ -188,7 +199,8 @@ def make_optimizer(named: NamedParams, cfg: TrainConfig, runtime, lr: torch.Tens
         adam = [(n, p) for n, p in named if not shapes[n]]
         groups = [
             {"params": [p for _, p in muon], "kind": "muon", "lr_ratio": cfg.muon_lr / cfg.lr,
-             "weight_decay": cfg.muon_weight_decay, "momentum": cfg.muon_momentum,
+             "weight_decay": cfg.muon_weight_decay,
+             "momentum": cfg.muon_momentum if momentum is None else momentum,
              "shapes": {id(p): shapes[n] for n, p in muon}},
             {"params": [p for _, p in adam if p.dim() >= 2], "kind": "adam", "weight_decay": cfg.weight_decay},
             {"params": [p for _, p in adam if p.dim() < 2], "kind": "adam", "weight_decay": 0.0},

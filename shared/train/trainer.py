@@ -31,7 +31,14 @@ from shared.train.checkpoint import (
 from shared.train.device import Runtime, make_runtime, runtime_versions
 from shared.train.metrics import BackgroundCalls, MetricsLogger, plot_loss
 from shared.train.model import GPT
-from shared.train.optim import clip_grad_norm, lr_at, make_optimizer, optimizer_of_state, optimizer_tensors
+from shared.train.optim import (
+    clip_grad_norm,
+    lr_at,
+    make_optimizer,
+    muon_momentum_at,
+    optimizer_of_state,
+    optimizer_tensors,
+)
 from shared.train.tpu import micro_batch_for
 
 XLA_CACHE_DIR = "xla_cache"  # inside out_dir, and inside each checkpoint (XLA's persistent compilation cache)
@@ -196,6 +203,8 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print) -> TrainR
     # --- model and optimizer: initialised on the CPU from the seed, so every backend starts identically ---
     torch.manual_seed(cfg.seed)
     model = GPT(model_cfg)
+    if cfg.zero_init_projections and not resumed:
+        model.zero_output_projections()
     if resumed:
         model.load_checkpoint_tensors(resumed.model, resumed.path)
         runtime.set_rng_state(resumed.state.get("rng", {}))
@@ -205,11 +214,14 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print) -> TrainR
     start_step = resumed.step if resumed else 0
     step_t = torch.tensor(float(start_step)).to(runtime.device)  # the schedule's step, on the device
     lr_t = lr_at(step_t, cfg)
-    for scalar in (step_t, lr_t):
-        runtime.shard_like(scalar, scalar)
+    # Muon's momentum moves with the step only while it warms up; otherwise it stays a constant in the graph.
+    momentum_t = muon_momentum_at(step_t, cfg) if cfg.optimizer == "muon" and cfg.muon_momentum_warmup_steps else None
+    for scalar in (step_t, lr_t, momentum_t):
+        if scalar is not None:
+            runtime.shard_like(scalar, scalar)
     runtime.sync()  # AdamW's constructor reads the LR's value once; let it read device data
     named_params = list(model.named_parameters())
-    opt = make_optimizer(named_params, cfg, runtime, lr_t, resumed.optimizer if resumed else None)
+    opt = make_optimizer(named_params, cfg, runtime, lr_t, resumed.optimizer if resumed else None, momentum_t)
     params = [p for _, p in named_params]
     scaler = runtime.grad_scaler(cfg.bf16)  # active only for fp16 autocast (GPUs without bf16)
     if resumed and resumed.state.get("grad_scaler") and scaler.is_enabled():
@@ -334,6 +346,8 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print) -> TrainR
             grad_norm = clip_grad_norm(params, cfg.grad_clip)
             lr = lr_at(step_t, cfg)  # a fresh tensor each step: the logging thread reads it after lr_t has moved on
             lr_t.copy_(lr)
+            if momentum_t is not None:
+                momentum_t.copy_(muon_momentum_at(step_t, cfg))
             scaler.step(opt)
             scaler.update()
             opt.zero_grad(set_to_none=True)
