@@ -162,6 +162,12 @@ def test_training_logs_val_loss_hellaswag_and_samples(trained_run):
     steps = [r for r in records if "loss" in r]
     # The evals (and their graphs) inside training do not add compilations once the run is going.
     assert steps[-1]["compiles"] == next(r for r in steps if r["step"] == 5)["compiles"]
+    # ...and the training plot draws HellaSwag beside the losses, at every eval that scored it
+    from shared.train.metrics import plot_series
+
+    series = plot_series(records)
+    assert series["hellaswag"] == [(r["tokens"], r["hellaswag_acc_norm"]) for r in hs]
+    assert len(series["val loss"]) >= 3 and len(series["train loss"]) == len(steps)
 
 
 def eval_kernel(*args, timeout=300):

@@ -166,33 +166,54 @@ class BackgroundCalls:
             raise error
 
 
+GPT2_HELLASWAG = 0.2945  # OpenAI GPT-2 124M's HellaSwag acc_norm (the project's target)
+
+
+def plot_series(records: list[dict]) -> dict[str, list[tuple[float, float]]]:
+    """What the training plot draws, as (tokens, value) points: train loss, validation loss and, where the run
+    scored HellaSwag at its evals, acc_norm."""
+    def points(key: str) -> list[tuple[float, float]]:
+        return [(r["tokens"], r[key]) for r in records if r.get(key) is not None and r.get("event") != "eval"]
+
+    return {"train loss": points("loss"), "val loss": points("val_loss"), "hellaswag": points("hellaswag_acc_norm")}
+
+
 def plot_loss(metrics_path: str | os.PathLike, png_path: str | os.PathLike, reference: float | None = None,
               reference_label: str = "") -> Path:
-    """Train (and validation, where logged) loss against tokens seen, one line per session boundary."""
+    """Train (and validation, where logged) loss against tokens seen, one line per session boundary; HellaSwag
+    acc_norm on a second axis where the evals scored it, against GPT-2 124M's."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     records = read_metrics(metrics_path)
-    train = [r for r in records if r.get("loss") is not None]
-    val = [r for r in records if r.get("val_loss") is not None]
+    series = plot_series(records)
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
-    if train:
-        ax.plot([r["tokens"] for r in train], [r["loss"] for r in train], label="train loss", lw=1.2)
-    if val:
-        ax.plot([r["tokens"] for r in val], [r["val_loss"] for r in val], "o-", label="val loss", ms=3)
+    for name, style in (("train loss", "-"), ("val loss", "o-")):
+        if series[name]:
+            xs, ys = zip(*series[name], strict=True)
+            ax.plot(xs, ys, style, label=name, lw=1.2, ms=3)
     for r in records:
         if r.get("event") == "session_start" and r.get("step", 0) > 0:
             ax.axvline(r["tokens"], color="grey", ls=":", lw=0.8)
     if reference is not None:
         ax.axhline(reference, color="red", ls="--", lw=1, label=reference_label or f"reference {reference}")
+    handles, labels = ax.get_legend_handles_labels()
+    if series["hellaswag"]:
+        hs = ax.twinx()
+        xs, ys = zip(*series["hellaswag"], strict=True)
+        hs.plot(xs, ys, "s--", color="tab:green", ms=3, lw=1, label="HellaSwag acc_norm")
+        hs.axhline(GPT2_HELLASWAG, color="tab:green", ls=":", lw=0.8, label=f"GPT-2 124M {GPT2_HELLASWAG}")
+        hs.set_ylabel("HellaSwag acc_norm")
+        more = hs.get_legend_handles_labels()
+        handles, labels = handles + more[0], labels + more[1]
     ax.set_xlabel("tokens")
     ax.set_ylabel("loss")
     ax.set_title("GPT-2 training loss")
     ax.grid(alpha=0.3)
-    if train or val:
-        ax.legend()
+    if handles:
+        ax.legend(handles, labels)
     fig.tight_layout()
     png_path = Path(png_path)
     fig.savefig(png_path)
