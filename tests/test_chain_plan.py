@@ -194,6 +194,8 @@ def test_the_chain_configs_own_fields_are_type_checked():
     with pytest.raises(UserError, match=r"^config: total_steps: expected int, got '19073'$"):
         config_from_dict({"total_steps": "19073", "token_datasets": ["a/b"]})
     assert config_from_dict({"session_limit_s": 32400, "token_datasets": ["a/b"]}).session_limit_s == 32400.0
+    with pytest.raises(UserError, match="hellaswag 'hs.jsonl' is not download, demo or an existing jsonl file"):
+        config_from_dict({"hellaswag": "hs.jsonl", "token_datasets": ["a/b"]})
 
 
 def test_micro_batch_auto_is_resolved_for_the_chains_tpu():

@@ -1,5 +1,6 @@
-"""The checkpoint dataset the train sessions resume from and publish to: its step, creating it before the first
-session, and publishing a session's checkpoint from its output when the session could not."""
+"""The checkpoint dataset the train sessions resume from and publish to: its versions (the current one, the step
+each holds, which of them stay), creating it before the first session, waiting for a publish to land, and publishing
+a session's checkpoint from its output when the session could not."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import json
 import shutil
 from pathlib import Path
 
-from scripts.chain.client import ApiFailure, _normalize_single_download
+from scripts.chain.client import ApiFailure, VersionMissing, _normalize_single_download
 from scripts.chain.context import StageContext
+from shared.errors import UserError
 from shared.fsutil import sha256_file
 from shared.kaggle.publish import (
     MANIFEST,
@@ -20,20 +22,67 @@ from shared.kaggle.publish import (
 )
 
 
-def dataset_step(ctx: StageContext, ref: str) -> int:
-    """The step of the checkpoint the dataset's newest version holds (0: none yet)."""
+def dataset_step(ctx: StageContext, ref: str, version: int = 0) -> int:
+    """The step of the checkpoint that version `version` of the dataset holds (0: none), read from exactly that
+    version; without one, from whatever Kaggle serves as the newest (right after a publish, maybe the previous)."""
     dest = ctx.workdir / "dataset-probe"
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)
+    target = f"{ref}/{version}" if version else ref  # owner/slug/N: kaggle sends datasetVersionNumber N
     try:
-        ctx.client.call(f"dataset {ref}", ctx.client.api.dataset_download_file, ref, MANIFEST, str(dest), force=True,
-                        quiet=True)
+        ctx.client.call(f"dataset {target}", ctx.client.api.dataset_download_file, target, MANIFEST, str(dest),
+                        force=True, quiet=True)
     except ApiFailure as err:
         if err.status == 404:
             return 0
         raise
     _normalize_single_download(dest, MANIFEST)
     return checkpoint_step(dest) or 0
+
+
+def dataset_head(ctx: StageContext, ref: str) -> tuple[int, int]:
+    """(the dataset's current version once ready, the step that version holds); (0, 0) with no dataset."""
+    number, _ = ctx.client.dataset_version(ref)
+    if not number:
+        return 0, 0
+    version = ctx.client.wait_dataset_version(ref, number - 1)
+    return version, dataset_step(ctx, ref, version)
+
+
+def known_versions(ctx: StageContext, current: int) -> list[int]:
+    """The checkpoint dataset's versions this chain knows to be live, oldest first. A state without them (a dataset
+    this chain did not create) counts every number up to `current`: deleting too early beats filling the quota."""
+    return ctx.state.data.setdefault("checkpoint_versions", list(range(1, current + 1)))
+
+
+def delete_old_on_publish(ctx: StageContext, current: int) -> bool:
+    """Whether the next checkpoint version is published with deleteOldVersions: Kaggle deletes only every older
+    version at once, so the publish that would leave more than keep_dataset_versions deletes them all
+    (docs/kaggle-api.md, Checkpoint dataset versions)."""
+    keep = ctx.cfg.keep_dataset_versions
+    if str(ctx.cfg.train.get("checkpoint_dir", "")).startswith("{temp}"):
+        # The delete happens before the new version is verified, and a checkpoint kept in /kaggle/temp has no copy
+        # in the session's output to publish again: a failed version would leave no checkpoint anywhere.
+        return False
+    return keep > 0 and len(known_versions(ctx, current)) + 1 > keep
+
+
+def note_version(ctx: StageContext, number: int, deleted_old: bool) -> None:
+    """Record a new checkpoint version that verified (and whether its publish deleted the older ones)."""
+    known = known_versions(ctx, number - 1)
+    ctx.state.data["checkpoint_versions"] = [number] if deleted_old else [v for v in known if v < number] + [number]
+    ctx.state.save()
+
+
+def wait_published(ctx: StageContext, ref: str, before: int, what: str) -> int:
+    """The version a publish made (newer than `before`), once ready; a publish that reported success but never
+    appears is one line: Kaggle answers a create over the private-dataset quota so (kaggle-cli issue 284)."""
+    try:
+        return ctx.client.wait_dataset_version(ref, before)
+    except VersionMissing as err:
+        raise UserError(f"{what} reported success, but {err}; a create over the private-dataset quota is answered so "
+                        "(kaggle-cli issue 284): free space on Kaggle (or lower keep_dataset_versions), then run the "
+                        "chain again") from None
 
 
 def ensure_checkpoint_dataset(ctx: StageContext, ref: str) -> None:
@@ -49,13 +98,16 @@ def ensure_checkpoint_dataset(ctx: StageContext, ref: str) -> None:
     write_dataset_folder(folder / "upload", ref, f"{ctx.cfg.name} checkpoints", [readme])
     ctx.client.call(f"create dataset {ref}", push_dataset_folder, ctx.client.api, folder / "upload", ref,
                     "no checkpoint yet")
-    ctx.client.wait_dataset_ready(ref)
+    first = wait_published(ctx, ref, 0, f"creating the checkpoint dataset {ref}")
+    note_version(ctx, first, deleted_old=True)  # the first version: nothing older
     ctx.log(f"created the checkpoint dataset {ref}")
 
 
-def publish_from_output(ctx: StageContext, ref: str, version: int, ckpt_ref: str, out_step: int, reason: str) -> bool:
+def publish_from_output(ctx: StageContext, ref: str, version: int, ckpt_ref: str, out_step: int, reason: str,
+                        before: int, delete_old: bool = False) -> int:
     """Publish checkpoint `out_step` from the output of version `version` of `ref` to `ckpt_ref` (the session
-    saved it but did not publish it); False, with a warning, when the output holds no complete copy of it."""
+    saved it but did not publish it, or its publish never appeared), as the version after `before`: its number
+    once it verifies, or 0, with a warning, when the output holds no complete copy of it."""
     name = f"step_{out_step:06d}"
     fallback = ctx.workdir / "fallback"
     shutil.rmtree(fallback / name, ignore_errors=True)
@@ -64,15 +116,25 @@ def publish_from_output(ctx: StageContext, ref: str, version: int, ckpt_ref: str
     if not [f for f in got if not f.endswith(".log")]:
         ctx.log(f"  warning: the session's output holds no checkpoint {name} (large models keep theirs in "
                 "/kaggle/temp, gone with the session); not published")
-        return False
+        return 0
     if checkpoint_step(src) != out_step or not _verify_files(src):
         ctx.log(f"  warning: the output's checkpoint {name} is incomplete; not published")
-        return False
+        return 0
     ctx.log(f"  publishing step {out_step} from the kernel output ({reason})")
     ctx.client.call(f"publish to {ckpt_ref}", publish_checkpoint, ctx.client.api, src, ckpt_ref, ctx.workdir,
-                    f"{ctx.cfg.name} checkpoints", f"checkpoint at step {out_step} (published by the chain)")
-    ctx.client.wait_dataset_ready(ckpt_ref)
-    return True
+                    f"{ctx.cfg.name} checkpoints", f"checkpoint at step {out_step} (published by the chain)",
+                    delete_old_versions=delete_old)
+    new = wait_published(ctx, ckpt_ref, before, f"the chain's publish of step {out_step} to {ckpt_ref}")
+    check_version_step(ctx, ckpt_ref, new, out_step)
+    return new
+
+
+def check_version_step(ctx: StageContext, ref: str, version: int, step: int) -> None:
+    """A published version must hold the step that was published: read back from exactly that version."""
+    found = dataset_step(ctx, ref, version)
+    if found != step:
+        raise UserError(f"dataset {ref}: version {version} holds step {found}, not the step {step} just published; "
+                        "see the dataset's page")
 
 
 def _verify_files(folder: Path) -> bool:

@@ -105,8 +105,23 @@ class ApiFailure(UserError):
         self.status = status
 
 
+class VersionMissing(UserError):
+    """No dataset version newer than the one before a publish appeared (or became ready) in time."""
+
+    def __init__(self, ref: str, above: int, number: int, status: str, timeout_s: float):
+        newest = f"version {number}, {status or 'no status'}" if number else "no version at all: HTTP 404"
+        waited = f"{timeout_s:.0f} s" if timeout_s < 120 else f"{timeout_s / 60:.0f} minutes"
+        super().__init__(f"no version of {ref} after version {above} was ready within {waited} (Kaggle shows "
+                         f"{newest})")
+        self.ref, self.above, self.number = ref, above, number
+
+
 class KaggleClient:
     """The chain's Kaggle calls on one API object (a KaggleApi, or a test's stand-in), as `user`."""
+
+    # How long a new dataset version may take to appear and be processed before it counts as missing (a create
+    # over the private-dataset quota reports success and never appears: kaggle-cli issue 284).
+    dataset_wait_s: float = 3600.0
 
     def __init__(self, cfg: ClientConfig, api=None, user: str = "", log=print, sleep=time.sleep):
         self.cfg = cfg
@@ -305,6 +320,40 @@ class KaggleClient:
                                 "again later")
             self.sleep(interval)
             interval = min(interval * 1.5, self.cfg.poll_max_s)
+
+    def dataset_version(self, ref: str) -> tuple[int, str]:
+        """(current version number, status) of the dataset `ref`; (0, "") while Kaggle answers 404 (not created,
+        or a create that never landed). kaggle's `dataset_status(format="json")` reads GetDatasetStatus, then
+        GetDataset's currentVersionNumber; the status names no version (docs/kaggle-api.md)."""
+        try:
+            reply = json.loads(self.call(f"dataset {ref}", self.api.dataset_status, ref, format="json"))
+        except ApiFailure as err:
+            if err.status == 404:
+                return 0, ""
+            raise
+        return int(reply.get("current_version_number") or 0), str(reply.get("status") or "").lower()
+
+    def wait_dataset_version(self, ref: str, above: int, timeout_s: float | None = None) -> int:
+        """Wait until the dataset has a version newer than `above` and it is ready; returns its number. Right
+        after a publish both calls may still describe the previous version, so a version counts only once it is
+        higher than `above`, and its "ready" only when read after that number was seen (the status names no
+        version). Raises VersionMissing when none appears within `timeout_s` (default dataset_wait_s)."""
+        timeout_s = self.dataset_wait_s if timeout_s is None else timeout_s
+        interval, deadline, seen = self.cfg.poll_initial_s, time.monotonic() + timeout_s, 0
+        while True:
+            number, status = self.dataset_version(ref)
+            if number > above and number == seen:  # this status was read after that number was seen
+                if status == "ready":
+                    return number
+                if status in ("failed", "deleted"):  # DatabundleVersionStatus (kagglesdk dataset_enums.py:3-12)
+                    raise UserError(f"dataset {ref}: its version {number} is {status} on Kaggle; see the dataset's "
+                                    "page")
+            fresh = number > above and number != seen
+            seen = number if number > above else 0
+            if time.monotonic() > deadline:
+                raise VersionMissing(ref, above, number, status, timeout_s)
+            self.sleep(self.cfg.poll_initial_s if fresh else interval)
+            interval = interval if fresh else min(interval * 1.5, self.cfg.poll_max_s)
 
     def quota_left_s(self, kind: str | None) -> tuple[float, float, str] | None:
         """(seconds left, seconds allowed, reset time) of the weekly quota of `kind` ("tpu", "gpu"), None for

@@ -68,6 +68,9 @@ class ChainConfig:
     eval: dict = dataclasses.field(default_factory=dict)  # enabled, settings, inputs, accelerator
     slugs: dict = dataclasses.field(default_factory=dict)  # tokenize, train, eval, checkpoints
     smoke: dict = dataclasses.field(default_factory=dict)  # --smoke's sizes and limits (scripts/chain/smoke.py)
+    # HellaSwag for the train sessions' evals: download, demo, a local jsonl, or "" (none); the chain uploads it as
+    # a dataset once (scripts/chain/hellaswag.py) and the sessions score train.hellaswag_examples of it
+    hellaswag: str = ""
     poll_initial_s: float = 10.0
     poll_max_s: float = 120.0
     # A finished status read before the pushed version was ever seen queued or running may still be the
@@ -179,7 +182,10 @@ def config_from_dict(raw: dict, where: str = "config") -> ChainConfig:
     unknown_slugs = sorted(set(cfg.slugs) - {"tokenize", "train", "eval", "checkpoints"})
     if unknown_slugs:
         raise UserError(f"{where}: unknown slugs key(s) {', '.join(unknown_slugs)}")
-    from scripts.chain.smoke import SMOKE_DEFAULTS  # (smoke.py builds on this module)
+    from scripts.chain.hellaswag import check_hellaswag_source  # (these build on this module)
+    from scripts.chain.smoke import SMOKE_DEFAULTS
+
+    check_hellaswag_source(cfg.hellaswag, where)
 
     unknown_smoke = sorted(set(cfg.smoke) - set(SMOKE_DEFAULTS))
     if unknown_smoke:

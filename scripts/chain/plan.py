@@ -145,7 +145,7 @@ def make_plan(cfg: ChainConfig, quota: tuple[float, float, str] | None = None,
     # Periodic evals (validation loss, and HellaSwag where a file is given) cost forward passes, a third of a
     # training token's FLOPs each.
     eval_tokens = train.eval_batches * train.micro_batch * model.block_size
-    if train.hellaswag_file:
+    if train.hellaswag_file or cfg.hellaswag:
         eval_tokens += (train.hellaswag_examples * 4 or HELLASWAG_ROWS) * HELLASWAG_TOKENS_PER_ROW
     eval_share = eval_tokens / 3 / (train.eval_every * train.total_batch_tokens) if train.eval_every else 0.0
     plan["eval_share"] = eval_share
@@ -200,6 +200,10 @@ def plan_lines(cfg: ChainConfig, plan: dict, source: str = "") -> list[str]:
                  f"{train.total_batch_tokens:,} tokens = {_tokens(plan['train_tokens'])} tokens; micro-batch "
                  f"{train.micro_batch}{auto_note and f' ({auto_note})'} x {train.grad_accum_steps} accumulation; "
                  f"{train.optimizer} + {train.schedule}")
+    if train.eval_every and (cfg.hellaswag or train.hellaswag_file):
+        lines.append(f"          every {train.eval_every} steps: validation loss and HellaSwag on "
+                     f"{train.hellaswag_examples or 'all'} examples ({cfg.hellaswag or train.hellaswag_file}), "
+                     "plotted beside the loss")
     if cfg.eval.get("enabled", True):
         ev = _eval_config(cfg)
         lines.append(f"eval      {cfg.eval.get('accelerator', cfg.accelerator) or 'CPU'}: validation loss on "
@@ -231,11 +235,16 @@ def plan_lines(cfg: ChainConfig, plan: dict, source: str = "") -> list[str]:
     size = plan["checkpoint_bytes"]
     ckpt_dir = cfg.train.get("checkpoint_dir") or "{working}/train/checkpoints"
     keep = int(cfg.train.get("keep_checkpoints", 2))
-    versions = getattr(cfg, "keep_dataset_versions", 2)
+    if ckpt_dir.startswith("{temp}"):
+        versions = "every version kept: with no copy in the output, older ones are never deleted"
+    elif cfg.keep_dataset_versions:
+        versions = f"at most {cfg.keep_dataset_versions} versions kept"
+    else:
+        versions = "every version kept"
     lines.append(f"checkpoint  {_gb(size)} (fp32 weights + AdamW moments), {keep} kept in {ckpt_dir} "
                  f"({_gb((keep + 1) * size)} while one is written; the output holds "
                  f"{OUTPUT_LIMIT_BYTES / 1e9:g} GB), published to dataset {user}/{cfg.slug('checkpoints')} "
-                 f"({versions} versions kept)")
+                 f"({versions})")
     lines.append("")
     lines += [f"margin      {line}" for line in margins(cfg, plan)]
     lines += [f"warning     {line}" for line in warnings(cfg, plan, train)]
@@ -297,6 +306,10 @@ def check_builds(cfg: ChainConfig) -> int:
 
     with tempfile.TemporaryDirectory(prefix="gpt2k-plan-") as scratch:
         chain = Chain(dataclasses.replace(cfg, user=cfg.user or "plan-user"), scratch, log=lambda _: None)
+        if cfg.hellaswag:  # where the chain will have uploaded it
+            from scripts.chain.hellaswag import hellaswag_ref
+
+            chain.state.data["hellaswag_dataset"] = hellaswag_ref(chain.ctx)
         parts = int(cfg.tokenize.get("parts") or 0)
         for part in range(parts):
             chain.tokenize.build(part, "plan")

@@ -13,10 +13,18 @@ import uuid
 from pathlib import Path
 
 from scripts.chain.build import build_kernel
-from scripts.chain.checkpoints import dataset_step, ensure_checkpoint_dataset, publish_from_output
-from scripts.chain.client import ApiFailure
+from scripts.chain.checkpoints import (
+    dataset_head,
+    dataset_step,
+    delete_old_on_publish,
+    ensure_checkpoint_dataset,
+    note_version,
+    publish_from_output,
+)
+from scripts.chain.client import ApiFailure, VersionMissing
 from scripts.chain.config import ChainConfig
 from scripts.chain.context import StageContext
+from scripts.chain.hellaswag import ensure_hellaswag_dataset, hellaswag_settings
 from scripts.chain.limits import MACHINE_SHAPES
 from scripts.chain.tokenize_stage import data_sources
 from shared.errors import UserError
@@ -28,24 +36,25 @@ class TrainStage:
         self.ctx = ctx
         self.cfg = ctx.cfg
 
-    def check_work_left(self) -> int:
-        """The checkpoint dataset's step; a chain that has trained nothing yet and finds it at total_steps already
-        is one line (before anything is pushed)."""
+    def check_work_left(self) -> tuple[int, int]:
+        """(current version, step) of the checkpoint dataset; a chain that has trained nothing yet and finds it at
+        total_steps already is one line (before anything is pushed)."""
         ckpt_ref = self.ctx.ref(self.cfg.slug("checkpoints"))
-        step = dataset_step(self.ctx, ckpt_ref)
+        version, step = dataset_head(self.ctx, ckpt_ref)
         if step >= self.cfg.total_steps and not self.ctx.state.data["train_sessions"]:
             raise UserError(f"nothing to train: checkpoint dataset {ckpt_ref} already holds step {step} of "
                             f"total_steps {self.cfg.total_steps} (raise total_steps to train further)")
-        return step
+        return version, step
 
     def run(self) -> None:
         ctx, cfg = self.ctx, self.cfg
         ckpt_ref = ctx.ref(cfg.slug("checkpoints"))
         ensure_checkpoint_dataset(ctx, ckpt_ref)
+        if cfg.hellaswag and not ctx.state.data.get("hellaswag_dataset"):
+            ctx.state.data["hellaswag_dataset"] = ensure_hellaswag_dataset(ctx)
+            ctx.state.save()
         sessions = ctx.state.data["train_sessions"]
-        step = self.check_work_left()
-        if step >= cfg.total_steps:
-            return
+        version, step = self.check_work_left()
         failures = sum(1 for _ in _trailing_failures(sessions))
         while step < cfg.total_steps:
             n = len(sessions) + (0 if sessions and not sessions[-1].get("ended") else 1)
@@ -55,15 +64,15 @@ class TrainStage:
                 break
             if not sessions or sessions[-1].get("ended"):
                 self.check_quota(step)
-                sessions.append({"n": n, "key": f"train-{n}", "step_before": step})
-                ctx.state.save()
+                self.new_session(n, step, version)
             sess = sessions[-1]
             ref = ctx.ref(cfg.slug("train"))
             ctx.log(f"train session {n} of {sessions_total(cfg, n, step, sessions)}: {ref}, from step {step}")
-            sess["version"] = ctx.push_once(sess["key"], ref, lambda pid, at=step: self.build(pid, at))
+            sess["version"] = ctx.push_once(sess["key"], ref, lambda pid, s=sess: self.build(
+                pid, s["step_before"], s.get("ckpt_version", 0), s.get("delete_old", False)))
             ctx.state.save()
             status, message, secs = ctx.wait(ref, f"{ref} v{sess['version']}", sess["key"])
-            new_step, info = self.after_session(ref, sess, ckpt_ref)
+            version, new_step, info = self.after_session(ref, sess, ckpt_ref)
             sess.update(ended=time.time(), status=status, message=message, seconds=round(secs, 1),
                         step_after=new_step, **info)
             ctx.state.save()
@@ -74,19 +83,32 @@ class TrainStage:
                 raise UserError(f"stopping: {failures} train sessions in a row made no progress (last: "
                                 f"{message or status}); logs in {ctx.workdir / 'sessions'}")
 
-    def build(self, push_id: str, expect_step: int = 0) -> Path:
-        """The train kernel, expecting the checkpoint dataset at `expect_step` (it refuses to start over)."""
+    def new_session(self, n: int, step: int, version: int) -> None:
+        """Record session `n` before its push: the checkpoint version and step it must resume from, and whether
+        its publish deletes the older versions (keep_dataset_versions)."""
+        self.ctx.state.data["train_sessions"].append(
+            {"n": n, "key": f"train-{n}", "step_before": step, "ckpt_version": version,
+             "delete_old": delete_old_on_publish(self.ctx, version)})
+        self.ctx.state.save()
+
+    def build(self, push_id: str, expect_step: int = 0, expect_version: int = 0, delete_old: bool = False) -> Path:
+        """The train kernel, expecting version `expect_version` of the checkpoint dataset at `expect_step`: a mount
+        of an older version is replaced by that version, fetched, and it never starts over."""
         ctx, cfg = self.ctx, self.cfg
         datasets, kernels, data_dir = data_sources(ctx)
         ckpt = ctx.ref(cfg.slug("checkpoints"))
+        hellaswag = ctx.state.data.get("hellaswag_dataset")  # scripts/chain/hellaswag.py, made before session 1
         settings = {"progress": False, "run_name": cfg.name, **cfg.train, "data_dir": data_dir,
                     "out_dir": "{working}/train", "max_steps": cfg.total_steps,
-                    "time_budget": cfg.time_budget, "wandb_run_id": self.wandb_run_id()}
+                    "time_budget": cfg.time_budget, "wandb_run_id": self.wandb_run_id(),
+                    **hellaswag_settings(ctx, hellaswag)}
         return build_kernel("train", ctx.workdir / "build" / "train", user=ctx.client.user, slug=cfg.slug("train"),
                             settings=settings, kernel_type=cfg.kernel_type, accelerator=cfg.accelerator,
-                            internet=True, dataset_sources=[ckpt] + datasets, kernel_sources=kernels,
+                            internet=True, dataset_sources=[ckpt] + datasets + ([hellaswag] if hellaswag else []),
+                            kernel_sources=kernels,
                             checkpoint_dataset={"dataset": ckpt, "resume_setting": "resume_from", "publish": True,
-                                                "title": f"{cfg.name} checkpoints", "expect_step": expect_step},
+                                                "title": f"{cfg.name} checkpoints", "expect_step": expect_step,
+                                                "expect_version": expect_version, "delete_old_versions": delete_old},
                             push_id=push_id)
 
     def wandb_run_id(self) -> str:
@@ -112,30 +134,58 @@ class TrainStage:
                 f"{quota[1] / 3600:g} h, a session may use {cfg.session_limit_s / 3600:.2f} h; it resets at "
                 f"{quota[2]}; run the chain again then (it continues at step {step})")
 
-    def after_session(self, ref: str, sess: dict, ckpt_ref: str) -> tuple[int, dict]:
-        """Fetch the session's log, metrics and plot; publish its checkpoint from its output if it could not."""
+    def after_session(self, ref: str, sess: dict, ckpt_ref: str) -> tuple[int, int, dict]:
+        """The session's log, metrics and plot; the checkpoint version it left, read back from exactly that version
+        (published from its output where it could not publish it, or its publish never appeared): (version, step,
+        what to record)."""
+        ctx = self.ctx
+        record, info = self.fetch_results(ref, sess)
+        before, delete_old = sess.get("ckpt_version", 0), sess.get("delete_old", False)
+        version = self.session_version(ckpt_ref, before, record)
+        step = dataset_step(ctx, ckpt_ref, version)
+        out_step = record.get("step") or 0
+        if out_step > step:  # the session saved a newer checkpoint than the dataset holds: publish it from here
+            reason = record.get("reason") or ("its own publish never appeared" if record.get("published")
+                                              else "the session did not publish it")
+            new = publish_from_output(ctx, ref, sess["version"], ckpt_ref, out_step, reason, version, delete_old)
+            if new:
+                info["published_by"], version, step = "chain", new, out_step
+        elif record.get("published") and version > before:
+            info["published_by"] = "session"
+        if version > before:
+            note_version(ctx, version, delete_old)
+        info["ckpt_version_after"] = version
+        return version, max(step, 0), info
+
+    def fetch_results(self, ref: str, sess: dict) -> tuple[dict, dict]:
+        """The session's publish record, metrics and plot from its output: (publish record, what to record)."""
         ctx = self.ctx
         dest = ctx.workdir / "sessions" / f"train-{sess['n']:02d}"
-        ctx.client.download_output(ref, dest, pattern=r"^(publish\.json|train/metrics\.jsonl|train/loss\.png)$",
+        ctx.client.download_output(ref, dest,
+                                   pattern=r"^(publish\.json|session-facts\.json|train/metrics\.jsonl|train/loss\.png)$",
                                    version=sess["version"])
-        info: dict = {"logs": str(dest)}
         for name in ("metrics.jsonl", "loss.png"):
             if (dest / "train" / name).exists():
                 shutil.copyfile(dest / "train" / name, ctx.workdir / name)
-        record = {}
-        if (dest / PUBLISH_RECORD).exists():
-            record = json.loads((dest / PUBLISH_RECORD).read_text())
-        ctx.client.wait_dataset_ready(ckpt_ref)
-        step = dataset_step(ctx, ckpt_ref)
-        out_step = record.get("step") or 0
-        if out_step > step:  # the session saved a newer checkpoint than the dataset holds: publish it from here
-            reason = record.get("reason") or "the session did not publish it"
-            if publish_from_output(ctx, ref, sess["version"], ckpt_ref, out_step, reason):
-                info["published_by"] = "chain"
-                step = dataset_step(ctx, ckpt_ref)
-        elif record.get("published"):
-            info["published_by"] = "session"
-        return max(step, 0), info
+        record = json.loads((dest / PUBLISH_RECORD).read_text()) if (dest / PUBLISH_RECORD).exists() else {}
+        return record, {"logs": str(dest)}
+
+    def session_version(self, ckpt_ref: str, before: int, record: dict) -> int:
+        """The checkpoint version after the session: the newer one it made, once ready, else `before`. Right after
+        a publish Kaggle may still show `before`, so a session that says it published is waited for; a publish
+        that never appears is a warning here (the chain publishes from the output instead)."""
+        client = self.ctx.client
+        number, _ = client.dataset_version(ckpt_ref)
+        if number <= before and not record.get("published"):
+            return before
+        try:
+            return client.wait_dataset_version(ckpt_ref, before)
+        except VersionMissing as err:
+            if number > before:  # a version appeared but never became ready
+                raise
+            self.ctx.log(f"  warning: the session's publish of step {record.get('step')} reported success, but "
+                         f"{err} (a create over the private-dataset quota is answered so: kaggle-cli issue 284)")
+            return before
 
     def report(self, sess: dict, before: int, after: int, status: str, message: str, secs: float) -> None:
         """A few lines per session: steps, loss, tokens/s, sessions and quota left, where the logs are."""

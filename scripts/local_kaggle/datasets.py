@@ -57,18 +57,22 @@ class Datasets:
         check_access(user, ds["owner"], ds["is_private"], f"dataset '{ds['ref']}'")
         return ds
 
-    def version(self, ds: dict, number: int | None) -> dict:
-        """Version `number`, or (None or 0) the newest ready one."""
-        live = live_versions(ds)
+    def version(self, ds: dict, number: int | None, live: list[dict] | None = None) -> dict:
+        """Version `number`, or (None or 0) the newest ready one of `live` (default: every live version)."""
         if number:
-            for v in live:
+            for v in live_versions(ds):
                 if v["number"] == number:
                     return v
             raise ApiError(404, f"Dataset '{ds['ref']}' has no version {number}")
-        ready = [v for v in live if is_ready(v)]
+        return self.ready_versions(ds, live)[-1]
+
+    @staticmethod
+    def ready_versions(ds: dict, live: list[dict] | None = None) -> list[dict]:
+        """The ready versions of `live` (default: every live version), oldest first; 404 when there is none."""
+        ready = [v for v in (live_versions(ds) if live is None else live) if is_ready(v)]
         if not ready:
             raise ApiError(404, f"Dataset '{ds['ref']}' has no ready version yet")
-        return ready[-1]
+        return ready
 
     def _write_version(self, ds: dict, files: list[tuple[str, Path, str | None, str]], notes: str | None) -> dict:
         """Materialize a new version next to the old ones; existing versions are never touched."""
@@ -129,7 +133,7 @@ class Datasets:
             self._write_version(ds, files, "Initial release")
             self.store.state["datasets"][ref] = ds
             self.store.save()
-        return _created(ref)
+        return created_reply(ref)
 
     def create_version(self, user: str, ref: str | None, body: ApiCreateDatasetVersionRequestBody | None,
                        dataset_id: int | None = None) -> ApiCreateDatasetResponse:
@@ -156,7 +160,7 @@ class Datasets:
                         v["deleted"] = True
                         shutil.rmtree(self.store.dataset_dir(ds, v["number"]), ignore_errors=True)
             self.store.save()
-        return _created(ds["ref"])
+        return created_reply(ds["ref"])
 
     def delete(self, user: str, ref: str) -> None:
         with self.store.lock:
@@ -191,7 +195,8 @@ class Datasets:
             return zpath
 
 
-def _created(ref: str) -> ApiCreateDatasetResponse:
+def created_reply(ref: str) -> ApiCreateDatasetResponse:
+    """What CreateDataset(Version) answers when it accepted the upload."""
     return message(ApiCreateDatasetResponse, ref=ref, url=f"http://localhost/datasets/{ref}", status="Ok")
 
 
@@ -207,9 +212,10 @@ def dataset_info(ds: dict) -> DatasetInfo:
                    licenses=[message(SettingsLicense, name=ds["license"])], **_described(ds))
 
 
-def dataset_reply(ds: dict) -> ApiDataset:
-    """The kagglesdk message describing a dataset and its live versions."""
-    live = live_versions(ds)
+def dataset_reply(ds: dict, live: list[dict] | None = None) -> ApiDataset:
+    """The kagglesdk message describing a dataset and its live versions (default: all of them; the newest is the
+    current version)."""
+    live = live_versions(ds) if live is None else live
     current = live[-1] if live else None
     return message(
         ApiDataset,

@@ -1,5 +1,7 @@
 """Injected failures for tests: HTTP errors on chosen calls, a session that fails to start, a kill at a moment, a
-status call that still describes the previous version."""
+status call that still describes the previous version; for datasets, status and version calls that still describe
+the previous version, a session that mounts the previous version, and a create that reports success but never
+lands (as one over the private-dataset quota: kaggle-cli issue 284)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ from .errors import ApiError
 
 class Faults:
     """Injected failures. HTTP faults match a method name ("SaveKernel"), "Service/Method", "upload",
-    "download" or "*"; session faults match a kernel ref or "*"."""
+    "download" or "*"; session faults match a kernel ref or "*"; dataset faults a dataset ref or "*"."""
+
+    DATASET_KINDS = ("stale_dataset_status", "stale_mount", "lost_publish")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -19,6 +23,7 @@ class Faults:
         self.session_errors: list[dict] = []
         self.kills: list[dict] = []
         self.stale_statuses: list[dict] = []
+        self.datasets: dict[str, list[dict]] = {kind: [] for kind in self.DATASET_KINDS}
 
     def add(self, fault: dict) -> None:
         kind = fault.get("kind", "http")
@@ -42,6 +47,9 @@ class Faults:
             elif kind == "stale_status":  # an unlabelled status call answers for the version before the newest
                 fault.setdefault("kernel", "*")
                 self.stale_statuses.append(fault)
+            elif kind in self.DATASET_KINDS:  # see dataset_versions, mount_version and take_lost_publish
+                fault.setdefault("dataset", "*")
+                self.datasets[kind].append(fault)
             else:
                 raise ApiError(400, f"unknown fault kind {kind!r}")
 
@@ -51,6 +59,8 @@ class Faults:
             self.session_errors.clear()
             self.kills.clear()
             self.stale_statuses.clear()
+            for faults in self.datasets.values():
+                faults.clear()
 
     @staticmethod
     def _take(items: list[dict], pred: Callable[[dict], bool]) -> dict | None:
@@ -82,3 +92,25 @@ class Faults:
                 if self._take(self.stale_statuses, lambda f: f["kernel"] in ("*", kernel["ref"])):
                     return versions[-2]
         return versions[-1]
+
+    def _take_dataset(self, kind: str, ref: str) -> bool:
+        with self.lock:
+            return self._take(self.datasets[kind], lambda f: f["dataset"] in ("*", ref)) is not None
+
+    def dataset_versions(self, ds: dict, live: list[dict]) -> list[dict]:
+        """The live versions a call that names no version sees (GetDatasetStatus, GetDataset, an unversioned
+        download): all of them, or (a stale_dataset_status fault, one call each) all but the newest."""
+        if len(live) > 1 and self._take_dataset("stale_dataset_status", ds["ref"]):
+            return live[:-1]
+        return live
+
+    def mount_version(self, ds: dict, ready: list[dict]) -> dict:
+        """The version a session mounts: the newest ready one, or (a stale_mount fault) the one before it."""
+        if len(ready) > 1 and self._take_dataset("stale_mount", ds["ref"]):
+            return ready[-2]
+        return ready[-1]
+
+    def take_lost_publish(self, ref: str) -> bool:
+        """Whether a create of (a version of) dataset `ref` reports success and lands nothing (a lost_publish
+        fault)."""
+        return self._take_dataset("lost_publish", ref)

@@ -31,7 +31,7 @@ from kagglesdk.kernels.types.kernels_api_service import (
 from kagglesdk.kernels.types.kernels_enums import KernelsListViewType, KernelWorkerStatus
 from kagglesdk.security.types.oauth_service import IntrospectTokenResponse
 
-from .datasets import dataset_info, dataset_reply, is_ready, live_versions
+from .datasets import created_reply, dataset_info, dataset_reply, is_ready, live_versions
 from .errors import ApiError
 from .kernels import kernel_reply
 from .rules import TERMINAL
@@ -166,9 +166,14 @@ def _dataset_ref(req: KaggleObject) -> str:
     return f"{req.owner_slug}/{req.dataset_slug}"
 
 
+def _unversioned(app: LocalKaggle, ds: dict) -> list[dict]:
+    """The live versions a call that names no version sees (a stale_dataset_status fault hides the newest)."""
+    return app.faults.dataset_versions(ds, live_versions(ds))
+
+
 def _dataset_status(app: LocalKaggle, user: str, req):
     with app.store.lock:
-        live = live_versions(app.datasets.visible(user, _dataset_ref(req)))
+        live = _unversioned(app, app.datasets.visible(user, _dataset_ref(req)))
         ready = bool(live) and is_ready(live[-1])
         status = DatabundleVersionStatus.READY if ready else DatabundleVersionStatus.BLOBS_RECEIVED
         return message(ApiGetDatasetStatusResponse, status=status)
@@ -176,7 +181,8 @@ def _dataset_status(app: LocalKaggle, user: str, req):
 
 def _get_dataset(app: LocalKaggle, user: str, req):
     with app.store.lock:
-        return dataset_reply(app.datasets.visible(user, _dataset_ref(req)))
+        ds = app.datasets.visible(user, _dataset_ref(req))
+        return dataset_reply(ds, _unversioned(app, ds))
 
 
 def _dataset_metadata(app: LocalKaggle, user: str, req):
@@ -218,7 +224,8 @@ def _download_dataset(app: LocalKaggle, user: str, req):
     """The reply type is HttpRedirect: a redirect to the file (or the version's zip), never a JSON object."""
     with app.store.lock:
         ds = app.datasets.visible(user, _dataset_ref(req))
-        version = app.datasets.version(ds, req.dataset_version_number)
+        number = req.dataset_version_number
+        version = app.datasets.version(ds, number, None if number else _unversioned(app, ds))
         name = req.file_name
         base = f"http://localhost/_blobs/dataset/{ds['ref']}/{version['number']}/"
         if name:
@@ -228,6 +235,11 @@ def _download_dataset(app: LocalKaggle, user: str, req):
         else:
             location = base + urllib.parse.quote(f"{ds['slug']}.zip") + "?zip=1"
     raise ApiError(302, "redirect", headers={"Location": location})
+
+
+def _create(app: LocalKaggle, ref: str, create: Callable[[], KaggleObject]) -> KaggleObject:
+    """CreateDataset(Version) of `ref`; with a lost_publish fault it answers as accepted and nothing lands."""
+    return created_reply(ref) if app.faults.take_lost_publish(ref) else create()
 
 
 def _delete_dataset(app: LocalKaggle, user: str, req):
@@ -247,9 +259,10 @@ API_ROUTES: dict[str, Callable[[LocalKaggle, str, Any], KaggleObject]] = {
     f"{KS}/DeleteKernel": _delete_kernel,
     f"{KS}/GetAcceleratorQuotaStatistics": lambda app, user, req: app.quota.reply(user),
     "blobs.BlobApiService/StartBlobUpload": lambda app, user, req: app.uploads.start(user, req),
-    f"{DS}/CreateDataset": lambda app, user, req: app.datasets.create(user, req),
-    f"{DS}/CreateDatasetVersion": lambda app, user, req: app.datasets.create_version(user, _dataset_ref(req),
-                                                                                     req.body),
+    f"{DS}/CreateDataset": lambda app, user, req: _create(app, f"{req.owner_slug or user}/{req.slug}",
+                                                          lambda: app.datasets.create(user, req)),
+    f"{DS}/CreateDatasetVersion": lambda app, user, req: _create(
+        app, _dataset_ref(req), lambda: app.datasets.create_version(user, _dataset_ref(req), req.body)),
     f"{DS}/CreateDatasetVersionById": lambda app, user, req: app.datasets.create_version(user, None, req.body,
                                                                                          dataset_id=req.id),
     f"{DS}/GetDatasetStatus": _dataset_status,

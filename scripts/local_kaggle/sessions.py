@@ -69,13 +69,13 @@ def session_env(kernel: dict, v: dict, kroot: Path, secrets_file: Path, proxy_ur
 
 
 def materialize_inputs(app: LocalKaggle, v: dict, input_dir: Path) -> None:
-    """/kaggle/input/<slug>/: the newest ready version of each dataset source and the saved output of each kernel
-    source's newest complete version, hard-linked and read-only."""
+    """/kaggle/input/<slug>/: the newest ready version of each dataset source (the one before it while a stale_mount
+    fault lasts) and the saved output of each kernel source's newest complete version, hard-linked and read-only."""
     input_dir.mkdir(parents=True, exist_ok=True)
     for ref in v["dataset_sources"]:
         with app.store.lock:
             ds = app.datasets.get(ref)
-            version = app.datasets.version(ds, None)
+            version = app.faults.mount_version(ds, app.datasets.ready_versions(ds))
             src = app.store.dataset_dir(ds, version["number"])
             names = [f["name"] for f in version["files"]]
         dst = input_dir / ds["slug"]

@@ -5,7 +5,9 @@ A checkpoint dataset holds one checkpoint's files flat (model.safetensors, optim
 metrics.jsonl, manifest.json; a subfolder's files as `<folder>__<file>`): Kaggle datasets are flat lists of
 files, and only the newest checkpoint is uploaded, so a version stays one checkpoint big. The trainer (and the
 eval kernel) read a checkpoints root (`step_NNNNNN/` directories), so `stage_checkpoint` links the attached
-dataset's files back into such a root under the session's temp folder.
+dataset's files back into such a root under the session's temp folder. Where the mount holds an older checkpoint
+than the chain saw (a mount of an older version), the version the chain names is fetched with kagglehub first, and
+a session that cannot get it stops before training.
 
 Publishing uses the Kaggle API from inside the session (`enable_internet` must be on), with KAGGLE_USERNAME and
 KAGGLE_KEY read from the user's Kaggle secrets. Their values are never printed: any message that leaves this
@@ -21,6 +23,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -33,6 +36,7 @@ PLACEHOLDER_FILE = "README.md"  # the only file of a checkpoint dataset that hol
 CREDENTIAL_NAMES = ("KAGGLE_USERNAME", "KAGGLE_KEY")
 
 _config: dict = {}  # set by the built kernel's bootstrap through configure()
+FETCH_TIMEOUT_S = 3600.0  # fetching the expected checkpoint version (a gpt2-xl one is about 18.7 GB)
 
 
 # --- the checkpoint as a flat folder -------------------------------------------------------------------------
@@ -137,7 +141,7 @@ def resolve_build_settings(build: dict, log=print) -> dict:
     if ckpt.get("publish"):
         floor = max(input_step or 0, int(ckpt.get("expect_step") or 0))
         configure(dataset=ckpt["dataset"], title=ckpt.get("title") or "", input_step=floor or input_step,
-                  problem=problem)
+                  problem=problem, delete_old_versions=bool(ckpt.get("delete_old_versions")))
     return settings
 
 
@@ -156,25 +160,93 @@ def _check_publishing(settings: dict, paths, log) -> str | None:
 
 
 def _stage_resume(ckpt: dict, settings: dict, paths, log) -> int | None:
-    """Stage the attached checkpoint dataset for resuming (settings[resume_setting]); its step, or None."""
-    input_step = None
+    """Stage the checkpoint dataset for resuming (settings[resume_setting]): the attached copy, or, where that holds
+    less than the step the chain expects (a mount of an older version), the expected version fetched. Its step,
+    or None."""
+    folder = _attached(ckpt["dataset"], paths, log)
+    input_step = checkpoint_step(folder) if folder else None
     expect = int(ckpt.get("expect_step") or 0)  # the step the chain saw in the dataset before pushing
-    try:
-        folder = paths.input_dir(ckpt["dataset"])
-    except UserError:
-        folder = None
-        log(f"notice: checkpoint dataset {ckpt['dataset']} is not attached; starting fresh")
-    root = stage_checkpoint(folder, paths.temp / "gpt2k-resume") if folder else None
-    if root is not None:
-        input_step = checkpoint_step(folder)
-        settings[ckpt["resume_setting"]] = str(root)
-        log(f"resuming from {ckpt['dataset']} (step {input_step})")
     # Starting from less than the chain saw would train again, then publish an older checkpoint over a newer one.
     if expect and (input_step or 0) < expect:
-        raise UserError(f"checkpoint dataset {ckpt['dataset']} holds step {expect}, but this session "
-                        f"{'sees step ' + str(input_step) if input_step else 'finds no checkpoint'} in "
-                        f"{folder or 'its inputs'}; not starting over")
+        folder, input_step = _fetch_expected(ckpt, folder, input_step, paths, log)
+    root = stage_checkpoint(folder, paths.temp / "gpt2k-resume") if folder else None
+    if root is not None:
+        settings[ckpt["resume_setting"]] = str(root)
+        log(f"resuming from {ckpt['dataset']} (step {input_step})")
     return input_step
+
+
+def _attached(dataset: str, paths, log) -> Path | None:
+    """The folder the checkpoint dataset is mounted at, None where it is not attached."""
+    try:
+        return paths.input_dir(dataset)
+    except UserError:
+        log(f"notice: checkpoint dataset {dataset} is not attached")
+        return None
+
+
+def _fetch_expected(ckpt: dict, folder: Path | None, input_step: int | None, paths, log) -> tuple[Path, int]:
+    """The chain's version of the checkpoint dataset (`expect_version`, holding `expect_step`), fetched where the
+    mount shows an older one; anything less is one line, never training from an older step."""
+    dataset, expect, version = ckpt["dataset"], int(ckpt["expect_step"]), int(ckpt.get("expect_version") or 0)
+    seen = f"sees step {input_step}" if input_step else "finds no checkpoint"
+    stale = f"checkpoint dataset {dataset} holds step {expect}, but this session {seen} in {folder or 'its inputs'}"
+    if not version:
+        raise UserError(f"{stale}; not starting over")
+    log(f"notice: {stale} (an older version); fetching version {version} with kagglehub")
+    try:
+        fetched = fetch_dataset_version(dataset, version, paths.temp / f"gpt2k-fetch-v{version}")
+    except UserError as err:
+        raise UserError(f"{stale}, and version {version} could not be fetched ({err}); not starting over") from None
+    step = checkpoint_step(fetched)
+    if (step or 0) < expect:
+        got = f"step {step}" if step else "no checkpoint"
+        raise UserError(f"{stale}, and version {version} fetched with kagglehub holds {got}; not starting over")
+    log(f"fetched version {version} of {dataset} (step {step}) into {fetched}")
+    return fetched, step
+
+
+def fetch_dataset_version(dataset: str, version: int, dest: Path) -> Path:
+    """Version `version` of `dataset` (owner/slug) as a folder, through kagglehub (in Kaggle's images). In a Kaggle
+    notebook kagglehub attaches that exact version under /kaggle/input; elsewhere (the local Kaggle too, through
+    KAGGLE_API_ENVIRONMENT) it downloads it into `dest`. Errors are one line, with no secret in it."""
+    try:
+        _secrets_to_env()
+    except UserError:
+        pass  # Kaggle's own attach needs none; a download without them fails below, in one line
+    try:
+        import kagglehub
+    except ImportError as err:
+        raise UserError(f"kagglehub is not importable ({err})") from None
+    handle = f"{dataset}/versions/{version}"
+    try:
+        return Path(_within(FETCH_TIMEOUT_S, lambda: kagglehub.dataset_download(handle, output_dir=str(dest))))
+    except UserError:
+        raise
+    except Exception as err:  # kagglehub's and requests' own types; masked, one line
+        raise UserError(describe_error(err, [os.environ.get("KAGGLE_KEY", "")])) from None
+
+
+def _within(seconds: float, fn):
+    """fn(), or a UserError once it has run `seconds` (it goes on in a daemon thread, gone when the session stops):
+    kagglehub's attach in a Kaggle notebook waits for its mount with no limit, and a hung fetch would spend the
+    whole session."""
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            result["value"] = fn()
+        except BaseException as err:  # handed to the caller's thread
+            result["error"] = err
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        raise UserError(f"no answer within {f'{seconds:g} s' if seconds < 120 else f'{seconds / 60:.0f} minutes'}")
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
 
 
 def kernel_needs(kernel: str, settings: dict) -> list[tuple[str, str]]:
@@ -209,11 +281,14 @@ def publish_problem(log=print, purpose: str = "publishing checkpoints") -> str |
 
 # --- publishing -----------------------------------------------------------------------------------------------
 
-def configure(dataset: str, title: str = "", input_step: int | None = None, problem: str | None = None) -> None:
-    """Publish this session's final checkpoint to `dataset` (owner/slug) after training; with `problem` (why
-    this session cannot), only record that for the chain, which publishes it from the output."""
+def configure(dataset: str, title: str = "", input_step: int | None = None, problem: str | None = None,
+              delete_old_versions: bool = False) -> None:
+    """Publish this session's final checkpoint to `dataset` (owner/slug) after training (deleting every older
+    version where the chain says so: keep_dataset_versions); with `problem` (why this session cannot), only record
+    that for the chain, which publishes it from the output."""
     _config.clear()
-    _config.update(dataset=dataset, title=title, input_step=input_step, problem=problem)
+    _config.update(dataset=dataset, title=title, input_step=input_step, problem=problem,
+                   delete_old_versions=delete_old_versions)
 
 
 def configured_dataset() -> str:
@@ -248,12 +323,7 @@ def kaggle_api(from_secrets: bool = True):
     """An authenticated KaggleApi. In a session the credentials come from the user's secrets (set into this
     process's environment, never printed). Raises UserError naming what is missing."""
     if from_secrets:
-        from shared.kaggle.env import get_secret, in_session
-
-        if in_session():
-            for name in CREDENTIAL_NAMES:
-                if not os.environ.get(name):
-                    os.environ[name] = get_secret(name)
+        _secrets_to_env()
     import contextlib
     import io
 
@@ -271,6 +341,17 @@ def kaggle_api(from_secrets: bool = True):
         raise UserError("Kaggle credentials not found: set KAGGLE_USERNAME and KAGGLE_KEY (or ~/.kaggle/kaggle.json; "
                         "in a kernel: the Kaggle secrets KAGGLE_USERNAME and KAGGLE_KEY)") from None
     return api
+
+
+def _secrets_to_env() -> None:
+    """In a session, the user's Kaggle credentials from its secrets into this process's environment (where the
+    kaggle client and kagglehub read them; never printed)."""
+    from shared.kaggle.env import get_secret, in_session
+
+    if in_session():
+        for name in CREDENTIAL_NAMES:
+            if not os.environ.get(name):
+                os.environ[name] = get_secret(name)
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
@@ -308,10 +389,12 @@ def write_dataset_folder(folder: Path, dataset: str, title: str, files: list) ->
     return folder
 
 
-def push_dataset_folder(api, folder: Path, dataset: str, notes: str) -> str:
-    """Create `dataset` from `folder`, or add a version to it; returns "created" or "versioned"."""
+def push_dataset_folder(api, folder: Path, dataset: str, notes: str, delete_old_versions: bool = False) -> str:
+    """Create `dataset` from `folder`, or add a version to it (with `delete_old_versions`, Kaggle deletes every
+    older version); returns "created" or "versioned"."""
     if dataset_exists(api, dataset):
-        result = api.dataset_create_version(str(folder), notes, quiet=True, dir_mode="skip")
+        result = api.dataset_create_version(str(folder), notes, quiet=True, dir_mode="skip",
+                                            delete_old_versions=delete_old_versions)
         action = "versioned"
     else:
         result = api.dataset_create_new(str(folder), public=False, quiet=True, dir_mode="skip")
@@ -323,15 +406,16 @@ def push_dataset_folder(api, folder: Path, dataset: str, notes: str) -> str:
 
 
 def publish_checkpoint(api, ckpt_dir: str | os.PathLike, dataset: str, work_dir: str | os.PathLike,
-                       title: str = "", notes: str = "") -> dict:
-    """Upload the checkpoint in `ckpt_dir` as the newest version of `dataset` (created on first use)."""
+                       title: str = "", notes: str = "", delete_old_versions: bool = False) -> dict:
+    """Upload the checkpoint in `ckpt_dir` as the newest version of `dataset` (created on first use; with
+    `delete_old_versions`, the only version left)."""
     ckpt_dir = Path(ckpt_dir)
     step = checkpoint_step(ckpt_dir)
     if step is None:
         raise UserError(f"{ckpt_dir}: not a checkpoint (no readable {MANIFEST})")
     files = checkpoint_files(ckpt_dir)
     folder = write_dataset_folder(Path(work_dir) / "gpt2k-publish", dataset, title, files)
-    action = push_dataset_folder(api, folder, dataset, notes or f"checkpoint at step {step}")
+    action = push_dataset_folder(api, folder, dataset, notes or f"checkpoint at step {step}", delete_old_versions)
     shutil.rmtree(folder, ignore_errors=True)
     return {"dataset": dataset, "step": step, "action": action}
 
@@ -373,8 +457,11 @@ def after_training(result, log=print) -> dict | None:
             api = kaggle_api()
             secrets = [os.environ.get(n, "") for n in CREDENTIAL_NAMES]
             start = time.monotonic()
-            out = publish_checkpoint(api, ckpt, dataset, kaggle_paths().temp, _config.get("title", ""))
-            record.update(published=True, action=out["action"], seconds=round(time.monotonic() - start, 1))
+            delete_old = bool(_config.get("delete_old_versions"))
+            out = publish_checkpoint(api, ckpt, dataset, kaggle_paths().temp, _config.get("title", ""),
+                                     delete_old_versions=delete_old)
+            record.update(published=True, action=out["action"], seconds=round(time.monotonic() - start, 1),
+                          delete_old_versions=delete_old)
             log(f"publish: checkpoint step {step} {out['action']} dataset {dataset} "
                 f"in {record['seconds']}s")
         except UserError as err:

@@ -1,0 +1,309 @@
+"""The checkpoint dataset's versions against the local Kaggle (docs/kaggle-api.md, Checkpoint dataset versions):
+a status that still describes the previous version is waited out and the new version's step read from exactly that
+version; a publish that reports success but never appears is caught; versions beyond keep_dataset_versions are
+deleted; a session whose mount shows an older version fetches the expected one with kagglehub, or stops in one line;
+and a chain meeting all of it resumes each session from the step it expects."""
+# ruff: noqa: F811  (the local_kaggle fixture is imported, then named as a test argument)
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import REPO, error_lines
+from kaggle_fixtures import KEY, USER, local_kaggle, save_without_running, write_dataset, write_kernel  # noqa: F401
+
+CKPT = "alice/unit-run-checkpoints"
+CONFIG = {"name": "unit-run", "token_datasets": ["alice/tokens"], "poll_initial_s": 0.05, "poll_max_s": 0.2,
+          "retry_attempts": 2, "retry_base_s": 0.1}
+
+
+def manifest(step: int, files: dict | None = None) -> str:
+    return json.dumps({"format": 1, "step": step, "files": files or {}})
+
+
+def add_version(lk, tmp_path: Path, ref: str, files: dict) -> None:
+    """A new version of `ref` (the dataset created on first use) through the real kaggle CLI."""
+    folder = write_dataset(tmp_path / ref.replace("/", "_"), ref, files)
+    live = lk.app.state["datasets"].get(ref)
+    if live is None:
+        lk.cli("datasets", "create", "-p", str(folder))
+    else:
+        lk.cli("datasets", "version", "-p", str(folder), "-m", "a version")
+
+
+def live_numbers(lk, ref: str) -> list[int]:
+    return [v["number"] for v in lk.app.state["datasets"][ref]["versions"] if not v.get("deleted")]
+
+
+PROBE = """
+import json, sys
+sys.path.insert(0, {repo!r})  # scripts/ is not installed: the checkout's
+from scripts.chain import Chain, config_from_dict
+from scripts.chain.checkpoints import (dataset_head, dataset_step, delete_old_on_publish, note_version,
+                                       wait_published, ensure_checkpoint_dataset, check_version_step)
+from shared.errors import UserError
+from shared.kaggle.publish import push_dataset_folder, write_dataset_folder
+chain = Chain(config_from_dict({config}), {work!r})
+chain.connect()
+chain.client.dataset_wait_s = {wait_s}
+ctx, client, CKPT = chain.ctx, chain.client, {ckpt!r}
+out = {{}}
+{body}
+print("RESULT " + json.dumps(out))
+"""
+
+
+def probe(lk, tmp_path: Path, body: str, wait_s: float = 30.0, **config) -> tuple[dict, str]:
+    """Run `body` with a connected chain (`chain`, `ctx`, `client`) in a process that the real kaggle client points
+    at the local Kaggle; (what it put in `out`, the chain's log)."""
+    code = PROBE.format(repo=str(REPO), config=json.dumps({**CONFIG, **config}), work=str(tmp_path / "chain"),
+                        wait_s=wait_s, ckpt=CKPT, body=textwrap.dedent(body))
+    lines = lk.python(code, timeout=180).stdout.splitlines()
+    return json.loads(lines[-1].removeprefix("RESULT ")), "\n".join(lines[:-1])
+
+
+# --- the chain's side ------------------------------------------------------------------------------------------
+
+def test_a_stale_dataset_status_after_a_publish_is_waited_out_and_the_new_version_is_read(local_kaggle, tmp_path):
+    lk = local_kaggle
+    add_version(lk, tmp_path, CKPT, {"manifest.json": manifest(10)})
+    add_version(lk, tmp_path, CKPT, {"manifest.json": manifest(20)})
+    # Four calls that name no version still describe version 1: what the chain read after a publish until now.
+    lk.app.inject("stale_dataset_status", dataset=CKPT, count=4)
+    out, _ = probe(lk, tmp_path, """
+        out["newest_manifest_step"] = dataset_step(ctx, CKPT)
+        out["status"] = client.dataset_version(CKPT)
+        out["waited_for"] = client.wait_dataset_version(CKPT, 1)
+        out["step"] = dataset_step(ctx, CKPT, out["waited_for"])
+    """)
+    assert out == {"newest_manifest_step": 10, "status": [1, "ready"], "waited_for": 2, "step": 20}
+    assert lk.app.faults.datasets["stale_dataset_status"] == []  # every stale answer was read
+
+
+SESSION_OUTPUT = """
+import hashlib, json
+from pathlib import Path
+folder = Path("train/checkpoints/step_000040")
+folder.mkdir(parents=True)
+(folder / "model.safetensors").write_bytes(b"weights" * 10)
+files = {"model.safetensors": {"bytes": 70, "sha256": hashlib.sha256(b"weights" * 10).hexdigest()}}
+(folder / "manifest.json").write_text(json.dumps({"format": 1, "step": 40, "files": files}))
+Path("publish.json").write_text(json.dumps({"dataset": %r, "step": 40, "published": True}))
+"""
+
+
+def test_a_publish_that_reports_success_but_never_appears_is_caught(local_kaggle, tmp_path):
+    lk = local_kaggle
+    add_version(lk, tmp_path, CKPT, {"README.md": "no checkpoint yet"})
+    # A session that says it published step 40 (Kaggle answered "Ok"), with nothing new on the dataset.
+    lk.cli("kernels", "push", "-p", str(write_kernel(tmp_path / "k", "alice/unit-run-train", SESSION_OUTPUT % CKPT)))
+    assert lk.wait("alice/unit-run-train") == ("COMPLETE", None)
+    lk.app.inject("lost_publish", dataset=CKPT, count=1)  # and the chain's own publish is answered "Ok" too
+    out, log = probe(lk, tmp_path, """
+        sess = {"n": 1, "key": "train-1", "version": 1, "ckpt_version": 1, "step_before": 0, "delete_old": False}
+        try:
+            chain.train.after_session("alice/unit-run-train", sess, CKPT)
+        except UserError as err:
+            out["error"] = str(err)
+        out["again"] = chain.train.after_session("alice/unit-run-train", sess, CKPT)
+    """, wait_s=2)
+    assert ("warning: the session's publish of step 40 reported success, but no version of "
+            f"{CKPT} after version 1 was ready within 2 s (Kaggle shows version 1, ready)") in log
+    assert out["error"] == (
+        f"the chain's publish of step 40 to {CKPT} reported success, but no version of {CKPT} after version 1 was "
+        "ready within 2 s (Kaggle shows version 1, ready); a create over the private-dataset quota is answered so "
+        "(kaggle-cli issue 284): free space on Kaggle (or lower keep_dataset_versions), then run the chain again")
+    version, step, info = out["again"]  # the quota freed: the chain's publish lands and is read back
+    assert (version, step, info["published_by"], info["ckpt_version_after"]) == (2, 40, "chain", 2)
+    assert [v["notes"] for v in lk.app.state["datasets"][CKPT]["versions"]] == [
+        "Initial release", "checkpoint at step 40 (published by the chain)"]
+
+
+@pytest.mark.parametrize(("keep", "deleted", "live"), [
+    (2, [False, True, False, True], [5]),
+    (1, [True, True, True, True], [5]),
+    (0, [False, False, False, False], [1, 2, 3, 4, 5]),
+])
+def test_versions_beyond_keep_dataset_versions_are_deleted(local_kaggle, tmp_path, keep, deleted, live):
+    """Kaggle deletes only every older version at once (deleteOldVersions): the publish that would leave more than
+    keep_dataset_versions sends it, so no more than that many stay, and each version verifies before it counts."""
+    lk = local_kaggle
+    out, _ = probe(lk, tmp_path, """
+        ensure_checkpoint_dataset(ctx, CKPT)
+        out["deleted"], out["known"] = [], []
+        for step in (10, 20, 30, 40):
+            before = dataset_head(ctx, CKPT)[0]
+            delete = delete_old_on_publish(ctx, before)
+            (ctx.workdir / "manifest.json").write_text(json.dumps({"format": 1, "step": step, "files": {}}))
+            folder = write_dataset_folder(ctx.workdir / "up", CKPT, "run", [ctx.workdir / "manifest.json"])
+            push_dataset_folder(client.api, folder, CKPT, f"checkpoint at step {step}", delete)
+            version = wait_published(ctx, CKPT, before, f"publish of step {step}")
+            check_version_step(ctx, CKPT, version, step)
+            note_version(ctx, version, delete)
+            out["deleted"].append(delete)
+            out["known"].append(list(ctx.state.data["checkpoint_versions"]))
+        out["head"] = dataset_head(ctx, CKPT)
+    """, keep_dataset_versions=keep)
+    assert out["deleted"] == deleted
+    assert out["known"][-1] == live_numbers(lk, CKPT) == live
+    assert max(len(k) for k in out["known"]) == (keep or 5)
+    assert out["head"] == [5, 40]
+
+
+def test_keep_dataset_versions_must_be_a_whole_number():
+    from scripts.chain import config_from_dict
+    from shared.errors import UserError
+
+    assert config_from_dict({"token_datasets": ["a/b"]}).keep_dataset_versions == 2
+    with pytest.raises(UserError, match=r"^config: keep_dataset_versions must be a whole number >= 0, got -1$"):
+        config_from_dict({"token_datasets": ["a/b"], "keep_dataset_versions": -1})
+
+
+# --- the session's side: a mount of an older version ----------------------------------------------------------
+
+RESUME_KERNEL = """
+import json
+from pathlib import Path
+from shared.errors import run_cli
+from shared.kaggle.publish import resolve_build_settings
+build = json.loads(%r)
+settings = run_cli(lambda: resolve_build_settings(build))
+staged = next(Path(settings["resume_from"]).glob("step_*"))
+print("STAGED", staged.name, (staged / "model.safetensors").read_text())
+"""
+
+
+def resume_kernel(lk, folder: Path, expect_step: int, expect_version: int) -> str:
+    """Run a kernel that stages the checkpoint dataset as the train kernel does (the chain's expectation baked in),
+    with the owner's credentials attached; returns its log."""
+    ref = "alice/unit-run-train"
+    build = {"kernel": "train", "accelerator": "", "settings": {"out_dir": "{working}/train"},
+             "checkpoint_dataset": {"dataset": CKPT, "resume_setting": "resume_from", "expect_step": expect_step,
+                                    "expect_version": expect_version}}
+    write_kernel(folder, ref, RESUME_KERNEL % json.dumps(build), enable_internet=True, dataset_sources=[CKPT])
+    if ref not in lk.app.state["kernels"]:
+        save_without_running(lk, folder)
+        lk.app.attach_secret(ref, "KAGGLE_USERNAME", USER)
+        lk.app.attach_secret(ref, "KAGGLE_KEY", KEY)
+    lk.cli("kernels", "push", "-p", str(folder))
+    lk.wait(ref, timeout=120)
+    versions = lk.app.state["kernels"][ref]["versions"]
+    return "".join(e["data"] for e in lk.app.kernels.log_events(lk.app.state["kernels"][ref], versions[-1]["number"]))
+
+
+def test_a_session_mounting_an_older_version_fetches_the_expected_one_or_stops_in_one_line(local_kaggle, tmp_path):
+    lk = local_kaggle
+    for step in (10, 20):
+        add_version(lk, tmp_path, CKPT, {"manifest.json": manifest(step), "model.safetensors": f"weights {step}"})
+    lk.app.inject("stale_mount", dataset=CKPT, count=2)  # both sessions below mount version 1 (step 10)
+    log = resume_kernel(lk, tmp_path / "k", expect_step=20, expect_version=2)
+    mount = lk.root / "kernels" / "alice" / "unit-run-train" / "2" / "kaggle" / "input" / "unit-run-checkpoints"
+    assert (f"notice: checkpoint dataset {CKPT} holds step 20, but this session sees step 10 in {mount} (an older "
+            "version); fetching version 2 with kagglehub") in log
+    assert f"resuming from {CKPT} (step 20)" in log and "STAGED step_000020 weights 20" in log
+    assert lk.app.state["kernels"]["alice/unit-run-train"]["versions"][-1]["status"] == "COMPLETE"
+
+    # A version that cannot be had: one error line before any training, and nothing resumed.
+    log = resume_kernel(lk, tmp_path / "k", expect_step=20, expect_version=7)
+    version = lk.app.state["kernels"]["alice/unit-run-train"]["versions"][-1]
+    assert (version["status"], version["failure_message"]) == ("ERROR", "Kernel process exited with code 2")
+    (line,) = error_lines(log)
+    mount = mount.parents[3] / "3" / "kaggle" / "input" / "unit-run-checkpoints"
+    assert line == (f"error: checkpoint dataset {CKPT} holds step 20, but this session sees step 10 in {mount}, and "
+                    f"version 7 could not be fetched (HTTP 404: Dataset '{CKPT}' has no version 7); not starting over")
+    assert KEY not in log and "resuming from" not in log
+
+
+def test_a_fetch_that_never_answers_stops_in_one_line(monkeypatch, tmp_path):
+    """kagglehub's attach in a Kaggle notebook waits for its mount without a limit: the session stops instead of
+    spending itself on it."""
+    import sys
+    import threading
+    from types import SimpleNamespace
+
+    from shared.errors import UserError
+    from shared.kaggle import publish
+
+    hung = threading.Event()
+    kagglehub = SimpleNamespace(dataset_download=lambda handle, output_dir: hung.wait())
+    monkeypatch.setitem(sys.modules, "kagglehub", kagglehub)
+    monkeypatch.setattr(publish, "FETCH_TIMEOUT_S", 0.2)
+    with pytest.raises(UserError) as err:
+        publish.fetch_dataset_version(CKPT, 2, tmp_path / "fetch")
+    hung.set()
+    assert str(err.value) == "no answer within 0.2 s"
+
+
+# --- a chain --------------------------------------------------------------------------------------------------
+
+def upload_tokens(lk, tmp_path: Path, ref: str, folder: Path) -> None:
+    files = {f.name: f.read_bytes() for f in folder.glob("*.bin")}
+    lk.cli("datasets", "create", "-p", str(write_dataset(tmp_path / "tokens", ref, files)))
+
+
+def test_a_chain_resumes_each_session_from_the_version_it_expects(local_kaggle, tmp_path, demo_data,
+                                                                   image_pythons):
+    """Session 2 mounts the placeholder version (a stale mount) and fetches version 2; after session 1's publish
+    the dataset's status still shows version 1 for a while (no second publish, no false "no progress"); session
+    2's publish deletes the older versions (keep_dataset_versions 2)."""
+    from test_chain import DEMO, first_contact, run_chain, session_log, write_config
+
+    lk = local_kaggle
+    upload_tokens(lk, tmp_path, "alice/mini-tokens", demo_data)
+    ckpt = "alice/mini-run-checkpoints"
+    config = write_config(tmp_path / "mini.json", name="mini-run", total_steps=4, tokenize={}, eval={"enabled": False},
+                          token_datasets=["alice/mini-tokens"], train={**DEMO["train"], "stop_after_steps": 2},
+                          session_limit_s=300)  # each session ends after its 2 steps
+    first_contact(lk, config, tmp_path / "w")
+    lk.app.inject("stale_mount", dataset=ckpt, count=1)  # the first session with two versions to choose from
+    lk.app.inject("stale_dataset_status", dataset=ckpt, count=6)  # the calls right after session 1's publish
+    proc = run_chain(lk, config, tmp_path / "w", timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+    sessions = json.loads((tmp_path / "w" / "state.json").read_text())["train_sessions"]
+    assert [(s["step_before"], s["step_after"], s["ckpt_version"], s["delete_old"], s.get("published_by"))
+            for s in sessions] == [(0, 2, 1, False, "session"), (2, 4, 2, True, "session")]
+    log = session_log(tmp_path / "w" / "sessions" / "train-02")
+    assert "(an older version); fetching version 2 with kagglehub" in log
+    assert f"resuming from {ckpt} (step 2)" in log
+    versions = lk.app.state["datasets"][ckpt]["versions"]
+    assert [(v["notes"], bool(v.get("deleted"))) for v in versions] == [
+        ("Initial release", True), ("checkpoint at step 2", True), ("checkpoint at step 4", False)]
+    assert json.loads((tmp_path / "w" / "state.json").read_text())["checkpoint_versions"] == [3]
+    assert lk.app.faults.datasets == {"stale_dataset_status": [], "stale_mount": [], "lost_publish": []}
+
+
+def test_a_checkpoint_kept_only_in_temp_never_deletes_older_versions(local_kaggle, tmp_path):
+    out, _ = probe(local_kaggle, tmp_path, """
+        ctx.state.data["checkpoint_versions"] = [1, 2]
+        out["working"] = delete_old_on_publish(ctx, 2)
+        ctx.cfg.train = {**ctx.cfg.train, "checkpoint_dir": "{temp}/checkpoints", "keep_checkpoints": 1}
+        out["temp"] = delete_old_on_publish(ctx, 2)
+    """)
+    assert out == {"working": True, "temp": False}  # no copy in the output: a failed version would lose them all
+
+
+def test_the_hellaswag_file_becomes_a_dataset_the_train_kernel_reads(local_kaggle, tmp_path):
+    out, log = probe(local_kaggle, tmp_path, """
+        from scripts.chain.hellaswag import ensure_hellaswag_dataset
+        ref = ensure_hellaswag_dataset(ctx)
+        ctx.state.data["hellaswag_dataset"] = ref
+        out["again"] = ensure_hellaswag_dataset(ctx)  # exists: not uploaded twice
+        out["ref"] = ref
+        folder = chain.train.build("push-1", 0)
+        meta = json.loads((folder / "kernel-metadata.json").read_text())
+        out["sources"] = meta["dataset_sources"]
+        code = (folder / (meta["code_file"])).read_text()
+        out["setting"] = '"hellaswag_file": "{input:' + ref + '}/hellaswag_val.jsonl"' in code
+    """, hellaswag="demo")
+    ref = "alice/unit-run-hellaswag"
+    assert out == {"again": ref, "ref": ref, "sources": ["alice/unit-run-checkpoints", "alice/tokens", ref],
+                   "setting": True}
+    assert live_numbers(local_kaggle, ref) == [1] and f"uploaded HellaSwag (demo) as {ref}" in log
+    from shared.eval.hellaswag import read_jsonl
+
+    files = list((local_kaggle.root / "datasets").rglob("hellaswag_val.jsonl"))
+    assert files and len(read_jsonl(files[0])) == 200  # the demo set, in HellaSwag's own format
