@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from scripts.chain.checkpoints import dataset_step
+from scripts.chain.checkpoints import dataset_head
 from scripts.chain.client import KaggleClient
 from scripts.chain.config import ChainConfig
 from scripts.chain.context import StageContext
@@ -74,7 +74,7 @@ class Chain:
         self.train.run()
         self.eval.run()
         ckpt_ref = self.ctx.ref(cfg.slug("checkpoints"))
-        data.update(done=True, final_step=dataset_step(self.ctx, ckpt_ref))
+        data.update(done=True, final_step=dataset_head(self.ctx, ckpt_ref)[1])  # read from its newest version
         self.state.save()
         log(f"done: step {data['final_step']} of {cfg.total_steps} in {len(data['train_sessions'])} train sessions.")
         log(f"results: {self.workdir}  (metrics.jsonl, loss.png, sessions/ with each session's log, eval/)")
