@@ -319,10 +319,11 @@ def check_builds(cfg: ChainConfig) -> int:
         return parts + 1 + int(cfg.eval.get("enabled", True))
 
 
-def print_plan(cfg: ChainConfig, source: str = "", log=print, with_quota: bool = True) -> dict:
+def print_plan(cfg: ChainConfig, source: str = "", log=print, with_quota: bool = True,
+               measured_path: Path = MEASURED_THROUGHPUT) -> dict:
     built = check_builds(cfg)
     quota, why = read_quota(cfg) if with_quota and MACHINE_SHAPES.get(cfg.accelerator) else (None, "")
-    plan = make_plan(cfg, quota)
+    plan = make_plan(cfg, quota, measured_path)
     plan["kernels_built"] = built
     for line in plan_lines(cfg, plan, source):
         log(line)
