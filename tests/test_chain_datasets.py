@@ -307,3 +307,13 @@ def test_the_hellaswag_file_becomes_a_dataset_the_train_kernel_reads(local_kaggl
 
     files = list((local_kaggle.root / "datasets").rglob("hellaswag_val.jsonl"))
     assert files and len(read_jsonl(files[0])) == 200  # the demo set, in HellaSwag's own format
+
+
+def test_the_eval_kernel_expects_the_version_the_last_session_left(local_kaggle, tmp_path):
+    out, _ = probe(local_kaggle, tmp_path, """
+        ctx.state.data["train_sessions"] = [{"n": 1, "step_after": 20, "ckpt_version_after": 3}]
+        folder = chain.eval.build("push-eval")
+        code = next(p for p in folder.iterdir() if p.suffix == ".py").read_text()
+        out["expects"] = '"expect_step": 20' in code and '"expect_version": 3' in code
+    """)
+    assert out == {"expects": True}

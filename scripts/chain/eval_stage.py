@@ -41,6 +41,13 @@ class EvalStage:
         else:
             ctx.log(f"  warning: the eval kernel ended {status.lower()} ({message}); its log is in {dest}")
 
+    def expected_checkpoint(self) -> dict:
+        """The step and dataset version the last train session left: a session mounting an older version fetches
+        this one (shared/kaggle/publish.py), so the eval never reports on an older checkpoint."""
+        sessions = self.ctx.state.data.get("train_sessions") or []
+        last = sessions[-1] if sessions else {}
+        return {"expect_step": last.get("step_after", 0), "expect_version": last.get("ckpt_version_after", 0)}
+
     def build(self, push_id: str) -> Path:
         """The eval kernel on the checkpoint dataset, with the first token part's validation shards."""
         ctx, cfg, ev = self.ctx, self.ctx.cfg, self.ctx.cfg.eval
@@ -53,5 +60,6 @@ class EvalStage:
                             settings=settings, kernel_type=cfg.kernel_type,
                             accelerator=ev.get("accelerator", cfg.accelerator), internet=True,
                             dataset_sources=[ckpt_ref] + list(ev.get("inputs", [])), kernel_sources=kernels[:1],
-                            checkpoint_dataset={"dataset": ckpt_ref, "resume_setting": "checkpoint"},
+                            checkpoint_dataset={"dataset": ckpt_ref, "resume_setting": "checkpoint",
+                                                **self.expected_checkpoint()},
                             push_id=push_id)
