@@ -174,15 +174,19 @@ def test_plan_warns_when_the_tokenize_parts_are_shorter_than_training(tmp_path):
                for line in lines)
 
 
-def test_plan_with_credentials_shows_the_accounts_quota(local_kaggle, monkeypatch, tmp_path):  # noqa: F811
-    for name, value in local_kaggle.env.items():
-        monkeypatch.setenv(name, value)
-    cfg = load_config(REPO / "examples" / "chain-gpt2-124m.json")
-    printed = []
-    plan = print_plan(cfg, log=printed.append)
-    assert plan["quota_left_s"] == plan["weekly_quota_s"] == 20 * 3600  # the local Kaggle's 20 h, none used
-    assert any(line.startswith("quota       20.00 h left this week of 20.00 h (your account)") for line in printed)
-    assert plan["kernels_built"] == 4  # two tokenize parts, train, eval: built with their final settings
+def test_plan_with_credentials_shows_the_accounts_quota(local_kaggle, tmp_path):  # noqa: F811
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "chain_sessions.py"), "--config",
+                           str(REPO / "examples" / "chain-gpt2-124m.json"), "--plan"], env=local_kaggle.env, cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    # the local Kaggle's 20 h TPU quota, none used this week
+    assert any(line.startswith("quota       20.00 h left this week of 20.00 h (your account)") for line in lines)
+    assert "quota not read" not in proc.stdout
+    assert lines[-1].startswith("4 kernel(s) built and checked")  # two tokenize parts, train, eval
 
 
 def test_plan_without_credentials_still_prints_the_plan(tmp_path):
