@@ -147,7 +147,8 @@ def test_session_limits_over_what_kaggle_allows_are_refused_at_load():
     # At Kaggle's maximum no sessionTimeoutSeconds is sent ("must be lower than the global maximum"); below it, is.
     assert Chain(config_from_dict(BASE), "/tmp/unused-chain", api=None).ctx.session_timeout() is None
     short = Chain(config_from_dict({**BASE, "session_limit_s": 3600}), "/tmp/unused-chain", api=None)
-    assert short.ctx.session_timeout() == "3600"
+    assert short.ctx.session_timeout() == "3600" == short.ctx.session_timeout("train-2")
+    assert short.ctx.session_timeout("tokenize-0-1") is None  # a tokenize part gets its machine's own limit
 
 
 def test_checkpoints_are_placed_where_they_fit_and_the_publish_margin_grows_with_them():

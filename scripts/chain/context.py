@@ -57,7 +57,7 @@ class StageContext:
         for attempt in range(1, self.cfg.retry_attempts + 1):
             try:
                 with contextlib.redirect_stdout(io.StringIO()):
-                    resp = self.client.api.kernels_push(str(folder), timeout=self.session_timeout())
+                    resp = self.client.api.kernels_push(str(folder), timeout=self.session_timeout(key))
                 break
             except Exception as err:
                 if not is_transient(err) or attempt == self.cfg.retry_attempts:
@@ -88,10 +88,11 @@ class StageContext:
             return version
         return 0
 
-    def session_timeout(self) -> str | None:
+    def session_timeout(self, key: str = "") -> str | None:
         """sessionTimeoutSeconds "must be lower than the global maximum" (kagglesdk): at the maximum, none is sent
-        and Kaggle's own limit applies."""
-        if self.cfg.session_limit_s >= SESSION_MAX_S[self.cfg.accelerator_kind]:
+        and Kaggle's own limit applies. session_limit_s is the train and eval sessions' limit; a tokenize part (push
+        key tokenize-*) runs on its own machine, whose own limit applies (it stops at its own output budget)."""
+        if key.startswith("tokenize") or self.cfg.session_limit_s >= SESSION_MAX_S[self.cfg.accelerator_kind]:
             return None
         return str(int(self.cfg.session_limit_s))
 
