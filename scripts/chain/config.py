@@ -142,9 +142,8 @@ def config_from_dict(raw: dict, where: str = "config") -> ChainConfig:
         raise UserError(f"{where}: name {cfg.name!r} must be lowercase letters, digits and dashes (3+), a slug prefix")
     if cfg.total_steps <= 0:
         raise UserError(f"{where}: total_steps must be positive, got {cfg.total_steps}")
-    keep = cfg.keep_dataset_versions
-    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 0:
-        raise UserError(f"{where}: keep_dataset_versions must be a whole number >= 0, got {keep!r}")
+    if cfg.keep_dataset_versions < 0:  # its type was checked with the others above
+        raise UserError(f"{where}: keep_dataset_versions must be a whole number >= 0, got {cfg.keep_dataset_versions}")
     if cfg.accelerator and cfg.accelerator not in MACHINE_SHAPES:
         raise UserError(f"{where}: unknown accelerator {cfg.accelerator!r}; valid: {', '.join(MACHINE_SHAPES)} "
                         "(or \"\" for CPU)")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from scripts.chain.config import ChainConfig, config_from_dict
 from scripts.chain.limits import ASSUMED_UPLOAD_BYTES_PER_S, MACHINE_SHAPES
-from scripts.chain.plan import MEASURED_THROUGHPUT, SHAPE_GENERATION, running_shape
+from scripts.chain.plan import MEASURED_THROUGHPUT, SHAPE_GENERATION, planned_train, running_shape
 from shared.errors import UserError
 from shared.kaggle.facts import FACTS_FILE
 
@@ -90,8 +90,9 @@ def _read_json(path: Path) -> dict:
 def _session_records(folder: Path) -> tuple[dict, dict, list[dict]]:
     """(session_start, session_end, step records) of the session whose output is in `folder`: the last session in
     its metrics.jsonl (a resumed run's file starts with the earlier sessions' records)."""
-    path = folder / "train" / "metrics.jsonl"
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    from shared.train.metrics import read_metrics
+
+    records = read_metrics(folder / "train" / "metrics.jsonl")
     starts = [i for i, r in enumerate(records) if r.get("event") == "session_start"]
     mine = records[starts[-1]:] if starts else []
     start = mine[0] if mine else {}
@@ -142,17 +143,12 @@ def readiness_rows(smoke: ChainConfig, workdir: Path, failure: str = "") -> tupl
     rows.append(_eval_row(smoke, state, workdir))
     if failure:
         rows.append(Row("chain", False, failure))
-    measured = {"accelerator": running_shape(smoke.accelerator), "preset": smoke.train.get("preset", "tiny"),
-                "seq_len": _train_config(smoke).model.block_size, "tokens_per_s": rate, "mfu": mfu, "chain": smoke.name,
+    train, _ = planned_train(smoke)
+    measured = {"accelerator": running_shape(smoke.accelerator), "preset": train.preset,
+                "seq_len": train.model.block_size, "tokens_per_s": rate, "mfu": mfu, "chain": smoke.name,
                 "measured_at": time.strftime("%Y-%m-%d %H:%M"), "attention": s1[0].get("attention"),
                 "tpu": s1[0].get("tpu"), "local_kaggle": local}
     return rows, measured
-
-
-def _train_config(smoke: ChainConfig):
-    from shared.config import TrainConfig
-
-    return TrainConfig(**{**smoke.train, "max_steps": smoke.total_steps})
 
 
 def _packages_row(facts: dict) -> Row:
@@ -229,10 +225,11 @@ def _eval_row(smoke: ChainConfig, state: dict, workdir: Path) -> Row:
     ev = state.get("eval") or {}
     if ev.get("status") != "COMPLETE":
         return Row("eval", False, ev.get("message") or ev.get("status") or "not run")
-    path = workdir / "eval" / "metrics.jsonl"
+    from shared.train.metrics import read_metrics
+
     values: dict = {}
-    for line in path.read_text().splitlines() if path.exists() else []:
-        values.update({k: v for k, v in json.loads(line).items() if v is not None})
+    for record in read_metrics(workdir / "eval" / "metrics.jsonl"):
+        values.update({k: v for k, v in record.items() if v is not None})
     parts = []
     if "val_loss" in values:
         parts.append(f"val loss {values['val_loss']:.3f} on {values.get('val_tokens', 0):,} tokens")
