@@ -62,14 +62,15 @@ def read_shard(path: str | os.PathLike) -> np.ndarray:
     return np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(num_tokens,))
 
 
-def _natural(text: str) -> list:
+def natural_key(text: str) -> list:
+    """Sort key that orders the numbers inside names by value: shard_2 before shard_10."""
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
 
 
 def _shard_key(path: Path) -> tuple:
     # The file name first: the order (and so every epoch's permutation) must not change when the same shards
     # are mounted under other folder names, as Kaggle inputs are from one session to the next.
-    return _natural(path.name), _natural(str(path))
+    return natural_key(path.name), natural_key(str(path))
 
 
 def find_shards(data_dirs: str | os.PathLike | list, split: str) -> list[Path]:

@@ -14,16 +14,13 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
+from shared.data import natural_key
 from shared.errors import UserError, describe_error
 
 if TYPE_CHECKING:  # annotations only: importing these for real would be circular (the config) or slow (datasets)
     import datasets
 
     from shared.config import TokenizeConfig
-
-
-def _natural_key(s: str) -> list:
-    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", s)]
 
 
 def _text_sha(text: str) -> str:
@@ -53,7 +50,7 @@ def resolve_local_files(spec: str, text_column: str = "") -> tuple[list[str], st
     for pattern in (p.strip() for p in spec.split(",")):
         if not pattern:
             continue
-        matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True), key=_natural_key)
+        matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True), key=natural_key)
         matches = [m for m in matches if os.path.isfile(m)]
         if not matches:
             raise UserError(f"--data-files: no file matches {pattern}")
