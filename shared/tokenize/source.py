@@ -9,7 +9,6 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
-import re
 import sys
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
