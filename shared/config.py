@@ -26,6 +26,12 @@ PADDED_VOCAB_SIZE = 50304  # a multiple of 128: faster matmuls; trimmed back to 
 SHARD_HEADER_BYTES = 256 * 4  # llm.c's shard header: 256 int32 (shared/data.py)
 MANIFEST_SLACK = 4096  # room kept in a tokenize part's budget for the manifest growing by one shard entry
 GB = 1e9
+# GPT-2 tokens in the FineWeb-Edu samples, as their names state; sample-10BT is also build-nanogpt's "100M tokens per
+# shard, total of 100 shards" (karpathy/build-nanogpt fineweb.py:20 @69cb21f). Approximate: a part that starts past
+# the end fails, so the chain checks against these before anything runs.
+CORPUS_TOKENS = {("HuggingFaceFW/fineweb-edu", "sample-10BT"): 10_000_000_000,
+                 ("HuggingFaceFW/fineweb-edu", "sample-100BT"): 100_000_000_000,
+                 ("HuggingFaceFW/fineweb-edu", "sample-350BT"): 350_000_000_000}
 BACKENDS = ("auto", "xla", "cuda", "cpu")
 AUTO = "auto"
 
@@ -334,6 +340,16 @@ class TokenizeConfig:
         if self.max_output_gb * GB < need:
             raise UserError(f"--max-output-gb {self.max_output_gb:g} is smaller than one shard of {self.shard_size} "
                             f"tokens ({need / GB:.6g} GB with its manifest)")
+
+    @property
+    def corpus_tokens(self) -> int | None:
+        """About how many tokens the whole corpus holds, where known (None: local files or another dataset)."""
+        return None if self.data_files else CORPUS_TOKENS.get((self.dataset, self.config))
+
+    def tokens_in_parts(self, parts: int) -> int:
+        """Tokens that `parts` parts make: each `tokens_per_part`, the last cut short where the corpus ends."""
+        made = parts * self.tokens_per_part
+        return min(made, self.corpus_tokens) if self.corpus_tokens else made
 
 
 @dataclass

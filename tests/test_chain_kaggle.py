@@ -91,7 +91,7 @@ def test_the_chain_reads_the_status_and_output_of_the_version_it_pushed(local_ka
     assert result["status"] == ["ERROR", "Kernel process exited with code 3"]
     assert result["files"] == ["unit-run-train.log", "which.txt"] and result["v1"] == "v1"
     # A bare version number is not a label (404), as on Kaggle.
-    from scripts.local_kaggle.errors import ApiError
+    from scripts.local_kaggle import ApiError
 
     with pytest.raises(ApiError) as err:
         lk.app.api(USER, "kernels.KernelsApiService", "GetKernelSessionStatus",

@@ -140,11 +140,21 @@ def test_plan_of_every_example_config_counts_its_sessions_and_tpu_hours(example,
 
 
 def test_plan_of_the_gpt2_examples_fits_one_session_and_one_week(tmp_path):
-    for name in ("chain-gpt2-124m.json", "chain-gpt2-124m-muon.json"):
+    for name, sessions in (("chain-gpt2-124m.json", 1), ("chain-gpt2-124m-muon.json", 1),
+                           ("chain-gpt2-124m-stretch.json", 2)):
         plan = make_plan(load_config(REPO / "examples" / name), measured_path=_no_measurement(tmp_path))
-        assert (plan["sessions"], plan["sessions_per_week"], plan["weeks"]) == (1, 2, 1)
-        assert plan["tokenized_tokens"] >= plan["train_tokens"] + plan["validation_tokens"]  # no repeated data
+        assert (plan["sessions"], plan["sessions_per_week"], plan["weeks"]) == (sessions, 2, 1)
+        assert plan["quota_s"] <= plan["weekly_quota_s"]
         assert plan["checkpoint_bytes"] == 12 * 124_475_904
+    # FineWeb-Edu's sample-10BT holds about 10B tokens: the AdamW run reads it once (and 1% again, as llm.c's does),
+    # the Muon run reads 5.1B of a 5.2B part, the stretch run makes three passes over the AdamW run's parts.
+    passes = {}
+    for name in ("chain-gpt2-124m.json", "chain-gpt2-124m-muon.json", "chain-gpt2-124m-stretch.json"):
+        plan = make_plan(load_config(REPO / "examples" / name), measured_path=_no_measurement(tmp_path))
+        passes[name] = plan["train_tokens"] / (plan["tokenized_tokens"] - plan["validation_tokens"])
+    assert passes == pytest.approx({"chain-gpt2-124m.json": 10_000_000_000 / 9.9e9,
+                                    "chain-gpt2-124m-muon.json": 9537 * 524_288 / 5.1e9,
+                                    "chain-gpt2-124m-stretch.json": 57_221 * 524_288 / 9.9e9}, rel=1e-3)
 
 
 def test_plan_counts_with_the_newest_smoke_measurement_on_that_machine(tmp_path):
@@ -169,7 +179,8 @@ def test_plan_warns_when_the_tokenize_parts_are_shorter_than_training(tmp_path):
     raw["tokenize"] = {"parts": 1, "settings": {"tokens_per_part": 4_000_000_000}}
     cfg = config_from_dict({k: v for k, v in raw.items() if not k.startswith("_")})
     lines = plan_lines(cfg, make_plan(cfg, measured_path=_no_measurement(tmp_path)))
-    assert "warning     the parts make 4.00B tokens but training reads 10.00B: the run repeats data" in lines
+    assert ("warning     the parts make 4.00B tokens but training reads 10.00B: the run repeats data (2.56 passes "
+            "over the training shards)") in lines
     assert any(line.startswith("margin      tokens: 4.00B tokenized for 10.00B trained + 0.10B validation: -60.4%")
                for line in lines)
 
@@ -223,3 +234,26 @@ def test_micro_batch_auto_is_resolved_for_the_chains_tpu():
         parse_dataclass(TrainConfig, ["--micro-batch", "lots"])
     with pytest.raises(UserError, match="is not a multiple of 8 devices x seq-len 1024 = 8192, so no micro-batch"):
         TrainConfig(preset="gpt2", micro_batch="auto", total_batch_tokens=4096).validate(8)
+
+
+def test_plan_counts_only_the_tokens_the_corpus_holds(tmp_path):
+    raw = json.loads((REPO / "examples" / "chain-gpt2-124m.json").read_text())
+    cfg = config_from_dict({k: v for k, v in raw.items() if not k.startswith("_")})
+    plan = make_plan(cfg, measured_path=_no_measurement(tmp_path))
+    assert (plan["parts"], plan["tokens_per_part"], plan["tokenized_tokens"]) == (2, 9_400_000_000, 10_000_000_000)
+    assert "          the corpus holds about 10.00B tokens: the last part ends where it does" in plan_lines(cfg, plan)
+    local = {**raw["tokenize"], "settings": {"data_files": "/data/*.jsonl"}}
+    plan = make_plan(config_from_dict({**{k: v for k, v in raw.items() if not k.startswith("_")}, "tokenize": local}),
+                     measured_path=_no_measurement(tmp_path))
+    assert plan["tokenized_tokens"] == 2 * 9_400_000_000  # local files: their size is not known, the parts are counted
+
+
+def test_a_tokenize_part_that_would_start_past_the_corpus_end_is_refused():
+    raw = json.loads((REPO / "examples" / "chain-gpt2-124m.json").read_text())
+    raw = {k: v for k, v in raw.items() if not k.startswith("_")}
+    with pytest.raises(UserError, match=r"^config: tokenize.parts 3 x 9.4B tokens: HuggingFaceFW/fineweb-edu "
+                                        r"sample-10BT holds about 10B, so part 2 would start past its end; use at "
+                                        r"most 2 part\(s\)"):
+        config_from_dict({**raw, "tokenize": {"parts": 3}})
+    assert config_from_dict({**raw, "tokenize": {"parts": 11, "settings": {"config": "sample-100BT"}}})
+    assert config_from_dict({**raw, "tokenize": {"parts": 2}})

@@ -25,7 +25,7 @@ from kaggle_fixtures import (  # noqa: F401  (local_kaggle is a fixture)
     write_kernel,
 )
 
-from scripts.local_kaggle.errors import ApiError
+from scripts.local_kaggle import ApiError
 from shared.errors import UserError
 from shared.kaggle import env as kaggle_env
 

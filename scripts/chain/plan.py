@@ -134,7 +134,7 @@ def make_plan(cfg: ChainConfig, quota: tuple[float, float, str] | None = None,
     parts = int(cfg.tokenize.get("parts") or 0)
     kind = MACHINE_SHAPES.get(cfg.accelerator)
     train_tokens = cfg.total_steps * train.total_batch_tokens
-    made_tokens = parts * tok.tokens_per_part
+    made_tokens = tok.tokens_in_parts(parts)
     val_tokens = tok.shard_size if parts else 0  # part 0's first shard is the validation shard
     speed = train_throughput(cfg, train, measured_path)
     plan = {"train_tokens": train_tokens, "tokenized_tokens": made_tokens, "validation_tokens": val_tokens,
@@ -192,6 +192,9 @@ def plan_lines(cfg: ChainConfig, plan: dict, source: str = "") -> list[str]:
                      f"tokens = {_tokens(plan['tokenized_tokens'])} tokens of {corpus}, shards of "
                      f"{_tokens(tok.shard_size)} ({_gb(2 * tok.tokens_per_part)} a part, {tok.max_output_gb:g} GB "
                      "allowed)")
+        if plan["tokenized_tokens"] < plan["parts"] * tok.tokens_per_part:
+            lines.append(f"          the corpus holds about {_tokens(plan['tokenized_tokens'])} tokens: the last part "
+                         "ends where it does")
     for ref in list(cfg.token_datasets) + list(cfg.token_kernels):
         lines.append(f"tokens    {ref} (existing; not counted below)")
     retired = f" (retired: runs on {running_shape(shape)})" if shape in RETIRED_SHAPES else ""
@@ -271,8 +274,10 @@ def margins(cfg: ChainConfig, plan: dict) -> list[str]:
 def warnings(cfg: ChainConfig, plan: dict, train: TrainConfig) -> list[str]:
     out = []
     if plan["parts"] and plan["tokenized_tokens"] < plan["train_tokens"] + plan["validation_tokens"]:
+        passes = plan["train_tokens"] / max(1, plan["tokenized_tokens"] - plan["validation_tokens"])
         out.append(f"the parts make {_tokens(plan['tokenized_tokens'])} tokens but training reads "
-                   f"{_tokens(plan['train_tokens'])}: the run repeats data")
+                   f"{_tokens(plan['train_tokens'])}: the run repeats data ({passes:.2f} passes over the training "
+                   "shards)")
     if train.warmup_steps >= cfg.total_steps:
         out.append(f"warmup_steps {train.warmup_steps} >= total_steps {cfg.total_steps}: the learning rate never "
                    "reaches its peak")

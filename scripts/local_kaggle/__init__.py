@@ -50,17 +50,16 @@ How it differs from Kaggle, on purpose or by necessity:
 - CancelKernelSession takes a kernelSessionId, as on Kaggle; no reply carries one, so read it from
   `LocalKaggle.session_id(ref)` or <root>/state.json (`versions[].session_id`).
 
-The package, one concern a module: `app` (LocalKaggle, composing the rest), `server` and `http_io` (HTTP),
-`routes` (the API table), `kernels`, `scheduler` and `sessions` (pushing and running kernels), `datasets` and
-`uploads`, `quota`, `accounts` (users, notebooks' secrets), `store` (state.json), `faults`, `sdk` (kagglesdk types
-on the wire), `notebook`, `rules` (Kaggle's shapes and limits), `files`, `errors`; `__main__` is the command line.
+The package, one concern a module, each handed only the parts it uses (no module imports one above it):
+`rules` (Kaggle's shapes and limits, `ApiError`, `Settings`, injected `Faults`), `state` (state.json, users and
+notebooks' secrets, weekly quota), `datasets` (datasets, blob uploads), `kernels` (pushes, the scheduler, sessions),
+`api` (the routes in kagglesdk's types), `server` (HTTP), `app` (`LocalKaggle`, composing the rest); `__main__` is
+the command line.
 """
 
+from .api import API_ROUTES, SDK_ROUTES, ApiParts, call_api, message, to_wire
 from .app import LocalKaggle
-from .errors import ApiError
-from .faults import Faults
-from .notebook import notebook_to_script
-from .routes import API_ROUTES, call_api
+from .kernels import Session, notebook_to_script
 from .rules import (
     DEFAULT_CONCURRENCY,
     DEFAULT_GPU_QUOTA_HOURS,
@@ -72,15 +71,15 @@ from .rules import (
     MACHINE_SHAPES,
     SLUG_RE,
     TERMINAL,
+    ApiError,
+    Faults,
     Settings,
 )
-from .sdk import SDK_ROUTES, message, to_wire
 from .server import ADMIN_HEADER, admin_call
-from .sessions import Session
 
 __all__ = [
     "ADMIN_HEADER", "API_ROUTES", "DEFAULT_CONCURRENCY", "DEFAULT_GPU_QUOTA_HOURS", "DEFAULT_GPU_SHAPE",
     "DEFAULT_SESSION_LIMIT_S", "DEFAULT_TPU_QUOTA_HOURS", "DEFAULT_TPU_SHAPE", "DEFAULT_WORKING_CAP_BYTES",
-    "MACHINE_SHAPES", "SDK_ROUTES", "SLUG_RE", "TERMINAL", "ApiError", "Faults", "LocalKaggle", "Session",
+    "MACHINE_SHAPES", "SDK_ROUTES", "SLUG_RE", "TERMINAL", "ApiError", "ApiParts", "Faults", "LocalKaggle", "Session",
     "Settings", "admin_call", "call_api", "message", "notebook_to_script", "to_wire",
 ]

@@ -1,5 +1,10 @@
-"""LocalKaggle: one server, composed of its parts (state, accounts, quota, uploads, datasets, kernels, the
-scheduler and the HTTP server), with its lifecycle and the helpers tests and operators use."""
+"""`LocalKaggle`: one local Kaggle server, composed of its parts.
+
+It builds the state (`state`), the datasets and uploads (`datasets`), the kernels and their scheduler (`kernels`),
+the API (`api`) and the HTTP server (`server`), handing each the parts it uses; it starts, stops and serves them,
+gives the environment that points a client at it, and has the helpers tests and operators use (users, secrets,
+faults, kills, quota, a kernel's status, the admin actions).
+"""
 
 from __future__ import annotations
 
@@ -9,24 +14,21 @@ import time
 from http.server import ThreadingHTTPServer
 from typing import Any
 
-from .accounts import Accounts
-from .datasets import Datasets
-from .faults import Faults
-from .kernels import Kernels
-from .quota import Quota
-from .routes import call_api
+from .api import ApiParts, call_api
+from .datasets import Datasets, Uploads
+from .kernels import Kernels, Runtime, Scheduler
 from .rules import (
     DEFAULT_GPU_QUOTA_HOURS,
     DEFAULT_SESSION_LIMIT_S,
     DEFAULT_TPU_QUOTA_HOURS,
     DEFAULT_WORKING_CAP_BYTES,
     TERMINAL,
+    ApiError,
+    Faults,
     Settings,
 )
-from .scheduler import Scheduler
-from .server import Handler, proxy_env
-from .store import LOST_SESSION, Store
-from .uploads import Uploads
+from .server import Backend, make_server, proxy_env
+from .state import LOST_SESSION, Accounts, Quota, Store
 
 
 def _setting(name: str) -> property:
@@ -36,7 +38,7 @@ def _setting(name: str) -> property:
 
 
 class LocalKaggle:
-    """The server, its on-disk state, and the session runner. Start it in a thread with `start()`."""
+    """The server, its on-disk state, and the session runner. Start it in threads with `start()`."""
 
     session_limit_s = _setting("session_limit_s")
     working_cap_bytes = _setting("working_cap_bytes")
@@ -75,7 +77,11 @@ class LocalKaggle:
         self.uploads = Uploads(self.store)
         self.datasets = Datasets(self.store, self.uploads, self.settings)
         self.kernels = Kernels(self.store, self.settings, self.quota, self.datasets)
-        self.scheduler = Scheduler(self)
+        self.scheduler = Scheduler(Runtime(
+            store=self.store, settings=self.settings, kernels=self.kernels, datasets=self.datasets, quota=self.quota,
+            faults=self.faults, secrets_of=self.accounts.secrets_of, proxy_url=lambda: self.proxy_url))
+        self.parts = ApiParts(store=self.store, kernels=self.kernels, scheduler=self.scheduler, datasets=self.datasets,
+                              uploads=self.uploads, quota=self.quota, faults=self.faults)
         self._stop = threading.Event()
         self._httpd: ThreadingHTTPServer | None = None
         self._threads: list[threading.Thread] = []
@@ -98,9 +104,8 @@ class LocalKaggle:
     # ----- lifecycle -----
 
     def start(self) -> LocalKaggle:
-        handler = type("Handler", (Handler,), {"app": self})
-        self._httpd = ThreadingHTTPServer((self.host, self.port), handler)
-        self._httpd.daemon_threads = True
+        """Serve HTTP and run the scheduler, each in a thread; -> self."""
+        self._httpd = make_server(self.host, self.port, self._backend())
         self.port = self._httpd.server_address[1]
         for name, target, args in (("http", self._httpd.serve_forever, ()),
                                    ("scheduler", self.scheduler.loop, (self._stop,))):
@@ -108,6 +113,22 @@ class LocalKaggle:
             t.start()
             self._threads.append(t)
         return self
+
+    def _backend(self) -> Backend:
+        """What the HTTP server serves from."""
+        return Backend(
+            verbose=self.verbose,
+            admin_token=self.accounts.admin_token,
+            authenticate=self.accounts.authenticate,
+            take_http_fault=self.faults.take_http,
+            call_api=self.api,
+            receive_upload=self.uploads.receive,
+            kernel_output_dir=self.kernels.output_dir,
+            dataset_dir=self.datasets.version_dir,
+            dataset_zip=self.datasets.zip_file,
+            kernel_log=self.kernels.log_so_far,
+            admin=self.admin,
+        )
 
     def stop(self) -> None:
         """Stop serving; running sessions are killed and recorded as errors (as a lost Kaggle VM would be)."""
@@ -171,8 +192,8 @@ class LocalKaggle:
     # ----- the API, fault injection and test helpers -----
 
     def api(self, user: str, service: str, method: str, body: Any) -> dict:
-        """One API call as `user`, without HTTP: see `routes.call_api`."""
-        return call_api(self, user, service, method, body)
+        """One API call as `user`, without HTTP: see `api.call_api`."""
+        return call_api(self.parts, user, service, method, body)
 
     def inject(self, kind: str = "http", **fault: Any) -> None:
         """inject("http", match="SaveKernel", status=429, count=1, retry_after=0, message=...)
@@ -206,3 +227,22 @@ class LocalKaggle:
 
     def quota_used_s(self, user: str, kind: str, now: float | None = None) -> float:
         return self.quota.used_s(user, kind, now)
+
+    def admin(self, action: str, req: dict) -> dict:
+        """What an operator (or a test driving a server in another process) can do: faults, kills, users, secrets."""
+        if action == "fault":
+            self.faults.add(req)
+        elif action == "clear-faults":
+            self.faults.clear()
+        elif action == "kill":
+            if not self.kill_session(req["kernel"], req.get("message") or "Killed by the local Kaggle operator"):
+                raise ApiError(404, f"Kernel {req['kernel']!r} has no running session")
+        elif action == "user":
+            self.add_user(req["name"], req["key"])
+        elif action == "secret":
+            self.attach_secret(req["kernel"], req["name"], req["value"])
+        elif action == "quota":
+            return {k: self.quota_used_s(req["user"], k) for k in ("tpu", "gpu")}
+        else:
+            raise ApiError(404, f"Unknown admin action {action!r}")
+        return {"ok": True}

@@ -1,31 +1,148 @@
-"""Datasets: create, new versions (from uploaded files, never touching the old versions), lookups, delete, the
-files and zips that downloads serve, and the kagglesdk message that describes one."""
+"""Datasets and the uploads they are made of.
+
+Here: `Uploads`, the blob uploads the client makes for dataset files (StartBlobUpload, then a resumable PUT to a
+URL on this server); `Datasets`: create, new versions (from uploaded files, never touching the old versions),
+lookups, delete, and the files and zips that downloads serve; which versions are live and ready; and
+`link_or_copy`, how files land in a version or a session's inputs.
+"""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import threading
 import time
 import uuid
 import zipfile
+from collections.abc import Iterable
 from pathlib import Path
 
+from kagglesdk.blobs.types.blob_api_service import ApiStartBlobUploadRequest
 from kagglesdk.datasets.types.dataset_api_service import (
     ApiCreateDatasetRequest,
-    ApiCreateDatasetResponse,
     ApiCreateDatasetVersionRequestBody,
-    ApiDataset,
-    ApiDatasetVersion,
+    ApiDatasetNewFile,
 )
-from kagglesdk.datasets.types.dataset_types import DatasetInfo, SettingsLicense
 
-from .errors import ApiError
-from .files import link_or_copy
-from .rules import SLUG_RE, Settings, check_access, check_owner, split_ref
-from .sdk import message, utc
-from .store import Store
-from .uploads import Uploads
+from .rules import SLUG_RE, ApiError, Settings, check_access, check_owner, split_ref
+from .state import Store
+
+
+def link_or_copy(src: Path, dst: Path) -> None:
+    """A hard link (datasets and outputs can be large), or a copy across file systems."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+STATUS_QUERY = re.compile(r"bytes \*/\d+$")  # Content-Range of a resumable upload asking how far it got
+
+
+def _received_range(received: int) -> dict[str, str]:
+    """The `Range` header of a 308 reply: the bytes received so far (none: no header)."""
+    return {"Range": f"bytes=0-{received - 1}"} if received else {}
+
+
+class Uploads:
+    """Blob uploads, as the client makes them for dataset files: StartBlobUpload gives a token and a URL on this
+    server, then the file goes up in a resumable PUT (as against Google Cloud Storage). A dataset version takes the
+    uploaded files by token."""
+
+    def __init__(self, store: Store):
+        self.store = store
+
+    def path(self, token: str) -> Path:
+        return self.store.root / "blobs" / token
+
+    def start(self, user: str, req: ApiStartBlobUploadRequest) -> str:
+        """A new upload of the file the request names; -> its token (the upload URL is /_upload/<token>)."""
+        name = os.path.basename(req.name)
+        if not name:
+            raise ApiError(400, "StartBlobUpload needs a file name")
+        token = uuid.uuid4().hex
+        with self.store.lock:
+            self.store.state["uploads"][token] = {
+                "user": user,
+                "name": name,
+                "size": req.content_length,
+                "received": 0,
+                "complete": False,
+                "created": time.time(),
+            }
+            self.path(token).touch()
+            self.store.save()
+        return token
+
+    def receive(self, token: str, content_range: str, body: Iterable[bytes]) -> tuple[int, dict, dict | None]:
+        """One PUT to the upload URL: (HTTP status, headers, JSON reply or None for an empty one). `body` is read
+        only when bytes are written, so a status query (`Content-Range: bytes */N`) leaves it unread."""
+        with self.store.lock:
+            up = self.store.state["uploads"].get(token)
+            if up is None:
+                raise ApiError(404, f"Unknown upload {token!r}")
+            up = dict(up)
+        if up.get("used_by"):
+            if STATUS_QUERY.match(content_range):
+                return 200, {}, None  # a status query: it is complete
+            raise ApiError(400, f"Upload {token!r} was already used by a dataset version")
+        if STATUS_QUERY.match(content_range):
+            return (200, {}, None) if up["complete"] else (308, _received_range(up["received"]), None)
+        start = 0
+        m = re.match(r"bytes (\d+)-(\d+)/(\d+)$", content_range)
+        if m:
+            start = int(m.group(1))
+            if start > up["received"]:
+                raise ApiError(400, f"Upload resumes at byte {start} but only {up['received']} were received")
+        received = start
+        with open(self.path(token), "r+b") as f:
+            f.seek(start)
+            f.truncate()
+            for data in body:
+                f.write(data)
+                received += len(data)
+            f.flush()
+            os.fsync(f.fileno())
+        complete = received == up["size"]
+        with self.store.lock:
+            rec = self.store.state["uploads"][token]
+            rec["received"] = received
+            rec["complete"] = complete
+            self.store.save()
+        if complete:
+            return 200, {}, {"token": token}
+        if received < up["size"]:
+            return 308, _received_range(received), None
+        raise ApiError(400, f"Upload is {received} bytes but {up['size']} were declared")
+
+    def files_for_version(self, user: str, files: list[ApiDatasetNewFile]) -> list[tuple[str, Path, str | None, str]]:
+        """(name, bytes, description, token) of each file a new dataset version names by upload token."""
+        if not files:
+            raise ApiError(400, "A dataset version needs at least one file; none were uploaded")
+        out, names = [], set()
+        for f in files:
+            token = f.token
+            up = self.store.state["uploads"].get(token)
+            if up is None or up["user"] != user:
+                raise ApiError(400, f"Unknown upload token {token!r}")
+            if not up["complete"]:
+                raise ApiError(400, f"Upload of {up['name']!r} is incomplete ({up['received']}/{up['size']} bytes)")
+            if up["name"] in names:
+                raise ApiError(400, f"Two files named {up['name']!r} in one version")
+            names.add(up["name"])
+            source = self.path(token)
+            if not source.exists():  # already used by a version (a client retry): link from that copy
+                source = Path(up.get("used_by") or source)
+                if not source.exists():
+                    raise ApiError(400, f"Upload of {up['name']!r} is no longer available; upload it again")
+            out.append((up["name"], source, f.description or None, token))
+        return out
+
+    def used_by(self, token: str, path: Path) -> None:
+        """A version holds the upload's bytes at `path` now: drop the blob, remember where they went."""
+        self.store.state["uploads"][token]["used_by"] = str(path)
+        self.path(token).unlink(missing_ok=True)
 
 
 def live_versions(ds: dict) -> list[dict]:
@@ -38,6 +155,8 @@ def is_ready(version: dict) -> bool:
 
 
 class Datasets:
+    """Datasets and their versions, in the state and under <root>/datasets/<owner>/<slug>/<number>/."""
+
     def __init__(self, store: Store, uploads: Uploads, settings: Settings):
         self.store = store
         self.uploads = uploads
@@ -104,7 +223,8 @@ class Datasets:
         ds["updated"] = now
         return version
 
-    def create(self, user: str, req: ApiCreateDatasetRequest) -> ApiCreateDatasetResponse:
+    def create(self, user: str, req: ApiCreateDatasetRequest) -> str | None:
+        """A new dataset from uploaded files; -> None, or why it was not created (the reply's `error`)."""
         owner, slug = req.owner_slug or user, req.slug
         if not SLUG_RE.match(slug or "-"):
             raise ApiError(400, f"Invalid dataset slug {slug!r}")
@@ -114,8 +234,7 @@ class Datasets:
         with self.store.lock:
             existing = self.store.state["datasets"].get(ref)
             if existing is not None and not existing.get("deleted"):
-                return message(ApiCreateDatasetResponse, status="error",
-                               error=f"The dataset '{ref}' already exists; push a new version")
+                return f"The dataset '{ref}' already exists; push a new version"
             files = self.uploads.files_for_version(user, req.files)
             ds = {
                 "id": self.store.next_id(),
@@ -133,11 +252,11 @@ class Datasets:
             self._write_version(ds, files, "Initial release")
             self.store.state["datasets"][ref] = ds
             self.store.save()
-        return created_reply(ref)
+        return None
 
     def create_version(self, user: str, ref: str | None, body: ApiCreateDatasetVersionRequestBody | None,
-                       dataset_id: int | None = None) -> ApiCreateDatasetResponse:
-        """A new version of the dataset `ref` (owner/slug), or of the one with `dataset_id`."""
+                       dataset_id: int | None = None) -> str:
+        """A new version of the dataset `ref` (owner/slug), or of the one with `dataset_id`; -> the dataset's ref."""
         with self.store.lock:
             if dataset_id is not None:
                 matches = [d for d in self.store.state["datasets"].values() if d["id"] == dataset_id]
@@ -160,7 +279,7 @@ class Datasets:
                         v["deleted"] = True
                         shutil.rmtree(self.store.dataset_dir(ds, v["number"]), ignore_errors=True)
             self.store.save()
-        return created_reply(ds["ref"])
+        return ds["ref"]
 
     def delete(self, user: str, ref: str) -> None:
         with self.store.lock:
@@ -193,53 +312,3 @@ class Datasets:
                     z.write(src / f["name"], f["name"])
             os.replace(tmp, zpath)
             return zpath
-
-
-def created_reply(ref: str) -> ApiCreateDatasetResponse:
-    """What CreateDataset(Version) answers when it accepted the upload."""
-    return message(ApiCreateDatasetResponse, ref=ref, url=f"http://localhost/datasets/{ref}", status="Ok")
-
-
-def _described(ds: dict) -> dict:
-    """The fields that `ApiDataset` and `DatasetInfo` both name alike."""
-    return {"title": ds["title"], "subtitle": ds.get("subtitle"), "description": ds.get("description"),
-            "is_private": ds["is_private"]}
-
-
-def dataset_info(ds: dict) -> DatasetInfo:
-    """The kagglesdk message of a dataset's metadata (GetDatasetMetadata)."""
-    return message(DatasetInfo, dataset_id=ds["id"], dataset_slug=ds["slug"], owner_user=ds["owner"],
-                   licenses=[message(SettingsLicense, name=ds["license"])], **_described(ds))
-
-
-def dataset_reply(ds: dict, live: list[dict] | None = None) -> ApiDataset:
-    """The kagglesdk message describing a dataset and its live versions (default: all of them; the newest is the
-    current version)."""
-    live = live_versions(ds) if live is None else live
-    current = live[-1] if live else None
-    return message(
-        ApiDataset,
-        id=ds["id"],
-        ref=ds["ref"],
-        **_described(ds),
-        owner_name=ds["owner"],
-        owner_ref=ds["owner"],
-        creator_name=ds["owner"],
-        license_name=ds["license"],
-        url=f"http://localhost/datasets/{ds['ref']}",
-        last_updated=utc(ds.get("updated", ds["created"])),
-        total_bytes=sum(f["size"] for f in current["files"]) if current else 0,
-        current_version_number=current["number"] if current else None,
-        versions=[
-            message(
-                ApiDatasetVersion,
-                version_number=v["number"],
-                creation_date=utc(v["created"]),
-                version_notes=v.get("notes"),
-                creator_name=v.get("creator"),
-                # A free-form string in kagglesdk; what Kaggle puts there is not known.
-                status="ready" if is_ready(v) else "pending",
-            )
-            for v in live
-        ],
-    )
