@@ -267,7 +267,10 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print) -> TrainR
     stop_signal = []
     previous_handler = signal.signal(signal.SIGTERM, lambda *_: stop_signal.append("SIGTERM"))
 
-    background = BackgroundCalls(threaded=runtime.name == "xla")  # logging reads the device off the loop's thread
+    # Logging reads the device off the loop's thread, except with the scan over layers: torch_xla lowers the scan's
+    # backward on autograd's device thread, and a device read on another thread meanwhile crashed the process
+    # (segfault in scan.py's LoweringContext.build: 5 of 6 runs here; 0 of 3 with the reads in the loop's thread).
+    background = BackgroundCalls(threaded=runtime.name == "xla" and not plan.scan_layers)
 
     def save(step: int) -> Path:
         background.flush()  # the logged steps before the checkpoint's record
