@@ -6,6 +6,7 @@ import subprocess
 import sys
 from dataclasses import replace
 
+import pytest
 import torch
 from conftest import REPO
 from safetensors.torch import load_file
@@ -29,6 +30,7 @@ def _records(out_dir, key):
     return [(r["step"], r[key]) for r in read_metrics(out_dir / "metrics.jsonl") if key in r]
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_match_one_process(demo_data, tmp_path):
     common = [str(REPO / "kernels/train.py"), "--data-dir", str(demo_data), *FLAGS]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -55,6 +57,7 @@ def _cfg(demo_data, out_dir, **kw) -> TrainConfig:
                        wandb_project="", bf16=False, checkpoint_every=0, **kw)
 
 
+@pytest.mark.slow
 def test_checkpoints_move_between_xla_and_torch_backends(demo_data, tmp_path):
     quiet = dict(log=lambda *a: None)
     reference = train(_cfg(demo_data, tmp_path / "cpu", max_steps=4), make_runtime("cpu"), **quiet)

@@ -2,6 +2,7 @@
 
 import importlib.util
 
+import pytest
 from conftest import REPO, run_script
 
 from shared.config import TrainConfig
@@ -24,6 +25,7 @@ def test_flops_per_token_gpt2_hand_count():
     assert fpt == 6 * 124_475_904 + 12 * 12 * 768 * 1024 == 860_101_632
 
 
+@pytest.mark.slow
 def test_cpu_run_prints_table_and_notice():
     proc = run_script("scripts/bench_mfu.py", "--backend", "cpu", "--preset", "tiny", "--seq-len", "64",
                       "--steps", "2", "--warmup", "1", "--log-every", "1", timeout=120)
@@ -34,6 +36,7 @@ def test_cpu_run_prints_table_and_notice():
     assert "trainer / reference tokens/s:" in out
 
 
+@pytest.mark.slow
 def test_xla_run_reports_one_graph_step_with_accumulation():
     # The production step structure: accumulation, logging every few steps; the script reports graphs,
     # host syncs and compilations per optimizer step next to tokens/s.

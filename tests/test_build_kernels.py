@@ -77,6 +77,7 @@ def test_built_files_are_self_contained(tmp_path):
     assert (again / meta["code_file"]).read_bytes() == (nb / meta["code_file"]).read_bytes()
 
 
+@pytest.mark.slow
 def test_built_train_kernel_matches_kernels_train(demo_data, straight_run, tmp_path):
     """Straight 6 steps with kernels/train.py (conftest's straight_run); the built kernel: 3 steps as a script, its
     final checkpoint put into a (flat) checkpoint dataset, then 3 more as a notebook resuming from that dataset:

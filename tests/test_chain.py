@@ -97,6 +97,7 @@ def losses(metrics: Path) -> list[tuple]:
     return [(r["step"], r["loss"], r["lr"], r["grad_norm"]) for r in read_metrics(metrics) if "loss" in r]
 
 
+@pytest.mark.slow
 def test_chain_end_to_end_resumes_bit_exactly_and_survives_a_kill(local_kaggle, tmp_path, gpt2_ranks,
                                                                   image_pythons):
     lk = local_kaggle

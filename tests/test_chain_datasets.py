@@ -244,6 +244,7 @@ def upload_tokens(lk, tmp_path: Path, ref: str, folder: Path) -> None:
     lk.cli("datasets", "create", "-p", str(write_dataset(tmp_path / "tokens", ref, files)))
 
 
+@pytest.mark.slow
 def test_a_chain_resumes_each_session_from_the_version_it_expects(local_kaggle, tmp_path, demo_data,
                                                                    image_pythons):
     """Session 2 mounts the placeholder version (a stale mount) and fetches version 2; after session 1's publish

@@ -104,6 +104,7 @@ def test_a_report_with_no_failed_row_says_ready():
     assert report_lines(rows)[-1] == "ready: every link works" and "–" in report_lines(rows)[-3]
 
 
+@pytest.mark.slow
 def test_smoke_on_the_local_kaggle_proves_every_link(tmp_path):
     proc = run_script("scripts/chain_sessions.py", "--local-demo", "--smoke", "--workdir", str(tmp_path),
                       timeout=600)

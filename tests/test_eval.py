@@ -151,6 +151,7 @@ def trained_run(demo_data, hellaswag_file, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_training_logs_val_loss_hellaswag_and_samples(trained_run):
     records = read_metrics(trained_run / "metrics.jsonl")
     hs = [r for r in records if "hellaswag_acc_norm" in r]
@@ -188,6 +189,7 @@ def evaluated(trained_run, demo_data, hellaswag_file, tmp_path_factory):
     return out, proc
 
 
+@pytest.mark.slow
 def test_eval_kernel_report_and_plots(evaluated, trained_run):
     import matplotlib.image
 
@@ -237,6 +239,7 @@ def test_corrupt_checkpoint_is_one_line_error_and_the_report_is_kept(evaluated, 
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
 
 
+@pytest.mark.slow
 def test_missing_hellaswag_file_keeps_the_rest_of_the_report(trained_run, tmp_path):
     proc = eval_kernel("--checkpoint", str(trained_run), "--data-dir", "off", "--hellaswag",
                        str(tmp_path / "nope.jsonl"), "--prompts", "", "--no-export", "--out-dir", str(tmp_path / "o"))
@@ -247,6 +250,7 @@ def test_missing_hellaswag_file_keeps_the_rest_of_the_report(trained_run, tmp_pa
     assert json.loads((tmp_path / "o" / "metrics.jsonl").read_text().splitlines()[0])["event"] == "session_start"
 
 
+@pytest.mark.slow
 def test_a_second_eval_keeps_the_first_report_in_previous(evaluated, tmp_path):
     first, _ = evaluated
     out = tmp_path / "o"

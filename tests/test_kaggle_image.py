@@ -16,6 +16,7 @@ KAGGLE_PYTHON = REPO / ".venv-kaggle-tpu" / "bin" / "python"
 KAGGLE_TORCH = "2.8.0"
 
 
+@pytest.mark.slow
 def test_train_kernel_runs_on_kaggles_tpu_image_versions(demo_data, tmp_path):
     if not KAGGLE_PYTHON.exists():
         if os.environ.get("CI"):

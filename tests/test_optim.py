@@ -163,6 +163,7 @@ def test_bad_optimizer_and_schedule_flags_are_one_line_errors():
 
 # --- under XLA (8 CPU devices, SPMD) ----------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_muon_compiles_nothing_after_step_two(demo_data, tmp_path):
     # with the momentum warming up (a device tensor moved every step) and zero-initialised projections
     cfg = small_config(demo_data, tmp_path, max_steps=8, warmup_steps=2, optimizer="muon", schedule="wsd",
@@ -181,6 +182,7 @@ def test_muon_compiles_nothing_after_step_two(demo_data, tmp_path):
     assert all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.5
 
 
+@pytest.mark.slow
 def test_muon_under_fsdp_steps_as_replicated(demo_data, tmp_path):
     """Under fsdp each matrix is sharded over the 8 devices and Muon orthogonalises the gathered whole: one step
     from the same gradients gives the replicated run's parameters (float32 Newton-Schulz: to rounding; bf16
@@ -214,6 +216,7 @@ def test_muon_under_fsdp_steps_as_replicated(demo_data, tmp_path):
     assert len(a) == 3 and np.allclose([h[1] for h in a], [h[1] for h in b], atol=5e-3)
 
 
+@pytest.mark.slow
 def test_muon_resume_in_new_process_is_bit_exact(demo_data, tmp_path):
     straight = train_cli(demo_data, tmp_path / "straight", *MUON, "--max-steps", "6")
     assert straight.returncode == 0, straight.stderr[-3000:]

@@ -69,6 +69,7 @@ def train_cli(data_dir, out_dir, *extra, timeout=300):
                       *extra, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_resume_in_new_process_is_bit_exact(demo_data, straight_run, tmp_path):
     first = train_cli(demo_data, tmp_path, "--max-steps", "6", "--stop-after-steps", "3")
     assert first.returncode == 0, first.stderr[-3000:]
@@ -81,6 +82,7 @@ def test_resume_in_new_process_is_bit_exact(demo_data, straight_run, tmp_path):
     assert all(np.isfinite(loss)) and loss[0] > 9.0  # ~ln(50257) at the start
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_is_bit_exact(demo_data, straight_run, tmp_path):
     cmd = [sys.executable, str(REPO / "kernels/train.py"), "--data-dir", str(demo_data), "--out-dir", str(tmp_path),
            *SMALL_ARGS, "--max-steps", "6", "--checkpoint-every", "2"]
@@ -98,6 +100,7 @@ def test_sigkill_then_resume_is_bit_exact(demo_data, straight_run, tmp_path):
     assert_identical_runs(straight_run, tmp_path, 6)
 
 
+@pytest.mark.slow
 def test_sigterm_ends_the_session_with_a_checkpoint(demo_data, tmp_path):
     cmd = [sys.executable, str(REPO / "kernels/train.py"), "--data-dir", str(demo_data), "--out-dir", str(tmp_path),
            *SMALL_ARGS, "--max-steps", "100000"]
@@ -141,6 +144,7 @@ def test_no_recompilation_after_step_two(demo_data, tmp_path):
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_time_budget_stops_cleanly_with_a_checkpoint(demo_data, tmp_path):
     # Periodic checkpoints replace the cautious up-front estimate of the checkpoint time with a measurement.
     cfg = small_config(demo_data, tmp_path, max_steps=100000, time_budget=45.0, checkpoint_every=2)
@@ -153,6 +157,7 @@ def test_time_budget_stops_cleanly_with_a_checkpoint(demo_data, tmp_path):
     assert checkpoints[-1]["step"] == result.step and checkpoints[-1]["elapsed_s"] < 45.0  # written in time
 
 
+@pytest.mark.slow
 def test_fsdp_shards_parameters_and_matches_replicated_training(demo_data, tmp_path):
     import torch_xla
 
@@ -229,6 +234,7 @@ def test_metrics_are_jsonl_with_expected_fields(straight_run):
     assert json.loads((list_checkpoints(straight_run / "checkpoints")[-1] / "state.json").read_text())["tokens"] == 3072
 
 
+@pytest.mark.slow
 def test_compiled_graphs_travel_with_the_checkpoint(demo_data, tmp_path):
     """Session 2 (another out_dir, resuming from session 1's checkpoints as from a Kaggle dataset) starts
     with session 1's XLA compilation cache, and XLA finds its graphs there. (torch_xla's CPU client cannot
@@ -279,6 +285,7 @@ def comparable(diff: torch.Tensor, name: str) -> torch.Tensor:
     return diff
 
 
+@pytest.mark.slow
 def test_step_structures_train_the_same_model(demo_data, tmp_path):
     # The one-graph step (micro-steps in an XLA loop) against a graph per micro-step, with activation
     # checkpointing and with the scan over layers: the same data gives the same losses and parameters, to
