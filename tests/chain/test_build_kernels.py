@@ -11,9 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, error_lines, run_script
+from helpers import REPO, assert_identical_runs, error_lines, run_script
 from kaggle_fixtures import load_local_kaggle_module
-from test_train import assert_identical_runs
 
 from scripts.chain import build_kernel, fill_metadata
 from shared.errors import UserError

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, error_lines, importable_in, run_script
+from helpers import REPO, error_lines, importable_in, run_script
 from kaggle_fixtures import KEY, USER, client_env, local_kaggle, write_dataset  # noqa: F401
 from safetensors.torch import load_file
 

@@ -12,7 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import REPO, error_lines
+from helpers import REPO, error_lines
 from kaggle_fixtures import KEY, USER, local_kaggle, save_without_running, write_dataset, write_kernel  # noqa: F401
 
 CKPT = "alice/unit-run-checkpoints"

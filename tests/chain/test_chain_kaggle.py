@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import requests
-from conftest import REPO
+from helpers import REPO
 from kaggle_fixtures import USER, local_kaggle, write_kernel  # noqa: F401
 
 from scripts.chain import ApiFailure, Chain, config_from_dict

@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import REPO, error_lines, run_script
+from helpers import REPO, error_lines, run_script
 from kaggle_fixtures import local_kaggle  # noqa: F401 - fixture
 
 from scripts.chain.config import config_from_dict, load_config

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_script
+from helpers import REPO, run_script
 
 from scripts.chain.config import config_from_dict, load_config
 from scripts.chain.smoke import (

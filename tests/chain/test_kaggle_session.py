@@ -9,7 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import REPO, error_lines, importable_in
+from helpers import REPO, error_lines, importable_in
 from kaggle_fixtures import KEY, USER, local_kaggle, save_without_running, write_kernel  # noqa: F401
 
 from shared.errors import UserError, run_cli

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import error_lines, run_script
+from helpers import error_lines, run_script
 
 from shared.config import ModelConfig, TrainConfig
 from shared.data import TokenLoader, find_shards

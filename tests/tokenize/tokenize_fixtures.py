@@ -1,7 +1,7 @@
 """Fixtures and helpers for the tokenize tests: test_tokenize.py (the part logic, in process) and
 test_tokenize_kernel.py (the kernel as a script: killed, restarted, given bad input).
 
-conftest.py imports the fixtures, so each is made once per session for both files: the corpus with its expected
+tokenize/conftest.py imports the fixtures, so each is made once per session for both files: the corpus with its expected
 tokens, and one reference run over it. The test modules import the helpers.
 """
 
@@ -26,7 +26,7 @@ from shared.tokenize.manifest import MANIFEST
 from shared.tokenize.part import tokenize_part
 from shared.tokenize.tokenizer import EOT_TOKEN, gpt2_encoding
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KERNEL = ROOT / "kernels" / "tokenize.py"
 
 

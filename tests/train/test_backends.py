@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import REPO
+from helpers import REPO
 from safetensors.torch import load_file
 
 from shared.config import TrainConfig

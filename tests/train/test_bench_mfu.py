@@ -3,7 +3,7 @@
 import importlib.util
 
 import pytest
-from conftest import REPO, run_script
+from helpers import REPO, run_script
 
 from shared.config import TrainConfig
 from shared.train.model import GPT

@@ -7,8 +7,7 @@ import os
 import subprocess
 
 import pytest
-from conftest import REPO
-from test_train import SMALL_ARGS, loss_history, small_config, train_in_process
+from helpers import REPO, SMALL_ARGS, loss_history, small_config, train_in_process
 
 from shared.train.metrics import read_metrics
 

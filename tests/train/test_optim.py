@@ -9,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from test_train import (
+from helpers import (
     assert_identical_runs,
     loss_history,
     small_config,
@@ -233,7 +233,7 @@ def test_muon_resume_in_new_process_is_bit_exact(demo_data, tmp_path):
 
 
 def test_one_session_recipe_config_is_muon_over_five_billion_tokens():
-    from conftest import REPO
+    from helpers import REPO
 
     from scripts.chain import load_config
 
@@ -249,7 +249,7 @@ def test_one_session_recipe_config_is_muon_over_five_billion_tokens():
 def test_bench_recipe_remaps_to_the_most_frequent_tokens_and_reads_tokens_needed(tmp_path):
     import importlib.util
 
-    from conftest import REPO
+    from helpers import REPO
 
     from shared.data import read_shard, write_shard
 

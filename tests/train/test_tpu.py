@@ -337,7 +337,7 @@ def test_auto_micro_batch_from_the_memory_arithmetic(generation, attention, pres
 def test_count_allreduce_attributes_reduces_to_the_loop_or_the_step():
     import importlib.util
 
-    from conftest import REPO
+    from helpers import REPO
 
     spec = importlib.util.spec_from_file_location("count_allreduce", REPO / "scripts" / "count_allreduce.py")
     module = importlib.util.module_from_spec(spec)

@@ -7,66 +7,28 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, error_lines, run_script
-from safetensors.torch import load_file
+from helpers import (
+    REPO,
+    SMALL_ARGS,
+    assert_identical_runs,
+    error_lines,
+    final_tensors,
+    loss_history,
+    run_script,
+    small_config,
+    train_cli,
+    train_in_process,
+)
 
 from shared.config import TrainConfig
 from shared.data import find_shards, write_shard
 from shared.errors import UserError
 from shared.train.checkpoint import list_checkpoints
 from shared.train.metrics import read_metrics
-
-SMALL_ARGS = ["--preset", "tiny", "--seq-len", "32", "--micro-batch", "8", "--total-batch-tokens", "512",
-              "--warmup-steps", "2", "--log-every", "1", "--eval-every", "0", "--no-progress",
-              "--wandb-project", "", "--backend", "xla"]
-
-
-def small_config(data_dir, out_dir, **overrides) -> TrainConfig:
-    cfg = TrainConfig(preset="tiny", seq_len=32, micro_batch=8, total_batch_tokens=512, warmup_steps=2,
-                      log_every=1, eval_every=0, progress=False, wandb_project="", data_dir=str(data_dir),
-                      out_dir=str(out_dir), max_steps=6, checkpoint_every=0)
-    return replace(cfg, **overrides)
-
-
-def train_in_process(cfg: TrainConfig):
-    from shared.train.device import make_runtime
-    from shared.train.trainer import train
-
-    lines = []
-    return train(cfg, make_runtime("xla"), log=lines.append), lines
-
-
-def final_tensors(out_dir: Path) -> dict[str, torch.Tensor]:
-    newest = list_checkpoints(Path(out_dir) / "checkpoints")[-1]
-    tensors = load_file(newest / "model.safetensors")
-    tensors.update({f"opt.{k}": v for k, v in load_file(newest / "optimizer.safetensors").items()})
-    return tensors
-
-
-def loss_history(out_dir: Path) -> list[tuple]:
-    return [(r["step"], r["loss"], r["lr"], r["grad_norm"]) for r in read_metrics(Path(out_dir) / "metrics.jsonl")
-            if "loss" in r]
-
-
-def assert_identical_runs(a: Path, b: Path, steps: int) -> None:
-    ta, tb = final_tensors(a), final_tensors(b)
-    assert ta.keys() == tb.keys()
-    for name in ta:
-        assert torch.equal(ta[name], tb[name]), f"{name} differs"
-    history = loss_history(a)
-    assert [h[0] for h in history] == list(range(1, steps + 1))
-    assert history == loss_history(b)
-
-
-def train_cli(data_dir, out_dir, *extra, timeout=300):
-    return run_script("kernels/train.py", "--data-dir", str(data_dir), "--out-dir", str(out_dir), *SMALL_ARGS,
-                      *extra, timeout=timeout)
 
 
 @pytest.mark.slow

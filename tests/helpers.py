@@ -1,0 +1,89 @@
+"""Helpers the test folders share: running repo scripts as a user would (a new process), the Kaggle image
+stand-ins' interpreters, a kernel's `error:` lines, and test_train's small training runs (used by train, chain and
+eval tests alike). Importable from every test module: pyproject puts tests/ on sys.path."""
+
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from shared.config import TrainConfig
+from shared.train.checkpoint import list_checkpoints
+from shared.train.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_script(path: str, *args: str, timeout: float = 300, env: dict | None = None,
+               python: str = sys.executable) -> subprocess.CompletedProcess:
+    """Run a repo script in a fresh Python process (this one's interpreter unless told), as a user would."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run([python, str(REPO / path), *args], capture_output=True, text=True,
+                          timeout=timeout, env=full_env, cwd=REPO)
+
+
+IMAGE_PYTHONS = {"tpu": REPO / ".venv-kaggle-tpu" / "bin" / "python",
+                 "cpu": REPO / ".venv-kaggle-cpu" / "bin" / "python"}
+
+
+def importable_in(python: Path, modules: tuple[str, ...]) -> list[str]:
+    """Which of `modules` the interpreter `python` finds (nothing imported)."""
+    code = "import importlib.util, sys; print(','.join(m for m in sys.argv[1:] if importlib.util.find_spec(m)))"
+    out = subprocess.run([str(python), "-c", code, *modules], capture_output=True, text=True, check=True)
+    return [m for m in out.stdout.strip().split(",") if m]
+
+
+def error_lines(stderr: str) -> list[str]:
+    """The `error:` lines a kernel printed (library warnings from torch_xla are ignored)."""
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+SMALL_ARGS = ["--preset", "tiny", "--seq-len", "32", "--micro-batch", "8", "--total-batch-tokens", "512",
+              "--warmup-steps", "2", "--log-every", "1", "--eval-every", "0", "--no-progress",
+              "--wandb-project", "", "--backend", "xla"]
+
+
+def small_config(data_dir, out_dir, **overrides) -> TrainConfig:
+    cfg = TrainConfig(preset="tiny", seq_len=32, micro_batch=8, total_batch_tokens=512, warmup_steps=2,
+                      log_every=1, eval_every=0, progress=False, wandb_project="", data_dir=str(data_dir),
+                      out_dir=str(out_dir), max_steps=6, checkpoint_every=0)
+    return replace(cfg, **overrides)
+
+
+def train_in_process(cfg: TrainConfig):
+    from shared.train.device import make_runtime
+    from shared.train.trainer import train
+
+    lines = []
+    return train(cfg, make_runtime("xla"), log=lines.append), lines
+
+
+def final_tensors(out_dir: Path) -> dict[str, torch.Tensor]:
+    newest = list_checkpoints(Path(out_dir) / "checkpoints")[-1]
+    tensors = load_file(newest / "model.safetensors")
+    tensors.update({f"opt.{k}": v for k, v in load_file(newest / "optimizer.safetensors").items()})
+    return tensors
+
+
+def loss_history(out_dir: Path) -> list[tuple]:
+    return [(r["step"], r["loss"], r["lr"], r["grad_norm"]) for r in read_metrics(Path(out_dir) / "metrics.jsonl")
+            if "loss" in r]
+
+
+def assert_identical_runs(a: Path, b: Path, steps: int) -> None:
+    ta, tb = final_tensors(a), final_tensors(b)
+    assert ta.keys() == tb.keys()
+    for name in ta:
+        assert torch.equal(ta[name], tb[name]), f"{name} differs"
+    history = loss_history(a)
+    assert [h[0] for h in history] == list(range(1, steps + 1))
+    assert history == loss_history(b)
+
+
+def train_cli(data_dir, out_dir, *extra, timeout=300):
+    return run_script("kernels/train.py", "--data-dir", str(data_dir), "--out-dir", str(out_dir), *SMALL_ARGS,
+                      *extra, timeout=timeout)
