@@ -78,7 +78,7 @@ def plan_step(cfg: TrainConfig, runtime: Runtime, scan_available: bool | None = 
     over layers on for 24+ layers (gpt2-medium up; for gpt2's 12 it compiled slower on the XLA CPU
     compiler: docs/tpu-throughput.md) on a TPU running SDPA attention (the Pallas kernel is untested inside scan)
     when the step has no accumulation loop: inside torch_xla 2.9's loop the scan computed wrong losses
-    (tests/test_train.py shows it), so the two are never combined."""
+    (tests/train/test_train.py shows it), so the two are never combined."""
     from shared.train.device import scan_layers_available
 
     n_layer, gen, xla = cfg.model.n_layer, runtime.tpu_generation, runtime.name == "xla"
