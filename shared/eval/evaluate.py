@@ -1,7 +1,6 @@
-"""Evaluation: validation loss over the validation shard(s), sharded over all devices like training; the
-periodic evaluation inside training (validation loss, a HellaSwag subset, one sample); and the eval kernel's
-whole run (`run_eval`): checkpoint -> Hugging Face export -> validation loss -> HellaSwag -> samples -> report.
-"""
+"""The eval kernel's whole run (`run_eval`): checkpoint -> Hugging Face export -> validation loss -> HellaSwag ->
+samples -> report (and, if asked, a Kaggle Model version: shared/kaggle/models.py). The validation loss itself is
+the trainer's (shared/train/validation.py)."""
 
 from __future__ import annotations
 
@@ -10,104 +9,12 @@ import time
 import traceback
 from pathlib import Path
 
-import torch
-
 from shared.config import EvalConfig
 from shared.data import TokenLoader
 from shared.eval.report import HELLASWAG_PNG, LOSS_PNG, REPORT_FILE, THROUGHPUT_PNG
+from shared.kaggle.models import upload_kaggle_model
 from shared.train.checkpoint import METRICS_FILE
-
-
-@torch.no_grad()
-def validation_loss(model: torch.nn.Module, loader: TokenLoader, runtime, batches: int, bf16: bool = True) -> float:
-    """Mean loss over the first `batches` batches of `loader` (rewound each time, so evals are comparable);
-    at most one pass, so that no batch counts twice."""
-    batches = min(batches, loader.batches_per_pass())
-    loader.state.epoch = loader.state.shard_index = loader.state.offset = 0
-    total = torch.zeros((), device=runtime.device)
-    runtime.sync()  # `total` as device data: every batch below is then the same graph
-    for _ in range(batches):
-        batch = runtime.batch_to_device(loader.next_batch())
-        with runtime.autocast(bf16):
-            _, loss = model(batch[:, :-1], batch[:, 1:])
-        total += loss.detach().float()
-        runtime.sync()
-    return runtime.mean_across(total).item() / batches  # under DDP each process saw its own rows
-
-
-def one_pass_batches(loader: TokenLoader, max_tokens: int = 0) -> int:
-    """Batches in one pass over `loader`'s shards (a batch never spans two shards), at most `max_tokens`."""
-    total = loader.batches_per_pass()
-    if max_tokens:
-        total = min(total, max(1, max_tokens // loader.tokens_per_batch))
-    return total
-
-
-# --- inside training ------------------------------------------------------------------------------------------
-
-_hellaswag_cache: dict[tuple, object] = {}  # (file, examples, block size) -> Encoded, or the error met loading it
-_warned: set[str] = set()
-
-
-def _warn_once(log):
-    def warn(message: str) -> None:
-        if message not in _warned:
-            _warned.add(message)
-            log(message)
-    return warn
-
-
-def _training_hellaswag(path: str, examples: int, block_size: int, log):
-    """The encoded HellaSwag subset for in-training evals, read once per process; None if it cannot be."""
-    from shared.errors import UserError
-    from shared.eval.hellaswag import encode, read_jsonl, truncation_warning
-
-    key = (path, examples, block_size)
-    if key not in _hellaswag_cache:
-        try:
-            data = encode(read_jsonl(path, examples, warn=log), block_size)
-            if data.truncated:
-                log(truncation_warning(data, block_size))
-            _hellaswag_cache[key] = data
-        except UserError as err:
-            log(f"warning: HellaSwag during training is off: {err}")
-            _hellaswag_cache[key] = None
-    return _hellaswag_cache[key]
-
-
-def periodic_eval(model, runtime, cfg, step: int, tokens: int, val_loader: TokenLoader | None, logger) -> dict:
-    """The evaluation every `cfg.eval_every` steps: validation loss (when there are validation shards), HellaSwag
-    on the first `cfg.hellaswag_examples` examples of `cfg.hellaswag_file` (when set), and one sample from
-    `cfg.sample_prompt` (when set). Each result is one record in the metrics JSONL (and W&B).
-
-    All of it runs with fixed shapes (the same batches, rows and cache every time), so after the first eval it
-    compiles nothing new; the sample uses its own seeded generator and leaves the training RNG alone.
-    """
-    log = getattr(logger, "log", print)
-    results: dict = {}
-    if val_loader is not None:
-        results["val_loss"] = validation_loss(model, val_loader, runtime, cfg.eval_batches, cfg.bf16)
-        logger.write({"step": step, "tokens": tokens, "val_loss": results["val_loss"]})
-    block_size = model.config.block_size
-    if getattr(cfg, "hellaswag_file", ""):
-        data = _training_hellaswag(cfg.hellaswag_file, cfg.hellaswag_examples, block_size, log)
-        if data is not None:
-            from shared.eval.hellaswag import score
-
-            # About one training micro-batch of tokens per forward pass: the memory training already needs.
-            rows = max(1, cfg.micro_batch * block_size // data.length)
-            result = score(model, runtime, data, rows, cfg.bf16)
-            results.update(result.to_record())
-            logger.write({"step": step, "tokens": tokens, **result.to_record()})
-    if getattr(cfg, "sample_prompt", ""):
-        from shared.eval.sampling import sample_text
-
-        (sample,) = sample_text(model, runtime, [cfg.sample_prompt], getattr(cfg, "sample_tokens", 32),
-                                seed=cfg.seed, bf16=cfg.bf16, warn=_warn_once(log))
-        results["sample"] = sample.prompt + sample.text
-        logger.write({"step": step, "tokens": tokens, "sample": results["sample"]})
-    return results
-
+from shared.train.validation import one_pass_batches, validation_loss
 
 # --- the eval kernel ------------------------------------------------------------------------------------------
 
@@ -182,50 +89,6 @@ def _val_shards(cfg: EvalConfig):
     from shared.kaggle.env import is_kaggle, is_local_kaggle, kaggle_paths
 
     return find_shards(str(kaggle_paths().input), "val") if (is_kaggle() or is_local_kaggle()) else []
-
-
-def upload_kaggle_model(folder: Path, handle: str, notes: str, log=print) -> None:
-    """Upload `folder` as a new version of the Kaggle Model instance `handle` (owner/model/framework/variation),
-    creating the model and the instance on first use."""
-    import json
-    import tempfile
-
-    from shared.errors import UserError
-
-    parts = handle.split("/")
-    if len(parts) != 4 or not all(parts):
-        raise UserError(f"--kaggle-model {handle!r}: expected owner/model/framework/variation")
-    owner, model_slug, framework, variation = parts
-    from shared.kaggle.publish import kaggle_api
-
-    api = kaggle_api()  # in a session, with the notebook's secrets; a UserError names what is missing
-    try:
-        api.model_instance_version_create(handle, str(folder), version_notes=notes, quiet=True)
-        log(f"uploaded {folder} as a new version of Kaggle Model {handle}")
-        return
-    except Exception as err:
-        first = f"{type(err).__name__}: {str(err)[:200]}"
-    try:  # the model or its instance may not exist yet
-        with tempfile.TemporaryDirectory() as tmp:
-            (Path(tmp) / "model-metadata.json").write_text(json.dumps({
-                "ownerSlug": owner, "slug": model_slug, "title": model_slug, "isPrivate": True,
-                "description": "GPT-2 pretrained with gpt2-on-kaggle"}))
-            try:
-                api.model_create_new(tmp)
-            except Exception:
-                pass  # it exists already
-        staging = Path(tempfile.mkdtemp())
-        for f in folder.iterdir():
-            if f.is_file():
-                shutil.copy2(f, staging / f.name)
-        (staging / "model-instance-metadata.json").write_text(json.dumps({
-            "ownerSlug": owner, "modelSlug": model_slug, "instanceSlug": variation, "framework": framework,
-            "licenseName": "Apache 2.0", "overview": notes}))
-        api.model_instance_create(str(staging), quiet=True)
-        shutil.rmtree(staging, ignore_errors=True)
-        log(f"created Kaggle Model {handle} from {folder}")
-    except Exception as err:
-        raise UserError(f"--kaggle-model {handle}: upload failed ({first}; then {type(err).__name__})") from None
 
 
 def run_eval(cfg: EvalConfig, runtime=None, log=print) -> dict:

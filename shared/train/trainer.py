@@ -19,7 +19,6 @@ import torch
 from shared.config import AUTO, CHECKPOINT_BYTES_PER_PARAM, NINE_HOURS, TrainConfig
 from shared.data import LoaderState, TokenLoader, find_shards
 from shared.errors import UserError
-from shared.eval.evaluate import periodic_eval
 from shared.train.checkpoint import (
     METRICS_FILE,
     CheckpointTimer,
@@ -40,6 +39,7 @@ from shared.train.optim import (
     optimizer_tensors,
 )
 from shared.train.tpu import micro_batch_for
+from shared.train.validation import periodic_eval
 
 XLA_CACHE_DIR = "xla_cache"  # inside out_dir, and inside each checkpoint (XLA's persistent compilation cache)
 

@@ -14,13 +14,13 @@ from helpers import error_lines, run_script
 
 from shared.config import ModelConfig, TrainConfig
 from shared.data import TokenLoader, find_shards
-from shared.eval.evaluate import validation_loss
 from shared.eval.hf import export_hf
 from shared.eval.sampling import generate_tokens, sample_text
 from shared.train.checkpoint import list_checkpoints, load_checkpoint
 from shared.train.device import Runtime, make_runtime
 from shared.train.metrics import read_metrics
 from shared.train.model import GPT
+from shared.train.validation import validation_loss
 
 transformers = pytest.importorskip("transformers")
 

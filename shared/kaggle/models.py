@@ -1,0 +1,51 @@
+"""Kaggle Models: the eval kernel's upload of its 🤗 export as a new version of a Kaggle Model instance, through
+the session's authenticated API (shared/kaggle/publish.py `kaggle_api`: the notebook's secrets)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+
+def upload_kaggle_model(folder: Path, handle: str, notes: str, log=print) -> None:
+    """Upload `folder` as a new version of the Kaggle Model instance `handle` (owner/model/framework/variation),
+    creating the model and the instance on first use."""
+    import json
+    import tempfile
+
+    from shared.errors import UserError
+
+    parts = handle.split("/")
+    if len(parts) != 4 or not all(parts):
+        raise UserError(f"--kaggle-model {handle!r}: expected owner/model/framework/variation")
+    owner, model_slug, framework, variation = parts
+    from shared.kaggle.publish import kaggle_api
+
+    api = kaggle_api()  # in a session, with the notebook's secrets; a UserError names what is missing
+    try:
+        api.model_instance_version_create(handle, str(folder), version_notes=notes, quiet=True)
+        log(f"uploaded {folder} as a new version of Kaggle Model {handle}")
+        return
+    except Exception as err:
+        first = f"{type(err).__name__}: {str(err)[:200]}"
+    try:  # the model or its instance may not exist yet
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "model-metadata.json").write_text(json.dumps({
+                "ownerSlug": owner, "slug": model_slug, "title": model_slug, "isPrivate": True,
+                "description": "GPT-2 pretrained with gpt2-on-kaggle"}))
+            try:
+                api.model_create_new(tmp)
+            except Exception:
+                pass  # it exists already
+        staging = Path(tempfile.mkdtemp())
+        for f in folder.iterdir():
+            if f.is_file():
+                shutil.copy2(f, staging / f.name)
+        (staging / "model-instance-metadata.json").write_text(json.dumps({
+            "ownerSlug": owner, "modelSlug": model_slug, "instanceSlug": variation, "framework": framework,
+            "licenseName": "Apache 2.0", "overview": notes}))
+        api.model_instance_create(str(staging), quiet=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        log(f"created Kaggle Model {handle} from {folder}")
+    except Exception as err:
+        raise UserError(f"--kaggle-model {handle}: upload failed ({first}; then {type(err).__name__})") from None
