@@ -24,9 +24,9 @@ def main() -> None:
     from shared.eval.evaluate import run_eval
 
     if cfg.out_dir == "runs/eval":  # the default: on Kaggle, the session's saved output
-        from shared.kaggle.env import is_kaggle, is_local_kaggle, kaggle_paths
+        from shared.kaggle.env import in_session, kaggle_paths
 
-        if is_kaggle() or is_local_kaggle():
+        if in_session():
             cfg.out_dir = str(kaggle_paths().working)
     run_eval(cfg)
 

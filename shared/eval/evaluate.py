@@ -46,9 +46,9 @@ def _find_checkpoint(cfg: EvalConfig, log):
             return load_checkpoint(path)
         roots = [path, path / "checkpoints"]
     else:
-        from shared.kaggle.env import is_kaggle, is_local_kaggle, kaggle_paths
+        from shared.kaggle.env import in_session, kaggle_paths
 
-        if not (is_kaggle() or is_local_kaggle()):
+        if not in_session():
             raise UserError("--checkpoint: give a checkpoint, a checkpoints/ root or a run directory")
         found = sorted({p.parent for p in kaggle_paths().input.rglob("step_*") if (p / MANIFEST_FILE).exists()})
         roots = list(found)
@@ -86,9 +86,9 @@ def _val_shards(cfg: EvalConfig):
         return []
     if cfg.data_dir:
         return find_shards(cfg.data_dir, "val")
-    from shared.kaggle.env import is_kaggle, is_local_kaggle, kaggle_paths
+    from shared.kaggle.env import in_session, kaggle_paths
 
-    return find_shards(str(kaggle_paths().input), "val") if (is_kaggle() or is_local_kaggle()) else []
+    return find_shards(str(kaggle_paths().input), "val") if in_session() else []
 
 
 def run_eval(cfg: EvalConfig, runtime=None, log=print) -> dict:

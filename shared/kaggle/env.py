@@ -22,7 +22,6 @@ from shared.errors import UserError
 LOCAL_ROOT_ENV = "LOCAL_KAGGLE_ROOT"  # a folder holding input/, working/, temp/
 LOCAL_SECRETS_ENV = "LOCAL_KAGGLE_SECRETS_FILE"  # JSON {name: value} of the kernel owner's secrets
 LOCAL_ACCELERATOR_ENV = "LOCAL_KAGGLE_ACCELERATOR"  # the session's machine_shape, "" for CPU
-LOCAL_KERNEL_ENV = "LOCAL_KAGGLE_KERNEL"  # owner/slug of the running kernel
 KAGGLE_ROOT = Path("/kaggle")
 
 
@@ -85,13 +84,6 @@ def kaggle_paths() -> KagglePaths:
     paths = KagglePaths(root=root, input=root / "input", working=root / "working", temp=root / "temp")
     paths.temp.mkdir(parents=True, exist_ok=True)
     return paths
-
-
-def accelerator() -> str | None:
-    """The session's machine shape (e.g. "TpuV5E8") where known, None for CPU or unknown."""
-    if is_local_kaggle():
-        return os.environ.get(LOCAL_ACCELERATOR_ENV) or None
-    return os.environ.get("KAGGLE_ACCELERATOR_TYPE") or None
 
 
 # The machine shape and kernel of this session's build, as check_tpu_present saw them before any work, for

@@ -25,12 +25,6 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def truncate_metrics(path: str | os.PathLike, max_step: int) -> None:
-    """Drop records past `max_step`: steps a killed session logged after its last checkpoint are redone."""
-    records = [r for r in read_metrics(path) if r.get("step", 0) <= max_step]
-    Path(path).write_text("".join(json.dumps(r) + "\n" for r in records))
-
-
 def _wandb_key() -> str | None:
     if os.environ.get("WANDB_API_KEY"):
         return os.environ["WANDB_API_KEY"]
