@@ -1,7 +1,7 @@
 """Which TPU this host has, read from what a TPU VM really exposes (docs/kaggle-tpu.md, section 3): the
 generation's per-chip figures, the PCI probe torch_xla itself uses, and the XLA environment for hosts without one.
 
-Stdlib only: the kaggle_env check and the runtime's setup ask these before torch_xla is imported.
+Stdlib only: the session checks (shared/kaggle/env.py) and the runtime's setup ask these before torch_xla is imported.
 """
 
 from __future__ import annotations
