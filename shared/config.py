@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import re
 import typing
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ PADDED_VOCAB_SIZE = 50304  # a multiple of 128: faster matmuls; trimmed back to 
 SHARD_HEADER_BYTES = 256 * 4  # llm.c's shard header: 256 int32 (shared/data.py)
 MANIFEST_SLACK = 4096  # room kept in a tokenize part's budget for the manifest growing by one shard entry
 GB = 1e9
+HELLASWAG_VALIDATION_EXAMPLES = 10042  # HellaSwag's validation split (hellaswag_val.jsonl), the eval's full set
 # GPT-2 tokens in the FineWeb-Edu samples, as their names state; sample-10BT is also build-nanogpt's "100M tokens per
 # shard, total of 100 shards" (karpathy/build-nanogpt fineweb.py:20 @69cb21f). Approximate: a part that starts past
 # the end fails, so the chain checks against these before anything runs.
@@ -350,6 +352,17 @@ class TokenizeConfig:
         """Tokens that `parts` parts make: each `tokens_per_part`, the last cut short where the corpus ends."""
         made = parts * self.tokens_per_part
         return min(made, self.corpus_tokens) if self.corpus_tokens else made
+
+    def check_parts(self, parts: int) -> None:
+        """Refuse `parts` parts where one would start past the corpus's end: it would stop with "already reached
+        the end of the stream". The known sizes are rounded, so a part must start clearly (5%) past the end."""
+        corpus = self.corpus_tokens
+        if corpus and (parts - 1) * self.tokens_per_part > 1.05 * corpus:
+            useful = math.ceil(corpus / self.tokens_per_part)
+            raise UserError(f"tokenize.parts {parts} x {self.tokens_per_part / 1e9:g}B tokens: {self.dataset} "
+                            f"{self.config} holds about {corpus / 1e9:g}B, so part {useful} would start past its "
+                            f"end; use at most {useful} part(s) (a run longer than the corpus repeats it) or a "
+                            "larger config")
 
 
 @dataclass

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import re
 from pathlib import Path
@@ -174,7 +173,10 @@ def config_from_dict(raw: dict, where: str = "config") -> ChainConfig:
     parts = cfg.tokenize.get("parts", 0)
     if not isinstance(parts, int) or isinstance(parts, bool) or parts < 0:
         raise UserError(f"{where}: tokenize.parts must be a whole number >= 0, got {parts!r}")
-    _check_parts_fit_corpus(cfg, parts, where)
+    try:
+        TokenizeConfig(**{**cfg.tokenize.get("settings", {}), "part": 0}).check_parts(parts)
+    except UserError as err:
+        raise UserError(f"{where}: {err}") from None
     shape = cfg.tokenize.get("accelerator", "")
     if shape and shape not in MACHINE_SHAPES:
         raise UserError(f"{where}: unknown tokenize.accelerator {shape!r}")
@@ -192,21 +194,6 @@ def config_from_dict(raw: dict, where: str = "config") -> ChainConfig:
     if unknown_smoke:
         raise UserError(f"{where}: unknown smoke key(s) {', '.join(unknown_smoke)}; known: {', '.join(SMOKE_DEFAULTS)}")
     return cfg
-
-
-def _check_parts_fit_corpus(cfg: ChainConfig, parts: int, where: str) -> None:
-    # A part that starts past the corpus's end stops with "already reached the end of the stream" (and the chain
-    # with it): refused here, where nothing has run yet. The known sizes are rounded, so a part must start clearly
-    # past the end (5%) to be refused.
-    if parts < 2:
-        return
-    tok = TokenizeConfig(**{**cfg.tokenize.get("settings", {}), "part": 0})
-    corpus = tok.corpus_tokens
-    if corpus and (parts - 1) * tok.tokens_per_part > 1.05 * corpus:
-        useful = math.ceil(corpus / tok.tokens_per_part)
-        raise UserError(f"{where}: tokenize.parts {parts} x {tok.tokens_per_part / 1e9:g}B tokens: {tok.dataset} "
-                        f"{tok.config} holds about {corpus / 1e9:g}B, so part {useful} would start past its end; "
-                        f"use at most {useful} part(s) (a run longer than the corpus repeats it) or a larger config")
 
 
 def _place_checkpoints(cfg: ChainConfig, where: str) -> None:

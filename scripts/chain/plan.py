@@ -23,8 +23,7 @@ from scripts.chain.limits import (
     RETIRED_SHAPES,
     session_devices,
 )
-from shared.config import AUTO, EvalConfig, TokenizeConfig, TrainConfig
-from shared.eval.hellaswag import VALIDATION_EXAMPLES
+from shared.config import AUTO, HELLASWAG_VALIDATION_EXAMPLES, EvalConfig, TokenizeConfig, TrainConfig
 
 REPO = Path(__file__).resolve().parents[2]
 # What --smoke measured, one record per run (newest last); the plan counts sessions with the newest that matches.
@@ -38,7 +37,7 @@ SHAPE_GENERATION = {"TpuV5E8": "v5e", "TpuV6E8": "v6e"}
 # with credentials the plan reads the account's own quota instead.
 WEEKLY_QUOTA_S = {"tpu": 20 * 3600.0, "gpu": 30 * 3600.0}
 # HellaSwag's validation split: examples x 4 endings, ~ tokens a row (context + ending), for the eval estimate.
-HELLASWAG_ROWS, HELLASWAG_TOKENS_PER_ROW = VALIDATION_EXAMPLES * 4, 100
+HELLASWAG_ROWS, HELLASWAG_TOKENS_PER_ROW = HELLASWAG_VALIDATION_EXAMPLES * 4, 100
 
 
 @dataclasses.dataclass

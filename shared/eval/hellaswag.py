@@ -29,7 +29,6 @@ from shared.eval.sampling import replicated
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 HUB_DATASET = "Rowan/hellaswag"
-VALIDATION_EXAMPLES = 10042
 MAX_WARNINGS = 10  # malformed lines reported one by one; past this, one summary line
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from shared.eval.hellaswag import VALIDATION_EXAMPLES
+from shared.config import HELLASWAG_VALIDATION_EXAMPLES
 from shared.train.metrics import plot_loss, read_metrics
 
 # Reference numbers (build-nanogpt): FineWeb-Edu validation loss on its val shard, HellaSwag acc_norm (10,042).
@@ -141,7 +141,7 @@ def summary_table(records: list[dict]) -> list[str]:
         verdict.append(f"validation loss {'reaches' if gap <= 0 else 'is above'} GPT-2 124M's by {abs(gap):.4f}")
     if hs:
         gap = hs["hellaswag_acc_norm"] - HELLASWAG_REFERENCES["GPT-2 124M"]
-        partial = hs.get("hellaswag_examples", 0) < VALIDATION_EXAMPLES
+        partial = hs.get("hellaswag_examples", 0) < HELLASWAG_VALIDATION_EXAMPLES
         verdict.append(f"HellaSwag acc_norm {'reaches' if gap >= 0 else 'is below'} GPT-2 124M's by {abs(gap):.4f}"
                        + (" (on a subset)" if partial else ""))
     return lines + ([""] + ["**Verdict:** " + "; ".join(verdict) + "."] if verdict else [])

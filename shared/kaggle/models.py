@@ -3,24 +3,22 @@ the session's authenticated API (shared/kaggle/publish.py `kaggle_api`: the note
 
 from __future__ import annotations
 
+import json
 import shutil
+import tempfile
 from pathlib import Path
+
+from shared.errors import UserError
+from shared.kaggle.publish import kaggle_api
 
 
 def upload_kaggle_model(folder: Path, handle: str, notes: str, log=print) -> None:
     """Upload `folder` as a new version of the Kaggle Model instance `handle` (owner/model/framework/variation),
     creating the model and the instance on first use."""
-    import json
-    import tempfile
-
-    from shared.errors import UserError
-
     parts = handle.split("/")
     if len(parts) != 4 or not all(parts):
         raise UserError(f"--kaggle-model {handle!r}: expected owner/model/framework/variation")
     owner, model_slug, framework, variation = parts
-    from shared.kaggle.publish import kaggle_api
-
     api = kaggle_api()  # in a session, with the notebook's secrets; a UserError names what is missing
     try:
         api.model_instance_version_create(handle, str(folder), version_notes=notes, quiet=True)
