@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(_KERNELS_DIR))
 from shared.config import EvalConfig, parse_dataclass  # noqa: E402
 from shared.errors import run_cli  # noqa: E402
 
-BAKED_SETTINGS: dict = {}  # filled in by scripts/build_kernels.py for Kaggle
+BAKED_SETTINGS: dict = {}  # filled in by the build (scripts/chain/build.py) for Kaggle
 
 
 def main() -> None:

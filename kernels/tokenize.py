@@ -24,7 +24,7 @@ from shared.config import TokenizeConfig, parse_dataclass  # noqa: E402
 from shared.errors import run_cli  # noqa: E402
 from shared.tokenize.part import tokenize_part  # noqa: E402
 
-DEFAULTS: dict = {}  # a Kaggle build may bake flag defaults here
+BAKED_SETTINGS: dict = {}  # filled in by the build (scripts/chain/build.py) for Kaggle
 
 
 def print_summary(manifest: dict) -> None:
@@ -40,7 +40,7 @@ def print_summary(manifest: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    cfg = parse_dataclass(TokenizeConfig, argv, description=__doc__.splitlines()[0], defaults=DEFAULTS)
+    cfg = parse_dataclass(TokenizeConfig, argv, description=__doc__.splitlines()[0], defaults=BAKED_SETTINGS)
     manifest = tokenize_part(cfg)
     print_summary(manifest)
     return manifest

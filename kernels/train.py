@@ -15,16 +15,18 @@ sys.path.insert(0, os.path.dirname(_KERNELS_DIR))
 from shared.config import TrainConfig, parse_dataclass  # noqa: E402
 from shared.errors import run_cli  # noqa: E402
 
-BAKED_SETTINGS: dict = {}  # filled in by scripts/build_kernels.py for Kaggle
+BAKED_SETTINGS: dict = {}  # filled in by the build (scripts/chain/build.py) for Kaggle
+BAKED_PUBLISH = None  # a build with a checkpoint dataset: what to publish after training (a PublishPlan)
 
 
 def main() -> None:
     cfg = parse_dataclass(TrainConfig, description=__doc__, defaults=BAKED_SETTINGS)
+    from shared.kaggle.env import wandb_key
     from shared.kaggle.publish import after_training
     from shared.train.trainer import train
 
-    result = train(cfg)
-    after_training(result)  # a Kaggle build with a checkpoint dataset publishes the final checkpoint to it
+    result = train(cfg, wandb_key=wandb_key() if cfg.wandb_project else None)
+    after_training(result, BAKED_PUBLISH)  # publishes the final checkpoint where the build says so
 
 
 if __name__ == "__main__":

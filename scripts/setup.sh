@@ -8,7 +8,19 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-PIP_FLAGS=(--quiet --disable-pip-version-check)
+PIP_FLAGS=(--quiet --disable-pip-version-check --no-cache-dir)
+# pip unpacks its downloads (torch's CUDA build is about 3.5 GB of wheels) in TMPDIR: keep them on the disk the
+# virtualenvs go to, not in a /tmp that may be a small tmpfs; removed when setup ends. Each virtualenv is about
+# 8 GB (torch's CUDA build with its nvidia wheels): say so up front where the disk is short.
+export TMPDIR="$PWD/build/setup-tmp"
+mkdir -p "$TMPDIR"
+trap 'rm -rf "$TMPDIR"' EXIT
+NEED_GB=$([ "${1:-}" = "--kaggle-image" ] && echo 28 || echo 12)
+FREE_GB=$(df -Pk . | awk 'NR == 2 {print int($4 / 1048576)}')
+echo "setup: ${FREE_GB} GB free on the disk of $PWD; it needs about ${NEED_GB} GB"
+if [ "$FREE_GB" -lt "$NEED_GB" ]; then
+  echo "warning: about ${NEED_GB} GB are needed and ${FREE_GB} GB are free: pip may stop with 'No space left on device'" >&2
+fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install "${PIP_FLAGS[@]}" -e '.[test]'
 # torch_xla's wheel carries its own torchax/ (an older one that imports flax) and overwrites PyPI's when pip

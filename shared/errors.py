@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Callable
 from typing import TypeVar
@@ -13,11 +14,26 @@ class UserError(Exception):
     """A problem with the user's input (a flag, a file, a checkpoint) that one line can explain."""
 
 
-def describe_error(err: BaseException) -> str:
-    """`Type: first line of the message`, at most 300 characters: a library's error inside a one-line UserError."""
-    text = str(err).strip().splitlines()
-    msg = text[0] if text else ""
-    msg = f"{type(err).__name__}: {msg}" if msg else type(err).__name__
+def describe_error(err: BaseException, secrets: list[str] | tuple[str, ...] = ()) -> str:
+    """One line, at most 300 characters, for a library's error inside a one-line message: `HTTP <status>` for an
+    API reply (with the reply's own `message` where it has one), else the error's type, then the first line of its
+    message. Each of `secrets`, and any basic-auth header, is masked before anything is cut."""
+    response = getattr(err, "response", None)
+    status = getattr(response, "status_code", None)
+    detail = ""
+    if response is not None:
+        try:
+            detail = response.json().get("message", "")
+        except Exception:  # a reply that is not JSON: the error's own text
+            detail = ""
+    text = str(detail or err)
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, "***")
+    text = re.sub(r"(?i)(authorization: *basic )\S+", r"\1***", text)
+    lines = text.strip().splitlines()
+    head = f"HTTP {status}" if status else type(err).__name__
+    msg = f"{head}: {lines[0]}" if lines else head
     return msg if len(msg) <= 300 else msg[:297] + "..."
 
 

@@ -1,9 +1,10 @@
-"""File helpers for crash-safe outputs: hashing, fsync, and write-to-temp-then-rename."""
+"""File helpers: hashing, fsync, write-to-temp-then-rename for crash-safe outputs, and hard links."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from pathlib import Path
 
 _CHUNK = 8 << 20
@@ -41,3 +42,12 @@ def atomic_write_bytes(path: str | os.PathLike, *chunks: bytes) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def link_or_copy(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """`dst` as a hard link to `src` (checkpoints and datasets are large; a symlink is followed first), or a copy
+    where no link can be made (another file system)."""
+    try:
+        os.link(Path(src).resolve(), dst)
+    except OSError:
+        shutil.copy2(src, dst)

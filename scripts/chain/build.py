@@ -2,7 +2,8 @@
 
 A built kernel is one file: a bootstrap that unpacks the `shared` package (embedded as a zip) onto the import path
 and resolves the baked settings against the session's folders (`{input:owner/slug}`, `{working}`, `{temp}`),
-then the kernel's own source (kernels/<name>.py) with `BAKED_SETTINGS` (or `DEFAULTS`) set to those settings.
+then the kernel's own source (kernels/<name>.py) with `BAKED_SETTINGS` set to those settings (and the train
+kernel's `BAKED_PUBLISH` to what it publishes after training: shared/kaggle/bootstrap.py).
 The same code also comes as a notebook (a bootstrap cell and a kernel cell) for the Kaggle UI's Save & Run All.
 `kernel-metadata.json` is filled from `kernel-metadata/<name>.json`.
 
@@ -37,8 +38,10 @@ from shared.errors import UserError
 REPO = Path(__file__).resolve().parents[2]
 KERNEL_NAMES = ("tokenize", "train", "eval")
 KERNEL_SOURCES = {name: f"kernels/{name}.py" for name in KERNEL_NAMES}
-# The line of each kernel that the build replaces with the baked settings.
-BAKED_LINE = re.compile(r"^(BAKED_SETTINGS|DEFAULTS): dict = \{\}", re.M)
+# The lines of a kernel that the build replaces with what the bootstrap resolved (shared.kaggle.bootstrap.BuiltKernel):
+# every kernel has the settings line; the train kernel also has the publish line.
+BAKED_LINES = {"settings": re.compile(r"^BAKED_SETTINGS: dict = \{\}", re.M),
+               "publish": re.compile(r"^BAKED_PUBLISH = None", re.M)}
 # The first lines of every kernel's source (the module docstring above them): see this module's docstring.
 KERNEL_PREAMBLE = """\
 import os
@@ -97,7 +100,7 @@ _GPT2K_SHARED_ZIP = (
 )
 
 
-def _gpt2k_bootstrap() -> dict:
+def _gpt2k_bootstrap():
     root = _gpt2k_tempfile.mkdtemp(prefix="gpt2k-shared-")
     with _gpt2k_zipfile.ZipFile(_gpt2k_io.BytesIO(_gpt2k_b64.b64decode(_GPT2K_SHARED_ZIP))) as z:
         z.extractall(root)
@@ -106,11 +109,11 @@ def _gpt2k_bootstrap() -> dict:
         del _gpt2k_sys.modules[name]
     _gpt2k_sys.argv = _gpt2k_sys.argv[:1]  # a kernel runs with no arguments (a notebook's argv is Jupyter's)
     from shared.errors import UserError
-    from shared.kaggle.publish import resolve_build_settings
+    from shared.kaggle.bootstrap import resolve_build
 
     print(f"{{_GPT2K_BUILD['kernel']}} kernel, build {{_GPT2K_BUILD['build_id']}}: shared from {{root}}", flush=True)
     try:
-        return resolve_build_settings(_GPT2K_BUILD)
+        return resolve_build(_GPT2K_BUILD)
     except UserError as err:
         print(f"error: {{err}}", file=_gpt2k_sys.stderr, flush=True)
         raise SystemExit(2) from None
@@ -133,9 +136,14 @@ def render_kernel(kernel: str, build: dict, repo: Path = REPO) -> tuple[str, str
     if KERNEL_PREAMBLE not in source:
         raise UserError(f"{KERNEL_SOURCES[kernel]}: the kernel does not start with KERNEL_PREAMBLE "
                         "(scripts/chain/build.py), the import path every kernel sets up the same way")
-    source, n = BAKED_LINE.subn(lambda m: f"{m.group(1)}: dict = _GPT2K_BAKED  # baked by the build", source)
+    source, n = BAKED_LINES["settings"].subn("BAKED_SETTINGS: dict = _GPT2K_BAKED.settings  # baked by the build",
+                                             source)
     if n != 1:
-        raise UserError(f"{KERNEL_SOURCES[kernel]}: expected one `BAKED_SETTINGS: dict = {{}}` (or DEFAULTS) line")
+        raise UserError(f"{KERNEL_SOURCES[kernel]}: expected one `BAKED_SETTINGS: dict = {{}}` line")
+    source, n = BAKED_LINES["publish"].subn("BAKED_PUBLISH = _GPT2K_BAKED.publish  # baked by the build", source)
+    if n != (kernel == "train"):  # a train kernel that could not publish would lose its sessions' work
+        raise UserError(f"{KERNEL_SOURCES[kernel]}: expected {'one' if kernel == 'train' else 'no'} "
+                        "`BAKED_PUBLISH = None` line")
     doc = ast.get_docstring(ast.parse(source)) or ""
     b64 = shared_zip_b64(repo)
     zip_lines = "\n".join(f'    "{b64[i:i + 100]}"' for i in range(0, len(b64), 100))

@@ -8,7 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
-from scripts.chain.client import ApiFailure, VersionMissing, _normalize_single_download
+from scripts.chain.client import ApiFailure, VersionMissing, normalize_single_download
 from scripts.chain.context import StageContext
 from shared.errors import UserError
 from shared.fsutil import sha256_file
@@ -36,7 +36,7 @@ def dataset_step(ctx: StageContext, ref: str, version: int = 0) -> int:
         if err.status == 404:
             return 0
         raise
-    _normalize_single_download(dest, MANIFEST)
+    normalize_single_download(dest, MANIFEST)
     return checkpoint_step(dest) or 0
 
 
@@ -108,7 +108,9 @@ def publish_from_output(ctx: StageContext, ref: str, version: int, ckpt_ref: str
     """Publish checkpoint `out_step` from the output of version `version` of `ref` to `ckpt_ref` (the session
     saved it but did not publish it, or its publish never appeared), as the version after `before`: its number
     once it verifies, or 0, with a warning, when the output holds no complete copy of it."""
-    name = f"step_{out_step:06d}"
+    from shared.train.checkpoint import checkpoint_name  # torch: only when publishing from an output
+
+    name = checkpoint_name(out_step)
     fallback = ctx.workdir / "fallback"
     shutil.rmtree(fallback / name, ignore_errors=True)
     got = ctx.client.download_output(ref, fallback, pattern=rf"^train/checkpoints/{name}/", version=version)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from scripts.chain.config import ClientConfig
-from shared.errors import UserError
+from shared.errors import UserError, describe_error
 
 TRANSIENT_STATUS = {408, 425, 429, 500, 502, 503, 504}
 # KernelWorkerStatus (kagglesdk kernels_enums.py:31-38): CANCEL_REQUESTED is on the way to CANCEL_ACKNOWLEDGED.
@@ -74,7 +74,7 @@ def stream_to_file(url: str, target: Path, chunk_bytes: int = 1 << 20) -> int:
     return written
 
 
-def _normalize_single_download(dest: Path, name: str) -> None:
+def normalize_single_download(dest: Path, name: str) -> None:
     """The kaggle client names a downloaded file after its URL, and Kaggle may serve one file zipped: leave
     `dest/name` whichever way it came."""
     if (dest / name).is_file() and not zipfile.is_zipfile(dest / name):
@@ -165,8 +165,6 @@ class KaggleClient:
 
     def describe(self, err: BaseException) -> str:
         """One line for a failed call, with no key in it."""
-        from shared.kaggle.publish import describe_error
-
         return describe_error(err, self.secrets())
 
     def secrets(self) -> list[str]:

@@ -2,8 +2,8 @@
 
 Here: `Uploads`, the blob uploads the client makes for dataset files (StartBlobUpload, then a resumable PUT to a
 URL on this server); `Datasets`: create, new versions (from uploaded files, never touching the old versions),
-lookups, delete, and the files and zips that downloads serve; which versions are live and ready; and
-`link_or_copy`, how files land in a version or a session's inputs.
+lookups, delete, and the files and zips that downloads serve; which versions are live and ready. Files land in a
+version or a session's inputs as hard links (shared.fsutil.link_or_copy).
 """
 
 from __future__ import annotations
@@ -25,17 +25,10 @@ from kagglesdk.datasets.types.dataset_api_service import (
     ApiDatasetNewFile,
 )
 
+from shared.fsutil import link_or_copy
+
 from .rules import SLUG_RE, ApiError, Settings, check_access, check_owner, split_ref
 from .state import Store
-
-
-def link_or_copy(src: Path, dst: Path) -> None:
-    """A hard link (datasets and outputs can be large), or a copy across file systems."""
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-
 
 STATUS_QUERY = re.compile(r"bytes \*/\d+$")  # Content-Range of a resumable upload asking how far it got
 

@@ -27,7 +27,9 @@ from typing import IO, Any
 from kagglesdk.kernels.types.kernels_api_service import ApiSaveKernelRequest
 from kagglesdk.kernels.types.kernels_enums import KernelExecutionType
 
-from .datasets import Datasets, link_or_copy
+from shared.fsutil import link_or_copy
+
+from .datasets import Datasets
 from .rules import (
     DEFAULT_GPU_SHAPE,
     DEFAULT_TPU_SHAPE,

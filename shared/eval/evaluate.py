@@ -12,6 +12,7 @@ from pathlib import Path
 from shared.config import EvalConfig
 from shared.data import TokenLoader
 from shared.eval.report import HELLASWAG_PNG, LOSS_PNG, REPORT_FILE, THROUGHPUT_PNG
+from shared.kaggle.env import wandb_key
 from shared.kaggle.models import upload_kaggle_model
 from shared.train.checkpoint import METRICS_FILE
 from shared.train.validation import one_pass_batches, validation_loss
@@ -174,7 +175,7 @@ def run_eval(cfg: EvalConfig, runtime=None, log=print) -> dict:
     project = cfg.wandb_project or train_cfg.get("wandb_project", "")
     run_name = train_cfg.get("run_name") or Path(train_cfg.get("out_dir", "eval")).name
     logger = MetricsLogger(out, max(step, 1), step, {"eval": vars(cfg)}, project, run_name, progress=False,
-                           log=log)
+                           log=log, wandb_key=wandb_key() if project else None)
     summary: dict = {"step": step, "tokens": tokens}
 
     def record(values: dict) -> None:

@@ -153,6 +153,16 @@ def get_secret(name: str) -> str:
     return value
 
 
+def wandb_key() -> str | None:
+    """The W&B key: WANDB_API_KEY from the environment, else the user's secret of that name; None without one."""
+    if os.environ.get("WANDB_API_KEY"):
+        return os.environ["WANDB_API_KEY"]
+    try:
+        return get_secret("WANDB_API_KEY")
+    except Exception:  # not attached, or no secrets service: W&B stays off, with a notice from the logger
+        return None
+
+
 def _read_secret(name: str) -> str:
     """A user secret: Kaggle Secrets on Kaggle, the local Kaggle's store locally.
 

@@ -25,19 +25,6 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _wandb_key() -> str | None:
-    if os.environ.get("WANDB_API_KEY"):
-        return os.environ["WANDB_API_KEY"]
-    try:
-        from shared.kaggle.env import get_secret
-    except ImportError:
-        return None
-    try:
-        return get_secret("WANDB_API_KEY")
-    except Exception:
-        return None
-
-
 def wandb_run_id(text: str) -> str:
     """A W&B run id (letters, digits, dashes, underscores) from a run id or name."""
     return re.sub(r"[^A-Za-z0-9_-]+", "-", text).strip("-") or "run"
@@ -46,8 +33,9 @@ def wandb_run_id(text: str) -> str:
 class MetricsLogger:
     def __init__(self, out_dir: str | os.PathLike, total_steps: int, start_step: int, config: dict,
                  wandb_project: str = "", run_name: str = "", progress: bool = True, log=print,
-                 enabled: bool = True, run_id: str = ""):
-        """`enabled=False` (the non-main processes of a DDP run) makes every method a no-op."""
+                 enabled: bool = True, run_id: str = "", wandb_key: str | None = None):
+        """`enabled=False` (the non-main processes of a DDP run) makes every method a no-op. W&B logs with
+        `wandb_project` and `wandb_key` (the caller's: shared.kaggle.env.wandb_key), never showing the key."""
         self.path = Path(out_dir) / "metrics.jsonl"
         self.enabled = enabled
         self.log = log
@@ -61,10 +49,11 @@ class MetricsLogger:
             self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
                              mininterval=2.0)
         run_name = run_name or Path(out_dir).name
-        self._wandb = self._start_wandb(wandb_project, run_name, wandb_run_id(run_id or run_name), config)
+        self._wandb = self._start_wandb(wandb_project, wandb_key, run_name, wandb_run_id(run_id or run_name), config)
 
-    def _start_wandb(self, project: str, run_name: str, run_id: str, config: dict):
-        key = _wandb_key() if project else None
+    def _start_wandb(self, project: str, key: str | None, run_name: str, run_id: str, config: dict):
+        if not project:
+            return None
         if not key:
             self.log("notice: no W&B key found (WANDB_API_KEY); logging to metrics.jsonl only")
             return None

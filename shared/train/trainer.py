@@ -159,7 +159,7 @@ def select_attention_and_micro_batch(cfg: TrainConfig, runtime: Runtime, log=pri
     return dataclasses.replace(cfg, micro_batch=chosen)
 
 
-def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print) -> TrainResult:
+def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key: str | None = None) -> TrainResult:
     session_start = time.monotonic()
     cfg.validate()  # the flags; the device count is checked once the runtime is up
     model_cfg = cfg.model
@@ -246,7 +246,8 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print) -> TrainR
         metrics_path.unlink()
     tokens_per_step = cfg.total_batch_tokens
     logger = MetricsLogger(out_dir, cfg.max_steps, start_step, cfg.to_dict(), cfg.wandb_project, cfg.run_name,
-                           progress=cfg.progress, log=log, enabled=runtime.is_main, run_id=cfg.wandb_run_id)
+                           progress=cfg.progress, log=log, enabled=runtime.is_main, run_id=cfg.wandb_run_id,
+                           wandb_key=wandb_key)
     versions = runtime_versions()
     logger.write({"event": "session_start", "step": start_step, "tokens": start_step * tokens_per_step,
                   "device": runtime.description, "versions": versions, "time_budget_s": round(budget, 1),

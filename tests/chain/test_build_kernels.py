@@ -61,7 +61,8 @@ def test_built_files_are_self_contained(tmp_path):
     assert meta["dataset_sources"] == ["alice/tokens"] and meta["kernel_sources"] == ["alice/tok-part-0"]
     code = (out / "my-run-train.py").read_text()
     assert "from shared" in code and "_GPT2K_SHARED_ZIP" in code
-    assert "BAKED_SETTINGS: dict = _GPT2K_BAKED" in code
+    assert "BAKED_SETTINGS: dict = _GPT2K_BAKED.settings" in code
+    assert "BAKED_PUBLISH = _GPT2K_BAKED.publish" in code
     compile(code, "built", "exec")
     nb = build_kernel("tokenize", tmp_path / "tok", user="alice", slug="my-run-tokens", kernel_type="notebook",
                       settings={"shard_size": 1000})
@@ -69,7 +70,8 @@ def test_built_files_are_self_contained(tmp_path):
     assert meta["kernel_type"] == "notebook" and "machine_shape" not in meta  # CPU
     cells = json.loads((nb / meta["code_file"]).read_text())["cells"]
     assert [c["cell_type"] for c in cells] == ["markdown", "code", "code"]
-    assert "DEFAULTS: dict = _GPT2K_BAKED" in cells[2]["source"]
+    assert "BAKED_SETTINGS: dict = _GPT2K_BAKED.settings" in cells[2]["source"]
+    assert "BAKED_PUBLISH" not in cells[2]["source"]  # only the train kernel publishes
     # The same inputs give the same build, byte for byte.
     again = build_kernel("tokenize", tmp_path / "tok2", user="alice", slug="my-run-tokens", kernel_type="notebook",
                          settings={"shard_size": 1000})
@@ -158,6 +160,18 @@ def test_unknown_setting_and_bad_slug_are_refused(tmp_path):
     with pytest.raises(UserError, match="is not owner/slug"):
         build_kernel("train", tmp_path / "y", user="alice", slug="Bad Slug")
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_a_train_kernel_without_its_publish_line_is_not_built(tmp_path):
+    """Built without `BAKED_PUBLISH`, a train kernel would never publish its checkpoints: refused at build time."""
+    from scripts.chain.build import render_kernel
+
+    (tmp_path / "kernels").mkdir()
+    source = (REPO / "kernels" / "train.py").read_text()
+    (tmp_path / "kernels" / "train.py").write_text(source.replace("BAKED_PUBLISH = None", "PUBLISH = None"))
+    with pytest.raises(UserError) as err:
+        render_kernel("train", {"build_id": "x"}, repo=tmp_path)
+    assert str(err.value) == "kernels/train.py: expected one `BAKED_PUBLISH = None` line"
 
 
 def test_built_kernel_outside_a_session_says_so(tmp_path):

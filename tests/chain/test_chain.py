@@ -409,28 +409,30 @@ def test_bad_input_gives_one_line_errors_and_loses_nothing(local_kaggle, tmp_pat
 # --- a session that cannot see the checkpoint the chain saw -------------------------------------------------------
 
 def test_a_session_that_does_not_find_the_expected_checkpoint_refuses_to_start_over(tmp_path, monkeypatch):
+    from shared.kaggle.bootstrap import resolve_build
     from shared.kaggle.env import LOCAL_ROOT_ENV
-    from shared.kaggle.publish import MANIFEST, _config, resolve_build_settings
+    from shared.kaggle.publish import MANIFEST
 
     for sub in ("input", "working", "temp"):
         (tmp_path / sub).mkdir()
     monkeypatch.setenv(LOCAL_ROOT_ENV, str(tmp_path))
-    monkeypatch.setattr("shared.kaggle.publish._config", dict(_config))  # configure() writes here; keep it per test
     build = {"settings": {"out_dir": "{working}/train"},
              "checkpoint_dataset": {"dataset": "alice/run-checkpoints", "resume_setting": "resume_from",
                                     "publish": True, "expect_step": 32}}
     with pytest.raises(UserError, match=r"alice/run-checkpoints holds step 32, but this session finds no "
                                         r"checkpoint in its inputs; not starting over"):
-        resolve_build_settings(build, log=lambda _: None)
+        resolve_build(build, log=lambda _: None)
     mounted = tmp_path / "input" / "run-checkpoints"  # an older version of the dataset
     mounted.mkdir()
     (mounted / MANIFEST).write_text(json.dumps({"step": 20, "files": {}}))
     with pytest.raises(UserError, match=r"holds step 32, but this session sees step 20 in .*run-checkpoints"):
-        resolve_build_settings(build, log=lambda _: None)
+        resolve_build(build, log=lambda _: None)
     # The first session of a chain expects nothing and starts fresh.
     first = {**build, "checkpoint_dataset": {**build["checkpoint_dataset"], "expect_step": 0}}
     (mounted / MANIFEST).unlink()
-    assert resolve_build_settings(first, log=lambda _: None) == {"out_dir": str(tmp_path / "working" / "train")}
+    built = resolve_build(first, log=lambda _: None)
+    assert built.settings == {"out_dir": str(tmp_path / "working" / "train")}
+    assert (built.publish.dataset, built.publish.input_step) == ("alice/run-checkpoints", None)
 
 
 def test_quota_fields_left_out_mean_zero_and_a_zipped_manifest_is_read(tmp_path):
@@ -442,7 +444,7 @@ def test_quota_fields_left_out_mean_zero_and_a_zipped_manifest_is_read(tmp_path)
         ApiGetAcceleratorQuotaStatisticsResponse,
     )
 
-    from scripts.chain.client import _normalize_single_download
+    from scripts.chain.client import normalize_single_download
 
     quota = ApiAcceleratorQuota()
     quota.total_time_allowed = datetime.timedelta(hours=20)  # no time_used: nothing used this week
@@ -464,5 +466,5 @@ def test_quota_fields_left_out_mean_zero_and_a_zipped_manifest_is_read(tmp_path)
     dest.mkdir()
     with zipfile.ZipFile(dest / "manifest.json.zip", "w") as z:
         z.writestr("manifest.json", json.dumps({"step": 7}))
-    _normalize_single_download(dest, "manifest.json")
+    normalize_single_download(dest, "manifest.json")
     assert json.loads((dest / "manifest.json").read_text()) == {"step": 7}

@@ -168,9 +168,9 @@ RESUME_KERNEL = """
 import json
 from pathlib import Path
 from shared.errors import run_cli
-from shared.kaggle.publish import resolve_build_settings
+from shared.kaggle.bootstrap import resolve_build
 build = json.loads(%r)
-settings = run_cli(lambda: resolve_build_settings(build))
+settings = run_cli(lambda: resolve_build(build)).settings
 staged = next(Path(settings["resume_from"]).glob("step_*"))
 print("STAGED", staged.name, (staged / "model.safetensors").read_text())
 """
@@ -225,14 +225,14 @@ def test_a_fetch_that_never_answers_stops_in_one_line(monkeypatch, tmp_path):
     from types import SimpleNamespace
 
     from shared.errors import UserError
-    from shared.kaggle import publish
+    from shared.kaggle import bootstrap
 
     hung = threading.Event()
     kagglehub = SimpleNamespace(dataset_download=lambda handle, output_dir: hung.wait())
     monkeypatch.setitem(sys.modules, "kagglehub", kagglehub)
-    monkeypatch.setattr(publish, "FETCH_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(bootstrap, "FETCH_TIMEOUT_S", 0.2)
     with pytest.raises(UserError) as err:
-        publish.fetch_dataset_version(CKPT, 2, tmp_path / "fetch")
+        bootstrap.fetch_dataset_version(CKPT, 2, tmp_path / "fetch")
     hung.set()
     assert str(err.value) == "no answer within 0.2 s"
 

@@ -279,11 +279,11 @@ def test_model_config_counts_checkpoint_bytes_like_the_model():
 @pytest.mark.parametrize("layout", ["<slug>", "datasets/<owner>/<slug>", "notebooks/<owner>/<slug>"])
 def test_the_train_kernel_finds_its_inputs_on_every_mount_layout(tmp_path, monkeypatch, layout):
     """The data (a kernel's output) and the checkpoint dataset, mounted as each layout docs/kaggle-api.md lists."""
+    from shared.kaggle.bootstrap import resolve_build
     from shared.kaggle.env import LOCAL_ROOT_ENV
-    from shared.kaggle.publish import MANIFEST, _config, resolve_build_settings
+    from shared.kaggle.publish import MANIFEST
 
     monkeypatch.setenv(LOCAL_ROOT_ENV, str(tmp_path))
-    monkeypatch.setattr("shared.kaggle.publish._config", dict(_config))
     mounts = {}
     for ref in ("alice/unit-run-tokens-part-0", "alice/unit-run-checkpoints"):
         owner, slug = ref.split("/")
@@ -293,11 +293,13 @@ def test_the_train_kernel_finds_its_inputs_on_every_mount_layout(tmp_path, monke
     build = {"settings": {"data_dir": "{input:alice/unit-run-tokens-part-0}", "out_dir": "{working}/train"},
              "checkpoint_dataset": {"dataset": "alice/unit-run-checkpoints", "resume_setting": "resume_from",
                                     "publish": True, "expect_step": 12}}
-    settings = resolve_build_settings(build, log=lambda _: None)
+    built = resolve_build(build, log=lambda _: None)
+    settings = built.settings
+    assert (built.publish.dataset, built.publish.input_step) == ("alice/unit-run-checkpoints", 12)
     assert settings["data_dir"] == str(mounts["alice/unit-run-tokens-part-0"])
     assert Path(settings["resume_from"]).resolve().is_relative_to(tmp_path)
     with pytest.raises(UserError) as err:
-        resolve_build_settings({"settings": {"data_dir": "{input:alice/not-attached}"}}, log=lambda _: None)
+        resolve_build({"settings": {"data_dir": "{input:alice/not-attached}"}}, log=lambda _: None)
     assert str(err.value) == (f"input 'alice/not-attached' is not attached to this kernel (looked in "
                               f"{tmp_path}/input/not-attached, {tmp_path}/input/datasets/alice/not-attached, "
                               f"{tmp_path}/input/notebooks/alice/not-attached)")

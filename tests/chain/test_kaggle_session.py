@@ -14,19 +14,19 @@ from kaggle_fixtures import KEY, USER, local_kaggle, save_without_running, write
 
 from shared.errors import UserError, run_cli
 from shared.kaggle import packages
+from shared.kaggle.bootstrap import resolve_build
 from shared.kaggle.env import LOCAL_ROOT_ENV, LOCAL_SECRETS_ENV
-from shared.kaggle.publish import MANIFEST, _config, after_training, resolve_build_settings
+from shared.kaggle.publish import MANIFEST, after_training
 
 
 @pytest.fixture
 def session(tmp_path, monkeypatch):
     """This process inside a local Kaggle session (its folders under tmp_path, no secrets attached), with
-    sys.path and the publish configuration restored afterwards."""
+    sys.path restored afterwards."""
     monkeypatch.setenv(LOCAL_ROOT_ENV, str(tmp_path / "kaggle"))
     monkeypatch.setenv(LOCAL_SECRETS_ENV, str(tmp_path / "secrets.json"))
     (tmp_path / "secrets.json").write_text("{}")
     monkeypatch.setattr(sys, "path", list(sys.path))
-    monkeypatch.setattr("shared.kaggle.publish._config", dict(_config))
     return tmp_path / "kaggle"
 
 
@@ -119,15 +119,26 @@ def test_wandb_is_off_with_a_one_line_notice_when_the_image_lacks_it_and_it_cann
     monkeypatch.setitem(packages.PACKAGES, "wandb",
                         packages.Package("gpt2k_no_wandb", ("gpt2k-no-wandb==1.0",), "W&B logging"))
     monkeypatch.setattr(packages, "_pip_install", lambda requirements, target: "ERROR: no route to the index")
-    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
     lines = []
-    logger = MetricsLogger(tmp_path / "run", 10, 0, {}, wandb_project="proj", progress=False, log=lines.append)
+    logger = MetricsLogger(tmp_path / "run", 10, 0, {}, wandb_project="proj", progress=False, log=lines.append,
+                           wandb_key="k" * 40)
     logger.write({"step": 1, "loss": 3.0})
     logger.close()
     assert lines == ["notice: W&B off: the gpt2k_no_wandb package is not in this Kaggle image and could not be "
                      "installed (ERROR: no route to the index); it is needed for W&B logging: turn on the notebook's "
                      "internet (Settings > Internet); logging to metrics.jsonl only"]
     assert [r["loss"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [3.0]
+
+
+def test_the_wandb_key_is_the_environment_s_else_the_notebook_s_secret_else_none(session, tmp_path, monkeypatch):
+    from shared.kaggle.env import wandb_key
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    assert wandb_key() is None  # not attached: W&B off, with the logger's notice
+    (tmp_path / "secrets.json").write_text(json.dumps({"WANDB_API_KEY": "s" * 40}))
+    assert wandb_key() == "s" * 40
+    monkeypatch.setenv("WANDB_API_KEY", "e" * 40)
+    assert wandb_key() == "e" * 40
 
 
 def test_pip_with_no_way_to_the_index_fails_within_seconds_and_installs_nothing(tmp_path):
@@ -171,7 +182,7 @@ def mount_checkpoint(session: Path, step: int) -> None:
 def test_a_kernel_that_cannot_publish_checkpoints_kept_in_temp_stops_before_training_with_nothing_staged(session):
     mount_checkpoint(session, 30)
     with pytest.raises(UserError) as err:
-        resolve_build_settings(train_build("{temp}/checkpoints"), log=lambda _: None)
+        resolve_build(train_build("{temp}/checkpoints"), log=lambda _: None)
     assert str(err.value) == (
         "this session cannot publish its checkpoints (the secrets KAGGLE_USERNAME, KAGGLE_KEY are not attached to "
         "this notebook: attach them on the notebook's page (Add-ons > Secrets)), and they would live in "
@@ -182,8 +193,10 @@ def test_a_kernel_that_cannot_publish_checkpoints_kept_in_temp_stops_before_trai
 def test_a_kernel_that_cannot_publish_checkpoints_kept_in_working_leaves_them_to_the_chain(session):
     mount_checkpoint(session, 30)
     lines = []
-    settings = resolve_build_settings(train_build("{working}/train/checkpoints"), log=lines.append)
-    assert settings["resume_from"] == str(session / "temp" / "gpt2k-resume")
+    built = resolve_build(train_build("{working}/train/checkpoints"), log=lines.append)
+    assert built.settings["resume_from"] == str(session / "temp" / "gpt2k-resume")
+    assert (built.publish.dataset, built.publish.input_step) == ("alice/run-checkpoints", 30)
+    assert built.publish.problem.startswith("the secrets KAGGLE_USERNAME, KAGGLE_KEY are not attached")
     assert lines[0] == ("notice: this session cannot publish its checkpoint (the secrets KAGGLE_USERNAME, KAGGLE_KEY "
                         "are not attached to this notebook: attach them on the notebook's page (Add-ons > Secrets)); "
                         "the chain publishes it from the session's output")
@@ -192,7 +205,7 @@ def test_a_kernel_that_cannot_publish_checkpoints_kept_in_working_leaves_them_to
         step, checkpoint = 40, session / "working" / "train" / "checkpoints" / "step_000040"
 
     (session / "working").mkdir(exist_ok=True)
-    record = after_training(Result(), log=lines.append)
+    record = after_training(Result(), built.publish, log=lines.append)
     assert record["published"] is False and record["step"] == 40
     assert record["reason"].startswith("the secrets KAGGLE_USERNAME, KAGGLE_KEY are not attached")
     assert json.loads((session / "working" / "publish.json").read_text())["reason"] == record["reason"]
@@ -202,13 +215,14 @@ def test_an_eval_kernel_that_cannot_upload_its_kaggle_model_stops_before_any_wor
     build = {"kernel": "eval", "accelerator": "", "settings": {"kaggle_model": "alice/gpt2/pyTorch/base",
                                                               "hellaswag": "off", "prompts": ""}}
     with pytest.raises(UserError) as err:
-        resolve_build_settings(build, log=lambda _: None)
+        resolve_build(build, log=lambda _: None)
     assert str(err.value) == (
         "this session cannot upload the Kaggle Model alice/gpt2/pyTorch/base (the secrets KAGGLE_USERNAME, "
         "KAGGLE_KEY are not attached to this notebook: attach them on the notebook's page (Add-ons > Secrets)); "
         "stopping before any work")
     del build["settings"]["kaggle_model"]  # no upload asked for: nothing to check
-    assert resolve_build_settings(build, log=lambda _: None) == {"hellaswag": "off", "prompts": ""}
+    built = resolve_build(build, log=lambda _: None)
+    assert (built.settings, built.publish) == ({"hellaswag": "off", "prompts": ""}, None)
 
 
 def test_a_notebook_with_one_secret_attached_names_the_other(session, tmp_path):

@@ -17,18 +17,17 @@ def test_jsonl_records_and_non_finite_values(tmp_path):
     json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])  # strict JSON: no NaN literals
 
 
-def test_no_key_is_a_one_line_notice(tmp_path, monkeypatch):
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+def test_no_key_is_a_one_line_notice(tmp_path):
     lines = []
-    MetricsLogger(tmp_path, 10, 0, {}, wandb_project="p", progress=False, log=lines.append).close()
+    MetricsLogger(tmp_path, 10, 0, {}, wandb_project="p", progress=False, log=lines.append, wandb_key=None).close()
     assert lines == ["notice: no W&B key found (WANDB_API_KEY); logging to metrics.jsonl only"]
 
 
 def test_network_down_is_a_one_line_notice_without_the_key(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("WANDB_API_KEY", FAKE_KEY)
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # nothing listens there
     lines = []
-    logger = MetricsLogger(tmp_path, 10, 0, {"lr": 1e-3}, wandb_project="p", progress=False, log=lines.append)
+    logger = MetricsLogger(tmp_path, 10, 0, {"lr": 1e-3}, wandb_project="p", progress=False, log=lines.append,
+                           wandb_key=FAKE_KEY)
     logger.write({"step": 1, "loss": 2.0})
     logger.close()
     assert len(lines) == 1 and lines[0].startswith("notice: W&B unreachable (127.0.0.1")

@@ -1,0 +1,230 @@
+"""A built kernel's bootstrap inside a Kaggle session: its baked settings resolved against the session's folders,
+the packages it needs installed, publishing checked, and the checkpoint dataset staged for resuming. Every check
+comes before any work. What the train kernel publishes after training comes back with the settings
+(`BuiltKernel.publish`), for `shared.kaggle.publish.after_training`.
+
+The trainer (and the eval kernel) read a checkpoints root (`step_NNNNNN/` directories), so `stage_checkpoint` links
+the attached dataset's flat files back into such a root under the session's temp folder. Where the mount holds an
+older checkpoint than the chain saw (a mount of an older version), the version the chain names is fetched with
+kagglehub first, and a session that cannot get it stops before training.
+
+Only the standard library is imported at module level.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.errors import UserError, describe_error
+from shared.kaggle.publish import (
+    PLACEHOLDER_FILE,
+    PublishPlan,
+    checkpoint_step,
+    decode_name,
+    publish_problem,
+    secrets_to_env,
+)
+
+FETCH_TIMEOUT_S = 3600.0  # fetching the expected checkpoint version (a gpt2-xl one is about 18.7 GB)
+
+
+@dataclass
+class BuiltKernel:
+    """What a built kernel runs with: its settings (defaults for the kernel's flags) and, for a train kernel built
+    with a checkpoint dataset, what to publish after training."""
+
+    settings: dict
+    publish: PublishPlan | None = None
+
+
+def stage_checkpoint(input_dir: str | os.PathLike, dest_root: str | os.PathLike) -> Path | None:
+    """Link a flat checkpoint (an attached dataset) into `dest_root/step_NNNNNN/`; returns dest_root, or None when
+    `input_dir` holds no checkpoint (a chain's first session)."""
+    src = Path(input_dir)
+    step = checkpoint_step(src)
+    if step is None:
+        return None
+    from shared.train.checkpoint import checkpoint_name  # torch: only once there is a checkpoint to stage
+
+    dest = Path(dest_root) / checkpoint_name(step)
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.is_file() and f.name != PLACEHOLDER_FILE:
+            target = dest / decode_name(f.name)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.symlink(f.resolve(), target)
+    return Path(dest_root)
+
+
+_PLACEHOLDER = re.compile(r"\{(input|working|temp)(?::([^{}]+))?\}")
+
+
+def resolve_placeholders(value: str, paths) -> str:
+    """`{working}`, `{temp}`, `{input}` and `{input:owner/slug}` (an attached source's folder) -> real paths."""
+    def sub(m: re.Match) -> str:
+        kind, slug = m.group(1), m.group(2)
+        if kind == "input" and slug:
+            return str(paths.input_dir(slug))
+        return str(getattr(paths, kind))
+
+    return _PLACEHOLDER.sub(sub, value)
+
+
+def resolve_build(build: dict, log=print) -> BuiltKernel:
+    """What a built kernel runs with: its settings with placeholders resolved against this session's folders, the
+    packages it needs that the image lacks installed, publishing checked and planned, and the checkpoint dataset
+    staged for resuming. Called by the bootstrap of every built kernel; every check here comes before any work."""
+    from shared.kaggle.env import check_tpu_present, in_session, kaggle_paths
+    from shared.kaggle.packages import require
+
+    settings = dict(build.get("settings") or {})
+    if not in_session():
+        if any(isinstance(v, str) and _PLACEHOLDER.search(v) for v in settings.values()):
+            raise UserError("this built kernel expects Kaggle's folders: run it on Kaggle or in the local Kaggle")
+        return BuiltKernel(settings)
+    if build.get("kernel") in ("train", "eval"):
+        check_tpu_present(build.get("accelerator") or "", build["kernel"])
+    paths = kaggle_paths()
+    settings = {k: resolve_placeholders(v, paths) if isinstance(v, str) else v for k, v in settings.items()}
+    for name, reason in kernel_needs(build.get("kernel", ""), settings):
+        require(name, reason, log)
+    if build.get("kernel") == "eval" and settings.get("kaggle_model"):
+        problem = publish_problem(log, "the Kaggle Model upload")
+        if problem:
+            raise UserError(f"this session cannot upload the Kaggle Model {settings['kaggle_model']} ({problem}); "
+                            "stopping before any work")
+    ckpt = build.get("checkpoint_dataset")
+    if not ckpt:
+        return BuiltKernel(settings)
+    problem = _check_publishing(settings, paths, log) if ckpt.get("publish") else None
+    input_step = _stage_resume(ckpt, settings, paths, log) if ckpt.get("resume_setting") else None
+    if not ckpt.get("publish"):
+        return BuiltKernel(settings)
+    floor = max(input_step or 0, int(ckpt.get("expect_step") or 0))
+    plan = PublishPlan(dataset=ckpt["dataset"], title=ckpt.get("title") or "", input_step=floor or input_step,
+                       problem=problem, delete_old_versions=bool(ckpt.get("delete_old_versions")))
+    return BuiltKernel(settings, plan)
+
+
+def _check_publishing(settings: dict, paths, log) -> str | None:
+    """Why this train session could not publish its checkpoints (None if it can). Kept in /kaggle/temp they would
+    be lost: stop before training; in /kaggle/working the chain publishes them from the output: a notice."""
+    problem = publish_problem(log)
+    if problem:
+        in_temp = Path(settings.get("checkpoint_dir") or paths.working).resolve().is_relative_to(paths.temp.resolve())
+        if in_temp:
+            raise UserError(f"this session cannot publish its checkpoints ({problem}), and they would live in "
+                            f"{paths.temp}, which is gone when the session ends; stopping before training")
+        log(f"notice: this session cannot publish its checkpoint ({problem}); the chain publishes it from the "
+            "session's output")
+    return problem
+
+
+def _stage_resume(ckpt: dict, settings: dict, paths, log) -> int | None:
+    """Stage the checkpoint dataset for resuming (settings[resume_setting]): the attached copy, or, where that holds
+    less than the step the chain expects (a mount of an older version), the expected version fetched. Its step,
+    or None."""
+    folder = _attached(ckpt["dataset"], paths, log)
+    input_step = checkpoint_step(folder) if folder else None
+    expect = int(ckpt.get("expect_step") or 0)  # the step the chain saw in the dataset before pushing
+    # Starting from less than the chain saw would train again, then publish an older checkpoint over a newer one.
+    if expect and (input_step or 0) < expect:
+        folder, input_step = _fetch_expected(ckpt, folder, input_step, paths, log)
+    root = stage_checkpoint(folder, paths.temp / "gpt2k-resume") if folder else None
+    if root is not None:
+        settings[ckpt["resume_setting"]] = str(root)
+        log(f"resuming from {ckpt['dataset']} (step {input_step})")
+    return input_step
+
+
+def _attached(dataset: str, paths, log) -> Path | None:
+    """The folder the checkpoint dataset is mounted at, None where it is not attached."""
+    try:
+        return paths.input_dir(dataset)
+    except UserError:
+        log(f"notice: checkpoint dataset {dataset} is not attached")
+        return None
+
+
+def _fetch_expected(ckpt: dict, folder: Path | None, input_step: int | None, paths, log) -> tuple[Path, int]:
+    """The chain's version of the checkpoint dataset (`expect_version`, holding `expect_step`), fetched where the
+    mount shows an older one; anything less is one line, never training from an older step."""
+    dataset, expect, version = ckpt["dataset"], int(ckpt["expect_step"]), int(ckpt.get("expect_version") or 0)
+    seen = f"sees step {input_step}" if input_step else "finds no checkpoint"
+    stale = f"checkpoint dataset {dataset} holds step {expect}, but this session {seen} in {folder or 'its inputs'}"
+    if not version:
+        raise UserError(f"{stale}; not starting over")
+    log(f"notice: {stale} (an older version); fetching version {version} with kagglehub")
+    try:
+        fetched = fetch_dataset_version(dataset, version, paths.temp / f"gpt2k-fetch-v{version}")
+    except UserError as err:
+        raise UserError(f"{stale}, and version {version} could not be fetched ({err}); not starting over") from None
+    step = checkpoint_step(fetched)
+    if (step or 0) < expect:
+        got = f"step {step}" if step else "no checkpoint"
+        raise UserError(f"{stale}, and version {version} fetched with kagglehub holds {got}; not starting over")
+    log(f"fetched version {version} of {dataset} (step {step}) into {fetched}")
+    return fetched, step
+
+
+def fetch_dataset_version(dataset: str, version: int, dest: Path) -> Path:
+    """Version `version` of `dataset` (owner/slug) as a folder, through kagglehub (in Kaggle's images). In a Kaggle
+    notebook kagglehub attaches that exact version under /kaggle/input; elsewhere (the local Kaggle too, through
+    KAGGLE_API_ENVIRONMENT) it downloads it into `dest`. Errors are one line, with no secret in it."""
+    try:
+        secrets_to_env()
+    except UserError:
+        pass  # Kaggle's own attach needs none; a download without them fails below, in one line
+    try:
+        import kagglehub
+    except ImportError as err:
+        raise UserError(f"kagglehub is not importable ({err})") from None
+    handle = f"{dataset}/versions/{version}"
+    try:
+        return Path(_within(FETCH_TIMEOUT_S, lambda: kagglehub.dataset_download(handle, output_dir=str(dest))))
+    except UserError:
+        raise
+    except Exception as err:  # kagglehub's and requests' own types; masked, one line
+        raise UserError(describe_error(err, [os.environ.get("KAGGLE_KEY", "")])) from None
+
+
+def _within(seconds: float, fn):
+    """fn(), or a UserError once it has run `seconds` (it goes on in a daemon thread, gone when the session stops):
+    kagglehub's attach in a Kaggle notebook waits for its mount with no limit, and a hung fetch would spend the
+    whole session."""
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            result["value"] = fn()
+        except BaseException as err:  # handed to the caller's thread
+            result["error"] = err
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        raise UserError(f"no answer within {f'{seconds:g} s' if seconds < 120 else f'{seconds / 60:.0f} minutes'}")
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def kernel_needs(kernel: str, settings: dict) -> list[tuple[str, str]]:
+    """(package, what for) that a kernel with these settings cannot work without (shared.kaggle.packages)."""
+    if kernel == "tokenize":
+        return [("tiktoken", "tokenizing the corpus")]
+    needs = []
+    if kernel == "eval":
+        if settings.get("hellaswag", "auto") != "off" or settings.get("prompts", "default") != "":
+            needs.append(("tiktoken", "HellaSwag and the samples"))
+    return needs
+
+
