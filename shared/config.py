@@ -199,6 +199,13 @@ class TrainConfig:
     )
     checkpoint_every: int = field(default=1000, metadata={"help": "steps between periodic checkpoints (0: off)"})
     keep_checkpoints: int = field(default=2, metadata={"help": "how many checkpoints to keep"})
+    keep_stable: bool = field(default=True, metadata={
+        "help": "wsd: also keep the checkpoint where the stable phase ends (every full-LR update, none decayed) "
+                "in <checkpoints>/stable/, which --extend trains on from"})
+    extend: bool = field(default=False, metadata={
+        "help": "wsd: lengthen a run to this --max-steps (a later decay): resume from its newest checkpoint that "
+                "the new schedule agrees with (the stable-phase one, once), setting aside the shorter schedule's "
+                "decayed checkpoints; every session of the longer run keeps the flag"})
     checkpoint_dir: str = field(
         default="", metadata={"help": "where checkpoints are written ('': out_dir/checkpoints; on Kaggle, large "
                               "models keep them in /kaggle/temp, outside the 20 GB output)"}
@@ -279,6 +286,9 @@ class TrainConfig:
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise UserError(f"{_flag(name)} must be in [0, 1), got {getattr(self, name)}")
         _at_least(self, 0, "muon_momentum_warmup_steps")
+        if self.extend and self.schedule != "wsd":
+            raise UserError("--extend needs --schedule wsd: a cosine schedule depends on --max-steps from the end of "
+                            "its warm-up, so no later checkpoint agrees with a longer one")
 
     def validate(self, num_devices: int = 1) -> None:
         """Every check again (a field may have been set since), then what needs the machine: the micro-batch is

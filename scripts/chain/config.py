@@ -156,6 +156,10 @@ def config_from_dict(raw: dict, where: str = "config") -> ChainConfig:
     for key in ("data_dir", "out_dir", "resume_from", "max_steps", "time_budget", "wandb_run_id"):
         if key in cfg.train:
             raise UserError(f"{where}: train.{key} is set by the chain; remove it")
+    if cfg.train.get("extend"):
+        raise UserError(f"{where}: train.extend: the chain cannot extend a run yet (its checkpoint dataset keeps only "
+                        "the newest checkpoint, not the stable-phase one); before the decay starts, raise "
+                        "total_steps instead (docs/recipe.md section 6)")
     devices = session_devices(cfg.accelerator, cfg.train.get("backend", "auto"))
     check_settings("train", {**cfg.train, "max_steps": cfg.total_steps}, f"{where}: train", devices)
     _place_checkpoints(cfg, where)
@@ -210,12 +214,16 @@ def _place_checkpoints(cfg: ChainConfig, where: str) -> None:
         return
     if ckpt_dir and not ckpt_dir.startswith("{working}"):
         raise UserError(f"{where}: train.checkpoint_dir {ckpt_dir!r} must be under {{working}} or {{temp}}")
-    peak = (keep + 1) * size
+    # A wsd run also keeps the checkpoint where its stable phase ends (train.keep_stable, for --extend).
+    stable = int(cfg.train.get("schedule") == "wsd" and cfg.train.get("keep_stable", True) is not False)
+    peak = (keep + 1 + stable) * size
     if peak <= OUTPUT_LIMIT_BYTES:
         return
     if "checkpoint_dir" in cfg.train or "keep_checkpoints" in cfg.train:
-        raise UserError(f"{where}: {keep} kept checkpoints of {size / 1e9:.1f} GB ({keep + 1} while one is written, "
-                        f"{peak / 1e9:.1f} GB) overflow the session's {OUTPUT_LIMIT_BYTES / 1e9:g} GB output; set "
-                        "train.checkpoint_dir to \"{temp}/checkpoints\" and train.keep_checkpoints to 1")
-    cfg.train = {**cfg.train, "checkpoint_dir": "{temp}/checkpoints", "keep_checkpoints": 1}
+        also = " and the stable-phase one" if stable else ""
+        raise UserError(f"{where}: {keep} kept checkpoints of {size / 1e9:.1f} GB ({keep + 1} while one is written"
+                        f"{also}, {peak / 1e9:.1f} GB) overflow the session's {OUTPUT_LIMIT_BYTES / 1e9:g} GB output; "
+                        "set train.checkpoint_dir to \"{temp}/checkpoints\" and train.keep_checkpoints to 1")
+    # In /kaggle/temp a stable-phase checkpoint would go with the session: none is kept there.
+    cfg.train = {**cfg.train, "checkpoint_dir": "{temp}/checkpoints", "keep_checkpoints": 1, "keep_stable": False}
 

@@ -22,6 +22,7 @@ import platform
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +37,7 @@ MODEL_FILE, OPTIMIZER_FILE, STATE_FILE, METRICS_FILE, MANIFEST_FILE = (
     "model.safetensors", "optimizer.safetensors", "state.json", "metrics.jsonl", "manifest.json")
 _PREFIX = "step_"
 _CORRUPT_PREFIX = "corrupt-"  # a set-aside checkpoint: list_checkpoints ignores it, nothing deletes it
+SUPERSEDED_PREFIX = "superseded-"  # set aside by --extend: a shorter schedule's decayed checkpoint
 
 # Checkpoints this process wrote or verified, by path, with the stat of their files then: rotation trusts them
 # without hashing gigabytes again at every save.
@@ -198,44 +200,64 @@ def load_checkpoint(path: str | os.PathLike) -> LoadedCheckpoint:
                             load_file(str(path / OPTIMIZER_FILE)))
 
 
-def _set_aside(path: Path) -> Path:
-    """Rename a corrupt checkpoint within its root to a name list_checkpoints ignores; OSError if it cannot."""
-    target = path.with_name(f"{_CORRUPT_PREFIX}{path.name}")
+def _set_aside(path: Path, prefix: str = _CORRUPT_PREFIX) -> Path:
+    """Rename a checkpoint within its root to a name list_checkpoints ignores; OSError if it cannot."""
+    target = path.with_name(f"{prefix}{path.name}")
     suffix = 1
     while target.exists():  # set aside before (e.g. the same step written and corrupted again)
         suffix += 1
-        target = path.with_name(f"{_CORRUPT_PREFIX}{path.name}-{suffix}")
+        target = path.with_name(f"{prefix}{path.name}-{suffix}")
     path.rename(target)
     fsync_dir(path.parent)
     return target
 
 
-def latest_checkpoint(*roots: str | os.PathLike, log=print, set_aside: bool = False) -> LoadedCheckpoint | None:
+def saved_state(path: str | os.PathLike) -> dict:
+    """A checkpoint's state.json ({} where unreadable): what it was trained with, without loading its tensors."""
+    try:
+        return json.loads((Path(path) / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def latest_checkpoint(*roots: str | os.PathLike, log=print, set_aside: bool = False,
+                      superseded: Callable[[Path], str | None] | None = None) -> LoadedCheckpoint | None:
     """The newest checkpoint that verifies, across `roots`; a corrupt one is reported in one line and skipped.
 
     With `set_aside` (the trainer, which rotates checkpoints in its root) a corrupt one is also renamed
     `corrupt-step_NNNNNN` in its root, so it is neither resumed nor counted as kept; where the root is read-only
     (a Kaggle dataset) it stays. Readers (eval, export) leave the directories as they are. Nothing is deleted.
-    Raises UserError when checkpoints exist but none verifies.
+    `superseded(path)` names why a checkpoint does not belong to this run any more (--extend: made on a schedule
+    that has changed since); such a one is passed over and left where it is (the caller decides). Raises
+    UserError when checkpoints exist but none verifies.
     """
     candidates = [p for root in roots if root for p in list_checkpoints(root)]
     candidates.sort(key=_step_of, reverse=True)
     for path in candidates:
+        if superseded and superseded(path):
+            continue
         problem = verify_checkpoint(path)
         if problem is None:
             return load_checkpoint(path)
-        if not set_aside:
-            log(f"warning: skipping corrupt checkpoint: {problem}")
-            continue
-        try:
-            moved = _set_aside(path)
-        except OSError as err:  # a read-only root, or another process of this run moved it first
-            log(f"warning: skipping corrupt checkpoint: {problem} (could not set it aside: {err.strerror or err})")
+        if set_aside:
+            set_aside_checkpoint(path, f"skipping corrupt checkpoint: {problem}", _CORRUPT_PREFIX, log, "warning")
         else:
-            log(f"warning: skipping corrupt checkpoint: {problem}; set aside as {moved}")
+            log(f"warning: skipping corrupt checkpoint: {problem}")
     if candidates:
         raise UserError(f"no checkpoint verifies among {len(candidates)} found under {', '.join(map(str, roots))}")
     return None
+
+
+def set_aside_checkpoint(path: Path, reason: str, prefix: str = SUPERSEDED_PREFIX, log=print,
+                         level: str = "notice") -> None:
+    """Rename a checkpoint out of resuming and rotation (`<prefix>step_NNNNNN` in its root), in one line with
+    `reason`; where it cannot be renamed (a read-only root), the line says so and it stays."""
+    try:
+        moved = _set_aside(path, prefix)
+    except OSError as err:  # a read-only root, or another process of this run moved it first
+        log(f"{level}: {reason} (could not set it aside: {err.strerror or err})")
+    else:
+        log(f"{level}: {reason}; set aside as {moved}")
 
 
 def different_shape_error(source: str | os.PathLike, differences: dict[str, tuple]) -> UserError:

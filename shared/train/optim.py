@@ -6,11 +6,13 @@ inside the step's graph, every state tensor exists before the first step (fixed 
   blocks, AdamW for the embeddings (and so the tied head), biases and LayerNorm gains (docs/recipe.md).
 
 Schedules: `cosine` (linear warm-up, cosine to min_lr_ratio of the peak) and `wsd` (warm-up, constant, then a
-linear decay to zero over the last `cooldown_frac` of the run).
+linear decay to zero over the last `cooldown_frac` of the run). A wsd run's checkpoint at the end of its stable
+phase (`stable_phase_end`) is where a longer run with a later decay would be too, so --extend trains on from it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -183,6 +185,38 @@ def muon_momentum_at(step: torch.Tensor, cfg: TrainConfig) -> torch.Tensor:
         return torch.full_like(step, cfg.muon_momentum)
     progress = (step / cfg.muon_momentum_warmup_steps).clamp(0.0, 1.0)
     return cfg.muon_momentum_start + (cfg.muon_momentum - cfg.muon_momentum_start) * progress
+
+
+# The settings that decide a step's learning rates and Muon momentum (with the step itself).
+SCHEDULE_FIELDS = ("optimizer", "schedule", "lr", "min_lr_ratio", "warmup_steps", "max_steps", "cooldown_frac",
+                   "muon_lr", "muon_momentum", "muon_momentum_warmup_steps", "muon_momentum_start")
+
+
+def schedule_table(cfg: TrainConfig, steps: int) -> torch.Tensor:
+    """What the optimizer is given at steps 0..steps-1, computed on the CPU as the step computes it: rows of
+    (LR, Muon's LR, Muon's momentum)."""
+    at = torch.arange(steps, dtype=torch.float32)
+    lr = lr_at(at, cfg)
+    return torch.stack([lr, lr * (cfg.muon_lr / cfg.lr), muon_momentum_at(at, cfg)], dim=1)
+
+
+def same_schedule_until(a: TrainConfig, b: TrainConfig, steps: int) -> bool:
+    """Whether configs `a` and `b` give the optimizer exactly the same values at steps 0..steps-1: then a
+    checkpoint at `steps` made under one is where the other would be too."""
+    if a.optimizer != b.optimizer:
+        return False
+    return torch.equal(schedule_table(a, steps), schedule_table(b, steps))
+
+
+def stable_phase_end(cfg: TrainConfig) -> int | None:
+    """wsd: the step where the stable phase ends, the first whose update a longer run would make differently (its
+    checkpoint holds every full-LR update and none decayed); None for cosine, or where the decay starts at once."""
+    if cfg.schedule != "wsd":
+        return None
+    never_decays = dataclasses.replace(cfg, max_steps=cfg.max_steps * 1000)
+    differs = (schedule_table(cfg, cfg.max_steps) != schedule_table(never_decays, cfg.max_steps)).any(dim=1)
+    end = int(differs.nonzero()[0, 0]) if differs.any() else None
+    return end or None
 
 
 def make_optimizer(named: NamedParams, cfg: TrainConfig, runtime, lr: torch.Tensor,

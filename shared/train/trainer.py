@@ -22,26 +22,33 @@ from shared.errors import UserError
 from shared.train.checkpoint import (
     METRICS_FILE,
     CheckpointTimer,
+    LoadedCheckpoint,
     check_same_shape,
     checkpoint_name,
     latest_checkpoint,
     save_checkpoint,
+    saved_state,
+    set_aside_checkpoint,
 )
 from shared.train.device import Runtime, make_runtime, runtime_versions
 from shared.train.metrics import BackgroundCalls, MetricsLogger, plot_loss
 from shared.train.model import GPT
 from shared.train.optim import (
+    SCHEDULE_FIELDS,
     clip_grad_norm,
     lr_at,
     make_optimizer,
     muon_momentum_at,
     optimizer_of_state,
     optimizer_tensors,
+    same_schedule_until,
+    stable_phase_end,
 )
 from shared.train.tpu import micro_batch_for
 from shared.train.validation import periodic_eval
 
 XLA_CACHE_DIR = "xla_cache"  # inside out_dir, and inside each checkpoint (XLA's persistent compilation cache)
+STABLE_DIR = "stable"  # inside the checkpoints root: a wsd run's checkpoint where its stable phase ends (--extend)
 
 
 def estimate_checkpoint_seconds(num_params: int) -> float:
@@ -138,6 +145,48 @@ def restore_compile_cache(resumed, out_dir: Path) -> Path:
     return cache
 
 
+def resume_point(cfg: TrainConfig, ckpt_root: Path, log=print) -> LoadedCheckpoint | None:
+    """The checkpoint this session starts from: the newest that verifies in the run's checkpoints or
+    --resume-from. With --extend, the newest that the new schedule agrees with (every update it holds made with
+    the same learning rates), the stable-phase checkpoints included; the run's newer checkpoints, made on the
+    shorter schedule, are then set aside, so this and every later session of the longer run go on from the right
+    one. Nothing is renamed when no checkpoint agrees."""
+    roots = [ckpt_root, Path(cfg.resume_from) if cfg.resume_from else None]
+    if not cfg.extend:
+        return latest_checkpoint(*roots, log=log, set_aside=True)
+    roots += [root / STABLE_DIR for root in roots if root]
+    passed_over: dict[Path, str] = {}
+
+    def superseded(path: Path) -> bool:
+        state = saved_state(path)
+        saved, step = state.get("config", {}).get("train", {}), int(state.get("step", 0))
+        was = dataclasses.replace(cfg, **{k: saved[k] for k in SCHEDULE_FIELDS if k in saved})
+        if same_schedule_until(was, cfg, step):
+            return False
+        passed_over[path] = f"step {step} of a {was.max_steps}-step {was.schedule} schedule"
+        return True
+
+    try:
+        resumed = latest_checkpoint(*roots, log=log, set_aside=True, superseded=superseded)
+    except UserError:
+        if not passed_over:
+            raise
+        resumed = None
+    if resumed is None:
+        found = "; ".join(f"{path}: {what}" for path, what in passed_over.items())
+        raise UserError(f"--extend --max-steps {cfg.max_steps}: no checkpoint in "
+                        f"{', '.join(str(r) for r in roots if r)} agrees with this schedule (a wsd run keeps the one "
+                        f"where its stable phase ends in {STABLE_DIR}/; the new decay must start later)"
+                        + (f"; passed over {found}" if found else ""))
+    owned = (ckpt_root, ckpt_root / STABLE_DIR)  # --resume-from is another run's, or a read-only dataset
+    for path, what in passed_over.items():
+        if path.parent in owned:
+            set_aside_checkpoint(path, f"--extend: {path} ({what}) holds updates --max-steps {cfg.max_steps} "
+                                       "makes differently", log=log)
+    log(f"--extend: training on from step {resumed.step} ({resumed.path}) to step {cfg.max_steps}")
+    return resumed
+
+
 def select_attention_and_micro_batch(cfg: TrainConfig, runtime: Runtime, log=print) -> TrainConfig:
     """The attention kernel for this model's shapes (on a TPU the Pallas kernel is probed at them); with
     `--micro-batch auto`, the micro-batch that kernel and this TPU allow (the kernel probed again at it), as the
@@ -171,7 +220,7 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
     train_shards, val_shards = find_shards(cfg.data_dir, "train"), find_shards(cfg.data_dir, "val")
     if not train_shards:
         raise UserError(f"--data-dir {cfg.data_dir}: no *_train_*.bin token shards found")
-    resumed = latest_checkpoint(ckpt_root, cfg.resume_from or None, log=log, set_aside=True)
+    resumed = resume_point(cfg, ckpt_root, log)
     if resumed:
         check_same_shape(resumed, model_cfg.to_dict())
         saved_with = optimizer_of_state(resumed.optimizer)
@@ -273,23 +322,23 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
     # (segfault in scan.py's LoweringContext.build: 5 of 6 runs here; 0 of 3 with the reads in the loop's thread).
     background = BackgroundCalls(threaded=runtime.name == "xla" and not plan.scan_layers)
 
-    def save(step: int) -> Path:
+    def save(step: int, root: Path = ckpt_root, keep: int = cfg.keep_checkpoints) -> Path:
         background.flush()  # the logged steps before the checkpoint's record
         # Gathering sharded tensors to the host is the checkpoint's device-to-host transfer, off the step path.
         model_tensors = model.checkpoint_tensors()
         opt_tensors = optimizer_tensors(opt, named_params)
-        path = ckpt_root / checkpoint_name(step)
+        path = root / checkpoint_name(step)
         if runtime.is_main:  # under DDP every process holds the same tensors; one writes them
             state = {"loader": loader.state.to_dict(), "rng": runtime.rng_state(), "config": {
                 "train": cfg.to_dict(), "model": model_cfg.to_dict()},
                 "timings": {"checkpoint_seconds": ckpt_timer.seconds}, "tokens": step * tokens_per_step,
                 "grad_scaler": scaler.state_dict() if scaler.is_enabled() else None}
             extra = {XLA_CACHE_DIR: compile_cache} if compile_cache and runtime.name == "xla" else None
-            path = ckpt_timer.time(save_checkpoint, ckpt_root, step, model_tensors, opt_tensors, state,
-                                   metrics_path, cfg.keep_checkpoints, extra)
+            path = ckpt_timer.time(save_checkpoint, root, step, model_tensors, opt_tensors, state,
+                                   metrics_path, keep, extra)
         runtime.barrier()
         logger.write({"event": "checkpoint", "step": step, "tokens": step * tokens_per_step,
-                      "checkpoint_s": round(ckpt_timer.seconds, 3),
+                      "checkpoint_s": round(ckpt_timer.seconds, 3), **({"stable": True} if root != ckpt_root else {}),
                       "elapsed_s": round(time.monotonic() - session_start, 3)})
         return path
 
@@ -333,6 +382,8 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
         periodic_eval(model, runtime, cfg, step, step * tokens_per_step, val_loader, logger)
 
     # --- the loop ----------------------------------------------------------------------------------------------
+    # A wsd run keeps the checkpoint where its stable phase ends, out of rotation: --extend trains on from it.
+    stable_end = stable_phase_end(cfg) if cfg.keep_stable else None
     if val_loader and cfg.eval_every and start_step < cfg.max_steps:
         evaluate(start_step)  # the session's baseline; also compiles the eval graph before the first step
     step, saved_step, stop_reason = start_step, start_step, "max_steps"
@@ -377,6 +428,8 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.max_steps:
                 save(step)
                 saved_step = step
+            if step == stable_end:
+                save(step, ckpt_root / STABLE_DIR, keep=1)
             if stop_signal:
                 stop_reason = "SIGTERM"
                 break
@@ -385,7 +438,8 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
                 break
             # Under XLA the step just launched may still be running (the host runs a step ahead): count it too.
             in_flight = step_s if runtime.name == "xla" else 0.0
-            if time.monotonic() - session_start + in_flight + step_s + 1.5 * ckpt_timer.seconds > budget:
+            stable_save = ckpt_timer.seconds if step + 1 == stable_end else 0.0  # the next step writes one more
+            if time.monotonic() - session_start + in_flight + step_s + stable_save + 1.5 * ckpt_timer.seconds > budget:
                 stop_reason = "time_budget"
                 break
         background.flush()

@@ -158,6 +158,7 @@ def test_checkpoints_are_placed_where_they_fit_and_the_publish_margin_grows_with
     size = MODEL_PRESETS["gpt2-xl"].checkpoint_bytes()
     assert 18e9 < size < 19.5e9
     assert xl.train["checkpoint_dir"] == "{temp}/checkpoints" and xl.train["keep_checkpoints"] == 1
+    assert xl.train["keep_stable"] is False  # in /kaggle/temp it would go with the session
     assert xl.publish_margin_s == pytest.approx(600 + size / 10e6)
     assert xl.time_budget == xl.session_limit_s - xl.startup_margin_s - xl.publish_margin_s
     large = config_from_dict({**BASE, "train": {"preset": "gpt2-large"}})  # 9.3 GB: 3 on disk overflow 20 GB
@@ -169,7 +170,22 @@ def test_checkpoints_are_placed_where_they_fit_and_the_publish_margin_grows_with
         "set train.checkpoint_dir to \"{temp}/checkpoints\" and train.keep_checkpoints to 1")
     medium = config_from_dict({**BASE, "train": {"preset": "gpt2-medium", "keep_checkpoints": 2}})  # 3 x 4.3 GB
     assert "checkpoint_dir" not in medium.train
+    wsd = {"preset": "gpt2-medium", "schedule": "wsd", "keep_checkpoints": 3}  # 4 + the stable one: 5 x 4.3 GB
+    with pytest.raises(UserError) as err:
+        config_from_dict({**BASE, "train": wsd})
+    assert str(err.value) == (
+        "config: 3 kept checkpoints of 4.3 GB (4 while one is written and the stable-phase one, 21.3 GB) overflow "
+        "the session's 20 GB output; set train.checkpoint_dir to \"{temp}/checkpoints\" and train.keep_checkpoints "
+        "to 1")
+    assert "checkpoint_dir" not in config_from_dict({**BASE, "train": {**wsd, "keep_stable": False}}).train
     assert config_from_dict({**BASE, "publish_margin_s": 30}).publish_margin_s == 30  # an explicit margin stays
+
+
+def test_a_chain_that_would_extend_a_run_is_refused_before_anything_is_pushed():
+    """Its sessions could not find the stable-phase checkpoint (the dataset holds only the newest): each would stop."""
+    with pytest.raises(UserError, match=r"^config: train.extend: the chain cannot extend a run yet \(its checkpoint "
+                                        r"dataset keeps only the newest checkpoint"):
+        config_from_dict({**BASE, "train": {"schedule": "wsd", "extend": True}})
 
 
 def test_one_wandb_run_per_chain_resumed_by_every_session(tmp_path):

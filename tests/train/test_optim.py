@@ -30,6 +30,8 @@ from shared.train.optim import (
     muon_matrix_shape,
     newton_schulz,
     optimizer_tensors,
+    same_schedule_until,
+    stable_phase_end,
 )
 
 MUON = ("--optimizer", "muon", "--schedule", "wsd", "--lr", "3e-3", "--muon-lr", "0.03")
@@ -328,3 +330,36 @@ def test_zero_initialised_projections_start_each_block_as_the_identity_and_still
     assert all(p.weight.grad.abs().sum() > 0 for p in projections)
     assert set(to_hf_state_dict(model)) == keys  # the export's layout is unchanged
     assert TrainConfig(zero_init_projections=True).zero_init_projections
+
+
+# --- the stable phase and --extend ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("max_steps, cooldown_frac, warmup, expected", [
+    (8, 0.5, 2, 5),  # the LR is held through step 4 ((8 - 4) / 4 = 1), decays from step 5
+    (19073, 0.4, 715, 11444),  # 19073 x 0.6 = 11443.8: step 11443 is the last held
+    (10, 0.3, 2, 8),  # 10 x 0.7 = 7: held through step 7 ((10 - 7) / 3 = 1)
+    (8, 1.0, 2, 1),  # decays from the start: only the first warm-up step agrees with a longer run
+])
+def test_the_stable_phase_ends_where_the_first_update_is_decayed(max_steps, cooldown_frac, warmup, expected):
+    cfg = TrainConfig(schedule="wsd", lr=6e-4, max_steps=max_steps, cooldown_frac=cooldown_frac, warmup_steps=warmup)
+    assert stable_phase_end(cfg) == expected
+    # directly: every update before it is made at the peak (or the warm-up's rate), the one at it below the peak
+    lrs = [6e-4 * min((s + 1) / warmup, 1.0, (max_steps - s) / (cooldown_frac * max_steps)) for s in range(max_steps)]
+    held = [6e-4 * min((s + 1) / warmup, 1.0) for s in range(max_steps)]
+    assert lrs[:expected] == pytest.approx(held[:expected]) and lrs[expected] < held[expected] * (1 - 1e-6)
+    assert stable_phase_end(replace(cfg, schedule="cosine")) is None
+
+
+def test_a_longer_wsd_schedule_agrees_with_a_shorter_one_until_its_stable_phase_ends():
+    short = TrainConfig(schedule="wsd", max_steps=8, cooldown_frac=0.5, warmup_steps=2, optimizer="muon",
+                        muon_momentum_warmup_steps=3)
+    longer = replace(short, max_steps=12)
+    assert same_schedule_until(short, longer, 5) and not same_schedule_until(short, longer, 6)
+    assert not same_schedule_until(short, replace(longer, muon_lr=0.01), 1)
+    assert not same_schedule_until(short, replace(longer, muon_momentum_start=0.9), 1)
+    cosine = replace(short, schedule="cosine")
+    # cosine depends on max_steps from the first step after its peak (step 2 here)
+    assert same_schedule_until(cosine, replace(cosine, max_steps=12), 3)
+    assert not same_schedule_until(cosine, replace(cosine, max_steps=12), 4)
+    with pytest.raises(UserError, match=r"^--extend needs --schedule wsd"):
+        replace(cosine, extend=True)

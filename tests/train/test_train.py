@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -375,3 +376,30 @@ def test_background_calls_run_in_order_and_flush_reraises():
     calls.submit(seen.append, 5)
     calls.flush()
     assert seen[-1] == 5
+
+
+@pytest.mark.slow
+def test_extend_trains_on_from_the_stable_phase_as_a_longer_run_would_bit_exactly(demo_data, tmp_path):
+    """A wsd run of 8 steps (cooldown 0.5) keeps its step-5 checkpoint, the last before the decay; extended to 12
+    steps it goes on from there, in two sessions, and ends where a straight 12-step run does."""
+    wsd = {"schedule": "wsd", "cooldown_frac": 0.5, "lr": 3e-3}
+    straight, extended = tmp_path / "straight", tmp_path / "extended"
+    train_in_process(small_config(demo_data, straight, max_steps=12, **wsd))
+    result, _ = train_in_process(small_config(demo_data, extended, max_steps=8, **wsd))
+    checkpoints = extended / "checkpoints"
+    assert result.step == 8 and [p.name for p in list_checkpoints(checkpoints / "stable")] == ["step_000005"]
+    # Shorter is refused in one line, every checkpoint left where it was.
+    with pytest.raises(UserError, match=r"^--extend --max-steps 6: no checkpoint in .* agrees with this schedule"):
+        train_in_process(small_config(demo_data, extended, max_steps=6, extend=True, **wsd))
+    assert [p.name for p in list_checkpoints(checkpoints)] == ["step_000008"]
+    longer = small_config(demo_data, extended, max_steps=12, extend=True, **wsd)
+    first, lines = train_in_process(replace(longer, stop_after_steps=2))
+    assert first.step == 7
+    ended, stable = checkpoints / "step_000008", checkpoints / "stable" / "step_000005"
+    assert lines[:2] == [f"notice: --extend: {ended} (step 8 of a 8-step wsd schedule) holds updates --max-steps 12 "
+                         f"makes differently; set aside as {checkpoints / 'superseded-step_000008'}",
+                         f"--extend: training on from step 5 ({stable}) to step 12"]
+    second, lines = train_in_process(longer)
+    assert second.step == 12 and any("resuming at step 7" in line for line in lines)
+    assert [p.name for p in list_checkpoints(checkpoints / "stable")] == ["step_000007"]  # the 12-step run's own
+    assert_identical_runs(straight, extended, 12)
