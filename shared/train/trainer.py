@@ -9,7 +9,9 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import signal
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -208,6 +210,113 @@ def select_attention_and_micro_batch(cfg: TrainConfig, runtime: Runtime, log=pri
     return dataclasses.replace(cfg, micro_batch=chosen)
 
 
+class StepLog:
+    """The loop's metric lines. `queue` runs as a step closure once a logged step is launched, so its host-side
+    counts include that step's compilation, graph launch and tokens; the device values (loss, grad norm, LR)
+    are read by `background` (a thread under XLA) while the loop goes on tracing the next step. Each line
+    reports the window since the previous one."""
+
+    def __init__(self, runtime: Runtime, logger: MetricsLogger, background: BackgroundCalls, step: int,
+                 tokens_per_step: int, flops_per_token: float, session_start: float):
+        self.runtime, self.logger, self.background = runtime, logger, background
+        self.tokens_per_step, self.flops_per_token, self.session_start = tokens_per_step, flops_per_token, session_start
+        self.peak = runtime.peak_flops()
+        self.last_loss: float | None = None
+        self._window_start = {"time": time.monotonic(), "step": step, "host_trace_s": 0.0, "sync_s": 0.0,
+                              **runtime.device_timers()}
+
+    def queue(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: torch.Tensor, host_trace_s: float,
+              sync_s: float) -> None:
+        # The previous line must be written first: the device is busy with this step meanwhile, and a read the
+        # runtime kept waiting (its device lock goes to the loop's syncs first) is late by one window at most.
+        self.background.flush()
+        h2d, _ = self.runtime.transfer_counts()
+        counts = {"compiles": self.runtime.compile_count(), "graphs": self.runtime.execution_count(),
+                  "h2d_transfers": h2d}
+        self.background.submit(self._write, step, loss, grad_norm, lr, host_trace_s, sync_s, counts)
+
+    def _write(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: torch.Tensor, host_trace_s: float,
+               sync_s: float, counts: dict) -> None:
+        # Under XLA this runs on the background thread: reading the values waits for the device to finish the
+        # step. They are read first, so the window's clock stops once the device has finished the step, not when
+        # it was queued. Every other device-to-host read (evals, checkpoints) waits for this one first, so the
+        # count read after it is exact.
+        self.last_loss = self.runtime.mean_across(loss).item()
+        lr_value, grad_norm_value = lr.item(), grad_norm.item()
+        now, timers = time.monotonic(), self.runtime.device_timers()
+        start = self._window_start
+        steps, seconds = step - start["step"], max(now - start["time"], 1e-9)
+        per_step = {key: (timers[key] - start[key]) / steps for key in timers}
+        tokens_per_s = steps * self.tokens_per_step / seconds
+        self.logger.write({"step": step, "loss": self.last_loss, "lr": lr_value, "grad_norm": grad_norm_value,
+                           "tokens": step * self.tokens_per_step, "tokens_per_s": round(tokens_per_s, 1),
+                           "mfu": tokens_per_s * self.flops_per_token / self.peak if self.peak else None,
+                           "elapsed_s": round(now - self.session_start, 3), **counts,
+                           "d2h_transfers": self.runtime.transfer_counts()[1],
+                           **step_timing(per_step, (host_trace_s - start["host_trace_s"]) / steps,
+                                         (sync_s - start["sync_s"]) / steps, seconds / steps)})
+        self._window_start = {"time": now, "step": step, "host_trace_s": host_trace_s, "sync_s": sync_s, **timers}
+
+
+class Evaluator:
+    """Decides when to evaluate and does it: every `eval_every` steps, where there are validation shards, and at
+    a session's start (its baseline, which also compiles the eval graphs before the first step). An eval is the
+    validation loss, and the HellaSwag subset and a sample where configured (shared/train/validation.py)."""
+
+    def __init__(self, model: GPT, runtime: Runtime, cfg: TrainConfig, val_loader: TokenLoader | None,
+                 logger: MetricsLogger, background: BackgroundCalls):
+        self.model, self.runtime, self.cfg, self.val_loader = model, runtime, cfg, val_loader
+        self.logger, self.background = logger, background
+        self.active = val_loader is not None and cfg.eval_every > 0
+
+    def baseline(self, step: int) -> None:
+        if self.active and step < self.cfg.max_steps:
+            self._run(step)
+
+    def maybe_run(self, step: int) -> None:
+        if self.active and step % self.cfg.eval_every == 0:
+            self._run(step)
+
+    def _run(self, step: int) -> None:
+        self.background.flush()  # the logged steps before the eval's records
+        periodic_eval(self.model, self.runtime, self.cfg, step, step * self.cfg.total_batch_tokens, self.val_loader,
+                      self.logger)
+
+
+class Checkpointer:
+    """Decides when to write a checkpoint and times each write: every `checkpoint_every` steps, where a wsd
+    run's stable phase ends (apart, in <root>/stable/, out of rotation: --extend trains on from it), and at the
+    session's end. `write(root, step, keep)` is the trainer's: it gathers the tensors and saves them."""
+
+    def __init__(self, cfg: TrainConfig, root: Path, step: int, timer: CheckpointTimer,
+                 write: Callable[[Path, int, int], Path]):
+        self.cfg, self.root, self.timer, self.write = cfg, root, timer, write
+        self.stable_end = stable_phase_end(cfg) if cfg.keep_stable else None
+        self.saved_step = step
+
+    def maybe_save(self, step: int) -> None:
+        every = self.cfg.checkpoint_every
+        if every and step % every == 0 and step < self.cfg.max_steps:
+            self.write(self.root, step, self.cfg.keep_checkpoints)
+            self.saved_step = step
+        if step == self.stable_end:
+            self.write(self.root / STABLE_DIR, step, 1)
+
+    def seconds_after(self, step: int) -> float:
+        """The writes still to come after `step` that the time budget must leave room for: the stable-phase one
+        if the next step makes it, and the final one, with half again as margin."""
+        stable = self.timer.seconds if step + 1 == self.stable_end else 0.0
+        return stable + 1.5 * self.timer.seconds
+
+    def final_save(self, step: int, start_step: int, resumed: LoadedCheckpoint | None) -> Path | None:
+        """The session's last checkpoint: written unless this step's is already on disk."""
+        if step != self.saved_step:
+            return self.write(self.root, step, self.cfg.keep_checkpoints)
+        if step > start_step:
+            return self.root / checkpoint_name(step)
+        return resumed.path if resumed else None  # nothing trained: the run was already complete
+
+
 def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key: str | None = None) -> TrainResult:
     session_start = time.monotonic()
     cfg.validate()  # the flags; the device count is checked once the runtime is up
@@ -312,17 +421,16 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
         + (f"; TPU {runtime.tpu_generation.name} from {runtime.tpu_generation_source}" if runtime.tpu_generation
            else f"; {runtime.tpu_generation_source}" if runtime.tpu_generation_source else ""))
     flops_per_token = 6 * num_params + 12 * model_cfg.n_layer * model_cfg.n_embd * model_cfg.block_size
-    peak = runtime.peak_flops()
 
-    stop_signal = []
-    previous_handler = signal.signal(signal.SIGTERM, lambda *_: stop_signal.append("SIGTERM"))
+    stop_requested = threading.Event()
+    previous_handler = signal.signal(signal.SIGTERM, lambda *_: stop_requested.set())
 
     # Logging reads the device off the loop's thread, except with the scan over layers: torch_xla lowers the scan's
     # backward on autograd's device thread, and a device read on another thread meanwhile crashed the process
     # (segfault in scan.py's LoweringContext.build: 5 of 6 runs here; 0 of 3 with the reads in the loop's thread).
     background = BackgroundCalls(threaded=runtime.name == "xla" and not plan.scan_layers)
 
-    def save(step: int, root: Path = ckpt_root, keep: int = cfg.keep_checkpoints) -> Path:
+    def write_checkpoint(root: Path, step: int, keep: int) -> Path:
         background.flush()  # the logged steps before the checkpoint's record
         # Gathering sharded tensors to the host is the checkpoint's device-to-host transfer, off the step path.
         model_tensors = model.checkpoint_tensors()
@@ -342,51 +450,13 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
                       "elapsed_s": round(time.monotonic() - session_start, 3)})
         return path
 
-    last_log = {"time": time.monotonic(), "step": start_step, "host_trace_s": 0.0, "sync_s": 0.0,
-                **runtime.device_timers()}
-    last_loss: list[float] = []
-
-    def queue_log(step: int, *values) -> None:
-        # A step closure: runs in the loop's thread once the step is launched, so the host-side counts include
-        # this step's compilation, graph launch and tokens; the device values are read on the logging thread.
-        # The previous log must be written first: the device is busy with this step meanwhile, and a read the
-        # runtime kept waiting (its device lock goes to the loop's syncs first) is late by one window at most.
-        background.flush()
-        h2d, _ = runtime.transfer_counts()
-        counts = {"compiles": runtime.compile_count(), "graphs": runtime.execution_count(), "h2d_transfers": h2d}
-        background.submit(log_step, step, *values, counts)
-
-    def log_step(step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: torch.Tensor, host_trace_s: float,
-                 sync_s: float, counts: dict) -> None:
-        # Under XLA this runs on a background thread: reading the values waits for the device to finish the step,
-        # while the loop goes on tracing the next one. The values are read first, so the window's clock stops once
-        # the device has finished the step, not when it was queued. Every other device-to-host read (evals,
-        # checkpoints) waits for this one first, so the count read after it is exact.
-        last_loss[:] = [runtime.mean_across(loss).item()]
-        lr_value, grad_norm_value = lr.item(), grad_norm.item()
-        now, timers = time.monotonic(), runtime.device_timers()
-        steps, seconds = step - last_log["step"], max(now - last_log["time"], 1e-9)
-        window = {key: (timers[key] - last_log[key]) / steps for key in timers}
-        tokens_per_s = steps * tokens_per_step / seconds
-        logger.write({"step": step, "loss": last_loss[0], "lr": lr_value, "grad_norm": grad_norm_value,
-                      "tokens": step * tokens_per_step, "tokens_per_s": round(tokens_per_s, 1),
-                      "mfu": tokens_per_s * flops_per_token / peak if peak else None,
-                      "elapsed_s": round(now - session_start, 3), **counts,
-                      "d2h_transfers": runtime.transfer_counts()[1],
-                      **step_timing(window, (host_trace_s - last_log["host_trace_s"]) / steps,
-                                    (sync_s - last_log["sync_s"]) / steps, seconds / steps)})
-        last_log.update(time=now, step=step, host_trace_s=host_trace_s, sync_s=sync_s, **timers)
-
-    def evaluate(step: int) -> None:  # validation loss, and the HellaSwag subset and sample when configured
-        background.flush()
-        periodic_eval(model, runtime, cfg, step, step * tokens_per_step, val_loader, logger)
+    checkpointer = Checkpointer(cfg, ckpt_root, start_step, ckpt_timer, write_checkpoint)
+    evaluator = Evaluator(model, runtime, cfg, val_loader, logger, background)
+    step_log = StepLog(runtime, logger, background, start_step, tokens_per_step, flops_per_token, session_start)
 
     # --- the loop ----------------------------------------------------------------------------------------------
-    # A wsd run keeps the checkpoint where its stable phase ends, out of rotation: --extend trains on from it.
-    stable_end = stable_phase_end(cfg) if cfg.keep_stable else None
-    if val_loader and cfg.eval_every and start_step < cfg.max_steps:
-        evaluate(start_step)  # the session's baseline; also compiles the eval graph before the first step
-    step, saved_step, stop_reason = start_step, start_step, "max_steps"
+    evaluator.baseline(start_step)
+    step, stop_reason = start_step, "max_steps"
     first_step_end = last_step_end = time.monotonic()
     # Summed: the host's CPU time building steps (data, tracing), and the wall time of the syncs (hashing the graph,
     # launching it, and waiting for the runtime if the host is ahead).
@@ -410,7 +480,7 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
             step += 1
             host_trace_s += time.thread_time() - cpu_started
             if step % cfg.log_every == 0 or step == cfg.max_steps:
-                runtime.add_step_closure(queue_log, (step, loss, grad_norm, lr, host_trace_s, sync_s))
+                runtime.add_step_closure(step_log.queue, (step, loss, grad_norm, lr, host_trace_s, sync_s))
             sync_started = time.monotonic()
             runtime.sync()  # launches the step; waits only for the previous step's graph to finish
             sync_s += time.monotonic() - sync_started
@@ -423,14 +493,9 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
                 if elapsed + ckpt_timer.seconds > budget:
                     raise UserError(f"--time-budget {budget:g}s is shorter than one step ({elapsed:.1f}s with "
                                     f"start-up and compilation) plus a checkpoint (~{ckpt_timer.seconds:.0f}s)")
-            if val_loader and cfg.eval_every and step % cfg.eval_every == 0:
-                evaluate(step)
-            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.max_steps:
-                save(step)
-                saved_step = step
-            if step == stable_end:
-                save(step, ckpt_root / STABLE_DIR, keep=1)
-            if stop_signal:
+            evaluator.maybe_run(step)
+            checkpointer.maybe_save(step)
+            if stop_requested.is_set():
                 stop_reason = "SIGTERM"
                 break
             if cfg.stop_after_steps and step - start_step >= cfg.stop_after_steps:
@@ -438,15 +503,11 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
                 break
             # Under XLA the step just launched may still be running (the host runs a step ahead): count it too.
             in_flight = step_s if runtime.name == "xla" else 0.0
-            stable_save = ckpt_timer.seconds if step + 1 == stable_end else 0.0  # the next step writes one more
-            if time.monotonic() - session_start + in_flight + step_s + stable_save + 1.5 * ckpt_timer.seconds > budget:
+            if time.monotonic() - session_start + in_flight + step_s + checkpointer.seconds_after(step) > budget:
                 stop_reason = "time_budget"
                 break
         background.flush()
-        if step != saved_step:
-            path = save(step)
-        else:  # nothing new since the last checkpoint (or the run was already complete)
-            path = ckpt_root / checkpoint_name(step) if step > start_step else (resumed.path if resumed else None)
+        path = checkpointer.final_save(step, start_step, resumed)
         # The session boundary's cost: start-up to the end of the first step, last step to final checkpoint.
         logger.write({"event": "session_end", "step": step, "tokens": step * tokens_per_step,
                       "stop_reason": stop_reason, "elapsed_s": round(time.monotonic() - session_start, 3),
@@ -462,4 +523,4 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
     logger_png = plot_loss(metrics_path, out_dir / "loss.png") if runtime.is_main else None
     log(f"session ended at step {step}/{cfg.max_steps} ({stop_reason}); checkpoint {path}; "
         f"metrics {metrics_path}; plot {logger_png}; {runtime.compile_count()} XLA compilations")
-    return TrainResult(step, last_loss[0] if last_loss else None, path, stop_reason)
+    return TrainResult(step, step_log.last_loss, path, stop_reason)
