@@ -20,6 +20,7 @@ from shared.kaggle.publish import (
     push_dataset_folder,
     write_dataset_folder,
 )
+from shared.train.checkpoint_names import checkpoint_name
 
 
 def dataset_step(ctx: StageContext, ref: str, version: int = 0) -> int:
@@ -108,8 +109,6 @@ def publish_from_output(ctx: StageContext, ref: str, version: int, ckpt_ref: str
     """Publish checkpoint `out_step` from the output of version `version` of `ref` to `ckpt_ref` (the session
     saved it but did not publish it, or its publish never appeared), as the version after `before`: its number
     once it verifies, or 0, with a warning, when the output holds no complete copy of it."""
-    from shared.train.checkpoint import checkpoint_name  # torch: only when publishing from an output
-
     name = checkpoint_name(out_step)
     fallback = ctx.workdir / "fallback"
     shutil.rmtree(fallback / name, ignore_errors=True)
@@ -142,7 +141,7 @@ def check_version_step(ctx: StageContext, ref: str, version: int, step: int) -> 
 def _verify_files(folder: Path) -> bool:
     """The checkpoint's files match its manifest (sizes and sha256)."""
     try:
-        manifest = json.loads((folder / "manifest.json").read_text())
+        manifest = json.loads((folder / MANIFEST).read_text())
         for name, meta in manifest["files"].items():
             f = folder / name
             if not f.is_file() or f.stat().st_size != meta["bytes"] or sha256_file(f) != meta["sha256"]:

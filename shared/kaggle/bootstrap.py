@@ -29,6 +29,7 @@ from shared.kaggle.publish import (
     publish_problem,
     secrets_to_env,
 )
+from shared.train.checkpoint_names import checkpoint_name
 
 FETCH_TIMEOUT_S = 3600.0  # fetching the expected checkpoint version (a gpt2-xl one is about 18.7 GB)
 
@@ -49,8 +50,6 @@ def stage_checkpoint(input_dir: str | os.PathLike, dest_root: str | os.PathLike)
     step = checkpoint_step(src)
     if step is None:
         return None
-    from shared.train.checkpoint import checkpoint_name  # torch: only once there is a checkpoint to stage
-
     dest = Path(dest_root) / checkpoint_name(step)
     if dest.exists():
         shutil.rmtree(dest)

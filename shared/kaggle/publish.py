@@ -25,8 +25,8 @@ from pathlib import Path
 
 from shared.errors import UserError, describe_error
 from shared.fsutil import link_or_copy
+from shared.train.checkpoint_names import MANIFEST_FILE as MANIFEST
 
-MANIFEST = "manifest.json"
 PUBLISH_RECORD = "publish.json"  # written to /kaggle/working: what the session published (read by the chain)
 DATASET_METADATA = "dataset-metadata.json"
 PLACEHOLDER_FILE = "README.md"  # the only file of a checkpoint dataset that holds no checkpoint yet

@@ -31,11 +31,17 @@ from safetensors.torch import load_file, save_file
 
 from shared.errors import UserError
 from shared.fsutil import atomic_write_bytes, fsync_dir, sha256_file
+from shared.train.checkpoint_names import (
+    CHECKPOINT_PREFIX,
+    MANIFEST_FILE,
+    METRICS_FILE,
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    STATE_FILE,
+    checkpoint_name,
+)
 
 FORMAT_VERSION = 1
-MODEL_FILE, OPTIMIZER_FILE, STATE_FILE, METRICS_FILE, MANIFEST_FILE = (
-    "model.safetensors", "optimizer.safetensors", "state.json", "metrics.jsonl", "manifest.json")
-_PREFIX = "step_"
 _CORRUPT_PREFIX = "corrupt-"  # a set-aside checkpoint: list_checkpoints ignores it, nothing deletes it
 SUPERSEDED_PREFIX = "superseded-"  # set aside by --extend: a shorter schedule's decayed checkpoint
 
@@ -44,12 +50,8 @@ SUPERSEDED_PREFIX = "superseded-"  # set aside by --extend: a shorter schedule's
 _known_good: dict[Path, tuple] = {}
 
 
-def checkpoint_name(step: int) -> str:
-    return f"{_PREFIX}{step:06d}"
-
-
 def _step_of(path: Path) -> int:
-    return int(path.name[len(_PREFIX):])
+    return int(path.name[len(CHECKPOINT_PREFIX):])
 
 
 def _files_signature(path: Path) -> tuple | None:
@@ -155,7 +157,8 @@ def list_checkpoints(root: str | os.PathLike) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX) and p.name[5:].isdigit()]
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX)
+             and p.name[len(CHECKPOINT_PREFIX):].isdigit()]
     return sorted(found, key=_step_of)
 
 

@@ -1,0 +1,13 @@
+"""A checkpoint's names, with only the standard library: the session bootstrap, the publisher and the chain use
+them without importing torch (the layout itself is described in shared/train/checkpoint.py)."""
+
+from __future__ import annotations
+
+MODEL_FILE, OPTIMIZER_FILE, STATE_FILE, METRICS_FILE, MANIFEST_FILE = (
+    "model.safetensors", "optimizer.safetensors", "state.json", "metrics.jsonl", "manifest.json")
+CHECKPOINT_PREFIX = "step_"
+
+
+def checkpoint_name(step: int) -> str:
+    """The folder of the checkpoint at `step`: step_NNNNNN."""
+    return f"{CHECKPOINT_PREFIX}{step:06d}"
