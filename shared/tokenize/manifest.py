@@ -43,12 +43,16 @@ def format_bytes(n: float) -> str:
     return f"{n / GB:.3f} GB"
 
 
-def read_manifest(path: Path) -> dict:
+def read_manifest(path: Path, others: str = "refuse") -> dict | None:
+    """A token part's manifest. A readable manifest.json of another kind (a checkpoint's has the same name) is an
+    error, or None with `others="skip"` (searching a tree of inputs); an unreadable one is always an error."""
     try:
         m = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise UserError(f"{path}: unreadable manifest ({describe_error(err)})") from None
     if not isinstance(m, dict) or m.get("format") != MANIFEST_FORMAT:
+        if others == "skip":
+            return None
         raise UserError(f"{path}: not a token-part manifest (format {m.get('format') if isinstance(m, dict) else m!r})")
     return m
 
@@ -71,8 +75,8 @@ def find_prev_manifest(prev_dir: str, part: int) -> dict:
     candidates = [root / MANIFEST] if (root / MANIFEST).is_file() else sorted(root.rglob(MANIFEST))
     found = []
     for path in candidates:
-        m = read_manifest(path)
-        if m.get("part") == want:
+        m = read_manifest(path, others="skip")  # e.g. a checkpoint dataset's manifest.json among the inputs
+        if m is not None and m.get("part") == want:
             found.append((path, m))
     if not found:
         raise UserError(f"--prev-dir {root}: no manifest.json of part {want} (needed to continue with part {part})")
