@@ -1,20 +1,22 @@
-"""Tokens to quality: AdamW + cosine against Muon + wsd, a small GPT-2 trained by the project's trainer on a
-real-text corpus built offline, validation loss curves side by side (PNG + table), and the tokens Muon needs
-to reach AdamW's final validation loss.
+"""Tokens to quality, fairly: Muon + wsd against an AdamW control with the same groups, schedule and LRs but for
+the matrices' update rule, a small GPT-2 trained by the project's trainer on a real-text corpus built offline,
+several seeds, validation loss curves side by side (PNG + table), and the tokens Muon needs to reach the control's
+final validation loss, claimed only where the seeds' spreads do not overlap.
 
-    python scripts/bench_recipe.py                       # builds the corpus, then 1 + len(--muon-fractions) runs
-    python scripts/bench_recipe.py --text-dir DIR        # any folder of .txt/.rst/.md/.html/.pod files instead
+    python scripts/bench_recipe.py                # the corpus, then seeds x (1 + len(--muon-fractions)) runs
+    python scripts/bench_recipe.py --text-dir DIR # any folder of .txt/.rst/.md/.html/.pod files instead
 
-The corpus (about 20M GPT-2 tokens): the English documentation Debian ships in four packages fetched with
+The corpus (about 26M GPT-2 tokens): the English documentation Debian ships in four packages fetched with
 `apt-get download` (no root, the package index only): the Linux kernel's Documentation (reStructuredText),
 Python's and PostgreSQL's manuals (HTML), Perl's pod pages. Documents are split into train/validation by a
 fixed shuffle, so the validation text is unseen; every run sees at most one pass of the training text.
 
-Muon's schedule decays to zero at its end, so its loss mid-run says little about a shorter run: besides the
-full-budget run, Muon trains at fractions of the budget (each with its own decay), and the tokens it needs are
-read from those runs' final losses (interpolated between the two budgets around AdamW's final loss). AdamW runs
-at several LRs with its cosine schedule, and once with Muon's schedule at the best of them; the target is the
-best AdamW run's final loss.
+The two arms differ only in how the blocks' matrices are updated: both train the embeddings (so the tied head),
+biases and gains with the same AdamW at --adamw-lr, both follow the same wsd schedule, and the control's matrices
+take AdamW at --matrix-lr (the project's `--matrix-lr`: the same optimizer groups and AdamW code as Muon's AdamW
+part). Each seed gives both arms the same initialisation and data order (a paired comparison). Muon's schedule
+decays to zero at its end, so Muon also trains at fractions of the budget (each with its own decay), and the
+tokens it needs are read from those runs' final losses, seed by seed.
 """
 
 from __future__ import annotations
@@ -184,17 +186,30 @@ def tokens_to_reach(target: float, finals: list[tuple[int, float]]) -> tuple[flo
     return None, False
 
 
-def plot_curves(curves: dict[str, list[tuple[int, float]]], target: float, path: Path, title: str) -> Path:
+def mean_curve(curves: list[list[tuple[int, float]]]) -> list[tuple[int, float, float, float]]:
+    """(tokens, mean, min, max) over seeds at each eval (every seed's run evaluates at the same tokens)."""
+    import numpy as np
+
+    losses = np.array([[loss for _, loss in curve] for curve in curves])
+    return [(t, float(m), float(lo), float(hi))
+            for (t, _), m, lo, hi in zip(curves[0], losses.mean(0), losses.min(0), losses.max(0), strict=True)]
+
+
+def plot_curves(curves: dict[str, list[list[tuple[int, float]]]], target: float, path: Path, title: str) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(11, 5), dpi=100)
-    for name, curve in curves.items():  # AdamW dashed, Muon solid
-        ax.plot([t / 1e6 for t, _ in curve[1:]], [loss for _, loss in curve[1:]], marker=".", label=name,
-                linestyle="--" if name.startswith("AdamW") else "-")
-    ax.axhline(target, color="gray", linestyle=":", linewidth=1, label=f"best AdamW's final {target:.3f}")
+    for name, runs in curves.items():  # the control dashed, Muon solid; the band is the seeds' min to max
+        points = mean_curve(runs)[1:]
+        tokens = [t / 1e6 for t, *_ in points]
+        line, = ax.plot(tokens, [m for _, m, _, _ in points], marker=".", label=name,
+                        linestyle="--" if name.startswith("AdamW") else "-")
+        ax.fill_between(tokens, [lo for *_, lo, _ in points], [hi for *_, hi in points], alpha=0.2,
+                        color=line.get_color())
+    ax.axhline(target, color="gray", linestyle=":", linewidth=1, label=f"the control's final, mean {target:.3f}")
     ax.set(xlabel="training tokens (millions)", ylabel="validation loss", title=title)
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
@@ -202,6 +217,13 @@ def plot_curves(curves: dict[str, list[tuple[int, float]]], target: float, path:
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def spread(values: list[float]) -> str:
+    import statistics
+
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.mean(values):.4f} ± {sd:.4f} ({min(values):.4f}–{max(values):.4f})"
 
 
 def main() -> None:
@@ -215,16 +237,19 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=4096, help="the most frequent tokens kept (0: GPT-2's all)")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch-tokens", type=int, default=16384, help="tokens per optimizer step")
-    parser.add_argument("--micro-batch", type=int, default=64)
-    parser.add_argument("--tokens", type=float, default=1.5e6, help="the token budget of the AdamW run")
+    parser.add_argument("--micro-batch", type=int, default=32)
+    parser.add_argument("--tokens", type=float, default=1.0e6, help="the token budget of the control")
     parser.add_argument("--backend", default="cpu")
-    parser.add_argument("--adamw-lrs", default="5e-4,1e-3,2e-3,4e-3",
-                        help="AdamW's peak LRs tried; the best is the target")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds per setting (each pairs the two arms)")
+    parser.add_argument("--adamw-lr", type=float, default=4e-3,
+                        help="both arms: AdamW's LR for the embeddings, biases and gains")
+    parser.add_argument("--matrix-lr", type=float, default=1e-3,
+                        help="the control: AdamW's LR for the blocks' matrices (the best uniform LR of the sweep "
+                             "in docs/recipe.md section 4)")
     parser.add_argument("--muon-lr", type=float, default=0.02)
-    parser.add_argument("--muon-adamw-lr", type=float, default=4e-3, help="Muon's AdamW part (embeddings, ...)")
-    parser.add_argument("--muon-fractions", default="1,0.7,0.5,0.4,0.3,0.2,0.1",
-                        help="Muon's budgets, as fractions of --tokens")
-    parser.add_argument("--evals", type=int, default=10, help="validation evals per run")
+    parser.add_argument("--muon-fractions", default="1,0.5", help="Muon's budgets, as fractions of --tokens")
+    parser.add_argument("--evals", type=int, default=4, help="validation evals per full-budget run")
+    parser.add_argument("--eval-batches", type=int, default=20, help="micro-batches per validation eval")
     args = parser.parse_args()
 
     from shared.config import MODEL_PRESETS, PADDED_VOCAB_SIZE, ModelConfig, TrainConfig
@@ -240,47 +265,57 @@ def main() -> None:
     if steps * args.batch_tokens > corpus["train_tokens"]:
         raise UserError(f"--tokens {args.tokens:.3g} is more than one pass over the corpus "
                         f"({corpus['train_tokens']:,} tokens): the runs would see text twice")
-    base = TrainConfig(preset="bench", micro_batch=args.micro_batch,
-                       total_batch_tokens=args.batch_tokens, data_dir=str(data_dir), backend=args.backend,
-                       bf16=args.backend != "cpu", eval_batches=max(1, 49152 // (args.micro_batch * args.seq_len)),
-                       warmup_steps=max(1, steps // 20), checkpoint_every=0, keep_checkpoints=1, progress=True,
-                       wandb_project="", xla_cache=False, time_budget=1e9, log_every=10)
-    out_root = Path(args.out_dir)
-    curves, finals = {}, []
+    val_batches = corpus["val_tokens"] // (args.micro_batch * (args.seq_len + 1))
+    if args.eval_batches > val_batches:
+        raise UserError(f"--eval-batches {args.eval_batches}: the validation split holds {val_batches} batches of "
+                        f"{args.micro_batch} x {args.seq_len}; use a smaller --micro-batch or fewer batches")
     eval_every = max(1, steps // args.evals)
-    adamw_lrs = [float(x) for x in args.adamw_lrs.split(",")]
-    for lr in adamw_lrs:
-        adamw = replace(base, max_steps=steps, eval_every=eval_every, lr=lr)
-        curves[f"AdamW + cosine, lr {lr:g}"] = run(f"adamw-lr{lr:g}", adamw, out_root)
-    # The schedule apart from the optimizer: AdamW with Muon's schedule, at the best cosine LR.
-    best_lr = min(adamw_lrs, key=lambda lr: curves[f"AdamW + cosine, lr {lr:g}"][-1][1])
-    adamw_wsd = replace(base, max_steps=steps, eval_every=eval_every, lr=best_lr, schedule="wsd")
-    curves[f"AdamW + wsd, lr {best_lr:g}"] = run(f"adamw-wsd-lr{best_lr:g}", adamw_wsd, out_root)
-    best_adamw = min(curves, key=lambda name: curves[name][-1][1])
-    for fraction in [float(f) for f in args.muon_fractions.split(",")]:
-        # A shorter run ends on an eval (the trainer evaluates every eval_every steps): its final loss is its end's.
-        muon_steps = steps if fraction >= 1 else max(eval_every, int(steps * fraction) // eval_every * eval_every)
-        muon = replace(base, max_steps=muon_steps, eval_every=eval_every, optimizer="muon",
-                       schedule="wsd", lr=args.muon_adamw_lr, muon_lr=args.muon_lr)
-        curve = run(f"muon-{fraction:g}", muon, out_root)
-        curves[f"Muon + wsd, {muon_steps / steps:.2f}x budget"] = curve
-        finals.append((curve[-1][0], curve[-1][1]))
-    target_tokens, target = curves[best_adamw][-1]
-    needed, interpolated = tokens_to_reach(target, finals)
-    png = plot_curves(curves, target, out_root / "val_loss.png",
-                      f"GPT-2 {args.n_layer}L/{args.n_embd}d, vocabulary {args.vocab or 'GPT-2'}, "
-                      f"{corpus['train_tokens'] / 1e6:.0f}M-token corpus")
-    lines = ["| run | tokens | final val loss |", "| --- | --- | --- |"]
-    lines += [f"| {name} | {curve[-1][0]:,} | {curve[-1][1]:.4f} |" for name, curve in curves.items()]
+    base = TrainConfig(preset="bench", micro_batch=args.micro_batch, total_batch_tokens=args.batch_tokens,
+                       data_dir=str(data_dir), backend=args.backend, bf16=args.backend != "cpu",
+                       eval_batches=args.eval_batches, eval_every=eval_every, warmup_steps=max(1, steps // 20),
+                       checkpoint_every=0, keep_checkpoints=1, keep_stable=False, progress=True, wandb_project="",
+                       xla_cache=False, time_budget=1e9, log_every=10, schedule="wsd", lr=args.adamw_lr)
+    out_root = Path(args.out_dir)
+    control_name = (f"AdamW + wsd (matrices {args.matrix_lr:g}, the rest {args.adamw_lr:g})")
+    curves: dict[str, list] = {control_name: []}
+    muon_finals: list[list[tuple[int, float]]] = []
+    for index in range(args.seeds):
+        seed = base.seed + index
+        control = replace(base, seed=seed, max_steps=steps, matrix_lr=args.matrix_lr)
+        curves[control_name].append(run(f"control-seed{seed}", control, out_root))
+        finals = []
+        for fraction in [float(f) for f in args.muon_fractions.split(",")]:
+            # A shorter run ends on an eval (every eval_every steps): its final loss is its end's.
+            muon_steps = steps if fraction >= 1 else max(eval_every, int(steps * fraction) // eval_every * eval_every)
+            muon = replace(base, seed=seed, max_steps=muon_steps, optimizer="muon", muon_lr=args.muon_lr)
+            curve = run(f"muon-{fraction:g}-seed{seed}", muon, out_root)
+            curves.setdefault(f"Muon + wsd (lr {args.muon_lr:g}), {muon_steps / steps:.2f}x budget", []).append(curve)
+            finals.append((curve[-1][0], curve[-1][1]))
+        muon_finals.append(finals)
+    control_finals = [curve[-1][1] for curve in curves[control_name]]
+    target_tokens = curves[control_name][0][-1][0]
+    muon_full = [sorted(finals)[-1][1] for finals in muon_finals]  # each seed's full-budget run
+    png = plot_curves(curves, sum(control_finals) / len(control_finals), out_root / "val_loss.png",
+                      f"GPT-2 {args.n_layer}L/{args.n_embd}d, vocabulary {args.vocab or 'GPT-2'}"
+                      f"{' (remapped)' if args.vocab else ''}, {args.seeds} seeds, band: min to max")
+    lines = [f"| run | tokens | final val loss: mean ± sd (min–max) over {args.seeds} seeds |", "| --- | --- | --- |"]
+    lines += [f"| {name} | {runs[0][-1][0]:,} | {spread([c[-1][1] for c in runs])} |" for name, runs in curves.items()]
     lines.append("")
-    if needed:
-        lines.append(f"Muon + wsd reaches the best AdamW run's final val loss {target:.4f} ({best_adamw}) in "
-                     f"{'' if interpolated else 'at most '}{needed:,.0f} tokens: "
-                     f"{'' if interpolated else 'at least '}{target_tokens / needed:.2f}x fewer than "
-                     f"AdamW's {target_tokens:,} (losses at each run's last eval)")
+    if max(muon_full) < min(control_finals):
+        ratios = []
+        for control_final, finals in zip(control_finals, muon_finals, strict=True):
+            needed, interpolated = tokens_to_reach(control_final, finals)
+            ratios.append((target_tokens / needed, interpolated) if needed else (None, False))
+        known = [r for r, _ in ratios if r]
+        bound = "" if all(i for _, i in ratios) else (" (where a seed's smallest budget already reached it, that "
+                                                      "budget counts: a lower bound)")
+        lines.append(f"Muon + wsd reaches the control's final val loss in {target_tokens / max(known):,.0f} to "
+                     f"{target_tokens / min(known):,.0f} tokens against the control's {target_tokens:,}: "
+                     f"{min(known):.2f}x to {max(known):.2f}x fewer (mean {sum(known) / len(known):.2f}x; per seed "
+                     + ", ".join(f"{r:.2f}x" if r else "not reached" for r, _ in ratios) + f"){bound}")
     else:
-        lines.append(f"Muon + wsd does not reach the best AdamW run's final val loss {target:.4f} ({best_adamw}) "
-                     "within the budgets tried")
+        lines.append(f"Muon's full-budget final losses ({spread(muon_full)}) and the control's "
+                     f"({spread(control_finals)}) overlap across seeds: no token ratio is claimed")
     report = "\n".join(lines)
     (out_root / "report.md").write_text(report + f"\n\n![validation loss]({png.name})\n")
     print(report)

@@ -161,6 +161,9 @@ class TrainConfig:
     cooldown_frac: float = field(default=0.4, metadata={"help": "wsd: the fraction of max_steps that decays"})
     weight_decay: float = field(default=0.1, metadata={"help": "AdamW decay on 2-D weights only"})
     muon_lr: float = field(default=0.02, metadata={"help": "muon: peak learning rate of the blocks' matrices"})
+    matrix_lr: float = field(default=0.0, metadata={
+        "help": "adamw: peak learning rate of the blocks' matrices (the ones Muon would train; the rest keep --lr), "
+                "on the same schedule (0: --lr): scripts/bench_recipe.py's AdamW control, with Muon's groups"})
     muon_momentum: float = field(default=0.95, metadata={"help": "muon: Nesterov momentum"})
     muon_momentum_warmup_steps: int = field(default=0, metadata={
         "help": "muon: steps over which the momentum rises linearly from --muon-momentum-start to --muon-momentum "
@@ -286,6 +289,9 @@ class TrainConfig:
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise UserError(f"{_flag(name)} must be in [0, 1), got {getattr(self, name)}")
         _at_least(self, 0, "muon_momentum_warmup_steps")
+        _at_least(self, 0, "matrix_lr")
+        if self.matrix_lr and self.optimizer != "adamw":
+            raise UserError("--matrix-lr is AdamW's; Muon's matrices take --muon-lr")
         if self.extend and self.schedule != "wsd":
             raise UserError("--extend needs --schedule wsd: a cosine schedule depends on --max-steps from the end of "
                             "its warm-up, so no later checkpoint agrees with a longer one")

@@ -75,8 +75,9 @@ def muon_matrix_shape(name: str, param: torch.Tensor) -> tuple[int, ...] | None:
 
 class MuonAdamW(torch.optim.Optimizer):
     """Muon for the blocks' matrices, AdamW for every other parameter, in one optimizer (one GradScaler and one
-    checkpoint layout). `lr` is the schedule's device tensor in AdamW units; a Muon group's step size is
-    lr * its `lr_ratio` (muon_lr / lr), so one schedule drives both without a second tensor.
+    checkpoint layout). `lr` is the schedule's device tensor in AdamW units; a group's step size is lr * its
+    `lr_ratio` (muon_lr / lr for Muon's), so one schedule drives all of them without a second tensor. With
+    --matrix-lr the matrices' group is AdamW's too (kind "adam"): the AdamW control with Muon's groups.
 
     `replicate(t)` returns t laid out whole on every device: under fsdp each matrix is sharded over the mesh,
     and the orthogonalisation needs the whole matrix, so its update is gathered, orthogonalised redundantly on
@@ -99,10 +100,11 @@ class MuonAdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
+                group_lr = lr * group["lr_ratio"] if "lr_ratio" in group else lr
                 if group["kind"] == "muon":
-                    self._muon_update(p, group, lr * group["lr_ratio"], wd)
+                    self._muon_update(p, group, group_lr, wd)
                 else:
-                    self._adamw_update(p, lr, wd)
+                    self._adamw_update(p, group_lr, wd)
         return None
 
     def _muon_update(self, p: torch.Tensor, group: dict, lr: torch.Tensor, wd: float) -> None:
@@ -189,15 +191,16 @@ def muon_momentum_at(step: torch.Tensor, cfg: TrainConfig) -> torch.Tensor:
 
 # The settings that decide a step's learning rates and Muon momentum (with the step itself).
 SCHEDULE_FIELDS = ("optimizer", "schedule", "lr", "min_lr_ratio", "warmup_steps", "max_steps", "cooldown_frac",
-                   "muon_lr", "muon_momentum", "muon_momentum_warmup_steps", "muon_momentum_start")
+                   "muon_lr", "matrix_lr", "muon_momentum", "muon_momentum_warmup_steps", "muon_momentum_start")
 
 
 def schedule_table(cfg: TrainConfig, steps: int) -> torch.Tensor:
     """What the optimizer is given at steps 0..steps-1, computed on the CPU as the step computes it: rows of
-    (LR, Muon's LR, Muon's momentum)."""
+    (LR, the matrices' LR, Muon's momentum)."""
     at = torch.arange(steps, dtype=torch.float32)
     lr = lr_at(at, cfg)
-    return torch.stack([lr, lr * (cfg.muon_lr / cfg.lr), muon_momentum_at(at, cfg)], dim=1)
+    matrix_lr = cfg.muon_lr if cfg.optimizer == "muon" else cfg.matrix_lr or cfg.lr
+    return torch.stack([lr, lr * (matrix_lr / cfg.lr), muon_momentum_at(at, cfg)], dim=1)
 
 
 def same_schedule_until(a: TrainConfig, b: TrainConfig, steps: int) -> bool:
@@ -227,15 +230,18 @@ def make_optimizer(named: NamedParams, cfg: TrainConfig, runtime, lr: torch.Tens
     device tensor the trainer moves each step (the warm-up), else the constant cfg.muon_momentum."""
     device = runtime.device
     on_accelerator = device.type != "cpu"
-    if cfg.optimizer == "muon":
+    if cfg.optimizer == "muon" or cfg.matrix_lr:
         shapes = {name: muon_matrix_shape(name, p) for name, p in named}
-        muon = [(n, p) for n, p in named if shapes[n]]
+        matrices = [(n, p) for n, p in named if shapes[n]]
         adam = [(n, p) for n, p in named if not shapes[n]]
+        if cfg.optimizer == "muon":
+            matrix_group = {"kind": "muon", "lr_ratio": cfg.muon_lr / cfg.lr, "weight_decay": cfg.muon_weight_decay,
+                            "momentum": cfg.muon_momentum if momentum is None else momentum,
+                            "shapes": {id(p): shapes[n] for n, p in matrices}}
+        else:  # AdamW with its own LR for the matrices: the same groups and AdamW code as Muon's AdamW part
+            matrix_group = {"kind": "adam", "lr_ratio": cfg.matrix_lr / cfg.lr, "weight_decay": cfg.weight_decay}
         groups = [
-            {"params": [p for _, p in muon], "kind": "muon", "lr_ratio": cfg.muon_lr / cfg.lr,
-             "weight_decay": cfg.muon_weight_decay,
-             "momentum": cfg.muon_momentum if momentum is None else momentum,
-             "shapes": {id(p): shapes[n] for n, p in muon}},
+            {"params": [p for _, p in matrices], **matrix_group},
             {"params": [p for _, p in adam if p.dim() >= 2], "kind": "adam", "weight_decay": cfg.weight_decay},
             {"params": [p for _, p in adam if p.dim() < 2], "kind": "adam", "weight_decay": 0.0},
         ]

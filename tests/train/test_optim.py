@@ -142,6 +142,42 @@ def test_muon_leaves_embeddings_biases_and_gains_to_adamw_as_torch_computes_it()
         assert torch.allclose(mine[name], twin_params[name], atol=1e-6, rtol=1e-5), name
 
 
+def test_adamw_with_a_matrix_lr_is_torchs_adamw_with_muons_groups():
+    """--matrix-lr (the bench's AdamW control): the blocks' matrices at their own LR, everything else at --lr, both
+    following the schedule's tensor; the reference is torch's AdamW with those groups and LRs."""
+    cfg = TrainConfig(preset="tiny", optimizer="adamw", lr=4e-3, matrix_lr=1e-3, weight_decay=0.1)
+    torch.manual_seed(0)
+    model, twin = GPT(cfg.model), GPT(cfg.model)
+    twin.load_state_dict(model.state_dict())
+    named = list(model.named_parameters())
+    lr = torch.tensor(cfg.lr)
+    opt = make_optimizer(named, cfg, Runtime("cpu"), lr)
+    matrices = {n for n, p in named if muon_matrix_shape(n, p)}
+    twin_params = dict(twin.named_parameters())
+    reference = torch.optim.AdamW(
+        [{"params": [twin_params[n] for n in sorted(matrices)], "weight_decay": 0.1, "lr": 1e-3},
+         {"params": [p for n, p in twin_params.items() if n not in matrices and p.dim() >= 2], "weight_decay": 0.1},
+         {"params": [p for n, p in twin_params.items() if n not in matrices and p.dim() < 2], "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    gen = torch.Generator().manual_seed(2)
+    for scale in (1.0, 0.5, 0.25):  # the schedule moves the shared tensor; every group follows it
+        lr.fill_(cfg.lr * scale)
+        for group in reference.param_groups:
+            group["lr"] = (1e-3 if group is reference.param_groups[0] else cfg.lr) * scale
+        for name, p in named:
+            p.grad = torch.randn(p.shape, generator=gen)
+            twin_params[name].grad = p.grad.clone()
+        opt.step()
+        reference.step()
+    mine = dict(named)
+    for name in mine:
+        assert torch.allclose(mine[name], twin_params[name], atol=1e-6, rtol=1e-5), name
+    assert set(optimizer_tensors(opt, named)) == {f"{n}.{k}" for n, _ in named for k in ("exp_avg", "exp_avg_sq",
+                                                                                         "step")}
+    with pytest.raises(UserError, match=r"^--matrix-lr is AdamW's; Muon's matrices take --muon-lr"):
+        TrainConfig(optimizer="muon", matrix_lr=1e-3)
+
+
 def test_wsd_schedule_warms_up_holds_then_decays_to_zero():
     cfg = TrainConfig(schedule="wsd", lr=1e-3, warmup_steps=10, max_steps=100, cooldown_frac=0.4)
     lrs = [float(lr_at(torch.tensor(float(s)), cfg)) for s in range(100)]
@@ -272,6 +308,10 @@ def test_bench_recipe_remaps_to_the_most_frequent_tokens_and_reads_tokens_needed
     assert interpolated and needed == pytest.approx(2_000_000 * 2 ** 0.5)
     assert bench.tokens_to_reach(3.5, finals) == (1_000_000, False)  # the smallest budget already reaches it
     assert bench.tokens_to_reach(1.0, finals) == (None, False)
+    # seeds: the mean curve with its min-max band, and the table's mean ± sd (min-max)
+    seeds = [[(0, 5.0), (10, 4.0)], [(0, 5.2), (10, 3.0)], [(0, 4.8), (10, 3.5)]]
+    assert bench.mean_curve(seeds) == [(0, pytest.approx(5.0), 4.8, 5.2), (10, pytest.approx(3.5), 3.0, 4.0)]
+    assert bench.spread([3.0, 3.5, 4.0]) == "3.5000 ± 0.5000 (3.0000–4.0000)"
 
 
 def test_muon_momentum_warms_up_linearly_then_holds():
