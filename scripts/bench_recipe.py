@@ -3,7 +3,7 @@ the matrices' update rule, a small GPT-2 trained by the project's trainer on a r
 several seeds, validation loss curves side by side (PNG + table), and the tokens Muon needs to reach the control's
 final validation loss, claimed only where the seeds' spreads do not overlap.
 
-    python scripts/bench_recipe.py                # the corpus, then seeds x (1 + len(--muon-fractions)) runs
+    python scripts/bench_recipe.py                # the corpus, then seeds x (controls + Muon budgets) runs
     python scripts/bench_recipe.py --text-dir DIR # any folder of .txt/.rst/.md/.html/.pod files instead
 
 The corpus (about 26M GPT-2 tokens): the English documentation Debian ships in four packages fetched with
@@ -13,10 +13,11 @@ fixed shuffle, so the validation text is unseen; every run sees at most one pass
 
 The two arms differ only in how the blocks' matrices are updated: both train the embeddings (so the tied head),
 biases and gains with the same AdamW at --adamw-lr, both follow the same wsd schedule, and the control's matrices
-take AdamW at --matrix-lr (the project's `--matrix-lr`: the same optimizer groups and AdamW code as Muon's AdamW
-part). Each seed gives both arms the same initialisation and data order (a paired comparison). Muon's schedule
-decays to zero at its end, so Muon also trains at fractions of the budget (each with its own decay), and the
-tokens it needs are read from those runs' final losses, seed by seed.
+take AdamW at each of --matrix-lrs (the project's `--matrix-lr`: the same optimizer groups and AdamW code as
+Muon's AdamW part); the best of those controls is the target. Each seed gives every arm the same initialisation
+and data order (a paired comparison). Muon's schedule decays to zero at its end, so Muon also trains at
+fractions of the budget (each with its own decay), and the tokens it needs are read from those runs' final
+losses, seed by seed.
 """
 
 from __future__ import annotations
@@ -209,7 +210,8 @@ def plot_curves(curves: dict[str, list[list[tuple[int, float]]]], target: float,
                         linestyle="--" if name.startswith("AdamW") else "-")
         ax.fill_between(tokens, [lo for *_, lo, _ in points], [hi for *_, hi in points], alpha=0.2,
                         color=line.get_color())
-    ax.axhline(target, color="gray", linestyle=":", linewidth=1, label=f"the control's final, mean {target:.3f}")
+    ax.axhline(target, color="gray", linestyle=":", linewidth=1,
+               label=f"the best control's final, mean {target:.3f}")
     ax.set(xlabel="training tokens (millions)", ylabel="validation loss", title=title)
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
@@ -243,9 +245,10 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3, help="seeds per setting (each pairs the two arms)")
     parser.add_argument("--adamw-lr", type=float, default=4e-3,
                         help="both arms: AdamW's LR for the embeddings, biases and gains")
-    parser.add_argument("--matrix-lr", type=float, default=1e-3,
-                        help="the control: AdamW's LR for the blocks' matrices (the best uniform LR of the sweep "
-                             "in docs/recipe.md section 4)")
+    parser.add_argument("--matrix-lrs", default="1e-3,2e-3",
+                        help="the control: AdamW's LRs for the blocks' matrices, one control per value; the best "
+                             "(lowest mean final loss) is the target (the best uniform AdamW LRs of the earlier "
+                             "sweep in docs/recipe.md section 4)")
     parser.add_argument("--muon-lr", type=float, default=0.02)
     parser.add_argument("--muon-fractions", default="1,0.5", help="Muon's budgets, as fractions of --tokens")
     parser.add_argument("--evals", type=int, default=4, help="validation evals per full-budget run")
@@ -276,13 +279,15 @@ def main() -> None:
                        checkpoint_every=0, keep_checkpoints=1, keep_stable=False, progress=True, wandb_project="",
                        xla_cache=False, time_budget=1e9, log_every=10, schedule="wsd", lr=args.adamw_lr)
     out_root = Path(args.out_dir)
-    control_name = (f"AdamW + wsd (matrices {args.matrix_lr:g}, the rest {args.adamw_lr:g})")
-    curves: dict[str, list] = {control_name: []}
+    matrix_lrs = [float(lr) for lr in args.matrix_lrs.split(",")]
+    control_names = {lr: f"AdamW + wsd (matrices {lr:g}, the rest {args.adamw_lr:g})" for lr in matrix_lrs}
+    curves: dict[str, list] = {name: [] for name in control_names.values()}
     muon_finals: list[list[tuple[int, float]]] = []
     for index in range(args.seeds):
         seed = base.seed + index
-        control = replace(base, seed=seed, max_steps=steps, matrix_lr=args.matrix_lr)
-        curves[control_name].append(run(f"control-seed{seed}", control, out_root))
+        for lr, name in control_names.items():
+            control = replace(base, seed=seed, max_steps=steps, matrix_lr=lr)
+            curves[name].append(run(f"control-{lr:g}-seed{seed}", control, out_root))
         finals = []
         for fraction in [float(f) for f in args.muon_fractions.split(",")]:
             # A shorter run ends on an eval (every eval_every steps): its final loss is its end's.
@@ -292,6 +297,7 @@ def main() -> None:
             curves.setdefault(f"Muon + wsd (lr {args.muon_lr:g}), {muon_steps / steps:.2f}x budget", []).append(curve)
             finals.append((curve[-1][0], curve[-1][1]))
         muon_finals.append(finals)
+    control_name = min(control_names.values(), key=lambda name: sum(c[-1][1] for c in curves[name]))
     control_finals = [curve[-1][1] for curve in curves[control_name]]
     target_tokens = curves[control_name][0][-1][0]
     muon_full = [sorted(finals)[-1][1] for finals in muon_finals]  # each seed's full-budget run
@@ -309,12 +315,13 @@ def main() -> None:
         known = [r for r, _ in ratios if r]
         bound = "" if all(i for _, i in ratios) else (" (where a seed's smallest budget already reached it, that "
                                                       "budget counts: a lower bound)")
-        lines.append(f"Muon + wsd reaches the control's final val loss in {target_tokens / max(known):,.0f} to "
+        lines.append(f"Muon + wsd reaches the best control's ({control_name}) final val loss in "
+                     f"{target_tokens / max(known):,.0f} to "
                      f"{target_tokens / min(known):,.0f} tokens against the control's {target_tokens:,}: "
                      f"{min(known):.2f}x to {max(known):.2f}x fewer (mean {sum(known) / len(known):.2f}x; per seed "
                      + ", ".join(f"{r:.2f}x" if r else "not reached" for r, _ in ratios) + f"){bound}")
     else:
-        lines.append(f"Muon's full-budget final losses ({spread(muon_full)}) and the control's "
+        lines.append(f"Muon's full-budget final losses ({spread(muon_full)}) and the best control's "
                      f"({spread(control_finals)}) overlap across seeds: no token ratio is claimed")
     report = "\n".join(lines)
     (out_root / "report.md").write_text(report + f"\n\n![validation loss]({png.name})\n")
