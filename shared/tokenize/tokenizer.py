@@ -44,7 +44,7 @@ def fetch_gpt2_ranks(dest: Path = DEFAULT_RANKS_PATH) -> Path:
     if hashlib.sha256(data).hexdigest() != RANKS_SHA256:
         raise UserError(f"{WHISPER_SDIST}: gpt2.tiktoken has an unexpected sha256")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dest = dest.with_suffix(".tmp")
+    tmp_dest = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")  # processes fetching at once each write their own
     tmp_dest.write_bytes(data)
     os.replace(tmp_dest, dest)
     return dest
