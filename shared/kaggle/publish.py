@@ -1,7 +1,7 @@
 """Inside a Kaggle session: publish the session's newest checkpoint as a new version of the checkpoint dataset.
 
 A checkpoint dataset holds one checkpoint's files flat (model.safetensors, optimizer.safetensors, state.json,
-metrics.jsonl, manifest.json; a subfolder's files as `<folder>__<file>`): Kaggle datasets are flat lists of
+metrics.jsonl, checkpoint.json; a subfolder's files as `<folder>__<file>`): Kaggle datasets are flat lists of
 files, and only the newest checkpoint is uploaded, so a version stays one checkpoint big. Staging such a dataset
 for resuming is the bootstrap's (shared/kaggle/bootstrap.py), which also decides what a train session publishes
 (`PublishPlan`).

@@ -44,7 +44,7 @@ def format_bytes(n: float) -> str:
 
 
 def read_manifest(path: Path, others: str = "refuse") -> dict | None:
-    """A token part's manifest. A readable manifest.json of another kind (a checkpoint's has the same name) is an
+    """A token part's manifest. A readable manifest.json of another kind (another dataset's, in the input tree) is an
     error, or None with `others="skip"` (searching a tree of inputs); an unreadable one is always an error."""
     try:
         m = json.loads(path.read_text())

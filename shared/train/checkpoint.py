@@ -7,7 +7,8 @@
         state.json              step, data-loader position, RNG states, config, versions, timings
         metrics.jsonl           the run's metric history up to this step (so any copy of it can be resumed
                                 and reported from, e.g. a Kaggle dataset)
-        manifest.json           sha256 and size of every file above; written last
+        checkpoint.json         its manifest: the step, sha256 and size of every file above; written last
+                                (not manifest.json, a token part's manifest, so a tree holding both reads clearly)
 
 A checkpoint is built in a hidden temporary directory, every file fsynced, then renamed into place, so a
 kill at any moment leaves either the previous checkpoint or the new one whole. A checkpoint that fails its

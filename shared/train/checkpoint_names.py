@@ -4,7 +4,7 @@ them without importing torch (the layout itself is described in shared/train/che
 from __future__ import annotations
 
 MODEL_FILE, OPTIMIZER_FILE, STATE_FILE, METRICS_FILE, MANIFEST_FILE = (
-    "model.safetensors", "optimizer.safetensors", "state.json", "metrics.jsonl", "manifest.json")
+    "model.safetensors", "optimizer.safetensors", "state.json", "metrics.jsonl", "checkpoint.json")
 CHECKPOINT_PREFIX = "step_"
 
 

@@ -373,7 +373,7 @@ def test_bad_input_gives_one_line_errors_and_loses_nothing(local_kaggle, tmp_pat
 
     # A checkpoint dataset already at total_steps: nothing to do, and its versions stay as they were.
     manifest = json.dumps({"format": 1, "step": 40, "files": {}})
-    upload(lk, tmp_path, "alice/done-run-checkpoints", {"manifest.json": manifest, "model.safetensors": b"m"})
+    upload(lk, tmp_path, "alice/done-run-checkpoints", {"checkpoint.json": manifest, "model.safetensors": b"m"})
     proc = run_chain(lk, write_config(tmp_path / "d.json", **base, name="done-run", total_steps=40), tmp_path / "w4")
     assert proc.returncode == 2 and error_lines(proc.stderr) == [
         "error: nothing to train: checkpoint dataset alice/done-run-checkpoints already holds step 40 of "
@@ -464,7 +464,7 @@ def test_quota_fields_left_out_mean_zero_and_a_zipped_manifest_is_read(tmp_path)
 
     dest = tmp_path / "probe"
     dest.mkdir()
-    with zipfile.ZipFile(dest / "manifest.json.zip", "w") as z:
-        z.writestr("manifest.json", json.dumps({"step": 7}))
-    normalize_single_download(dest, "manifest.json")
-    assert json.loads((dest / "manifest.json").read_text()) == {"step": 7}
+    with zipfile.ZipFile(dest / "checkpoint.json.zip", "w") as z:
+        z.writestr("checkpoint.json", json.dumps({"step": 7}))
+    normalize_single_download(dest, "checkpoint.json")
+    assert json.loads((dest / "checkpoint.json").read_text()) == {"step": 7}

@@ -69,8 +69,8 @@ def probe(lk, tmp_path: Path, body: str, wait_s: float = 30.0, **config) -> tupl
 
 def test_a_stale_dataset_status_after_a_publish_is_waited_out_and_the_new_version_is_read(local_kaggle, tmp_path):
     lk = local_kaggle
-    add_version(lk, tmp_path, CKPT, {"manifest.json": manifest(10)})
-    add_version(lk, tmp_path, CKPT, {"manifest.json": manifest(20)})
+    add_version(lk, tmp_path, CKPT, {"checkpoint.json": manifest(10)})
+    add_version(lk, tmp_path, CKPT, {"checkpoint.json": manifest(20)})
     # Four calls that name no version still describe version 1: what the chain read after a publish until now.
     lk.app.inject("stale_dataset_status", dataset=CKPT, count=4)
     out, _ = probe(lk, tmp_path, """
@@ -90,7 +90,7 @@ folder = Path("train/checkpoints/step_000040")
 folder.mkdir(parents=True)
 (folder / "model.safetensors").write_bytes(b"weights" * 10)
 files = {"model.safetensors": {"bytes": 70, "sha256": hashlib.sha256(b"weights" * 10).hexdigest()}}
-(folder / "manifest.json").write_text(json.dumps({"format": 1, "step": 40, "files": files}))
+(folder / "checkpoint.json").write_text(json.dumps({"format": 1, "step": 40, "files": files}))
 Path("publish.json").write_text(json.dumps({"dataset": %r, "step": 40, "published": True}))
 """
 
@@ -137,8 +137,8 @@ def test_versions_beyond_keep_dataset_versions_are_deleted(local_kaggle, tmp_pat
         for step in (10, 20, 30, 40):
             before = dataset_head(ctx, CKPT)[0]
             delete = delete_old_on_publish(ctx, before)
-            (ctx.workdir / "manifest.json").write_text(json.dumps({"format": 1, "step": step, "files": {}}))
-            folder = write_dataset_folder(ctx.workdir / "up", CKPT, "run", [ctx.workdir / "manifest.json"])
+            (ctx.workdir / "checkpoint.json").write_text(json.dumps({"format": 1, "step": step, "files": {}}))
+            folder = write_dataset_folder(ctx.workdir / "up", CKPT, "run", [ctx.workdir / "checkpoint.json"])
             push_dataset_folder(client.api, folder, CKPT, f"checkpoint at step {step}", delete)
             version = wait_published(ctx, CKPT, before, f"publish of step {step}")
             check_version_step(ctx, CKPT, version, step)
@@ -197,7 +197,7 @@ def resume_kernel(lk, folder: Path, expect_step: int, expect_version: int) -> st
 def test_a_session_mounting_an_older_version_fetches_the_expected_one_or_stops_in_one_line(local_kaggle, tmp_path):
     lk = local_kaggle
     for step in (10, 20):
-        add_version(lk, tmp_path, CKPT, {"manifest.json": manifest(step), "model.safetensors": f"weights {step}"})
+        add_version(lk, tmp_path, CKPT, {"checkpoint.json": manifest(step), "model.safetensors": f"weights {step}"})
     lk.app.inject("stale_mount", dataset=CKPT, count=2)  # both sessions below mount version 1 (step 10)
     log = resume_kernel(lk, tmp_path / "k", expect_step=20, expect_version=2)
     mount = lk.root / "kernels" / "alice" / "unit-run-train" / "2" / "kaggle" / "input" / "unit-run-checkpoints"

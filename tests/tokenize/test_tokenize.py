@@ -293,15 +293,15 @@ def test_a_pool_that_will_not_terminate_is_killed_after_the_wait():
     assert good.calls == ["terminate", "join"] and len(lines) == 1
 
 
-def test_the_previous_part_is_found_among_inputs_that_hold_a_checkpoint_manifest_too(tmp_path):
-    """On Kaggle --prev-dir may be the whole input tree; a checkpoint dataset's manifest.json there is passed over,
+def test_the_previous_part_is_found_among_inputs_that_hold_another_kind_of_manifest_too(tmp_path):
+    """On Kaggle --prev-dir may be the whole input tree; another dataset's manifest.json there is passed over,
     while an unreadable manifest.json is still an error naming it."""
     from shared.errors import UserError
     from shared.tokenize.manifest import MANIFEST_FORMAT, find_prev_manifest
 
     part0 = {"format": MANIFEST_FORMAT, "part": 0, "complete": True, "stop_reason": "token_budget"}
-    (tmp_path / "run-checkpoints").mkdir()
-    (tmp_path / "run-checkpoints" / MANIFEST).write_text(json.dumps({"format": 1, "step": 40, "files": {}}))
+    (tmp_path / "other-dataset").mkdir()
+    (tmp_path / "other-dataset" / MANIFEST).write_text(json.dumps({"format": 1, "step": 40, "files": {}}))
     (tmp_path / "tokens-part-0").mkdir()
     (tmp_path / "tokens-part-0" / MANIFEST).write_text(json.dumps(part0))
     assert find_prev_manifest(str(tmp_path), 1) == part0

@@ -42,7 +42,7 @@ def test_round_trip_with_manifest_and_metrics(tmp_path):
     metrics.write_text('{"step": 1, "loss": 3.5}\n')
     path = _save(tmp_path / "ck", 7, metrics=metrics)
     assert path.name == "step_000007"
-    manifest = json.loads((path / "manifest.json").read_text())
+    manifest = json.loads((path / "checkpoint.json").read_text())
     assert set(manifest["files"]) == {"model.safetensors", "optimizer.safetensors", "state.json", "metrics.jsonl"}
     loaded = load_checkpoint(path)
     model, opt = _tensors(7)
@@ -76,7 +76,7 @@ def test_partial_checkpoint_is_invisible_and_all_corrupt_is_an_error(tmp_path):
     path = _save(tmp_path, 5)
     (tmp_path / ".tmp-step_000006-123").mkdir()  # a save killed half-way
     assert latest_checkpoint(tmp_path).step == 5
-    (path / "manifest.json").unlink()
+    (path / "checkpoint.json").unlink()
     with pytest.raises(UserError, match="no checkpoint verifies"):
         latest_checkpoint(tmp_path, log=lambda _: None)
     assert latest_checkpoint(tmp_path / "nothing-here") is None
@@ -185,10 +185,10 @@ def _model_checkpoint(root, cfg=_SHAPE, saved_config=None):
                            {"config": {"model": cfg.to_dict()}})
     if saved_config is not None:
         (path / "state.json").write_text(json.dumps({"step": 1, "config": {"model": saved_config.to_dict()}}))
-        manifest = json.loads((path / "manifest.json").read_text())
+        manifest = json.loads((path / "checkpoint.json").read_text())
         manifest["files"]["state.json"] = {"sha256": sha256_file(path / "state.json"),
                                            "bytes": (path / "state.json").stat().st_size}
-        (path / "manifest.json").write_text(json.dumps(manifest))
+        (path / "checkpoint.json").write_text(json.dumps(manifest))
     return path
 
 
