@@ -61,12 +61,12 @@ def _find_checkpoint(cfg: EvalConfig, log):
 
 def _hellaswag_file(cfg: EvalConfig, out: Path, log) -> Path | None:
     from shared.errors import UserError
-    from shared.eval.hellaswag import download
+    from shared.hellaswag import download
 
     if cfg.hellaswag == "off":
         return None
     if cfg.hellaswag == "demo":  # offline: a HellaSwag-format set made from the demo corpus
-        from shared.eval.hellaswag import demo_examples, write_jsonl
+        from shared.hellaswag import demo_examples, write_jsonl
 
         return write_jsonl(out / "hellaswag_demo.jsonl", demo_examples(cfg.hellaswag_examples or 200))
     if cfg.hellaswag in ("auto", "download"):
@@ -205,7 +205,7 @@ def run_eval(cfg: EvalConfig, runtime=None, log=print) -> dict:
 
     # --- HellaSwag --------------------------------------------------------------------------------------------
     def hellaswag() -> None:
-        from shared.eval.hellaswag import evaluate
+        from shared.hellaswag import evaluate
 
         path = _hellaswag_file(cfg, out, log)
         if path is None:
@@ -221,7 +221,7 @@ def run_eval(cfg: EvalConfig, runtime=None, log=print) -> dict:
 
     # --- samples ----------------------------------------------------------------------------------------------
     def sample() -> None:
-        from shared.eval.sampling import sample_text
+        from shared.sampling import sample_text
 
         prompts = [p for p in cfg.prompts.split("|") if p.strip()]
         if not prompts:

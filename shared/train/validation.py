@@ -52,7 +52,7 @@ def _warn_once(log):
 def _training_hellaswag(path: str, examples: int, block_size: int, log):
     """The encoded HellaSwag subset for in-training evals, read once per process; None if it cannot be."""
     from shared.errors import UserError
-    from shared.eval.hellaswag import encode, read_jsonl, truncation_warning
+    from shared.hellaswag import encode, read_jsonl, truncation_warning
 
     key = (path, examples, block_size)
     if key not in _hellaswag_cache:
@@ -84,7 +84,7 @@ def periodic_eval(model, runtime, cfg, step: int, tokens: int, val_loader: Token
     if getattr(cfg, "hellaswag_file", ""):
         data = _training_hellaswag(cfg.hellaswag_file, cfg.hellaswag_examples, block_size, log)
         if data is not None:
-            from shared.eval.hellaswag import score
+            from shared.hellaswag import score
 
             # About one training micro-batch of tokens per forward pass: the memory training already needs.
             rows = max(1, cfg.micro_batch * block_size // data.length)
@@ -92,7 +92,7 @@ def periodic_eval(model, runtime, cfg, step: int, tokens: int, val_loader: Token
             results.update(result.to_record())
             logger.write({"step": step, "tokens": tokens, **result.to_record()})
     if getattr(cfg, "sample_prompt", ""):
-        from shared.eval.sampling import sample_text
+        from shared.sampling import sample_text
 
         (sample,) = sample_text(model, runtime, [cfg.sample_prompt], getattr(cfg, "sample_tokens", 32),
                                 seed=cfg.seed, bf16=cfg.bf16, warn=_warn_once(log))

@@ -15,7 +15,7 @@ from helpers import error_lines, run_script
 from shared.config import ModelConfig, TrainConfig
 from shared.data import TokenLoader, find_shards
 from shared.eval.hf import export_hf
-from shared.eval.sampling import generate_tokens, sample_text
+from shared.sampling import generate_tokens, sample_text
 from shared.train.checkpoint import list_checkpoints, load_checkpoint
 from shared.train.device import Runtime, make_runtime
 from shared.train.metrics import read_metrics
@@ -130,7 +130,7 @@ def test_prompt_longer_than_the_context_is_a_warning(gpt2_ranks):
 
 @pytest.fixture(scope="module")
 def hellaswag_file(gpt2_ranks, tmp_path_factory) -> Path:
-    from shared.eval.hellaswag import demo_examples, write_jsonl
+    from shared.hellaswag import demo_examples, write_jsonl
 
     return write_jsonl(tmp_path_factory.mktemp("hs") / "hellaswag_demo.jsonl", demo_examples(24, max_chars=300_000))
 

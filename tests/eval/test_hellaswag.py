@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
+from shared import hellaswag as hs
 from shared.config import ModelConfig
-from shared.eval import hellaswag as hs
 from shared.eval.hf import export_hf
 from shared.train.device import Runtime, make_runtime
 from shared.train.model import GPT

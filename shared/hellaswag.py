@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from shared.errors import UserError
-from shared.eval.sampling import replicated
+from shared.sampling import replicated
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 HUB_DATASET = "Rowan/hellaswag"

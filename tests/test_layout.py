@@ -1,0 +1,60 @@
+"""The package's import graph: shared/ reads as the pipeline, so no stage imports a later one."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SHARED = Path(__file__).resolve().parents[1] / "shared"
+STAGES = ("tokenize", "train", "eval")  # pipeline order; shared/kaggle is the session's platform, beside them
+
+
+def shared_imports(path: Path) -> set[str]:
+    """Every `shared.X...` module a file imports, at module level or inside functions."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "shared":  # from shared import hellaswag
+                found.update(f"shared.{a.name}" for a in node.names)
+            elif node.module.startswith("shared."):
+                found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("shared."))
+    return found
+
+
+def stage_of(module: str) -> int | None:
+    """The pipeline position of `shared.<stage>...`; None for the common modules and shared.kaggle."""
+    parts = module.split(".")
+    return STAGES.index(parts[1]) if len(parts) > 1 and parts[1] in STAGES else None
+
+
+def backward_imports(root: Path) -> list[str]:
+    arrows = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root.parent).with_suffix("")
+        here = stage_of(".".join(rel.parts))
+        # A common module (shared/*.py) sits before every stage but the first: it may use tokenize's tokenizer.
+        limit = here if here is not None else (0 if path.parent == root else None)
+        for module in shared_imports(path):
+            there = stage_of(module)
+            if limit is not None and there is not None and there > limit:
+                arrows.append(f"{rel} -> {module}")
+    return arrows
+
+
+def test_no_stage_imports_a_later_one():
+    assert backward_imports(SHARED) == []
+
+
+def test_a_backward_import_is_reported_even_inside_a_function(tmp_path):
+    root = tmp_path / "shared"
+    (root / "train").mkdir(parents=True)
+    (root / "tokenize").mkdir()
+    (root / "train" / "loop.py").write_text("def f():\n    from shared.eval.report import write\n")
+    (root / "tokenize" / "part.py").write_text("import shared.train.model\nfrom shared.config import X\n")
+    (root / "common.py").write_text("from shared.tokenize.tokenizer import gpt2_encoding\nfrom shared import eval\n")
+    (root / "train" / "ok.py").write_text("from shared.tokenize import manifest\nfrom shared.kaggle.env import x\n")
+    assert sorted(backward_imports(root)) == ["shared/common -> shared.eval",
+                                              "shared/tokenize/part -> shared.train.model",
+                                              "shared/train/loop -> shared.eval.report"]
