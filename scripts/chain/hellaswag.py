@@ -30,7 +30,7 @@ def check_hellaswag_source(source: str, where: str) -> None:
 
 
 def _write_file(source: str, path: Path, log) -> Path:
-    from shared.eval.hellaswag import demo_examples, download, write_jsonl
+    from shared.hellaswag import demo_examples, download, write_jsonl
 
     if source == "download":
         return download(path, log)
