@@ -245,12 +245,12 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3, help="seeds per setting (each pairs the two arms)")
     parser.add_argument("--adamw-lr", type=float, default=4e-3,
                         help="both arms: AdamW's LR for the embeddings, biases and gains")
-    parser.add_argument("--matrix-lrs", default="1e-3,2e-3",
+    parser.add_argument("--matrix-lrs", default="2.5e-4,5e-4,1e-3,2e-3",
                         help="the control: AdamW's LRs for the blocks' matrices, one control per value; the best "
-                             "(lowest mean final loss) is the target (the best uniform AdamW LRs of the earlier "
-                             "sweep in docs/recipe.md section 4)")
+                             "(lowest mean final loss) is the target (around the best uniform AdamW LR of the earlier "
+                             "sweep in docs/recipe.md section 4, so the best lies inside the sweep)")
     parser.add_argument("--muon-lr", type=float, default=0.02)
-    parser.add_argument("--muon-fractions", default="1,0.5", help="Muon's budgets, as fractions of --tokens")
+    parser.add_argument("--muon-fractions", default="1,0.5,0.25", help="Muon's budgets, as fractions of --tokens")
     parser.add_argument("--evals", type=int, default=4, help="validation evals per full-budget run")
     parser.add_argument("--eval-batches", type=int, default=20, help="micro-batches per validation eval")
     args = parser.parse_args()
