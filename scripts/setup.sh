@@ -8,24 +8,32 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-PIP_FLAGS=(--quiet --disable-pip-version-check --no-cache-dir)
-# pip unpacks its downloads (torch's CUDA build is about 3.5 GB of wheels) in TMPDIR: keep them on the disk the
-# virtualenvs go to, not in a /tmp that may be a small tmpfs; removed when setup ends. Each virtualenv is about
-# 8 GB (torch's CUDA build with its nvidia wheels): say so up front where the disk is short.
+UV_VERSION=0.13.9
+# uv installs each wheel once into its cache and hard-links it into every virtualenv: torch's CUDA build with its
+# nvidia wheels (about 7 GB unpacked; all but one nvidia wheel the same version for torch 2.8.0 and 2.9.0) then
+# takes its disk once, not once per virtualenv (three with --kaggle-image: about 11 GB in all instead of 23). The
+# cache sits under build/, on the virtualenvs' disk, as hard links need (elsewhere uv copies, and /tmp may be a
+# small tmpfs).
+export UV_CACHE_DIR="$PWD/build/uv-cache" UV_LINK_MODE=hardlink UV_NO_PROGRESS=1
 export TMPDIR="$PWD/build/setup-tmp"
 mkdir -p "$TMPDIR"
 trap 'rm -rf "$TMPDIR"' EXIT
-NEED_GB=$([ "${1:-}" = "--kaggle-image" ] && echo 28 || echo 12)
+NEED_GB=$([ "${1:-}" = "--kaggle-image" ] && echo 12 || echo 9)
 FREE_GB=$(df -Pk . | awk 'NR == 2 {print int($4 / 1048576)}')
 echo "setup: ${FREE_GB} GB free on the disk of $PWD; it needs about ${NEED_GB} GB"
 if [ "$FREE_GB" -lt "$NEED_GB" ]; then
-  echo "warning: about ${NEED_GB} GB are needed and ${FREE_GB} GB are free: pip may stop with 'No space left on device'" >&2
+  echo "warning: about ${NEED_GB} GB are needed and ${FREE_GB} GB are free: installs may stop with 'No space left on device'" >&2
 fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-.venv/bin/python -m pip install "${PIP_FLAGS[@]}" -e '.[test]'
-# torch_xla's wheel carries its own torchax/ (an older one that imports flax) and overwrites PyPI's when pip
-# installs it after torchax; torch_xla's scan over layers imports torchax: put PyPI's back on top.
-.venv/bin/python -m pip install "${PIP_FLAGS[@]}" --force-reinstall --no-deps "$(.venv/bin/python -c \
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-cache-dir "uv==$UV_VERSION"
+install() {  # install VENV PACKAGE...: into that virtualenv (made with venv, so it keeps its own pip)
+  local venv=$1; shift
+  .venv/bin/uv pip install --quiet --python "$venv/bin/python" "$@"
+}
+install .venv -e '.[test]'
+# torch_xla's wheel carries its own torchax/ (an older one that imports flax), which may land over PyPI's;
+# torch_xla's scan over layers imports torchax: put PyPI's back on top.
+install .venv --reinstall-package torchax --no-deps "$(.venv/bin/python -c \
   "import importlib.metadata as m; print('torchax==' + m.version('torchax'))")"
 .venv/bin/python -c "from shared.tokenize.tokenizer import fetch_gpt2_ranks; print('GPT-2 ranks:', fetch_gpt2_ranks())"
 if [ "${1:-}" = "--kaggle-image" ]; then
@@ -36,13 +44,13 @@ if [ "${1:-}" = "--kaggle-image" ]; then
   [ -x .venv-kaggle-tpu/bin/python ] || "$PYTHON" -m venv .venv-kaggle-tpu
   # (tunix caps safetensors below 0.8, and transformers 5 needs 0.8: transformers 4 resolves quickly. jax is
   # left out: the kernels import it only on a TPU, for the Pallas kernel.)
-  .venv-kaggle-tpu/bin/python -m pip install "${PIP_FLAGS[@]}" torch==2.8.0 torch_xla==2.8.0 numpy \
+  install .venv-kaggle-tpu torch==2.8.0 torch_xla==2.8.0 numpy \
     'safetensors<0.8' tqdm matplotlib kagglehub 'transformers<5' datasets pandas pyarrow
   # CPU image (Colab's CPU runtime + kaggle_requirements.txt): kaggle, kagglehub, datasets, transformers, pandas,
-  # pyarrow, matplotlib, and torch from Colab's base (its version is not verified: the project's own, from pip's
-  # cache); no tiktoken or wandb.
+  # pyarrow, matplotlib, and torch from Colab's base (its version is not verified: the project's own, hard-linked
+  # from uv's cache); no tiktoken or wandb.
   [ -x .venv-kaggle-cpu/bin/python ] || "$PYTHON" -m venv .venv-kaggle-cpu
-  .venv-kaggle-cpu/bin/python -m pip install "${PIP_FLAGS[@]}" torch==2.9.0 numpy safetensors tqdm matplotlib \
+  install .venv-kaggle-cpu torch==2.9.0 numpy safetensors tqdm matplotlib \
     'kaggle>=1.8.3' six kagglehub transformers datasets pandas pyarrow
   for image in tpu cpu; do
     .venv-kaggle-$image/bin/python - "$image" <<'PY'
