@@ -19,6 +19,7 @@ from scripts.chain.state import State
 from scripts.chain.tokenize_stage import TokenizeStage
 from scripts.chain.train_stage import TrainStage
 from shared.errors import UserError
+from shared.train.checkpoint_names import checkpoint_name
 
 
 class Chain:
@@ -55,11 +56,31 @@ class Chain:
                 raise UserError(f"kernel {ref} does not exist (or is not visible to {client.user}); check "
                                 "token_kernels")
 
+    def reopen(self) -> None:
+        """A finished chain run again with a higher total_steps trains on (train.extend: from where the stable
+        phase ended) and evaluates the new final checkpoint; its earlier eval is kept as eval-step_NNNNNN/."""
+        cfg, data = self.cfg, self.state.data
+        final = int(data.get("final_step") or 0)
+        if cfg.total_steps <= max(final, int(data.get("total_steps") or 0)):
+            raise UserError(f"this chain is already finished (step {final} of total_steps {cfg.total_steps}; results "
+                            f"in {self.workdir}); raise total_steps to train further")
+        earlier = data.pop("eval", None)
+        if earlier:
+            kept = self.workdir / f"eval-{checkpoint_name(final)}"
+            if Path(earlier.get("dir", "")).is_dir() and not kept.exists():
+                Path(earlier["dir"]).rename(kept)
+                earlier["dir"] = str(kept)
+            data.setdefault("earlier_evals", []).append({**earlier, "step": final})
+        self.state.pushes.pop("eval", None)  # the new final checkpoint gets an eval session of its own
+        data["done"] = False
+        self.state.save()
+        self.ctx.log(f"chain {cfg.name} finished at step {final}; training on to total_steps {cfg.total_steps}"
+                     + (" (train.extend: from where the stable phase ended)" if cfg.train.get("extend") else ""))
+
     def run(self) -> dict:
         cfg, data, log = self.cfg, self.state.data, self.ctx.log
         if data.get("done"):
-            raise UserError(f"this chain is already finished (step {data.get('final_step')} of total_steps "
-                            f"{cfg.total_steps}; results in {self.workdir}); raise total_steps to train further")
+            self.reopen()
         self.connect()
         log(f"chain {cfg.name}: {cfg.total_steps} steps on {cfg.accelerator or 'CPU'} as {self.client.user}; "
             f"state {self.state.path}")
@@ -74,7 +95,8 @@ class Chain:
         self.train.run()
         self.eval.run()
         ckpt_ref = self.ctx.ref(cfg.slug("checkpoints"))
-        data.update(done=True, final_step=dataset_head(self.ctx, ckpt_ref)[1])  # read from its newest version
+        # The step read from the dataset's newest version; total_steps kept: only a higher one trains on.
+        data.update(done=True, final_step=dataset_head(self.ctx, ckpt_ref)[1], total_steps=cfg.total_steps)
         self.state.save()
         log(f"done: step {data['final_step']} of {cfg.total_steps} in {len(data['train_sessions'])} train sessions.")
         log(f"results: {self.workdir}  (metrics.jsonl, loss.png, sessions/ with each session's log, eval/)")

@@ -16,29 +16,64 @@ from shared.kaggle.publish import (
     MANIFEST,
     PLACEHOLDER_FILE,
     checkpoint_step,
+    encode_name,
     publish_checkpoint,
     push_dataset_folder,
+    stable_checkpoint,
     write_dataset_folder,
 )
-from shared.train.checkpoint_names import checkpoint_name
+from shared.train.checkpoint_names import CHECKPOINT_PREFIX, STABLE_DIR, checkpoint_name
 
 
 def dataset_step(ctx: StageContext, ref: str, version: int = 0) -> int:
     """The step of the checkpoint that version `version` of the dataset holds (0: none), read from exactly that
     version; without one, from whatever Kaggle serves as the newest (right after a publish, maybe the previous)."""
     dest = ctx.workdir / "dataset-probe"
-    shutil.rmtree(dest, ignore_errors=True)
-    dest.mkdir(parents=True)
+    if not download_dataset_file(ctx, ref, version, MANIFEST, dest / MANIFEST):
+        return 0
+    return checkpoint_step(dest) or 0
+
+
+def download_dataset_file(ctx: StageContext, ref: str, version: int, name: str, dest_file: Path) -> bool:
+    """File `name` of version `version` of the dataset (0: whatever Kaggle serves as the newest) saved as
+    `dest_file`; False where the version has no such file."""
+    tmp = dest_file.parent / ".download"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
     target = f"{ref}/{version}" if version else ref  # owner/slug/N: kaggle sends datasetVersionNumber N
     try:
-        ctx.client.call(f"dataset {target}", ctx.client.api.dataset_download_file, target, MANIFEST, str(dest),
+        ctx.client.call(f"dataset {target}", ctx.client.api.dataset_download_file, target, name, str(tmp),
                         force=True, quiet=True)
     except ApiFailure as err:
         if err.status == 404:
-            return 0
+            return False
         raise
-    normalize_single_download(dest, MANIFEST)
-    return checkpoint_step(dest) or 0
+    normalize_single_download(tmp, name)
+    dest_file.unlink(missing_ok=True)
+    (tmp / name).rename(dest_file)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return True
+
+
+def carried_stable(ctx: StageContext, ref: str, version: int, dest: Path) -> Path | None:
+    """The stable-phase checkpoint that version `version` of the dataset carries (`stable__<file>`), downloaded
+    into `dest/step_NNNNNN/`; None where it carries none."""
+    prefix = encode_name(f"{STABLE_DIR}/")
+    shutil.rmtree(dest, ignore_errors=True)
+    manifest = dest / MANIFEST
+    if not version or not download_dataset_file(ctx, ref, version, prefix + MANIFEST, manifest):
+        return None
+    step = checkpoint_step(dest)
+    if step is None:
+        return None
+    folder = dest / checkpoint_name(step)
+    for name in json.loads(manifest.read_text()).get("files", {}):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        if not download_dataset_file(ctx, ref, version, prefix + encode_name(name), folder / name):
+            return None
+    folder.mkdir(parents=True, exist_ok=True)
+    manifest.rename(folder / MANIFEST)
+    return folder if _verify_files(folder) else None
 
 
 def dataset_head(ctx: StageContext, ref: str) -> tuple[int, int]:
@@ -108,11 +143,13 @@ def publish_from_output(ctx: StageContext, ref: str, version: int, ckpt_ref: str
                         before: int, delete_old: bool = False) -> int:
     """Publish checkpoint `out_step` from the output of version `version` of `ref` to `ckpt_ref` (the session
     saved it but did not publish it, or its publish never appeared), as the version after `before`: its number
-    once it verifies, or 0, with a warning, when the output holds no complete copy of it."""
+    once it verifies, or 0, with a warning, when the output holds no complete copy of it. The stable-phase
+    checkpoint goes with it: the session's own from its output, else the one version `before` carries."""
     name = checkpoint_name(out_step)
     fallback = ctx.workdir / "fallback"
-    shutil.rmtree(fallback / name, ignore_errors=True)
-    got = ctx.client.download_output(ref, fallback, pattern=rf"^train/checkpoints/{name}/", version=version)
+    shutil.rmtree(fallback, ignore_errors=True)
+    got = ctx.client.download_output(
+        ref, fallback, pattern=rf"^train/checkpoints/({name}|{STABLE_DIR}/{CHECKPOINT_PREFIX}\d+)/", version=version)
     src = fallback / "train" / "checkpoints" / name
     if not [f for f in got if not f.endswith(".log")]:
         ctx.log(f"  warning: the session's output holds no checkpoint {name} (large models keep theirs in "
@@ -121,10 +158,16 @@ def publish_from_output(ctx: StageContext, ref: str, version: int, ckpt_ref: str
     if checkpoint_step(src) != out_step or not _verify_files(src):
         ctx.log(f"  warning: the output's checkpoint {name} is incomplete; not published")
         return 0
-    ctx.log(f"  publishing step {out_step} from the kernel output ({reason})")
+    stable = stable_checkpoint(fallback / "train" / "checkpoints")
+    if stable is not None and not _verify_files(stable):
+        ctx.log(f"  warning: the output's stable-phase checkpoint {stable.name} is incomplete; left out")
+        stable = None
+    stable = stable or carried_stable(ctx, ckpt_ref, before, fallback / "carried")
+    also = f" with the stable phase's {stable.name}" if stable is not None else ""
+    ctx.log(f"  publishing step {out_step}{also} from the kernel output ({reason})")
     ctx.client.call(f"publish to {ckpt_ref}", publish_checkpoint, ctx.client.api, src, ckpt_ref, ctx.workdir,
                     f"{ctx.cfg.name} checkpoints", f"checkpoint at step {out_step} (published by the chain)",
-                    delete_old_versions=delete_old)
+                    delete_old_versions=delete_old, stable=stable)
     new = wait_published(ctx, ckpt_ref, before, f"the chain's publish of step {out_step} to {ckpt_ref}")
     check_version_step(ctx, ckpt_ref, new, out_step)
     return new

@@ -156,13 +156,14 @@ def config_from_dict(raw: dict, where: str = "config") -> ChainConfig:
     for key in ("data_dir", "out_dir", "resume_from", "max_steps", "time_budget", "wandb_run_id"):
         if key in cfg.train:
             raise UserError(f"{where}: train.{key} is set by the chain; remove it")
-    if cfg.train.get("extend"):
-        raise UserError(f"{where}: train.extend: the chain cannot extend a run yet (its checkpoint dataset keeps only "
-                        "the newest checkpoint, not the stable-phase one); before the decay starts, raise "
-                        "total_steps instead (docs/recipe.md section 6)")
     devices = session_devices(cfg.accelerator, cfg.train.get("backend", "auto"))
     check_settings("train", {**cfg.train, "max_steps": cfg.total_steps}, f"{where}: train", devices)
     _place_checkpoints(cfg, where)
+    if cfg.train.get("extend") and not keeps_stable(cfg.train):
+        why = ("the checkpoints of a model this large live in /kaggle/temp, where none is kept"
+               if str(cfg.train.get("checkpoint_dir", "")).startswith("{temp}") else "train.keep_stable is false")
+        raise UserError(f"{where}: train.extend trains on from the checkpoint where the stable phase ended, and {why}; "
+                        "before the decay starts, raise total_steps instead (docs/recipe.md section 6)")
     if cfg.time_budget <= 0:
         raise UserError(f"{where}: session_limit_s {cfg.session_limit_s:g} leaves no training time after "
                         f"startup_margin_s {cfg.startup_margin_s:g} + publish_margin_s {cfg.publish_margin_s:g}")
@@ -200,22 +201,33 @@ def config_from_dict(raw: dict, where: str = "config") -> ChainConfig:
     return cfg
 
 
+def keeps_stable(train: dict) -> bool:
+    """Whether the run keeps (and the checkpoint dataset carries) the checkpoint where a wsd schedule's stable
+    phase ends (train.keep_stable, for --extend)."""
+    return train.get("schedule") == "wsd" and train.get("keep_stable", True) is not False
+
+
 def _place_checkpoints(cfg: ChainConfig, where: str) -> None:
     """Checkpoints must fit the session's 20 GB output, with one more being written before the oldest goes:
     models too large for that keep one checkpoint in /kaggle/temp (the session publishes it from there); a
     setting that would overflow the output is an error here, not a full disk hours into a session. The publish
-    margin grows with the checkpoint."""
+    margin grows with the upload (the stable-phase checkpoint travels beside the newest)."""
     size = cfg.checkpoint_bytes
+    _place_in_output(cfg, where, size)
     if not cfg.publish_margin_s:
-        cfg.publish_margin_s = max(1200.0, 600.0 + size / ASSUMED_UPLOAD_BYTES_PER_S)
+        uploads = 2 if keeps_stable(cfg.train) else 1
+        cfg.publish_margin_s = max(1200.0, 600.0 + uploads * size / ASSUMED_UPLOAD_BYTES_PER_S)
+
+
+def _place_in_output(cfg: ChainConfig, where: str, size: int) -> None:
     ckpt_dir = str(cfg.train.get("checkpoint_dir", ""))
     keep = int(cfg.train.get("keep_checkpoints", 2))
     if ckpt_dir.startswith("{temp}"):
+        cfg.train = {**cfg.train, "keep_stable": False}  # it would go with the session
         return
     if ckpt_dir and not ckpt_dir.startswith("{working}"):
         raise UserError(f"{where}: train.checkpoint_dir {ckpt_dir!r} must be under {{working}} or {{temp}}")
-    # A wsd run also keeps the checkpoint where its stable phase ends (train.keep_stable, for --extend).
-    stable = int(cfg.train.get("schedule") == "wsd" and cfg.train.get("keep_stable", True) is not False)
+    stable = int(keeps_stable(cfg.train))
     peak = (keep + 1 + stable) * size
     if peak <= OUTPUT_LIMIT_BYTES:
         return
@@ -226,4 +238,3 @@ def _place_checkpoints(cfg: ChainConfig, where: str) -> None:
                         "set train.checkpoint_dir to \"{temp}/checkpoints\" and train.keep_checkpoints to 1")
     # In /kaggle/temp a stable-phase checkpoint would go with the session: none is kept there.
     cfg.train = {**cfg.train, "checkpoint_dir": "{temp}/checkpoints", "keep_checkpoints": 1, "keep_stable": False}
-

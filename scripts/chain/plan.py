@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from scripts.chain.config import ChainConfig
+from scripts.chain.config import ChainConfig, keeps_stable
 from scripts.chain.limits import (
     ASSUMED_UPLOAD_BYTES_PER_S,
     MACHINE_SHAPES,
@@ -244,10 +244,12 @@ def plan_lines(cfg: ChainConfig, plan: dict, source: str = "") -> list[str]:
         versions = f"at most {cfg.keep_dataset_versions} versions kept"
     else:
         versions = "every version kept"
+    stable = (", and from the end of the stable phase the checkpoint kept there beside it (train.extend trains on "
+              f"from it): {_gb(2 * size)} a version") if keeps_stable(cfg.train) else ""
     lines.append(f"checkpoint  {_gb(size)} (fp32 weights + AdamW moments), {keep} kept in {ckpt_dir} "
                  f"({_gb((keep + 1) * size)} while one is written; the output holds "
                  f"{OUTPUT_LIMIT_BYTES / 1e9:g} GB), published to dataset {user}/{cfg.slug('checkpoints')} "
-                 f"({versions})")
+                 f"({versions}{stable})")
     lines.append("")
     lines += [f"margin      {line}" for line in margins(cfg, plan)]
     lines += [f"warning     {line}" for line in warnings(cfg, plan, train)]
@@ -261,7 +263,7 @@ def margins(cfg: ChainConfig, plan: dict) -> list[str]:
         spare = plan["tokenized_tokens"] - need
         out.append(f"tokens: {_tokens(plan['tokenized_tokens'])} tokenized for {_tokens(plan['train_tokens'])} "
                    f"trained + {_tokens(plan['validation_tokens'])} validation: {spare / need:+.1%}")
-    upload_s = plan["checkpoint_bytes"] / ASSUMED_UPLOAD_BYTES_PER_S
+    upload_s = plan["checkpoint_bytes"] * (2 if keeps_stable(cfg.train) else 1) / ASSUMED_UPLOAD_BYTES_PER_S
     out.append(f"session: {cfg.startup_margin_s:g} s for start-up (imports, data, compile); "
                f"{cfg.publish_margin_s:g} s to publish, the upload alone ~{upload_s:.0f} s at an assumed "
                f"{ASSUMED_UPLOAD_BYTES_PER_S / 1e6:g} MB/s")

@@ -76,8 +76,8 @@ class TrainStage:
             sess.update(ended=time.time(), status=status, message=message, seconds=round(secs, 1),
                         step_after=new_step, **info)
             ctx.state.save()
-            failures = 0 if new_step > step else failures + 1
-            self.report(sess, step, new_step, status, message, secs)
+            failures = 0 if new_step > start_of(sess) else failures + 1
+            self.report(sess, start_of(sess), new_step, status, message, secs)
             step = new_step
             if failures >= cfg.max_failed_sessions:
                 raise UserError(f"stopping: {failures} train sessions in a row made no progress (last: "
@@ -143,8 +143,12 @@ class TrainStage:
         before, delete_old = sess.get("ckpt_version", 0), sess.get("delete_old", False)
         version = self.session_version(ckpt_ref, before, record)
         step = dataset_step(ctx, ckpt_ref, version)
-        out_step = record.get("step") or 0
-        if out_step > step:  # the session saved a newer checkpoint than the dataset holds: publish it from here
+        out_step, start = record.get("step") or 0, record.get("start_step")
+        if start is not None and start < sess["step_before"]:
+            info["start_step"] = start  # --extend: it trained on from the stable phase, below the dataset's step
+        # The session saved a checkpoint the dataset lacks (newer, or --extend's, below the step it saw): publish it.
+        extended = start is not None and start < out_step and version == before and start < step
+        if out_step > step or extended:
             reason = record.get("reason") or ("its own publish never appeared" if record.get("published")
                                               else "the session did not publish it")
             new = publish_from_output(ctx, ref, sess["version"], ckpt_ref, out_step, reason, version, delete_old)
@@ -199,7 +203,8 @@ class TrainStage:
         loss = f"loss {losses[-1]['loss']:.4f}" if losses else "no loss logged"
         speed = f"{sum(speeds) / len(speeds):,.0f} tokens/s" if speeds else "tokens/s n/a"
         left = sessions_left(cfg, after, ctx.state.data["train_sessions"]) if after < cfg.total_steps else 0
-        ctx.log(f"  session {sess['n']} {status.lower()} in {secs:.0f}s: step {before} -> {after} of "
+        extended = " (--extend: from where the stable phase ended)" if before < sess["step_before"] else ""
+        ctx.log(f"  session {sess['n']} {status.lower()} in {secs:.0f}s: step {before}{extended} -> {after} of "
                 f"{cfg.total_steps}, {loss}, {speed}" + (f" ({message})" if message else ""))
         quota = None
         try:
@@ -212,8 +217,13 @@ class TrainStage:
         ctx.log(f"  logs: {sess.get('logs') or ''}  metrics: {metrics}  plot: {ctx.workdir / 'loss.png'}")
 
 
+def start_of(sess: dict) -> int:
+    """The step a session trained on from: where the dataset stood, or (--extend) where the stable phase ended."""
+    return sess.get("start_step", sess.get("step_before", 0))
+
+
 def _progressed(sessions: list) -> list:
-    return [s for s in sessions if s.get("ended") and s.get("step_after", 0) > s.get("step_before", 0)]
+    return [s for s in sessions if s.get("ended") and s.get("step_after", 0) > start_of(s)]
 
 
 def sessions_total(cfg: ChainConfig, n: int, step: int, sessions: list) -> str:
@@ -230,7 +240,7 @@ def sessions_left(cfg: ChainConfig, step: int, sessions: list) -> int:
     done = _progressed(sessions)
     if not done:
         return 1
-    per = sum(s["step_after"] - s["step_before"] for s in done) / len(done)
+    per = sum(s["step_after"] - start_of(s) for s in done) / len(done)
     return max(1, math.ceil((cfg.total_steps - step) / per))
 
 
@@ -238,6 +248,6 @@ def _trailing_failures(sessions: list):
     for s in reversed(sessions):
         if not s.get("ended"):
             continue
-        if s.get("step_after", 0) > s.get("step_before", 0):
+        if s.get("step_after", 0) > start_of(s):
             return
         yield s

@@ -4,7 +4,8 @@ comes before any work. What the train kernel publishes after training comes back
 (`BuiltKernel.publish`), for `shared.kaggle.publish.after_training`.
 
 The trainer (and the eval kernel) read a checkpoints root (`step_NNNNNN/` directories), so `stage_checkpoint` links
-the attached dataset's flat files back into such a root under the session's temp folder. Where the mount holds an
+the attached dataset's flat files back into such a root under the session's temp folder (the stable-phase
+checkpoint's `stable__<file>` into `stable/step_NNNNNN/`, where --extend looks). Where the mount holds an
 older checkpoint than the chain saw (a mount of an older version), the version the chain names is fetched with
 kagglehub first, and a session that cannot get it stops before training.
 
@@ -22,14 +23,16 @@ from pathlib import Path
 
 from shared.errors import UserError, describe_error
 from shared.kaggle.publish import (
+    MANIFEST,
     PLACEHOLDER_FILE,
     PublishPlan,
     checkpoint_step,
     decode_name,
+    manifest_step,
     publish_problem,
     secrets_to_env,
 )
-from shared.train.checkpoint_names import checkpoint_name
+from shared.train.checkpoint_names import STABLE_DIR, checkpoint_name
 
 FETCH_TIMEOUT_S = 3600.0  # fetching the expected checkpoint version (a gpt2-xl one is about 18.7 GB)
 
@@ -44,22 +47,34 @@ class BuiltKernel:
 
 
 def stage_checkpoint(input_dir: str | os.PathLike, dest_root: str | os.PathLike) -> Path | None:
-    """Link a flat checkpoint (an attached dataset) into `dest_root/step_NNNNNN/`; returns dest_root, or None when
-    `input_dir` holds no checkpoint (a chain's first session)."""
+    """Link a flat checkpoint (an attached dataset) into `dest_root/step_NNNNNN/`, and the stable-phase checkpoint
+    it carries, if any, into `dest_root/stable/step_MMMMMM/`; returns dest_root, or None when `input_dir` holds no
+    checkpoint (a chain's first session)."""
     src = Path(input_dir)
     step = checkpoint_step(src)
     if step is None:
         return None
-    dest = Path(dest_root) / checkpoint_name(step)
+    stable_prefix = f"{STABLE_DIR}/"
+    files = [(f, decode_name(f.name)) for f in src.iterdir() if f.is_file() and f.name != PLACEHOLDER_FILE]
+    stable = [(f, rel[len(stable_prefix):]) for f, rel in files if rel.startswith(stable_prefix)]
+    stable_manifest = dict((rel, f) for f, rel in stable).get(MANIFEST)
+    stable_step = manifest_step(stable_manifest) if stable_manifest else None
+    if stable_step is not None:
+        _link_all(stable, Path(dest_root) / STABLE_DIR / checkpoint_name(stable_step))
+    _link_all([(f, rel) for f, rel in files if not rel.startswith(stable_prefix)],
+              Path(dest_root) / checkpoint_name(step))
+    return Path(dest_root)
+
+
+def _link_all(files: list[tuple[Path, str]], dest: Path) -> None:
+    """Symlink each (file, relative name) into `dest`, made afresh."""
     if dest.exists():
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
-    for f in src.iterdir():
-        if f.is_file() and f.name != PLACEHOLDER_FILE:
-            target = dest / decode_name(f.name)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            os.symlink(f.resolve(), target)
-    return Path(dest_root)
+    for f, rel in files:
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(f.resolve(), target)
 
 
 _PLACEHOLDER = re.compile(r"\{(input|working|temp)(?::([^{}]+))?\}")
@@ -108,7 +123,9 @@ def resolve_build(build: dict, log=print) -> BuiltKernel:
         return BuiltKernel(settings)
     floor = max(input_step or 0, int(ckpt.get("expect_step") or 0))
     plan = PublishPlan(dataset=ckpt["dataset"], title=ckpt.get("title") or "", input_step=floor or input_step,
-                       problem=problem, delete_old_versions=bool(ckpt.get("delete_old_versions")))
+                       problem=problem, delete_old_versions=bool(ckpt.get("delete_old_versions")),
+                       resume_root=settings.get(ckpt.get("resume_setting") or "") if input_step else None,
+                       extend=bool(settings.get("extend")))
     return BuiltKernel(settings, plan)
 
 

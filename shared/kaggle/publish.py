@@ -2,8 +2,10 @@
 
 A checkpoint dataset holds one checkpoint's files flat (model.safetensors, optimizer.safetensors, state.json,
 metrics.jsonl, checkpoint.json; a subfolder's files as `<folder>__<file>`): Kaggle datasets are flat lists of
-files, and only the newest checkpoint is uploaded, so a version stays one checkpoint big. Staging such a dataset
-for resuming is the bootstrap's (shared/kaggle/bootstrap.py), which also decides what a train session publishes
+files, and only the newest checkpoint is uploaded, so a version stays one checkpoint big. Once a wsd run has passed
+the end of its stable phase, the checkpoint kept there travels beside it (`stable__<file>`), version after
+version, so that a chain can still extend the run (--extend) after its decay. Staging such a dataset for resuming
+is the bootstrap's (shared/kaggle/bootstrap.py), which also decides what a train session publishes
 (`PublishPlan`).
 
 Publishing uses the Kaggle API from inside the session (`enable_internet` must be on), with KAGGLE_USERNAME and
@@ -25,6 +27,7 @@ from pathlib import Path
 
 from shared.errors import UserError, describe_error
 from shared.fsutil import link_or_copy
+from shared.train.checkpoint_names import CHECKPOINT_PREFIX, STABLE_DIR
 from shared.train.checkpoint_names import MANIFEST_FILE as MANIFEST
 
 PUBLISH_RECORD = "publish.json"  # written to /kaggle/working: what the session published (read by the chain)
@@ -38,9 +41,13 @@ CREDENTIAL_NAMES = ("KAGGLE_USERNAME", "KAGGLE_KEY")
 
 def checkpoint_step(folder: str | os.PathLike) -> int | None:
     """The step of the checkpoint whose files lie in `folder` (from its manifest), or None if there is none."""
+    return manifest_step(Path(folder) / MANIFEST)
+
+
+def manifest_step(path: str | os.PathLike) -> int | None:
+    """The step a checkpoint manifest file records (whatever its name), or None if it is not readable."""
     try:
-        manifest = json.loads((Path(folder) / MANIFEST).read_text())
-        return int(manifest["step"])
+        return int(json.loads(Path(path).read_text())["step"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -68,6 +75,15 @@ def checkpoint_files(folder: str | os.PathLike) -> list[tuple[Path, str]]:
                 raise UserError(f"{f}: a checkpoint file name may not contain {NESTED_SEP!r}")
             out.append((f, encode_name(rel)))
     return out
+
+
+def stable_checkpoint(*roots: str | os.PathLike | None) -> Path | None:
+    """The newest stable-phase checkpoint (`<root>/stable/step_NNNNNN/` with a readable manifest) across `roots`:
+    the session's own, or the one staged from the dataset it resumed from."""
+    found = [(checkpoint_step(d), d) for root in roots if root
+             for d in (Path(root) / STABLE_DIR).glob(f"{CHECKPOINT_PREFIX}*") if d.is_dir()]
+    found = [(step, d) for step, d in found if step is not None]
+    return max(found)[1] if found else None
 
 
 def publish_problem(log=print, purpose: str = "publishing checkpoints") -> str | None:
@@ -103,6 +119,8 @@ class PublishPlan:
     input_step: int | None = None
     problem: str | None = None
     delete_old_versions: bool = False
+    resume_root: str | None = None  # the staged checkpoints root the session resumed from (its stable/ travels on)
+    extend: bool = False  # --extend: the session may resume below input_step (from the stable phase) and train on
 
 
 def kaggle_api(from_secrets: bool = True):
@@ -185,18 +203,22 @@ def push_dataset_folder(api, folder: Path, dataset: str, notes: str, delete_old_
 
 
 def publish_checkpoint(api, ckpt_dir: str | os.PathLike, dataset: str, work_dir: str | os.PathLike,
-                       title: str = "", notes: str = "", delete_old_versions: bool = False) -> dict:
-    """Upload the checkpoint in `ckpt_dir` as the newest version of `dataset` (created on first use; with
-    `delete_old_versions`, the only version left)."""
+                       title: str = "", notes: str = "", delete_old_versions: bool = False,
+                       stable: str | os.PathLike | None = None) -> dict:
+    """Upload the checkpoint in `ckpt_dir` (with the stable-phase checkpoint `stable` beside it, if given) as the
+    newest version of `dataset` (created on first use; with `delete_old_versions`, the only version left)."""
     ckpt_dir = Path(ckpt_dir)
     step = checkpoint_step(ckpt_dir)
     if step is None:
         raise UserError(f"{ckpt_dir}: not a checkpoint (no readable {MANIFEST})")
     files = checkpoint_files(ckpt_dir)
+    if stable is not None:
+        files += [(f, encode_name(f"{STABLE_DIR}/") + name) for f, name in checkpoint_files(stable)]
     folder = write_dataset_folder(Path(work_dir) / "gpt2k-publish", dataset, title, files)
     action = push_dataset_folder(api, folder, dataset, notes or f"checkpoint at step {step}", delete_old_versions)
     shutil.rmtree(folder, ignore_errors=True)
-    return {"dataset": dataset, "step": step, "action": action}
+    return {"dataset": dataset, "step": step, "action": action,
+            "stable_step": checkpoint_step(stable) if stable is not None else None}
 
 
 def _write_record(record: dict) -> None:
@@ -218,12 +240,16 @@ def after_training(result, plan: PublishPlan | None, log=print) -> dict | None:
     dataset = plan.dataset
     step = getattr(result, "step", None)
     ckpt = getattr(result, "checkpoint", None)
-    record = {"dataset": dataset, "step": step, "checkpoint": str(ckpt) if ckpt else None, "published": False,
-              "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    start = getattr(result, "start_step", 0)
+    record = {"dataset": dataset, "step": step, "start_step": start, "checkpoint": str(ckpt) if ckpt else None,
+              "published": False, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     input_step = plan.input_step
+    # New: past the dataset's step, or (--extend, from the stable phase below it) past where this session began.
+    extended = (plan.extend and input_step is not None and step is not None and 0 < start < input_step
+                and step > start)
     if ckpt is None or step is None:
         record["reason"] = "no checkpoint"
-    elif input_step is not None and step <= input_step:
+    elif input_step is not None and step <= input_step and not extended:
         record["reason"] = f"nothing new: the dataset already holds step {input_step}"
         log(f"publish: {dataset} already holds step {input_step}; nothing new to publish")
     elif plan.problem:
@@ -236,13 +262,15 @@ def after_training(result, plan: PublishPlan | None, log=print) -> dict | None:
 
             api = kaggle_api()
             secrets = [os.environ.get(n, "") for n in CREDENTIAL_NAMES]
-            start = time.monotonic()
+            began = time.monotonic()
             delete_old = plan.delete_old_versions
+            stable = stable_checkpoint(Path(ckpt).parent, plan.resume_root)
             out = publish_checkpoint(api, ckpt, dataset, kaggle_paths().temp, plan.title,
-                                     delete_old_versions=delete_old)
-            record.update(published=True, action=out["action"], seconds=round(time.monotonic() - start, 1),
-                          delete_old_versions=delete_old)
-            log(f"publish: checkpoint step {step} {out['action']} dataset {dataset} "
+                                     delete_old_versions=delete_old, stable=stable)
+            record.update(published=True, action=out["action"], seconds=round(time.monotonic() - began, 1),
+                          delete_old_versions=delete_old, stable_step=out["stable_step"])
+            also = f" (with the stable phase's step {out['stable_step']})" if stable is not None else ""
+            log(f"publish: checkpoint step {step}{also} {out['action']} dataset {dataset} "
                 f"in {record['seconds']}s")
         except UserError as err:
             record["reason"] = str(err)

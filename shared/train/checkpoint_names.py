@@ -6,6 +6,9 @@ from __future__ import annotations
 MODEL_FILE, OPTIMIZER_FILE, STATE_FILE, METRICS_FILE, MANIFEST_FILE = (
     "model.safetensors", "optimizer.safetensors", "state.json", "metrics.jsonl", "checkpoint.json")
 CHECKPOINT_PREFIX = "step_"
+# Inside a checkpoints root: a wsd run's checkpoint where its stable phase ends, out of rotation (--extend trains on
+# from it; a checkpoint dataset carries it beside the newest, its files named `stable__<file>`).
+STABLE_DIR = "stable"
 
 
 def checkpoint_name(step: int) -> str:

@@ -32,6 +32,7 @@ from shared.train.checkpoint import (
     saved_state,
     set_aside_checkpoint,
 )
+from shared.train.checkpoint_names import STABLE_DIR
 from shared.train.device import Runtime, make_runtime, runtime_versions
 from shared.train.metrics import BackgroundCalls, MetricsLogger, plot_loss
 from shared.train.model import GPT
@@ -50,7 +51,6 @@ from shared.train.tpu import micro_batch_for
 from shared.train.validation import periodic_eval
 
 XLA_CACHE_DIR = "xla_cache"  # inside out_dir, and inside each checkpoint (XLA's persistent compilation cache)
-STABLE_DIR = "stable"  # inside the checkpoints root: a wsd run's checkpoint where its stable phase ends (--extend)
 
 
 def estimate_checkpoint_seconds(num_params: int) -> float:
@@ -133,6 +133,7 @@ class TrainResult:
     last_loss: float | None
     checkpoint: Path | None
     stop_reason: str
+    start_step: int = 0  # the step this session resumed from (--extend: maybe below the run's newest checkpoint)
 
 
 def restore_compile_cache(resumed, out_dir: Path) -> Path:
@@ -523,4 +524,4 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
     logger_png = plot_loss(metrics_path, out_dir / "loss.png") if runtime.is_main else None
     log(f"session ended at step {step}/{cfg.max_steps} ({stop_reason}); checkpoint {path}; "
         f"metrics {metrics_path}; plot {logger_png}; {runtime.compile_count()} XLA compilations")
-    return TrainResult(step, step_log.last_loss, path, stop_reason)
+    return TrainResult(step, step_log.last_loss, path, stop_reason, start_step)

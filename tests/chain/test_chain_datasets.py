@@ -277,6 +277,52 @@ def test_a_chain_resumes_each_session_from_the_version_it_expects(local_kaggle, 
     assert lk.app.faults.datasets == {"stale_dataset_status": [], "stale_mount": [], "lost_publish": []}
 
 
+@pytest.mark.slow
+def test_a_finished_wsd_chain_extends_from_its_stable_phase_checkpoint_carried_in_the_dataset(
+        local_kaggle, tmp_path, demo_data, image_pythons):
+    """A 4-step wsd run finishes (its stable phase ends at step 3, published beside step 4); run again with
+    total_steps 8 and train.extend, the chain trains on from step 3 (not 4, which decayed), counts that session's
+    progress from 3, and the next session resumes from 6 and carries the new stable-phase checkpoint (step 5, made
+    by the session before) into the final version."""
+    from test_chain import DEMO, first_contact, run_chain, session_log, write_config
+
+    lk = local_kaggle
+    upload_tokens(lk, tmp_path, "alice/ext-tokens", demo_data)
+    ckpt, work = "alice/ext-run-checkpoints", tmp_path / "w"
+    train = {**DEMO["train"], "micro_batch": 8, "schedule": "wsd", "warmup_steps": 1, "cooldown_frac": 0.5}
+    common = dict(name="ext-run", tokenize={}, eval={"enabled": False}, token_datasets=["alice/ext-tokens"],
+                  session_limit_s=300)
+
+    def dataset_steps() -> tuple[int, int | None]:
+        """(checkpoint step, stable-phase checkpoint step) of the dataset's newest version."""
+        number = lk.app.state["datasets"][ckpt]["versions"][-1]["number"]
+        folder = lk.root / "datasets" / "alice" / "ext-run-checkpoints" / str(number)
+        stable = folder / "stable__checkpoint.json"
+        return (json.loads((folder / "checkpoint.json").read_text())["step"],
+                json.loads(stable.read_text())["step"] if stable.exists() else None)
+
+    config = write_config(tmp_path / "ext.json", total_steps=4, train=train, **common)
+    first_contact(lk, config, work)
+    proc = run_chain(lk, config, work, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert dataset_steps() == (4, 3)
+
+    config = write_config(tmp_path / "ext.json", total_steps=8, train={**train, "extend": True, "stop_after_steps": 3},
+                          **common)
+    proc = run_chain(lk, config, work, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert ("chain ext-run finished at step 4; training on to total_steps 8 (train.extend: from where the stable "
+            "phase ended)") in proc.stdout
+    assert "step 3 (--extend: from where the stable phase ended) -> 6 of 8" in proc.stdout
+    assert "stopping:" not in proc.stdout
+    sessions = json.loads((work / "state.json").read_text())["train_sessions"]
+    assert [(s["step_before"], s.get("start_step"), s["step_after"], s.get("published_by")) for s in sessions] == [
+        (0, None, 4, "session"), (4, 3, 6, "session"), (6, None, 8, "session")]
+    assert "--extend: training on from step 3" in session_log(work / "sessions" / "train-02")
+    assert f"resuming from {ckpt} (step 6)" in session_log(work / "sessions" / "train-03")
+    assert dataset_steps() == (8, 5)
+
+
 def test_a_checkpoint_kept_only_in_temp_never_deletes_older_versions(local_kaggle, tmp_path):
     out, _ = probe(local_kaggle, tmp_path, """
         ctx.state.data["checkpoint_versions"] = [1, 2]

@@ -181,11 +181,51 @@ def test_checkpoints_are_placed_where_they_fit_and_the_publish_margin_grows_with
     assert config_from_dict({**BASE, "publish_margin_s": 30}).publish_margin_s == 30  # an explicit margin stays
 
 
-def test_a_chain_that_would_extend_a_run_is_refused_before_anything_is_pushed():
-    """Its sessions could not find the stable-phase checkpoint (the dataset holds only the newest): each would stop."""
-    with pytest.raises(UserError, match=r"^config: train.extend: the chain cannot extend a run yet \(its checkpoint "
-                                        r"dataset keeps only the newest checkpoint"):
-        config_from_dict({**BASE, "train": {"schedule": "wsd", "extend": True}})
+def test_a_chain_extends_a_wsd_run_whose_stable_phase_checkpoint_travels_and_refuses_one_that_cannot():
+    """train.extend needs the stable-phase checkpoint in the dataset: a wsd run keeps it (and the publish margin
+    counts its upload beside the newest); without it, or on cosine, one line before anything is pushed."""
+    wsd = config_from_dict({**BASE, "train": {"preset": "gpt2-medium", "schedule": "wsd", "extend": True}})
+    cosine = config_from_dict({**BASE, "train": {"preset": "gpt2-medium"}})
+    size = wsd.checkpoint_bytes  # 4.3 GB: 3 of them (and the stable one) fit the output
+    assert size > 4e9 and wsd.train["extend"] is True and "checkpoint_dir" not in wsd.train
+    assert wsd.publish_margin_s == pytest.approx(600 + 2 * size / 10e6)  # both checkpoints at an assumed 10 MB/s
+    assert cosine.publish_margin_s == 1200  # the floor: one checkpoint takes ~430 s
+    with pytest.raises(UserError) as err:
+        config_from_dict({**BASE, "train": {"schedule": "wsd", "extend": True, "keep_stable": False}})
+    assert str(err.value) == (
+        "config: train.extend trains on from the checkpoint where the stable phase ended, and train.keep_stable is "
+        "false; before the decay starts, raise total_steps instead (docs/recipe.md section 6)")
+    with pytest.raises(UserError) as err:
+        config_from_dict({**BASE, "train": {"preset": "gpt2-xl", "schedule": "wsd", "extend": True}})
+    assert str(err.value) == (
+        "config: train.extend trains on from the checkpoint where the stable phase ended, and the checkpoints of a "
+        "model this large live in /kaggle/temp, where none is kept; before the decay starts, raise total_steps "
+        "instead (docs/recipe.md section 6)")
+    with pytest.raises(UserError, match=r"^config: train: --extend needs --schedule wsd"):
+        config_from_dict({**BASE, "train": {"extend": True}})
+
+
+def test_a_finished_chain_trains_on_only_once_total_steps_is_raised_and_keeps_its_earlier_eval(tmp_path):
+    done = {"format": 1, "pushes": {"eval": {"push_id": "eval-1", "version": 3}}, "train_sessions": [],
+            "events": [], "done": True, "final_step": 4, "total_steps": 6,
+            "eval": {"version": 3, "status": "COMPLETE", "message": "", "dir": str(tmp_path / "eval")}}
+    (tmp_path / "state.json").write_text(json.dumps(done))
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "report.md").write_text("step 4")
+    for total in (4, 6):  # a chain stopped by max_train_sessions at step 4 of 6 is finished too
+        chain = Chain(config_from_dict({**BASE, "total_steps": total}), tmp_path, api=None, log=lambda _: None)
+        with pytest.raises(UserError) as err:
+            chain.run()
+        assert str(err.value) == (f"this chain is already finished (step 4 of total_steps {total}; results in "
+                                  f"{tmp_path}); raise total_steps to train further")
+    lines = []
+    chain = Chain(config_from_dict({**BASE, "total_steps": 8}), tmp_path, api=None, log=lines.append)
+    chain.reopen()
+    state = json.loads((tmp_path / "state.json").read_text())
+    assert state["done"] is False and "eval" not in state and state["pushes"] == {}
+    assert state["earlier_evals"] == [{**done["eval"], "dir": str(tmp_path / "eval-step_000004"), "step": 4}]
+    assert (tmp_path / "eval-step_000004" / "report.md").read_text() == "step 4" and not (tmp_path / "eval").exists()
+    assert lines == ["chain unit-run finished at step 4; training on to total_steps 8"]
 
 
 def test_one_wandb_run_per_chain_resumed_by_every_session(tmp_path):

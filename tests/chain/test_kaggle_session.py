@@ -258,3 +258,108 @@ def test_a_session_in_the_cpu_image_installs_tiktoken_with_internet_and_stops_wi
     assert line.startswith("error: the tiktoken package is not in this Kaggle image and could not be installed (")
     assert line.endswith("turn on the notebook's internet (Settings > Internet); stopping before any work")
     assert importable_in(image_pythons["cpu"], ("tiktoken",)) == []  # nothing leaked into the image
+
+
+# --- the stable-phase checkpoint in the checkpoint dataset (train.extend) -----------------------------------------
+
+def fake_checkpoint(folder: Path, step: int, extra: dict[str, bytes] | None = None) -> Path:
+    """A checkpoint folder whose manifest (sizes, sha256) matches its files, as shared.train.checkpoint writes."""
+    import hashlib
+
+    files = {"model.safetensors": b"m%d" % step, "optimizer.safetensors": b"o%d" % step,
+             "state.json": json.dumps({"step": step}).encode(), **(extra or {})}
+    for name, data in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(data)
+    (folder / MANIFEST).write_text(json.dumps({"format": 1, "step": step, "files": {
+        name: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()} for name, data in files.items()}}))
+    return folder
+
+
+class UploadingApi:
+    """The kaggle client's dataset calls, keeping each uploaded version's files (a new dataset on first use)."""
+
+    def __init__(self):
+        self.versions: list[dict[str, bytes]] = []
+
+    def dataset_status(self, dataset):
+        if not self.versions:
+            raise type("NotFound", (Exception,), {"response": type("R", (), {"status_code": 404})})()
+
+    def _upload(self, folder):
+        files = [f for f in Path(folder).iterdir() if f.name != "dataset-metadata.json"]
+        self.versions.append({f.name: f.read_bytes() for f in files})
+
+    def dataset_create_new(self, folder, **_):
+        self._upload(folder)
+
+    def dataset_create_version(self, folder, notes, **_):
+        self._upload(folder)
+
+
+def test_the_stable_phase_checkpoint_travels_beside_the_newest_and_is_staged_where_extend_looks(tmp_path):
+    from shared.kaggle.bootstrap import stage_checkpoint
+    from shared.kaggle.publish import publish_checkpoint, stable_checkpoint
+    from shared.train.checkpoint import list_checkpoints, verify_checkpoint
+
+    root = tmp_path / "checkpoints"
+    newest = fake_checkpoint(root / "step_000040", 40, {"xla_cache/graph-a": b"compiled"})
+    fake_checkpoint(root / "stable" / "step_000010", 10)
+    fake_checkpoint(root / "stable" / "step_000020", 20, {"xla_cache/graph-b": b"compiled too"})
+    (root / "stable" / "step_000030").mkdir()  # no manifest: not a checkpoint
+    stable = stable_checkpoint(root, None)
+    assert stable == root / "stable" / "step_000020"
+    api = UploadingApi()
+    out = publish_checkpoint(api, newest, "alice/run-checkpoints", tmp_path / "work", stable=stable)
+    assert (out["step"], out["stable_step"]) == (40, 20)
+    assert sorted(api.versions[0]) == [
+        "checkpoint.json", "model.safetensors", "optimizer.safetensors", "stable__checkpoint.json",
+        "stable__model.safetensors", "stable__optimizer.safetensors", "stable__state.json",
+        "stable__xla_cache__graph-b", "state.json", "xla_cache__graph-a"]
+
+    mount = tmp_path / "mount"  # the dataset as a session sees it: flat files
+    mount.mkdir()
+    for name, data in api.versions[0].items():
+        (mount / name).write_bytes(data)
+    staged = stage_checkpoint(mount, tmp_path / "resume")
+    assert sorted(p.relative_to(staged).as_posix() for p in staged.rglob("*") if p.is_file()) == [
+        "stable/step_000020/checkpoint.json", "stable/step_000020/model.safetensors",
+        "stable/step_000020/optimizer.safetensors", "stable/step_000020/state.json",
+        "stable/step_000020/xla_cache/graph-b", "step_000040/checkpoint.json", "step_000040/model.safetensors",
+        "step_000040/optimizer.safetensors", "step_000040/state.json", "step_000040/xla_cache/graph-a"]
+    assert verify_checkpoint(staged / "step_000040") is None
+    assert verify_checkpoint(staged / "stable/step_000020") is None
+    assert (staged / "stable/step_000020/model.safetensors").read_bytes() == b"m20"
+    # Resuming without --extend sees only the newest; --extend's roots (shared/train/trainer.py) add stable/.
+    assert [p.name for p in list_checkpoints(staged)] == ["step_000040"]
+    assert [p.name for p in list_checkpoints(staged / "stable")] == ["step_000020"]
+
+    # The next session carries the staged one on, until it writes a newer one of its own.
+    own = tmp_path / "next"
+    fake_checkpoint(own / "step_000050", 50)
+    assert stable_checkpoint(own, staged) == staged / "stable" / "step_000020"
+    fake_checkpoint(own / "stable" / "step_000045", 45)
+    assert stable_checkpoint(own, staged) == own / "stable" / "step_000045"
+    assert stable_checkpoint(tmp_path / "nothing", None) is None
+
+
+@pytest.mark.parametrize("extend, start, step, new", [
+    (True, 20, 30, True),     # --extend: from the stable phase (20) below the dataset's 40, on to 30: publish
+    (True, 20, 20, False),    # trained nothing
+    (True, 0, 30, False),     # started over while the dataset holds 40: never published over it
+    (False, 20, 30, False),   # not extending: 30 is older than the dataset's 40
+    (False, 40, 50, True),    # the usual session
+])
+def test_a_session_publishes_what_it_trained_past_where_it_began_only_when_extending(session, extend, start, step,
+                                                                                    new):
+    from shared.kaggle.publish import PublishPlan
+
+    class Result:
+        checkpoint = session / "working" / "train" / "checkpoints" / f"step_{step:06d}"
+
+    Result.step, Result.start_step = step, start
+    (session / "working").mkdir(parents=True, exist_ok=True)
+    plan = PublishPlan("alice/run-checkpoints", input_step=40, problem="no secrets here", extend=extend)
+    record = after_training(Result(), plan, log=lambda _: None)
+    assert record["start_step"] == start and record["published"] is False
+    assert record["reason"] == ("no secrets here" if new else "nothing new: the dataset already holds step 40")
