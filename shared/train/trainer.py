@@ -153,7 +153,7 @@ def resume_point(cfg: TrainConfig, ckpt_root: Path, log=print) -> LoadedCheckpoi
     --resume-from. With --extend, the newest that the new schedule agrees with (every update it holds made with
     the same learning rates), the stable-phase checkpoints included; the run's newer checkpoints, made on the
     shorter schedule, are then set aside, so this and every later session of the longer run go on from the right
-    one. Nothing is renamed when no checkpoint agrees."""
+    one. Nothing is renamed when no checkpoint agrees; with no checkpoint at all, the run starts at step 0."""
     roots = [ckpt_root, Path(cfg.resume_from) if cfg.resume_from else None]
     if not cfg.extend:
         return latest_checkpoint(*roots, log=log, set_aside=True)
@@ -175,6 +175,9 @@ def resume_point(cfg: TrainConfig, ckpt_root: Path, log=print) -> LoadedCheckpoi
         if not passed_over:
             raise
         resumed = None
+    if resumed is None and not passed_over:  # nothing to extend yet (a chain's first session, a smoke run)
+        log(f"--extend: no checkpoint yet in {', '.join(str(r) for r in roots if r)}; training from step 0")
+        return None
     if resumed is None:
         found = "; ".join(f"{path}: {what}" for path, what in passed_over.items())
         raise UserError(f"--extend --max-steps {cfg.max_steps}: no checkpoint in "

@@ -378,6 +378,18 @@ def test_background_calls_run_in_order_and_flush_reraises():
     assert seen[-1] == 5
 
 
+def test_extend_with_no_checkpoint_at_all_starts_at_step_zero(tmp_path):
+    # A chain's first session (or its smoke run) with train.extend set: nothing to extend, nothing refused.
+    from shared.train.trainer import resume_point
+
+    cfg = TrainConfig(preset="tiny", seq_len=32, micro_batch=8, total_batch_tokens=256, max_steps=8, schedule="wsd",
+                      extend=True, resume_from=str(tmp_path / "mount"))
+    lines = []
+    assert resume_point(cfg, tmp_path / "checkpoints", log=lines.append) is None
+    assert lines == [f"--extend: no checkpoint yet in {tmp_path / 'checkpoints'}, {tmp_path / 'mount'}, "
+                     f"{tmp_path / 'checkpoints' / 'stable'}, {tmp_path / 'mount' / 'stable'}; training from step 0"]
+
+
 @pytest.mark.slow
 def test_extend_trains_on_from_the_stable_phase_as_a_longer_run_would_bit_exactly(demo_data, tmp_path):
     """A wsd run of 8 steps (cooldown 0.5) keeps its step-5 checkpoint, the last before the decay; extended to 12
