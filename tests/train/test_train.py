@@ -117,7 +117,11 @@ def test_time_budget_stops_cleanly_with_a_checkpoint(demo_data, tmp_path):
     assert result.checkpoint.is_dir() and result.step >= 3
     checkpoints = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r.get("event") == "checkpoint"]
     assert len(checkpoints) >= 2 and max(r["checkpoint_s"] for r in checkpoints) < 5.0
-    assert checkpoints[-1]["step"] == result.step and checkpoints[-1]["elapsed_s"] < 45.0  # written in time
+    # Written in time: the trainer stops once one more step and the checkpoint (with half again as margin) would not
+    # fit, so only a step slower than its estimate (a loaded machine) can overrun the budget, by less than itself.
+    ends = [r["elapsed_s"] for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r][2:]  # compiled by then
+    longest_step = max(b - a for a, b in zip(ends, ends[1:], strict=False))
+    assert checkpoints[-1]["step"] == result.step and checkpoints[-1]["elapsed_s"] < 45.0 + longest_step
 
 
 @pytest.mark.slow
