@@ -59,7 +59,7 @@ def importable(module: str) -> bool:
         return False
 
 
-def _pip_install(requirements: tuple[str, ...], target: Path) -> str | None:
+def pip_install(requirements: tuple[str, ...], target: Path) -> str | None:
     """Install into `target`; None on success, else pip's last error line."""
     cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-input",
            "--retries", "1", "--timeout", "15", "--target", str(target), *requirements]
@@ -121,7 +121,7 @@ def provide(name: str, reason: str = "", log=print, installer=None) -> str | Non
         return f"the {pkg.module} package is not installed (needed for {why}): pip install {' '.join(pkg.requirements)}"
     start = time.monotonic()
     target.mkdir(parents=True, exist_ok=True)
-    error = (installer or _pip_install)(pkg.requirements, target)
+    error = (installer or pip_install)(pkg.requirements, target)
     if error is None:
         error, where = _place(pkg, str(target))
         if error is None:

@@ -118,7 +118,7 @@ def test_wandb_is_off_with_a_one_line_notice_when_the_image_lacks_it_and_it_cann
 
     monkeypatch.setitem(packages.PACKAGES, "wandb",
                         packages.Package("gpt2k_no_wandb", ("gpt2k-no-wandb==1.0",), "W&B logging"))
-    monkeypatch.setattr(packages, "_pip_install", lambda requirements, target: "ERROR: no route to the index")
+    monkeypatch.setattr(packages, "pip_install", lambda requirements, target: "ERROR: no route to the index")
     lines = []
     logger = MetricsLogger(tmp_path / "run", 10, 0, {}, wandb_project="proj", progress=False, log=lines.append,
                            wandb_key="k" * 40)
@@ -147,8 +147,8 @@ def test_pip_with_no_way_to_the_index_fails_within_seconds_and_installs_nothing(
            "PIP_CONFIG_FILE": os.devnull, "PIP_NO_CACHE_DIR": "1"}
     env = {k: v for k, v in env.items() if not (k.startswith("PIP_") and k not in ("PIP_CONFIG_FILE",
                                                                                     "PIP_NO_CACHE_DIR"))}
-    code = ("import sys; from pathlib import Path; from shared.kaggle.packages import _pip_install; "
-            "print(_pip_install(('tiktoken==0.14.0',), Path(sys.argv[1])))")
+    code = ("import sys; from pathlib import Path; from shared.kaggle.packages import pip_install; "
+            "print(pip_install(('tiktoken==0.14.0',), Path(sys.argv[1])))")
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "t")], env=env, capture_output=True, text=True,
                           timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stderr

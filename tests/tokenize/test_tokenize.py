@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tokenize_fixtures import _assert_same_shards, _documents, _kernel_args, _kernel_error, _run, _tokens
+from tokenize_fixtures import assert_same_shards, kernel_args, kernel_error, read_tokens, run_tokenize, sample_documents
 
 from shared.data import find_shards
 from shared.fsutil import sha256_file
@@ -23,7 +23,7 @@ def test_offline_tokenizer_hello_world(enc):
 
 def test_tokens_equal_raw_tiktoken_and_shard_layout(corpus, reference):
     out, manifest = reference
-    tokens = _tokens(out)
+    tokens = read_tokens(out)
     np.testing.assert_array_equal(tokens, corpus["expected"])
     # "Hello world" is document 5: EOT, Hello, world
     start = sum(corpus["lengths"][:5])
@@ -48,17 +48,17 @@ def test_tokens_equal_raw_tiktoken_and_shard_layout(corpus, reference):
 
 
 def test_jsonl_input_and_two_processes_give_the_same_tokens(corpus, ranks, tmp_path):
-    manifest = _run(corpus, ranks, tmp_path / "out", data_files=corpus["jsonl"], processes=2, batch_docs=50)
-    np.testing.assert_array_equal(_tokens(tmp_path / "out"), corpus["expected"])
+    manifest = run_tokenize(corpus, ranks, tmp_path / "out", data_files=corpus["jsonl"], processes=2, batch_docs=50)
+    np.testing.assert_array_equal(read_tokens(tmp_path / "out"), corpus["expected"])
     assert manifest["num_docs"] == len(corpus["docs"])
 
 
 def test_parts_concatenate_to_one_run(corpus, ranks, tmp_path):
-    full = _run(corpus, ranks, tmp_path / "full", shard_size=7_000)
-    p0 = _run(corpus, ranks, tmp_path / "p0", shard_size=7_000, tokens_per_part=50_000, batch_docs=37)
-    p1 = _run(corpus, ranks, tmp_path / "p1", shard_size=7_000, tokens_per_part=50_000, part=1,
+    full = run_tokenize(corpus, ranks, tmp_path / "full", shard_size=7_000)
+    p0 = run_tokenize(corpus, ranks, tmp_path / "p0", shard_size=7_000, tokens_per_part=50_000, batch_docs=37)
+    p1 = run_tokenize(corpus, ranks, tmp_path / "p1", shard_size=7_000, tokens_per_part=50_000, part=1,
               prev_dir=str(tmp_path / "p0"), batch_docs=53)
-    p2 = _run(corpus, ranks, tmp_path / "p2", shard_size=7_000, tokens_per_part=50_000, part=2,
+    p2 = run_tokenize(corpus, ranks, tmp_path / "p2", shard_size=7_000, tokens_per_part=50_000, part=2,
               prev_dir=str(tmp_path / "p1"))
     # a part ends at the document boundary where it reaches its token count
     ends = np.cumsum(corpus["lengths"])
@@ -66,8 +66,8 @@ def test_parts_concatenate_to_one_run(corpus, ranks, tmp_path):
     assert p0["num_tokens"] == int(ends[np.searchsorted(ends, 50_000)])
     assert p1["start"]["doc"] == p0["end"]["doc"] and p1["stop_reason"] == "part_size"
     assert p2["stop_reason"] == "end_of_stream"
-    both = _tokens(tmp_path / "p0", tmp_path / "p1", tmp_path / "p2")
-    np.testing.assert_array_equal(both, _tokens(tmp_path / "full"))
+    both = read_tokens(tmp_path / "p0", tmp_path / "p1", tmp_path / "p2")
+    np.testing.assert_array_equal(both, read_tokens(tmp_path / "full"))
     np.testing.assert_array_equal(both, corpus["expected"])
     assert p0["num_docs"] + p1["num_docs"] + p2["num_docs"] == full["num_docs"]
     # shard numbering continues across parts; only part 0 has the validation shard
@@ -75,7 +75,7 @@ def test_parts_concatenate_to_one_run(corpus, ranks, tmp_path):
     assert names == ["fineweb_val_000000.bin"] + [f"fineweb_train_{i:06d}.bin" for i in range(1, len(names))]
     assert p1["first_shard_index"] == len(p0["shards"])
     # part 1 of a finished stream: nothing left
-    code, err = _kernel_error(_kernel_args(corpus, ranks, tmp_path / "p3", "--part", "3", "--prev-dir",
+    code, err = kernel_error(kernel_args(corpus, ranks, tmp_path / "p3", "--part", "3", "--prev-dir",
                                            tmp_path / "p2"))
     assert code == 2 and "end of the stream" in err
 
@@ -83,18 +83,18 @@ def test_parts_concatenate_to_one_run(corpus, ranks, tmp_path):
 def test_output_budget_stops_cleanly_and_next_part_continues_mid_document(corpus, ranks, tmp_path):
     shard = 9_999  # odd size: shard ends fall inside documents
     gb = (3 * (1024 + 2 * shard) + 8000) / 1e9  # three shards and a manifest fit, four do not
-    p0 = _run(corpus, ranks, tmp_path / "p0", shard_size=shard, max_output_gb=gb)
+    p0 = run_tokenize(corpus, ranks, tmp_path / "p0", shard_size=shard, max_output_gb=gb)
     assert p0["complete"] and p0["stop_reason"] == "output_budget"
     assert [s["tokens"] for s in p0["shards"]] == [shard] * 3
     assert p0["summary"]["new_tokens"] == 3 * shard  # what reached shards, not what was read
     assert p0["end"]["offset"] > 0  # the part ends inside a document
     assert sum(f.stat().st_size for f in (tmp_path / "p0").iterdir()) <= gb * 1e9
-    p1 = _run(corpus, ranks, tmp_path / "p1", shard_size=shard, part=1, prev_dir=str(tmp_path / "p0"))
+    p1 = run_tokenize(corpus, ranks, tmp_path / "p1", shard_size=shard, part=1, prev_dir=str(tmp_path / "p0"))
     assert p1["stop_reason"] == "end_of_stream"
-    np.testing.assert_array_equal(_tokens(tmp_path / "p0", tmp_path / "p1"), corpus["expected"])
+    np.testing.assert_array_equal(read_tokens(tmp_path / "p0", tmp_path / "p1"), corpus["expected"])
     assert p0["num_docs"] + p1["num_docs"] == len(corpus["docs"])
     # running part 0 again in its directory: verified, nothing redone
-    again = _run(corpus, ranks, tmp_path / "p0", shard_size=shard, max_output_gb=gb)
+    again = run_tokenize(corpus, ranks, tmp_path / "p0", shard_size=shard, max_output_gb=gb)
     assert again["summary"]["new_tokens"] == 0 and again["shards"] == p0["shards"]
 
 
@@ -133,18 +133,18 @@ def test_hub_source_pins_its_revision_across_restarts_and_parts(monkeypatch, cor
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     monkeypatch.setattr(tc, "resolve_hub_revision", lambda dataset, revision: revision or "abc123")
     hub = dict(data_files="", dataset="org/corpus", config="sub", tokens_per_part=60_000)
-    p0 = _run(corpus, ranks, tmp_path / "p0", **hub)
+    p0 = run_tokenize(corpus, ranks, tmp_path / "p0", **hub)
     assert p0["source"] == {"kind": "hub", "dataset": "org/corpus", "config": "sub", "split": "train",
                             "revision": "abc123", "text_column": "text"}
     assert calls == [("org/corpus", "sub", "train", True, "abc123")]
-    again = _run(corpus, ranks, tmp_path / "p0", **hub)  # resumed without --revision: same pinned snapshot
+    again = run_tokenize(corpus, ranks, tmp_path / "p0", **hub)  # resumed without --revision: same pinned snapshot
     assert again["summary"]["new_tokens"] == 0
-    p1 = _run(corpus, ranks, tmp_path / "p1", part=1, prev_dir=str(tmp_path / "p0"), **hub)
+    p1 = run_tokenize(corpus, ranks, tmp_path / "p1", part=1, prev_dir=str(tmp_path / "p0"), **hub)
     assert p1["source"]["revision"] == "abc123" and calls[-1][-1] == "abc123"
     n = p0["num_tokens"] + p1["num_tokens"]
-    np.testing.assert_array_equal(_tokens(tmp_path / "p0", tmp_path / "p1"), corpus["expected"][:n])
+    np.testing.assert_array_equal(read_tokens(tmp_path / "p0", tmp_path / "p1"), corpus["expected"][:n])
     with pytest.raises(tc.UserError, match="another source"):
-        _run(corpus, ranks, tmp_path / "p1b", part=1, prev_dir=str(tmp_path / "p0"), revision="v2", **hub)
+        run_tokenize(corpus, ranks, tmp_path / "p1b", part=1, prev_dir=str(tmp_path / "p0"), revision="v2", **hub)
 
 
 def _forget_last_shards(out: Path, keep: int) -> None:
@@ -163,20 +163,20 @@ def test_restart_at_the_end_of_a_part(corpus, ranks, tmp_path):
     ends = np.cumsum(corpus["lengths"])
     i = next(i for i in range(100, len(ends)) if corpus["lengths"][i] > 20)
     target = int(ends[i]) - 7  # inside document i: the part ends with it, 7 tokens past its target
-    ref = _run(corpus, ranks, tmp_path / "ref", shard_size=target, tokens_per_part=target)
+    ref = run_tokenize(corpus, ranks, tmp_path / "ref", shard_size=target, tokens_per_part=target)
     assert [s["tokens"] for s in ref["shards"]] == [target, 7] and ref["end"] == {**ref["end"], "doc": i + 1}
     # killed after the first shard (which ends inside document i, at the target) was recorded
     out = tmp_path / "out"
-    _run(corpus, ranks, out, shard_size=target, tokens_per_part=target)
+    run_tokenize(corpus, ranks, out, shard_size=target, tokens_per_part=target)
     _forget_last_shards(out, keep=1)
-    again = _run(corpus, ranks, out, shard_size=target, tokens_per_part=target)
+    again = run_tokenize(corpus, ranks, out, shard_size=target, tokens_per_part=target)
     assert again["stop_reason"] == "part_size" and again["summary"]["new_tokens"] == 7
-    _assert_same_shards(out, tmp_path / "ref")
+    assert_same_shards(out, tmp_path / "ref")
     # killed after the last shard was recorded, before the manifest said complete
     _forget_last_shards(out, keep=2)
-    again = _run(corpus, ranks, out, shard_size=target, tokens_per_part=target)
+    again = run_tokenize(corpus, ranks, out, shard_size=target, tokens_per_part=target)
     assert again["stop_reason"] == "part_size" and again["summary"]["new_tokens"] == 0
-    _assert_same_shards(out, tmp_path / "ref")
+    assert_same_shards(out, tmp_path / "ref")
 
 
 def _stream_position(lengths: list[int], tokens: int) -> tuple[int, int]:
@@ -192,8 +192,8 @@ def test_parts_through_documents_longer_than_a_shard(enc, ranks, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    docs = _documents()[:40]
-    docs[3] = " ".join(_documents()[:150])  # thousands of tokens: several shards
+    docs = sample_documents()[:40]
+    docs[3] = " ".join(sample_documents()[:150])  # thousands of tokens: several shards
     docs[7] = docs[3][::-1]
     pq.write_table(pa.table({"text": docs}), tmp_path / "long.parquet")
     lengths = [1 + len(enc.encode_ordinary(d)) for d in docs]
@@ -204,7 +204,7 @@ def test_parts_through_documents_longer_than_a_shard(enc, ranks, tmp_path):
     dirs: list[Path] = []
     for part in range(100):
         dirs.append(tmp_path / f"p{part}")
-        m = _run(data, ranks, dirs[-1], shard_size=700, max_output_gb=gb, part=part,
+        m = run_tokenize(data, ranks, dirs[-1], shard_size=700, max_output_gb=gb, part=part,
                  prev_dir=str(dirs[-2]) if part else "")
         assert m["shards"], part
         if m["stop_reason"] == "end_of_stream":
@@ -212,7 +212,7 @@ def test_parts_through_documents_longer_than_a_shard(enc, ranks, tmp_path):
     assert 10 < len(dirs) < 100
     starts = [json.loads((d / MANIFEST).read_text())["start"] for d in dirs]
     assert sum(s["offset"] > 0 for s in starts) > 5  # parts that begin inside a document
-    np.testing.assert_array_equal(_tokens(*dirs), expected)
+    np.testing.assert_array_equal(read_tokens(*dirs), expected)
     written = 0
     for d in dirs:
         for shard in json.loads((d / MANIFEST).read_text())["shards"]:
@@ -227,11 +227,11 @@ def test_a_part_that_cannot_write_one_shard_is_an_error(corpus, ranks, tmp_path)
     gb = (1024 + 2 * 20_000 + MANIFEST_SLACK) / 1e9  # one shard passes the flag check, but not next to a manifest
     with pytest.raises(UserError, match=r"--max-output-gb 4.512e-05: no room for part 0's first shard "
                                         r"\(41,024 bytes\) next to its manifest"):
-        _run(corpus, ranks, tmp_path / "p0", max_output_gb=gb)
+        run_tokenize(corpus, ranks, tmp_path / "p0", max_output_gb=gb)
     assert not (tmp_path / "p0").exists()  # nothing left behind
-    p0 = _run(corpus, ranks, tmp_path / "ok", tokens_per_part=30_000)
+    p0 = run_tokenize(corpus, ranks, tmp_path / "ok", tokens_per_part=30_000)
     with pytest.raises(UserError, match="no room for part 1's first shard"):  # not a "complete" empty part
-        _run(corpus, ranks, tmp_path / "p1", part=1, prev_dir=str(tmp_path / "ok"), max_output_gb=gb)
+        run_tokenize(corpus, ranks, tmp_path / "p1", part=1, prev_dir=str(tmp_path / "ok"), max_output_gb=gb)
     assert not (tmp_path / "p1").exists() and p0["complete"]
 
 
@@ -242,12 +242,12 @@ def test_every_parquet_file_is_checked_for_the_text_column(corpus, ranks, tmp_pa
     pq.write_table(pa.table({"text": ["fine", "also fine"]}), tmp_path / "a-good.parquet")
     pq.write_table(pa.table({"text": [1, 2, 3]}), tmp_path / "b-ints.parquet")
     out = tmp_path / "out"
-    code, line = _kernel_error(_kernel_args({"parquet": str(tmp_path / "*.parquet")}, ranks, out))
+    code, line = kernel_error(kernel_args({"parquet": str(tmp_path / "*.parquet")}, ranks, out))
     assert code == 2 and line == (f"error: {tmp_path / 'b-ints.parquet'}: column 'text' holds int64, not text; "
                                   "see --text-column")
     (tmp_path / "b-ints.parquet").unlink()
     pq.write_table(pa.table({"body": ["x"]}), tmp_path / "c-body.parquet")
-    code, line = _kernel_error(_kernel_args({"parquet": str(tmp_path / "*.parquet")}, ranks, out))
+    code, line = kernel_error(kernel_args({"parquet": str(tmp_path / "*.parquet")}, ranks, out))
     assert code == 2 and f"{tmp_path / 'c-body.parquet'}: no text column 'text' (columns: body)" in line
     assert not out.exists()
 

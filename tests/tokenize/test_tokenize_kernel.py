@@ -15,12 +15,12 @@ import pytest
 from tokenize_fixtures import (
     KERNEL,
     ROOT,
-    _assert_same_shards,
-    _kernel_args,
-    _kernel_error,
-    _run,
-    _run_kernel,
-    _snapshot,
+    assert_same_shards,
+    kernel_args,
+    kernel_error,
+    run_kernel,
+    run_tokenize,
+    snapshot,
 )
 
 from shared.tokenize.manifest import MANIFEST
@@ -30,42 +30,42 @@ from shared.tokenize.part import CRASH_ENV
 def test_kernel_runs_as_a_script(corpus, ranks, tmp_path, reference):
     """`python kernels/tokenize.py` must not shadow the stdlib tokenize module that datasets needs."""
     out = tmp_path / "out"
-    proc = _run_kernel(*_kernel_args(corpus, ranks, out))
+    proc = run_kernel(*kernel_args(corpus, ranks, out))
     assert proc.returncode == 0, proc.stderr
     assert f"{reference[1]['num_tokens']:,} tokens" in proc.stdout
-    assert _snapshot(out).keys() == _snapshot(reference[0]).keys()
-    for name, data in _snapshot(reference[0]).items():
+    assert snapshot(out).keys() == snapshot(reference[0]).keys()
+    for name, data in snapshot(reference[0]).items():
         if name != MANIFEST:
-            assert _snapshot(out)[name] == data
+            assert snapshot(out)[name] == data
 
 
 def test_restart_after_kill_is_byte_identical(corpus, ranks, tmp_path, reference):
     out = tmp_path / "out"
     # killed right after moving its 2nd shard in, before recording it in the manifest
-    proc = _run_kernel(*_kernel_args(corpus, ranks, out, "--batch-docs", "41"), env={CRASH_ENV: "2"})
+    proc = run_kernel(*kernel_args(corpus, ranks, out, "--batch-docs", "41"), env={CRASH_ENV: "2"})
     assert proc.returncode == 137, proc.stderr
     manifest = json.loads((out / MANIFEST).read_text())
     assert not manifest["complete"] and len(manifest["shards"]) == 1
     assert (out / "fineweb_train_000001.bin").exists()  # moved in, not recorded: redone on restart
     # killed again, resumed from the middle of a parquet file
-    proc = _run_kernel(*_kernel_args(corpus, ranks, out, "--batch-docs", "41"), env={CRASH_ENV: "3"})
+    proc = run_kernel(*kernel_args(corpus, ranks, out, "--batch-docs", "41"), env={CRASH_ENV: "3"})
     assert proc.returncode == 137, proc.stderr
     assert len(json.loads((out / MANIFEST).read_text())["shards"]) == 3
     # a finished shard damaged while the run was down is found by its sha256 and redone
     with open(out / "fineweb_train_000002.bin", "r+b") as f:
         f.seek(2000)
         f.write(b"\x00\x01")
-    manifest = _run(corpus, ranks, out, batch_docs=41)
+    manifest = run_tokenize(corpus, ranks, out, batch_docs=41)
     assert manifest["summary"]["resumed"]
-    _assert_same_shards(out, reference[0])
+    assert_same_shards(out, reference[0])
 
 
 def test_restart_after_sigkill_at_a_random_moment(corpus, ranks, tmp_path, reference):
     """A real SIGKILL while the run is busy; the restart is byte-identical to an uninterrupted run."""
     ref = tmp_path / "ref"
-    _run(corpus, ranks, ref, shard_size=1_500, batch_docs=16)
+    run_tokenize(corpus, ranks, ref, shard_size=1_500, batch_docs=16)
     out = tmp_path / "out"
-    args = [sys.executable, str(KERNEL), *_kernel_args(corpus, ranks, out, "--shard-size", "1500", "--batch-docs",
+    args = [sys.executable, str(KERNEL), *kernel_args(corpus, ranks, out, "--shard-size", "1500", "--batch-docs",
                                                         "16")]
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -85,8 +85,8 @@ def test_restart_after_sigkill_at_a_random_moment(corpus, ranks, tmp_path, refer
         proc.wait()
     if killed:
         assert not json.loads((out / MANIFEST).read_text())["complete"]
-    _run(corpus, ranks, out, shard_size=1_500, batch_docs=16)
-    _assert_same_shards(out, ref)
+    run_tokenize(corpus, ranks, out, shard_size=1_500, batch_docs=16)
+    assert_same_shards(out, ref)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -118,7 +118,7 @@ def test_bad_input_is_one_line_and_loses_nothing(case, corpus, ranks, tmp_path, 
     bad = _bad_files(tmp_path)
     out = tmp_path / "out"
     out.mkdir()
-    args = _kernel_args(corpus, ranks, out)
+    args = kernel_args(corpus, ranks, out)
     expect = {
         "no_text_column": ([*args, "--data-files", bad["nocol"]], "no text column 'text' (columns: body)"),
         "garbage_file": ([*args, "--data-files", bad["garbage"]], "garbage.parquet: unreadable parquet file"),
@@ -142,11 +142,11 @@ def test_bad_input_is_one_line_and_loses_nothing(case, corpus, ranks, tmp_path, 
         out.rmdir()
         out = reference[0]
         argv = [a if a != str(tmp_path / "out") else str(out) for a in argv]
-    before = _snapshot(out)
-    code, line = _kernel_error(argv)
+    before = snapshot(out)
+    code, line = kernel_error(argv)
     assert code == 2
     assert message in line, line
-    assert _snapshot(out) == before
+    assert snapshot(out) == before
     if case in ("no_text_column", "garbage_file", "empty_file", "no_match", "part_without_prev",
                 "budget_below_one_shard", "tmp_dir_inside_out_dir"):
         assert not any(out.iterdir())  # refused before creating anything
@@ -156,7 +156,7 @@ def test_bad_input_from_the_command_line_exits_2(corpus, ranks, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.bin").write_bytes(b"precious")
-    proc = _run_kernel(*_kernel_args(corpus, ranks, out))
+    proc = run_kernel(*kernel_args(corpus, ranks, out))
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith("error: --out-dir")
     assert (out / "keep.bin").read_bytes() == b"precious" and len(list(out.iterdir())) == 1

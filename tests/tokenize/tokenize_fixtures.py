@@ -40,7 +40,7 @@ def enc(ranks):
     return gpt2_encoding(ranks)
 
 
-def _documents() -> list:
+def sample_documents() -> list:
     """Real English text: the paragraphs of Python's help topics, plus a few awkward documents."""
     from pydoc_data.topics import topics
 
@@ -55,7 +55,7 @@ def corpus(tmp_path_factory, enc):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    docs = _documents()
+    docs = sample_documents()
     root = tmp_path_factory.mktemp("corpus")
     cuts = [0, 900, 1900, len(docs)]
     for i in range(3):
@@ -78,18 +78,18 @@ def corpus(tmp_path_factory, enc):
     }
 
 
-def _cfg(corpus, ranks, out_dir, **kw) -> TokenizeConfig:
+def tokenize_config(corpus, ranks, out_dir, **kw) -> TokenizeConfig:
     base = dict(data_files=corpus["parquet"], out_dir=str(out_dir), shard_size=20_000, processes=1, batch_docs=64,
                 ranks_path=ranks, progress=False)
     base.update(kw)
     return TokenizeConfig(**base)
 
 
-def _run(corpus, ranks, out_dir, **kw) -> dict:
-    return tokenize_part(_cfg(corpus, ranks, out_dir, **kw), log=lambda msg: None)
+def run_tokenize(corpus, ranks, out_dir, **kw) -> dict:
+    return tokenize_part(tokenize_config(corpus, ranks, out_dir, **kw), log=lambda msg: None)
 
 
-def _tokens(*dirs) -> np.ndarray:
+def read_tokens(*dirs) -> np.ndarray:
     """The tokens of the parts in `dirs`, in manifest order, concatenated."""
     out = []
     for d in dirs:
@@ -98,16 +98,16 @@ def _tokens(*dirs) -> np.ndarray:
     return np.concatenate(out) if out else np.zeros(0, np.uint16)
 
 
-def _snapshot(path: Path) -> dict:
+def snapshot(path: Path) -> dict:
     return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
 
 
-def _kernel_args(corpus, ranks, out_dir, *extra) -> list:
+def kernel_args(corpus, ranks, out_dir, *extra) -> list:
     return ["--data-files", corpus["parquet"], "--out-dir", str(out_dir), "--shard-size", "20000",
             "--processes", "1", "--batch-docs", "64", "--ranks-path", ranks, "--no-progress", *extra]
 
 
-def _run_kernel(*args, env=None, timeout=120) -> subprocess.CompletedProcess:
+def run_kernel(*args, env=None, timeout=120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(KERNEL), *map(str, args)], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, **(env or {})}, timeout=timeout)
 
@@ -116,12 +116,12 @@ def _run_kernel(*args, env=None, timeout=120) -> subprocess.CompletedProcess:
 def reference(tmp_path_factory, corpus, ranks):
     """One uninterrupted run of the whole corpus (parquet input, 20k-token shards)."""
     out = tmp_path_factory.mktemp("reference")
-    manifest = _run(corpus, ranks, out)
+    manifest = run_tokenize(corpus, ranks, out)
     return out, manifest
 
 
-def _assert_same_shards(out: Path, ref: Path) -> None:
-    got, want = _snapshot(out), _snapshot(ref)
+def assert_same_shards(out: Path, ref: Path) -> None:
+    got, want = snapshot(out), snapshot(ref)
     assert sorted(got) == sorted(want)
     for name in want:
         if name != MANIFEST:
@@ -133,15 +133,15 @@ def _assert_same_shards(out: Path, ref: Path) -> None:
         m_want["num_tokens"], m_want["num_docs"], m_want["end"]["doc"])
 
 
-def _load_kernel():
+def load_kernel():
     spec = importlib.util.spec_from_file_location("tokenize_kernel", KERNEL)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def _kernel_error(argv) -> tuple[int, str]:
-    kernel = _load_kernel()
+def kernel_error(argv) -> tuple[int, str]:
+    kernel = load_kernel()
     err = io.StringIO()
     with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exc:
         run_cli(lambda: kernel.main([str(a) for a in argv]))
