@@ -64,6 +64,10 @@ class Chain:
         if cfg.total_steps <= max(final, int(data.get("total_steps") or 0)):
             raise UserError(f"this chain is already finished (step {final} of total_steps {cfg.total_steps}; results "
                             f"in {self.workdir}); raise total_steps to train further")
+        used = len(data.get("train_sessions") or [])
+        if cfg.max_train_sessions and used >= cfg.max_train_sessions:
+            raise UserError(f"this chain has used its max_train_sessions ({used} of {cfg.max_train_sessions}); raise "
+                            f"it too to train on to total_steps {cfg.total_steps}")
         earlier = data.pop("eval", None)
         if earlier:
             kept = self.workdir / f"eval-{checkpoint_name(final)}"

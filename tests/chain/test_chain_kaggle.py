@@ -218,6 +218,14 @@ def test_a_finished_chain_trains_on_only_once_total_steps_is_raised_and_keeps_it
             chain.run()
         assert str(err.value) == (f"this chain is already finished (step 4 of total_steps {total}; results in "
                                   f"{tmp_path}); raise total_steps to train further")
+    (tmp_path / "state.json").write_text(json.dumps({**done, "train_sessions": [{"n": 1}, {"n": 2}]}))
+    chain = Chain(config_from_dict({**BASE, "total_steps": 8, "max_train_sessions": 2}), tmp_path, api=None,
+                  log=lambda _: None)
+    with pytest.raises(UserError) as err:
+        chain.reopen()
+    assert str(err.value) == ("this chain has used its max_train_sessions (2 of 2); raise it too to train on to "
+                              "total_steps 8")
+    (tmp_path / "state.json").write_text(json.dumps(done))
     lines = []
     chain = Chain(config_from_dict({**BASE, "total_steps": 8}), tmp_path, api=None, log=lines.append)
     chain.reopen()
