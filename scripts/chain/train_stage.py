@@ -144,8 +144,6 @@ class TrainStage:
         version = self.session_version(ckpt_ref, before, record)
         step = dataset_step(ctx, ckpt_ref, version)
         out_step, start = record.get("step") or 0, record.get("start_step")
-        if start is not None and start < sess["step_before"]:
-            info["start_step"] = start  # --extend: it trained on from the stable phase, below the dataset's step
         # The session saved a checkpoint the dataset lacks (newer, or --extend's, below the step it saw): publish it.
         extended = start is not None and start < out_step and version == before and start < step
         if out_step > step or extended:
@@ -158,6 +156,8 @@ class TrainStage:
             info["published_by"] = "session"
         if version > before:
             note_version(ctx, version, delete_old)
+            if start is not None and start < sess["step_before"]:
+                info["start_step"] = start  # --extend: it trained on from the stable phase, below the dataset's step
         info["ckpt_version_after"] = version
         return version, max(step, 0), info
 

@@ -122,6 +122,54 @@ def test_a_publish_that_reports_success_but_never_appears_is_caught(local_kaggle
         "Initial release", "checkpoint at step 40 (published by the chain)"]
 
 
+EXTENDED_OUTPUT = """
+import hashlib, json
+from pathlib import Path
+folder = Path("train/checkpoints/step_000035")
+folder.mkdir(parents=True)
+(folder / "model.safetensors").write_bytes(b"extended" * 10)
+files = {"model.safetensors": {"bytes": 80, "sha256": hashlib.sha256(b"extended" * 10).hexdigest()}}
+(folder / "checkpoint.json").write_text(json.dumps({"format": 1, "step": 35, "files": files}))
+Path("publish.json").write_text(json.dumps({"dataset": %r, "step": %d, "start_step": 30, "published": False,
+                                            "reason": "no secrets"}))
+"""
+
+
+def test_an_extending_session_it_must_publish_goes_out_with_the_carried_stable_phase_checkpoint(local_kaggle,
+                                                                                                tmp_path):
+    """The dataset holds step 40 (a finished, decayed run) and its stable-phase checkpoint, step 30. A session
+    extending from 30 to 35 could not publish: the chain publishes 35 from its output, with step 30 carried
+    over from the version before, and counts its progress from 30. One that trained nothing made none."""
+    import hashlib
+
+    lk = local_kaggle
+    stable = b"stable" * 10
+    stable_manifest = {"format": 1, "step": 30, "files": {
+        "model.safetensors": {"bytes": len(stable), "sha256": hashlib.sha256(stable).hexdigest()}}}
+    add_version(lk, tmp_path, CKPT, {"checkpoint.json": manifest(40), "stable__checkpoint.json":
+                                     json.dumps(stable_manifest), "stable__model.safetensors": stable})
+    for n, step in ((1, 35), (2, 30)):
+        ref = f"alice/unit-run-train{n}"
+        lk.cli("kernels", "push", "-p", str(write_kernel(tmp_path / f"k{n}", ref, EXTENDED_OUTPUT % (CKPT, step))))
+        assert lk.wait(ref) == ("COMPLETE", None)
+    out, log = probe(lk, tmp_path, """
+        from scripts.chain.train_stage import start_of
+        for n in (2, 1):  # each the first session after the finished run
+            sess = {"n": n, "key": f"train-{n}", "version": 1, "ckpt_version": 1, "step_before": 40}
+            version, step, info = chain.train.after_session(f"alice/unit-run-train{n}", sess, CKPT)
+            sess.update(info, step_after=step)
+            out[n] = [version, step, info.get("published_by"), start_of(sess)]
+    """)
+    assert out == {"1": [2, 35, "chain", 30], "2": [1, 40, None, 40]}  # 35 > 30: progress; 40 > 40: none
+    assert "publishing step 35 with the stable phase's step_000030 from the kernel output (no secrets)" in log
+    (_, newest) = lk.app.state["datasets"][CKPT]["versions"]
+    folder = lk.root / "datasets" / "alice" / CKPT.split("/")[1] / str(newest["number"])
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "checkpoint.json", "model.safetensors", "stable__checkpoint.json", "stable__model.safetensors"]
+    assert (folder / "stable__model.safetensors").read_bytes() == stable
+    assert (folder / "model.safetensors").read_bytes() == b"extended" * 10
+
+
 @pytest.mark.parametrize(("keep", "deleted", "live"), [
     (2, [False, True, False, True], [5]),
     (1, [True, True, True, True], [5]),
