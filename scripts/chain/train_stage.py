@@ -17,6 +17,7 @@ from scripts.chain.checkpoints import (
     dataset_head,
     dataset_step,
     delete_old_on_publish,
+    download_dataset_file,
     ensure_checkpoint_dataset,
     note_version,
     publish_from_output,
@@ -28,22 +29,31 @@ from scripts.chain.hellaswag import ensure_hellaswag_dataset, hellaswag_settings
 from scripts.chain.limits import MACHINE_SHAPES
 from scripts.chain.tokenize_stage import data_sources
 from shared.errors import UserError
-from shared.kaggle.publish import PUBLISH_RECORD
+from shared.kaggle.publish import PUBLISH_RECORD, encode_name
+from shared.train.checkpoint_names import STABLE_DIR, STATE_FILE
 
 
 class TrainStage:
     def __init__(self, ctx: StageContext):
         self.ctx = ctx
         self.cfg = ctx.cfg
+        self.extend_from: int | None = None  # train.extend: the step the next session resumes from, once said
 
     def check_work_left(self) -> tuple[int, int]:
         """(current version, step) of the checkpoint dataset; a chain that has trained nothing yet and finds it at
-        total_steps already is one line (before anything is pushed)."""
+        total_steps already is one line (before anything is pushed), and so is a train.extend that no checkpoint
+        of that version agrees with."""
         ckpt_ref = self.ctx.ref(self.cfg.slug("checkpoints"))
         version, step = dataset_head(self.ctx, ckpt_ref)
         if step >= self.cfg.total_steps and not self.ctx.state.data["train_sessions"]:
             raise UserError(f"nothing to train: checkpoint dataset {ckpt_ref} already holds step {step} of "
                             f"total_steps {self.cfg.total_steps} (raise total_steps to train further)")
+        if self.cfg.train.get("extend") and step:
+            start = extend_start(self.ctx, ckpt_ref, version, self.cfg)
+            if start < step and start != self.extend_from:
+                self.extend_from = start
+                self.ctx.log(f"train.extend: the next session trains on from step {start}, where the stable phase "
+                             f"ended (version {version} of {ckpt_ref} carries it beside step {step})")
         return version, step
 
     def run(self) -> None:
@@ -215,6 +225,29 @@ class TrainStage:
                       f"(~{int(quota[0] // cfg.session_limit_s)} sessions)") if quota else ""
         ctx.log(f"  ~{left} more session(s){quota_text}")
         ctx.log(f"  logs: {sess.get('logs') or ''}  metrics: {metrics}  plot: {ctx.workdir / 'loss.png'}")
+
+
+def extend_start(ctx: StageContext, ref: str, version: int, cfg: ChainConfig) -> int:
+    """The step a train.extend session resumes from, as its trainer will choose it (shared/train/trainer.py
+    `resume_point`): the newer of version `version`'s checkpoint and the stable-phase one it carries that agrees
+    with the longer schedule. Neither agreeing is one line here, before any session is pushed."""
+    from shared.config import TrainConfig
+    from shared.train.optim import same_schedule_until, saved_schedule
+
+    train = TrainConfig(**{**cfg.train, "max_steps": cfg.total_steps})
+    seen = []
+    for prefix in ("", encode_name(f"{STABLE_DIR}/")):
+        state_file = ctx.workdir / "dataset-probe" / f"{prefix}{STATE_FILE}"
+        if download_dataset_file(ctx, ref, version, prefix + STATE_FILE, state_file):
+            was, step = saved_schedule(train, json.loads(state_file.read_text()))
+            seen.append((step, was, same_schedule_until(was, train, step)))
+    agreeing = [step for step, _, agrees in seen if agrees]
+    if not agreeing:
+        found = "; ".join(f"step {step} of a {was.max_steps}-step {was.schedule} schedule" for step, was, _ in seen)
+        raise UserError(f"train.extend: no checkpoint in version {version} of {ref} agrees with total_steps "
+                        f"{cfg.total_steps} ({found or 'none found'}): its decay must start after the stable phase "
+                        "the run kept (docs/recipe.md section 6)")
+    return max(agreeing)
 
 
 def start_of(sess: dict) -> int:

@@ -211,6 +211,13 @@ def same_schedule_until(a: TrainConfig, b: TrainConfig, steps: int) -> bool:
     return torch.equal(schedule_table(a, steps), schedule_table(b, steps))
 
 
+def saved_schedule(cfg: TrainConfig, state: dict) -> tuple[TrainConfig, int]:
+    """(the schedule a checkpoint was trained on, as `cfg` with its saved schedule fields, and its step), from its
+    state.json's contents."""
+    saved = state.get("config", {}).get("train", {})
+    return dataclasses.replace(cfg, **{k: saved[k] for k in SCHEDULE_FIELDS if k in saved}), int(state.get("step", 0))
+
+
 def stable_phase_end(cfg: TrainConfig) -> int | None:
     """wsd: the step where the stable phase ends, the first whose update a longer run would make differently (its
     checkpoint holds every full-LR update and none decayed); None for cosine, or where the decay starts at once."""

@@ -37,7 +37,6 @@ from shared.train.device import Runtime, make_runtime, runtime_versions
 from shared.train.metrics import BackgroundCalls, MetricsLogger, plot_loss
 from shared.train.model import GPT
 from shared.train.optim import (
-    SCHEDULE_FIELDS,
     clip_grad_norm,
     lr_at,
     make_optimizer,
@@ -45,6 +44,7 @@ from shared.train.optim import (
     optimizer_of_state,
     optimizer_tensors,
     same_schedule_until,
+    saved_schedule,
     stable_phase_end,
 )
 from shared.train.tpu import micro_batch_for
@@ -161,9 +161,7 @@ def resume_point(cfg: TrainConfig, ckpt_root: Path, log=print) -> LoadedCheckpoi
     passed_over: dict[Path, str] = {}
 
     def superseded(path: Path) -> bool:
-        state = saved_state(path)
-        saved, step = state.get("config", {}).get("train", {}), int(state.get("step", 0))
-        was = dataclasses.replace(cfg, **{k: saved[k] for k in SCHEDULE_FIELDS if k in saved})
+        was, step = saved_schedule(cfg, saved_state(path))
         if same_schedule_until(was, cfg, step):
             return False
         passed_over[path] = f"step {step} of a {was.max_steps}-step {was.schedule} schedule"

@@ -170,6 +170,38 @@ def test_an_extending_session_it_must_publish_goes_out_with_the_carried_stable_p
     assert (folder / "model.safetensors").read_bytes() == b"extended" * 10
 
 
+def test_train_extend_is_checked_against_the_dataset_before_any_session(local_kaggle, tmp_path):
+    """The dataset holds a finished 4-step wsd run (step 4) and its stable-phase checkpoint (step 3): extended to 8
+    steps, the next session will resume from 3 (said once); with a decay that would start before step 3, neither
+    agrees, and that is one line before anything is pushed (the session would stop at its start)."""
+    lk = local_kaggle
+    saved = {"schedule": "wsd", "max_steps": 4, "warmup_steps": 1, "cooldown_frac": 0.5}
+    add_version(lk, tmp_path, CKPT, {
+        "checkpoint.json": manifest(4), "state.json": json.dumps({"step": 4, "config": {"train": saved}}),
+        "stable__checkpoint.json": manifest(3),
+        "stable__state.json": json.dumps({"step": 3, "config": {"train": saved}})})
+    train = {"preset": "tiny", "seq_len": 32, "micro_batch": 8, "total_batch_tokens": 256, "schedule": "wsd",
+             "warmup_steps": 1, "cooldown_frac": 0.5}
+    out, log = probe(lk, tmp_path, """
+        chain.cfg.train = {**chain.cfg.train, "extend": True}  # (the probe's config is written as Python)
+        out["work"] = chain.train.check_work_left()
+        chain.train.check_work_left()
+        chain.cfg.train = {**chain.cfg.train, "cooldown_frac": 0.9}
+        try:
+            chain.train.check_work_left()
+        except UserError as err:
+            out["error"] = str(err)
+    """, total_steps=8, train=train)
+    assert out["work"] == [1, 4]
+    assert log.count("train.extend:") == 1 and (
+        f"train.extend: the next session trains on from step 3, where the stable phase ended (version 1 of {CKPT} "
+        "carries it beside step 4)") in log
+    assert out["error"] == (
+        f"train.extend: no checkpoint in version 1 of {CKPT} agrees with total_steps 8 (step 4 of a 4-step wsd "
+        "schedule; step 3 of a 4-step wsd schedule): its decay must start after the stable phase the run kept "
+        "(docs/recipe.md section 6)")
+
+
 @pytest.mark.parametrize(("keep", "deleted", "live"), [
     (2, [False, True, False, True], [5]),
     (1, [True, True, True, True], [5]),
