@@ -86,20 +86,28 @@ def test_a_stale_dataset_status_after_a_publish_is_waited_out_and_the_new_versio
 SESSION_OUTPUT = """
 import hashlib, json
 from pathlib import Path
-folder = Path("train/checkpoints/step_000040")
+step, weights, record = {step!r}, {weights!r}, {record!r}
+folder = Path(f"train/checkpoints/step_{{step:06d}}")
 folder.mkdir(parents=True)
-(folder / "model.safetensors").write_bytes(b"weights" * 10)
-files = {"model.safetensors": {"bytes": 70, "sha256": hashlib.sha256(b"weights" * 10).hexdigest()}}
-(folder / "checkpoint.json").write_text(json.dumps({"format": 1, "step": 40, "files": files}))
-Path("publish.json").write_text(json.dumps({"dataset": %r, "step": 40, "published": True}))
+(folder / "model.safetensors").write_bytes(weights)
+files = {{"model.safetensors": {{"bytes": len(weights), "sha256": hashlib.sha256(weights).hexdigest()}}}}
+(folder / "checkpoint.json").write_text(json.dumps({{"format": 1, "step": step, "files": files}}))
+Path("publish.json").write_text(json.dumps(record))
 """
+
+
+def session_output(saved_step: int, weights: bytes, **record) -> str:
+    """A session's code that leaves checkpoint `saved_step` (its one file holding `weights`) in its output and
+    `record` as its publish.json."""
+    return SESSION_OUTPUT.format(step=saved_step, weights=weights, record={"dataset": CKPT, **record})
 
 
 def test_a_publish_that_reports_success_but_never_appears_is_caught(local_kaggle, tmp_path):
     lk = local_kaggle
     add_version(lk, tmp_path, CKPT, {"README.md": "no checkpoint yet"})
     # A session that says it published step 40 (Kaggle answered "Ok"), with nothing new on the dataset.
-    lk.cli("kernels", "push", "-p", str(write_kernel(tmp_path / "k", "alice/unit-run-train", SESSION_OUTPUT % CKPT)))
+    lk.cli("kernels", "push", "-p", str(write_kernel(tmp_path / "k", "alice/unit-run-train",
+                                                      session_output(40, b"weights" * 10, step=40, published=True))))
     assert lk.wait("alice/unit-run-train") == ("COMPLETE", None)
     lk.app.inject("lost_publish", dataset=CKPT, count=1)  # and the chain's own publish is answered "Ok" too
     out, log = probe(lk, tmp_path, """
@@ -122,17 +130,6 @@ def test_a_publish_that_reports_success_but_never_appears_is_caught(local_kaggle
         "Initial release", "checkpoint at step 40 (published by the chain)"]
 
 
-EXTENDED_OUTPUT = """
-import hashlib, json
-from pathlib import Path
-folder = Path("train/checkpoints/step_000035")
-folder.mkdir(parents=True)
-(folder / "model.safetensors").write_bytes(b"extended" * 10)
-files = {"model.safetensors": {"bytes": 80, "sha256": hashlib.sha256(b"extended" * 10).hexdigest()}}
-(folder / "checkpoint.json").write_text(json.dumps({"format": 1, "step": 35, "files": files}))
-Path("publish.json").write_text(json.dumps({"dataset": %r, "step": %d, "start_step": 30, "published": False,
-                                            "reason": "no secrets"}))
-"""
 
 
 def test_an_extending_session_it_must_publish_goes_out_with_the_carried_stable_phase_checkpoint(local_kaggle,
@@ -150,7 +147,8 @@ def test_an_extending_session_it_must_publish_goes_out_with_the_carried_stable_p
                                      json.dumps(stable_manifest), "stable__model.safetensors": stable})
     for n, step in ((1, 35), (2, 30)):
         ref = f"alice/unit-run-train{n}"
-        lk.cli("kernels", "push", "-p", str(write_kernel(tmp_path / f"k{n}", ref, EXTENDED_OUTPUT % (CKPT, step))))
+        code = session_output(35, b"extended" * 10, step=step, start_step=30, published=False, reason="no secrets")
+        lk.cli("kernels", "push", "-p", str(write_kernel(tmp_path / f"k{n}", ref, code)))
         assert lk.wait(ref) == ("COMPLETE", None)
     out, log = probe(lk, tmp_path, """
         from scripts.chain.train_stage import start_of
