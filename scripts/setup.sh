@@ -14,7 +14,8 @@ UV_VERSION=0.13.9
 # takes its disk once, not once per virtualenv (three with --kaggle-image: about 11 GB in all instead of 23). The
 # cache sits under build/, on the virtualenvs' disk, as hard links need (elsewhere uv copies, and /tmp may be a
 # small tmpfs).
-export UV_CACHE_DIR="$PWD/build/uv-cache" UV_LINK_MODE=hardlink UV_NO_PROGRESS=1
+# UV_NATIVE_TLS: the system's certificates, as pip uses them (a company proxy's own CA included).
+export UV_CACHE_DIR="$PWD/build/uv-cache" UV_LINK_MODE=hardlink UV_NO_PROGRESS=1 UV_NATIVE_TLS=1
 export TMPDIR="$PWD/build/setup-tmp"
 mkdir -p "$TMPDIR"
 trap 'rm -rf "$TMPDIR"' EXIT
