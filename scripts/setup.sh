@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 UV_VERSION=0.13.9
 # uv installs each wheel once into its cache and hard-links it into every virtualenv: torch's CUDA build with its
-# nvidia wheels (about 7 GB unpacked; all but one nvidia wheel the same version for torch 2.8.0 and 2.9.0) then
+# nvidia wheels (about 7 GB unpacked; torch 2.8.0's are 2.9.0's versions but for nccl) then
 # takes its disk once, not once per virtualenv (three with --kaggle-image: about 11 GB in all instead of 23). The
 # cache sits under build/, on the virtualenvs' disk, as hard links need (elsewhere uv copies, and /tmp may be a
 # small tmpfs).
