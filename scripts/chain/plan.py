@@ -207,6 +207,10 @@ def plan_lines(cfg: ChainConfig, plan: dict, source: str = "") -> list[str]:
         lines.append(f"          every {train.eval_every} steps: validation loss and HellaSwag on "
                      f"{train.hellaswag_examples or 'all'} examples ({cfg.hellaswag or train.hellaswag_file}), "
                      "plotted beside the loss")
+    if train.extend:
+        lines.append("          train.extend: a finished or decaying run trains on from the stable-phase checkpoint "
+                     "its dataset carries (the chain names the step before pushing); the steps and hours here "
+                     "count the whole run from step 0")
     if cfg.eval.get("enabled", True):
         ev = _eval_config(cfg)
         lines.append(f"eval      {cfg.eval.get('accelerator', cfg.accelerator) or 'CPU'}: validation loss on "

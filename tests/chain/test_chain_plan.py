@@ -257,3 +257,19 @@ def test_a_tokenize_part_that_would_start_past_the_corpus_end_is_refused():
         config_from_dict({**raw, "tokenize": {"parts": 3}})
     assert config_from_dict({**raw, "tokenize": {"parts": 11, "settings": {"config": "sample-100BT"}}})
     assert config_from_dict({**raw, "tokenize": {"parts": 2}})
+
+
+def test_plan_of_a_wsd_run_counts_the_stable_phase_checkpoint_and_says_what_extend_does(tmp_path):
+    raw = json.loads((REPO / "examples" / "chain-gpt2-124m-muon.json").read_text())
+    raw = {k: v for k, v in raw.items() if not k.startswith("_")}
+    for extend in (False, True):
+        cfg = config_from_dict({**raw, "train": {**raw["train"], "extend": extend}})
+        lines: list[str] = []
+        print_plan(cfg, log=lines.append, with_quota=False, measured_path=_no_measurement(tmp_path))
+        (checkpoint,) = [line for line in lines if line.startswith("checkpoint  ")]
+        assert checkpoint.endswith("and from the end of the stable phase the checkpoint kept there beside it "
+                                   "(train.extend trains on from it): 3.0 GB a version)")
+        (session,) = [line for line in lines if line.startswith("margin      session: ")]
+        assert f"the upload alone ~{2 * cfg.checkpoint_bytes / 10e6:.0f} s" in session  # both checkpoints
+        said = [line for line in lines if "train.extend: a finished or decaying run trains on" in line]
+        assert len(said) == int(extend)
