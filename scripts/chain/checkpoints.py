@@ -15,6 +15,7 @@ from shared.fsutil import sha256_file
 from shared.kaggle.publish import (
     MANIFEST,
     PLACEHOLDER_FILE,
+    STABLE_PREFIX,
     checkpoint_step,
     encode_name,
     publish_checkpoint,
@@ -58,10 +59,9 @@ def download_dataset_file(ctx: StageContext, ref: str, version: int, name: str, 
 def carried_stable(ctx: StageContext, ref: str, version: int, dest: Path) -> Path | None:
     """The stable-phase checkpoint that version `version` of the dataset carries (`stable__<file>`), downloaded
     into `dest/step_NNNNNN/`; None where it carries none."""
-    prefix = encode_name(f"{STABLE_DIR}/")
     shutil.rmtree(dest, ignore_errors=True)
     manifest = dest / MANIFEST
-    if not version or not download_dataset_file(ctx, ref, version, prefix + MANIFEST, manifest):
+    if not version or not download_dataset_file(ctx, ref, version, STABLE_PREFIX + MANIFEST, manifest):
         return None
     step = checkpoint_step(dest)
     if step is None:
@@ -69,7 +69,7 @@ def carried_stable(ctx: StageContext, ref: str, version: int, dest: Path) -> Pat
     folder = dest / checkpoint_name(step)
     for name in json.loads(manifest.read_text()).get("files", {}):
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
-        if not download_dataset_file(ctx, ref, version, prefix + encode_name(name), folder / name):
+        if not download_dataset_file(ctx, ref, version, STABLE_PREFIX + encode_name(name), folder / name):
             return None
     folder.mkdir(parents=True, exist_ok=True)
     manifest.rename(folder / MANIFEST)

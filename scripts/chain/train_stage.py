@@ -29,8 +29,8 @@ from scripts.chain.hellaswag import ensure_hellaswag_dataset, hellaswag_settings
 from scripts.chain.limits import MACHINE_SHAPES
 from scripts.chain.tokenize_stage import data_sources
 from shared.errors import UserError
-from shared.kaggle.publish import PUBLISH_RECORD, encode_name
-from shared.train.checkpoint_names import STABLE_DIR, STATE_FILE
+from shared.kaggle.publish import PUBLISH_RECORD, STABLE_PREFIX
+from shared.train.checkpoint_names import STATE_FILE
 
 
 class TrainStage:
@@ -236,7 +236,7 @@ def extend_start(ctx: StageContext, ref: str, version: int, cfg: ChainConfig) ->
 
     train = TrainConfig(**{**cfg.train, "max_steps": cfg.total_steps})
     seen = []
-    for prefix in ("", encode_name(f"{STABLE_DIR}/")):
+    for prefix in ("", STABLE_PREFIX):
         state_file = ctx.workdir / "dataset-probe" / f"{prefix}{STATE_FILE}"
         if download_dataset_file(ctx, ref, version, prefix + STATE_FILE, state_file):
             was, step = saved_schedule(train, json.loads(state_file.read_text()))

@@ -54,6 +54,7 @@ def manifest_step(path: str | os.PathLike) -> int | None:
 
 # A dataset is a flat list of files; a checkpoint's subfolders (e.g. xla_cache/) travel as "xla_cache__<file>".
 NESTED_SEP = "__"
+STABLE_PREFIX = STABLE_DIR + NESTED_SEP  # a dataset's stable-phase checkpoint files: stable__<file>
 
 
 def encode_name(rel: str) -> str:
@@ -213,7 +214,7 @@ def publish_checkpoint(api, ckpt_dir: str | os.PathLike, dataset: str, work_dir:
         raise UserError(f"{ckpt_dir}: not a checkpoint (no readable {MANIFEST})")
     files = checkpoint_files(ckpt_dir)
     if stable is not None:
-        files += [(f, encode_name(f"{STABLE_DIR}/") + name) for f, name in checkpoint_files(stable)]
+        files += [(f, STABLE_PREFIX + name) for f, name in checkpoint_files(stable)]
     folder = write_dataset_folder(Path(work_dir) / "gpt2k-publish", dataset, title, files)
     action = push_dataset_folder(api, folder, dataset, notes or f"checkpoint at step {step}", delete_old_versions)
     shutil.rmtree(folder, ignore_errors=True)
