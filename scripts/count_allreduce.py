@@ -3,6 +3,7 @@ dump of the compiled (SPMD-partitioned, optimized) step graph.
 
     python scripts/count_allreduce.py                       # tiny, accumulation 4, on 8 XLA CPU devices
     python scripts/count_allreduce.py --preset gpt2 --seq-len 128
+    python scripts/count_allreduce.py --torch-xla-accum     # the same with torch_xla's gradient_accumulation
     python scripts/count_allreduce.py --hlo some_after_optimizations.txt   # count an existing dump
 
 It trains 2 steps with XLA_FLAGS=--xla_dump_to (set before torch_xla starts), takes the largest optimized module
@@ -93,7 +94,7 @@ def step_module(dump_dir: Path) -> Path:
     return max(candidates, key=lambda p: p.stat().st_size)
 
 
-def train_and_dump(preset: str, seq_len: int, accum: int, dump_dir: Path) -> None:
+def train_and_dump(preset: str, seq_len: int, accum: int, dump_dir: Path, torch_xla_accum: bool = False) -> None:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump_dir} --xla_dump_hlo_as_text"
                                " --xla_dump_hlo_pass_re=^$").strip()
     from shared.train.tpu import default_xla_env
@@ -107,6 +108,7 @@ def train_and_dump(preset: str, seq_len: int, accum: int, dump_dir: Path) -> Non
     from shared.train.trainer import train
 
     runtime = make_runtime("xla")
+    runtime.accum_impl = "torch_xla" if torch_xla_accum else "own"
     micro = runtime.num_devices
     data = dump_dir.parent / "data"
     write_random_shards(data, 4 * micro * seq_len * accum + 1, GPT2_VOCAB_SIZE)
@@ -123,16 +125,19 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--accum", type=int, default=4)
     parser.add_argument("--hlo", default="", help="count this HLO text file instead of training")
+    parser.add_argument("--torch-xla-accum", action="store_true",
+                        help="train with torch_xla's gradient_accumulation helper instead of the project's loop")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="count-allreduce-") as tmp:
         if args.hlo:
             path = Path(args.hlo)
         else:
             dump = Path(tmp) / "dump"
-            train_and_dump(args.preset, args.seq_len, args.accum, dump)
+            train_and_dump(args.preset, args.seq_len, args.accum, dump, args.torch_xla_accum)
             path = step_module(dump)
         counts = count_all_reduces(path.read_text())
-        what = f"{args.preset}, T={args.seq_len}, accumulation {args.accum}" if not args.hlo else str(path)
+        loop = "torch_xla's gradient_accumulation" if args.torch_xla_accum else "the project's loop"
+        what = f"{args.preset}, T={args.seq_len}, accumulation {args.accum}, {loop}" if not args.hlo else str(path)
         print(f"step module: {path.name} ({what})")
         print(f"While loops: {counts['loops']}")
         print(f"all-reduces inside the loop (each run once per micro-step): {counts['in_loop']}, "

@@ -96,10 +96,6 @@ def delete_old_on_publish(ctx: StageContext, current: int) -> bool:
     version at once, so the publish that would leave more than keep_dataset_versions deletes them all
     (docs/kaggle-api.md, Checkpoint dataset versions)."""
     keep = ctx.cfg.keep_dataset_versions
-    if str(ctx.cfg.train.get("checkpoint_dir", "")).startswith("{temp}"):
-        # The delete happens before the new version is verified, and a checkpoint kept in /kaggle/temp has no copy
-        # in the session's output to publish again: a failed version would leave no checkpoint anywhere.
-        return False
     return keep > 0 and len(known_versions(ctx, current)) + 1 > keep
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from scripts.chain.config import ClientConfig
 from shared.errors import UserError, describe_error
+from shared.kaggle.publish import parse_dataset_status, wait_for_new_version
 
 TRANSIENT_STATUS = {408, 425, 429, 500, 502, 503, 504}
 # KernelWorkerStatus (kagglesdk kernels_enums.py:31-38): CANCEL_REQUESTED is on the way to CANCEL_ACKNOWLEDGED.
@@ -321,37 +322,28 @@ class KaggleClient:
 
     def dataset_version(self, ref: str) -> tuple[int, str]:
         """(current version number, status) of the dataset `ref`; (0, "") while Kaggle answers 404 (not created,
-        or a create that never landed). kaggle's `dataset_status(format="json")` reads GetDatasetStatus, then
-        GetDataset's currentVersionNumber; the status names no version (docs/kaggle-api.md)."""
+        or a create that never landed)."""
         try:
-            reply = json.loads(self.call(f"dataset {ref}", self.api.dataset_status, ref, format="json"))
+            return parse_dataset_status(self.call(f"dataset {ref}", self.api.dataset_status, ref, format="json"))
         except ApiFailure as err:
             if err.status == 404:
                 return 0, ""
             raise
-        return int(reply.get("current_version_number") or 0), str(reply.get("status") or "").lower()
 
     def wait_dataset_version(self, ref: str, above: int, timeout_s: float | None = None) -> int:
-        """Wait until the dataset has a version newer than `above` and it is ready; returns its number. Right
-        after a publish both calls may still describe the previous version, so a version counts only once it is
-        higher than `above`, and its "ready" only when read after that number was seen (the status names no
-        version). Raises VersionMissing when none appears within `timeout_s` (default dataset_wait_s)."""
+        """Wait until the dataset has a version newer than `above` and it is ready; returns its number
+        (`wait_for_new_version`: a status counts only once read after its version's number). Raises UserError for
+        a failed or deleted version, VersionMissing when none appears within `timeout_s` (default
+        dataset_wait_s)."""
         timeout_s = self.dataset_wait_s if timeout_s is None else timeout_s
-        interval, deadline, seen = self.cfg.poll_initial_s, time.monotonic() + timeout_s, 0
-        while True:
-            number, status = self.dataset_version(ref)
-            if number > above and number == seen:  # this status was read after that number was seen
-                if status == "ready":
-                    return number
-                if status in ("failed", "deleted"):  # DatabundleVersionStatus (kagglesdk dataset_enums.py:3-12)
-                    raise UserError(f"dataset {ref}: its version {number} is {status} on Kaggle; see the dataset's "
-                                    "page")
-            fresh = number > above and number != seen
-            seen = number if number > above else 0
-            if time.monotonic() > deadline:
-                raise VersionMissing(ref, above, number, status, timeout_s)
-            self.sleep(self.cfg.poll_initial_s if fresh else interval)
-            interval = interval if fresh else min(interval * 1.5, self.cfg.poll_max_s)
+        seen = wait_for_new_version(lambda: self.dataset_version(ref), above, timeout_s, self.sleep,
+                                    self.cfg.poll_initial_s, self.cfg.poll_max_s)
+        if not seen.settled:
+            raise VersionMissing(ref, above, seen.number, seen.status, timeout_s)
+        if seen.status != "ready":
+            raise UserError(f"dataset {ref}: its version {seen.number} is {seen.status} on Kaggle; see the dataset's "
+                            "page")
+        return seen.number
 
     def quota_left_s(self, kind: str | None) -> tuple[float, float, str] | None:
         """(seconds left, seconds allowed, reset time) of the weekly quota of `kind` ("tpu", "gpu"), None for

@@ -20,6 +20,7 @@ from scripts.chain.limits import (
 )
 from shared.config import NINE_HOURS, TokenizeConfig, TrainConfig, check_field_types
 from shared.errors import UserError
+from shared.kaggle.publish import TEMP_PUBLISH_VERIFY_S
 
 
 def one_line(text: str) -> str:
@@ -161,7 +162,7 @@ def config_from_dict(raw: dict, where: str = "config") -> ChainConfig:
     _place_checkpoints(cfg, where)
     if cfg.train.get("extend") and not keeps_stable(cfg.train):
         why = ("the checkpoints of a model this large live in /kaggle/temp, where none is kept"
-               if str(cfg.train.get("checkpoint_dir", "")).startswith("{temp}") else "train.keep_stable is false")
+               if checkpoints_in_temp(cfg.train) else "train.keep_stable is false")
         raise UserError(f"{where}: train.extend trains on from the checkpoint where the stable phase ended, and {why}; "
                         "before the decay starts, raise total_steps instead (docs/recipe.md section 6)")
     if cfg.time_budget <= 0:
@@ -201,6 +202,19 @@ def config_from_dict(raw: dict, where: str = "config") -> ChainConfig:
     return cfg
 
 
+def checkpoints_in_temp(train: dict) -> bool:
+    """Whether the train sessions keep their checkpoints in /kaggle/temp (gone with the session, not in its
+    output): the session's own publish is then the only copy."""
+    return str(train.get("checkpoint_dir", "")).startswith("{temp}")
+
+
+def publish_verify_s(train: dict) -> float:
+    """How long a train session waits for its own new checkpoint version, publishing again if that failed
+    (shared.kaggle.publish `verify_publish`): only for checkpoints in /kaggle/temp, which the chain cannot publish
+    from the output, so a failed version after a deleting publish would leave none anywhere."""
+    return TEMP_PUBLISH_VERIFY_S if checkpoints_in_temp(train) else 0.0
+
+
 def keeps_stable(train: dict) -> bool:
     """Whether the run keeps (and the checkpoint dataset carries) the checkpoint where a wsd schedule's stable
     phase ends (train.keep_stable, for --extend)."""
@@ -211,12 +225,14 @@ def _place_checkpoints(cfg: ChainConfig, where: str) -> None:
     """Checkpoints must fit the session's 20 GB output, with one more being written before the oldest goes:
     models too large for that keep one checkpoint in /kaggle/temp (the session publishes it from there); a
     setting that would overflow the output is an error here, not a full disk hours into a session. The publish
-    margin grows with the upload (the stable-phase checkpoint travels beside the newest)."""
+    margin grows with the upload (the stable-phase checkpoint travels beside the newest), and where checkpoints
+    live in /kaggle/temp with the session's wait for its version (TEMP_PUBLISH_VERIFY_S)."""
     size = cfg.checkpoint_bytes
     _place_in_output(cfg, where, size)
     if not cfg.publish_margin_s:
         uploads = 2 if keeps_stable(cfg.train) else 1
-        cfg.publish_margin_s = max(1200.0, 600.0 + uploads * size / ASSUMED_UPLOAD_BYTES_PER_S)
+        cfg.publish_margin_s = max(1200.0, 600.0 + uploads * size / ASSUMED_UPLOAD_BYTES_PER_S
+                                   + publish_verify_s(cfg.train))
 
 
 def _place_in_output(cfg: ChainConfig, where: str, size: int) -> None:

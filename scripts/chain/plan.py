@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from scripts.chain.config import ChainConfig, keeps_stable
+from scripts.chain.config import ChainConfig, checkpoints_in_temp, keeps_stable, publish_verify_s
 from scripts.chain.limits import (
     ASSUMED_UPLOAD_BYTES_PER_S,
     MACHINE_SHAPES,
@@ -242,12 +242,11 @@ def plan_lines(cfg: ChainConfig, plan: dict, source: str = "") -> list[str]:
     size = plan["checkpoint_bytes"]
     ckpt_dir = cfg.train.get("checkpoint_dir") or "{working}/train/checkpoints"
     keep = int(cfg.train.get("keep_checkpoints", 2))
-    if ckpt_dir.startswith("{temp}"):
-        versions = "every version kept: with no copy in the output, older ones are never deleted"
-    elif cfg.keep_dataset_versions:
-        versions = f"at most {cfg.keep_dataset_versions} versions kept"
-    else:
-        versions = "every version kept"
+    versions = f"at most {cfg.keep_dataset_versions} versions kept" if cfg.keep_dataset_versions else \
+        "every version kept"
+    if checkpoints_in_temp(cfg.train):
+        versions += (f"; with no copy in the output, a session waits up to {publish_verify_s(cfg.train):.0f} s for "
+                     "its version and publishes again if it failed")
     stable = (", and from the end of the stable phase the checkpoint kept there beside it (train.extend trains on "
               f"from it): {_gb(2 * size)} a version") if keeps_stable(cfg.train) else ""
     lines.append(f"checkpoint  {_gb(size)} (fp32 weights + AdamW moments), {keep} kept in {ckpt_dir} "

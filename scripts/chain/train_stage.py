@@ -23,7 +23,7 @@ from scripts.chain.checkpoints import (
     publish_from_output,
 )
 from scripts.chain.client import ApiFailure, VersionMissing
-from scripts.chain.config import ChainConfig
+from scripts.chain.config import ChainConfig, publish_verify_s
 from scripts.chain.context import StageContext
 from scripts.chain.hellaswag import ensure_hellaswag_dataset, hellaswag_settings
 from scripts.chain.limits import MACHINE_SHAPES
@@ -118,7 +118,8 @@ class TrainStage:
                             kernel_sources=kernels,
                             checkpoint_dataset={"dataset": ckpt, "resume_setting": "resume_from", "publish": True,
                                                 "title": f"{cfg.name} checkpoints", "expect_step": expect_step,
-                                                "expect_version": expect_version, "delete_old_versions": delete_old},
+                                                "expect_version": expect_version, "delete_old_versions": delete_old,
+                                                "verify_s": publish_verify_s(cfg.train)},
                             push_id=push_id)
 
     def wandb_run_id(self) -> str:
@@ -165,7 +166,9 @@ class TrainStage:
         elif record.get("published") and version > before:
             info["published_by"] = "session"
         if version > before:
-            note_version(ctx, version, delete_old)
+            # A session that published again (its first version failed or never landed) may have deleted nothing:
+            # count the older versions as live, so the next deleting publish comes early rather than late.
+            note_version(ctx, version, delete_old and not record.get("republished"))
             if start is not None and start < sess["step_before"]:
                 info["start_step"] = start  # --extend: it trained on from the stable phase, below the dataset's step
         info["ckpt_version_after"] = version

@@ -125,7 +125,7 @@ def resolve_build(build: dict, log=print) -> BuiltKernel:
     plan = PublishPlan(dataset=ckpt["dataset"], title=ckpt.get("title") or "", input_step=floor or input_step,
                        problem=problem, delete_old_versions=bool(ckpt.get("delete_old_versions")),
                        resume_root=settings.get(ckpt.get("resume_setting") or "") if input_step else None,
-                       extend=bool(settings.get("extend")))
+                       extend=bool(settings.get("extend")), verify_s=float(ckpt.get("verify_s") or 0))
     return BuiltKernel(settings, plan)
 
 

@@ -122,6 +122,7 @@ class PublishPlan:
     delete_old_versions: bool = False
     resume_root: str | None = None  # the staged checkpoints root the session resumed from (its stable/ travels on)
     extend: bool = False  # --extend: the session may resume below input_step (from the stable phase) and train on
+    verify_s: float = 0.0  # > 0: wait that long for the new version and publish again if it failed (verify_publish)
 
 
 def kaggle_api(from_secrets: bool = True):
@@ -157,6 +158,81 @@ def secrets_to_env() -> None:
         for name in CREDENTIAL_NAMES:
             if not os.environ.get(name):
                 os.environ[name] = get_secret(name)
+
+
+# The wait for a publish whose checkpoint has no other copy (kept in /kaggle/temp, not in the output): a version that
+# failed, or never appeared (a create over the quota answers "Ok": kaggle-cli issue 284), is published once more.
+TEMP_PUBLISH_VERIFY_S = 600.0
+
+
+def parse_dataset_status(reply: str) -> tuple[int, str]:
+    """(current version number, status) from kaggle's `dataset_status(ref, format="json")`: it reads
+    GetDatasetStatus, then GetDataset's currentVersionNumber; the status names no version (docs/kaggle-api.md)."""
+    data = json.loads(reply)
+    return int(data.get("current_version_number") or 0), str(data.get("status") or "").lower()
+
+
+def dataset_version(api, dataset: str) -> tuple[int, str]:
+    """(current version number, status) of `dataset`; (0, "") while Kaggle answers 404."""
+    try:
+        return parse_dataset_status(api.dataset_status(dataset, format="json"))
+    except Exception as err:
+        if getattr(getattr(err, "response", None), "status_code", None) == 404:
+            return 0, ""
+        raise
+
+
+@dataclass
+class VersionSeen:
+    number: int  # the newest version number read
+    status: str  # its status as read ("" on a 404)
+    settled: bool  # a version above the one waited past, ready, failed or deleted, read after its number was seen
+
+
+def wait_for_new_version(read, above: int, timeout_s: float, sleep=time.sleep, poll_s: float = 10.0,
+                         poll_max_s: float = 60.0) -> VersionSeen:
+    """Poll `read` (() -> (version number, status)) until a version newer than `above` is ready, failed or deleted,
+    or timeout_s has passed. Right after a publish both calls behind a read may still describe the previous
+    version, so a version counts only once it is higher than `above`, and its status only when read after that
+    number was seen (the status names no version). Shared by the chain and a session verifying its publish."""
+    interval, deadline, seen = poll_s, time.monotonic() + timeout_s, 0
+    while True:
+        number, status = read()
+        if number > above and number == seen and status in ("ready", "failed", "deleted"):  # DatabundleVersionStatus
+            return VersionSeen(number, status, True)
+        fresh = number > above and number != seen
+        seen = number if number > above else 0
+        if time.monotonic() >= deadline:
+            return VersionSeen(number, status, False)
+        sleep(poll_s if fresh else interval)
+        interval = interval if fresh else min(interval * 1.5, poll_max_s)
+
+
+def verify_publish(api, dataset: str, before: int, timeout_s: float, republish, log=print,
+                   sleep=time.sleep) -> dict:
+    """After a publish past version `before` whose checkpoint has no other copy: wait for its version; one that
+    failed or never appeared is published again by `republish()` (which keeps the dataset's versions), once.
+    Returns what the publish record notes: `verified_version` (None where none was ready in time) and
+    `republished`."""
+    def read():
+        return dataset_version(api, dataset)
+
+    seen = wait_for_new_version(read, before, timeout_s, sleep)
+    if seen.settled and seen.status == "ready":
+        return {"verified_version": seen.number, "republished": False}
+    if seen.number > before and not seen.settled:
+        log(f"publish: version {seen.number} of {dataset} is still {seen.status or 'processing'} after "
+            f"{timeout_s:.0f} s; the chain waits for it")
+        return {"verified_version": None, "republished": False}
+    what = f"version {seen.number} is {seen.status}" if seen.settled else f"no version after {before} appeared"
+    log(f"warning: the publish to {dataset} did not land ({what}); publishing the checkpoint again")
+    republish()
+    again = wait_for_new_version(read, max(before, seen.number), timeout_s, sleep)
+    if again.settled and again.status == "ready":
+        return {"verified_version": again.number, "republished": True}
+    log(f"warning: the second publish to {dataset} is not ready either (version {again.number}, "
+        f"{again.status or 'no status'}); the checkpoint was lost with this session unless it lands")
+    return {"verified_version": None, "republished": True}
 
 
 def dataset_exists(api, dataset: str) -> bool:
@@ -266,6 +342,7 @@ def after_training(result, plan: PublishPlan | None, log=print) -> dict | None:
             began = time.monotonic()
             delete_old = plan.delete_old_versions
             stable = stable_checkpoint(Path(ckpt).parent, plan.resume_root)
+            before = dataset_version(api, dataset)[0] if plan.verify_s else 0
             out = publish_checkpoint(api, ckpt, dataset, kaggle_paths().temp, plan.title,
                                      delete_old_versions=delete_old, stable=stable)
             record.update(published=True, action=out["action"], seconds=round(time.monotonic() - began, 1),
@@ -273,6 +350,11 @@ def after_training(result, plan: PublishPlan | None, log=print) -> dict | None:
             also = f" (with the stable phase's step {out['stable_step']})" if stable is not None else ""
             log(f"publish: checkpoint step {step}{also} {out['action']} dataset {dataset} "
                 f"in {record['seconds']}s")
+            if plan.verify_s:
+                record.update(verify_publish(
+                    api, dataset, before, plan.verify_s, log=log,
+                    republish=lambda: publish_checkpoint(api, ckpt, dataset, kaggle_paths().temp, plan.title,
+                                                         stable=stable)))
         except UserError as err:
             record["reason"] = str(err)
             log(f"warning: could not publish step {step} to {dataset}: {err}; it stays in the kernel output")

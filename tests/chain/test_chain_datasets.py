@@ -401,14 +401,40 @@ def test_a_finished_wsd_chain_extends_from_its_stable_phase_checkpoint_carried_i
     assert dataset_steps() == (8, 5)
 
 
-def test_a_checkpoint_kept_only_in_temp_never_deletes_older_versions(local_kaggle, tmp_path):
-    out, _ = probe(local_kaggle, tmp_path, """
+def test_a_checkpoint_kept_only_in_temp_deletes_older_versions_and_its_session_verifies_its_publish(local_kaggle,
+                                                                                                      tmp_path):
+    """gpt2-large/xl keep their checkpoint in /kaggle/temp (no copy in the output): their publishes delete older
+    versions like any other, so a gpt2-xl chain stays within keep_dataset_versions, and the session itself waits for
+    its version and publishes again where that never landed."""
+    lk = local_kaggle
+    add_version(lk, tmp_path, CKPT, {"checkpoint.json": manifest(10)})
+    add_version(lk, tmp_path, CKPT, {"checkpoint.json": manifest(20)})
+    lk.app.inject("lost_publish", dataset=CKPT, count=1)  # the session's first publish answers "Ok", lands nothing
+    out, _ = probe(lk, tmp_path, """
+        import time
+        from shared.kaggle.publish import dataset_version, publish_checkpoint, verify_publish
+        from scripts.chain.config import publish_verify_s
         ctx.state.data["checkpoint_versions"] = [1, 2]
-        out["working"] = delete_old_on_publish(ctx, 2)
+        out["working"] = (delete_old_on_publish(ctx, 2), publish_verify_s(ctx.cfg.train))
         ctx.cfg.train = {**ctx.cfg.train, "checkpoint_dir": "{temp}/checkpoints", "keep_checkpoints": 1}
-        out["temp"] = delete_old_on_publish(ctx, 2)
+        out["temp"] = (delete_old_on_publish(ctx, 2), publish_verify_s(ctx.cfg.train))
+        ckpt = ctx.workdir / "temp" / "step_000030"
+        ckpt.mkdir(parents=True)
+        (ckpt / "checkpoint.json").write_text(json.dumps({"format": 1, "step": 30, "files": {}}))
+        before = dataset_version(client.api, CKPT)[0]
+        publish_checkpoint(client.api, ckpt, CKPT, ctx.workdir, delete_old_versions=True)
+        lines = []
+        out["verify"] = verify_publish(client.api, CKPT, before, 2.0, log=lines.append,
+                                       republish=lambda: publish_checkpoint(client.api, ckpt, CKPT, ctx.workdir),
+                                       sleep=lambda s: time.sleep(0.1))
+        out["lines"] = lines
+        out["head"] = dataset_head(ctx, CKPT)
     """)
-    assert out == {"working": True, "temp": False}  # no copy in the output: a failed version would lose them all
+    assert out["working"] == [True, 0.0] and out["temp"] == [True, 600.0]
+    assert out["lines"] == [f"warning: the publish to {CKPT} did not land (no version after 2 appeared); publishing "
+                            "the checkpoint again"]
+    assert out["verify"] == {"verified_version": 3, "republished": True}
+    assert out["head"] == [3, 30] and live_numbers(lk, CKPT) == [1, 2, 3]  # the lost delete deleted nothing
 
 
 def test_the_hellaswag_file_becomes_a_dataset_the_train_kernel_reads(local_kaggle, tmp_path):

@@ -273,3 +273,15 @@ def test_plan_of_a_wsd_run_counts_the_stable_phase_checkpoint_and_says_what_exte
         assert f"the upload alone ~{2 * cfg.checkpoint_bytes / 10e6:.0f} s" in session  # both checkpoints
         said = [line for line in lines if "train.extend: a finished or decaying run trains on" in line]
         assert len(said) == int(extend)
+
+
+def test_plan_of_a_model_whose_checkpoints_live_in_temp_keeps_k_versions_and_says_the_session_verifies(tmp_path):
+    raw = json.loads((REPO / "examples" / "chain-gpt2-124m.json").read_text())
+    raw = {k: v for k, v in raw.items() if not k.startswith("_")}
+    cfg = config_from_dict({**raw, "train": {**raw["train"], "preset": "gpt2-xl"}})
+    lines: list[str] = []
+    print_plan(cfg, log=lines.append, with_quota=False, measured_path=_no_measurement(tmp_path))
+    (checkpoint,) = [line for line in lines if line.startswith("checkpoint  ")]
+    assert checkpoint.endswith("(at most 2 versions kept; with no copy in the output, a session waits up to 600 s "
+                               "for its version and publishes again if it failed)")
+    assert "1 kept in {temp}/checkpoints" in checkpoint

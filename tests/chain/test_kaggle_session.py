@@ -193,7 +193,10 @@ def test_a_kernel_that_cannot_publish_checkpoints_kept_in_temp_stops_before_trai
 def test_a_kernel_that_cannot_publish_checkpoints_kept_in_working_leaves_them_to_the_chain(session):
     mount_checkpoint(session, 30)
     lines = []
-    built = resolve_build(train_build("{working}/train/checkpoints"), log=lines.append)
+    build = train_build("{working}/train/checkpoints")
+    build["checkpoint_dataset"]["verify_s"] = 600.0  # what the chain bakes in for checkpoints kept in /kaggle/temp
+    built = resolve_build(build, log=lines.append)
+    assert built.publish.verify_s == 600.0 and resolve_build(train_build("x"), log=print).publish.verify_s == 0
     assert built.settings["resume_from"] == str(session / "temp" / "gpt2k-resume")
     assert (built.publish.dataset, built.publish.input_step) == ("alice/run-checkpoints", 30)
     assert built.publish.problem.startswith("the secrets KAGGLE_USERNAME, KAGGLE_KEY are not attached")
@@ -363,3 +366,55 @@ def test_a_session_publishes_what_it_trained_past_where_it_began_only_when_exten
     record = after_training(Result(), plan, log=lambda _: None)
     assert record["start_step"] == start and record["published"] is False
     assert record["reason"] == ("no secrets here" if new else "nothing new: the dataset already holds step 40")
+
+
+class ScriptedDatasetApi:
+    """kaggle's dataset_status(format="json") answering from a script of (version number, status) reads (the last
+    repeats), recording each republish."""
+
+    def __init__(self, reads):
+        self.reads, self.republished = list(reads), 0
+
+    def dataset_status(self, dataset, format=None):
+        number, status = self.reads.pop(0) if len(self.reads) > 1 else self.reads[0]
+        return json.dumps({"current_version_number": number, "status": status})
+
+    def republish(self):
+        self.republished += 1
+
+
+def test_a_new_version_counts_only_once_its_status_is_read_after_its_number():
+    from shared.kaggle.publish import VersionSeen, wait_for_new_version
+
+    def reads(script):
+        answers = iter(script)
+        return lambda: next(answers)
+
+    # A stale "ready" of version 2, then version 3 processing, then ready: settled on the second read of 3.
+    script = [(2, "ready"), (3, "ready"), (3, "pending"), (3, "ready"), (4, "ready")]
+    seen = wait_for_new_version(reads(script), 2, 60, sleep=lambda s: None)
+    assert seen == VersionSeen(3, "ready", True)  # (3, "ready") read first counted only as the number seen
+    assert wait_for_new_version(reads([(3, "failed"), (3, "failed")]), 2, 60, sleep=lambda s: None) == VersionSeen(
+        3, "failed", True)
+    assert wait_for_new_version(reads([(2, "ready")]), 2, 0, sleep=lambda s: None) == VersionSeen(2, "ready", False)
+
+
+@pytest.mark.parametrize("reads, republished, result, line", [
+    ([(3, "ready")], 0, {"verified_version": 3, "republished": False}, None),
+    ([(3, "failed"), (3, "failed"), (4, "ready")], 1, {"verified_version": 4, "republished": True},
+     "warning: the publish to alice/ckpt did not land (version 3 is failed); publishing the checkpoint again"),
+    ([(3, "pending")], 0, {"verified_version": None, "republished": False},
+     "publish: version 3 of alice/ckpt is still pending after 0 s; the chain waits for it"),
+    ([(2, "ready")], 1, {"verified_version": None, "republished": True},
+     "warning: the publish to alice/ckpt did not land (no version after 2 appeared); publishing the checkpoint again"),
+])
+def test_a_publish_with_no_other_copy_is_published_again_only_where_its_version_failed_or_never_appeared(
+        reads, republished, result, line):
+    from shared.kaggle.publish import verify_publish
+
+    api, lines = ScriptedDatasetApi(reads), []
+    timeout = 0 if reads[-1][1] != "ready" else 60  # a version that never settles: give up at once
+    assert verify_publish(api, "alice/ckpt", 2, timeout, api.republish, log=lines.append,
+                          sleep=lambda s: None) == result
+    assert api.republished == republished
+    assert lines[:1] == ([line] if line else [])
