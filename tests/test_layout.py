@@ -58,3 +58,15 @@ def test_a_backward_import_is_reported_even_inside_a_function(tmp_path):
     assert sorted(backward_imports(root)) == ["shared/common -> shared.eval",
                                               "shared/tokenize/part -> shared.train.model",
                                               "shared/train/loop -> shared.eval.report"]
+
+
+def test_the_kernel_configs_and_the_chain_config_load_with_the_standard_library_only():
+    """shared/config.py is the one light home of the three kernel configs: the chain (on the laptop) and every
+    kernel load it before torch, numpy or safetensors, which --plan never needs."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import shared.config, scripts.chain.config; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'numpy', 'safetensors', 'kaggle'}))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=SHARED.parent, capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == "[]"

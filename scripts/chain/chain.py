@@ -13,7 +13,7 @@ from scripts.chain.client import KaggleClient
 from scripts.chain.config import ChainConfig
 from scripts.chain.context import StageContext
 from scripts.chain.eval_stage import EvalStage
-from scripts.chain.limits import RETIRED_SHAPES
+from scripts.chain.limits import shape_notices
 from scripts.chain.notebooks import NotebooksStage, ask_on_terminal
 from scripts.chain.state import State
 from scripts.chain.tokenize_stage import TokenizeStage
@@ -88,10 +88,9 @@ class Chain:
         self.connect()
         log(f"chain {cfg.name}: {cfg.total_steps} steps on {cfg.accelerator or 'CPU'} as {self.client.user}; "
             f"state {self.state.path}")
-        for shape in sorted({cfg.accelerator, cfg.eval.get("accelerator", ""),
-                             cfg.tokenize.get("accelerator", "")} & set(RETIRED_SHAPES)):
-            log(f"notice: {shape} is retired (not in Kaggle's Sep 2026 accelerator list): Kaggle runs these sessions "
-                f"on {RETIRED_SHAPES[shape]} instead; set {RETIRED_SHAPES[shape]} in the config to say so")
+        for notice in shape_notices({cfg.accelerator, cfg.eval.get("accelerator", ""),
+                                     cfg.tokenize.get("accelerator", "")}):
+            log(notice)
         self.check_inputs()
         self.train.check_work_left()
         self.notebooks.run()

@@ -16,6 +16,28 @@ MACHINE_SHAPES = {
 # warns (kaggle-cli tests/unit/test_kernels_push_retired_accelerator.py @13dad8ee: "the server substitutes";
 # TpuV232 and TpuV2256 become CPU there, and are not accepted here at all).
 RETIRED_SHAPES = {"TpuV38": "TpuV5E8", "Tpu1VmV38": "TpuV5E8", "NvidiaTeslaP100": "NvidiaTeslaT4"}
+# The shapes taken here to be open to every account: the TPUs of the Sep 2026 list and the T4s ("default GPU"). The
+# list adds "Some of these are only available to participants of specific competitions, and some are only available
+# to Kaggle admins" without naming them, and such flag-gated shapes "can be swapped for the default too" (the
+# retired-accelerator test above, a comment): which ones are gated is not verified.
+OPEN_SHAPES = {"TpuV5E8", "TpuV6E8", "NvidiaTeslaT4", "NvidiaTeslaT4Highmem"}
+
+
+def shape_notices(shapes: set[str]) -> list[str]:
+    """One notice per machine shape Kaggle may run on another one: retired shapes (always substituted) and shapes
+    that may be open only to some accounts (swapped for the default there)."""
+    notices = []
+    for shape in sorted(s for s in shapes if s):
+        if shape in RETIRED_SHAPES:
+            notices.append(f"notice: {shape} is retired (not in Kaggle's Sep 2026 accelerator list): Kaggle runs these "
+                           f"sessions on {RETIRED_SHAPES[shape]} instead; set {RETIRED_SHAPES[shape]} in the config "
+                           "to say so")
+        elif shape not in OPEN_SHAPES:
+            default = "TpuV5E8" if MACHINE_SHAPES.get(shape) == "tpu" else "NvidiaTeslaT4"
+            notices.append(f"notice: {shape} may be open only to some accounts (competitions, Kaggle admins); where "
+                           f"it is not, Kaggle may run the sessions on its default ({default}) instead: each train "
+                           "session's metrics.jsonl (session_start) names the device it got")
+    return notices
 # The longest session Kaggle runs on each kind of machine. 9 h on a TPU; 12 h is often quoted for a GPU or CPU
 # (kaggle.com/docs/notebooks), but no primary source in reach says so (docs/kaggle-api.md), so a GPU session is
 # planned at 9 h until one does: a session planned longer than Kaggle allows is killed with its output lost.

@@ -384,3 +384,15 @@ def test_a_failed_dataset_version_ends_the_wait_at_once(tmp_path):
     assert str(err.value) == "dataset alice/unit-run-checkpoints: its newest version is failed on Kaggle; see the " \
                              "dataset's page"
     assert Api.reads == 2
+
+
+def test_the_chain_names_each_shape_kaggle_may_run_on_another():
+    from scripts.chain.limits import shape_notices
+
+    assert shape_notices({"TpuV5E8", "", "NvidiaTeslaT4"}) == []
+    assert shape_notices({"TpuV38", "NvidiaTeslaA100", "TpuV6E8"}) == [
+        "notice: NvidiaTeslaA100 may be open only to some accounts (competitions, Kaggle admins); where it is not, "
+        "Kaggle may run the sessions on its default (NvidiaTeslaT4) instead: each train session's metrics.jsonl "
+        "(session_start) names the device it got",
+        "notice: TpuV38 is retired (not in Kaggle's Sep 2026 accelerator list): Kaggle runs these sessions on "
+        "TpuV5E8 instead; set TpuV5E8 in the config to say so"]

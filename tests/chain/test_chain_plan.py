@@ -266,6 +266,8 @@ def test_plan_of_a_wsd_run_counts_the_stable_phase_checkpoint_and_says_what_exte
         cfg = config_from_dict({**raw, "train": {**raw["train"], "extend": extend}})
         lines: list[str] = []
         print_plan(cfg, log=lines.append, with_quota=False, measured_path=_no_measurement(tmp_path))
+        stages = [line.split(":")[0] for line in lines if line.split(" ")[0] in ("tokenize", "train", "eval")]
+        assert stages == ["tokenize  CPU, internet on", "train     TpuV5E8, 8 devices", "eval      TpuV5E8"]
         (checkpoint,) = [line for line in lines if line.startswith("checkpoint  ")]
         assert checkpoint.endswith("and from the end of the stable phase the checkpoint kept there beside it "
                                    "(train.extend trains on from it): 3.0 GB a version)")
