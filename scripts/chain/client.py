@@ -304,22 +304,6 @@ class KaggleClient:
 
     # ----- the checkpoint dataset --------------------------------------------------------------------------------
 
-    def wait_dataset_ready(self, ref: str, timeout_s: float = 3600) -> None:
-        """A new dataset version takes a while to process on Kaggle; the next session must mount it, not the
-        previous one, so wait until the newest version is ready."""
-        interval, deadline = self.cfg.poll_initial_s, time.monotonic() + timeout_s
-        while True:
-            status = str(self.call(f"dataset {ref}", self.api.dataset_status, ref)).lower()
-            if status == "ready":
-                return
-            if status in ("failed", "deleted"):  # DatabundleVersionStatus (kagglesdk dataset_enums.py:3-12)
-                raise UserError(f"dataset {ref}: its newest version is {status} on Kaggle; see the dataset's page")
-            if time.monotonic() > deadline:
-                raise UserError(f"dataset {ref} is still {status!r} after {timeout_s / 60:.0f} minutes; run the chain "
-                                "again later")
-            self.sleep(interval)
-            interval = min(interval * 1.5, self.cfg.poll_max_s)
-
     def dataset_version(self, ref: str) -> tuple[int, str]:
         """(current version number, status) of the dataset `ref`; (0, "") while Kaggle answers 404 (not created,
         or a create that never landed)."""

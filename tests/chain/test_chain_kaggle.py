@@ -374,16 +374,17 @@ def test_a_failed_dataset_version_ends_the_wait_at_once(tmp_path):
     class Api:
         reads = 0
 
-        def dataset_status(self, ref):
+        def dataset_status(self, ref, format=None):  # version 3 processing, then failed
             Api.reads += 1
-            return "blobs_received" if Api.reads == 1 else "failed"
+            status = "blobs_received" if Api.reads <= 2 else "failed"
+            return json.dumps({"current_version_number": 3, "status": status})
 
     chain = Chain(config_from_dict(BASE), tmp_path / "c", api=Api(), log=lambda _: None, sleep=lambda s: None)
     with pytest.raises(UserError) as err:
-        chain.client.wait_dataset_ready("alice/unit-run-checkpoints")
-    assert str(err.value) == "dataset alice/unit-run-checkpoints: its newest version is failed on Kaggle; see the " \
+        chain.client.wait_dataset_version("alice/unit-run-checkpoints", 2)
+    assert str(err.value) == "dataset alice/unit-run-checkpoints: its version 3 is failed on Kaggle; see the " \
                              "dataset's page"
-    assert Api.reads == 2
+    assert Api.reads == 3
 
 
 def test_the_chain_names_each_shape_kaggle_may_run_on_another():
