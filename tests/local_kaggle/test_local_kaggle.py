@@ -50,12 +50,12 @@ def test_push_runs_kernel_with_dataset_input_and_output_downloads(local_kaggle, 
     assert lk.cli("datasets", "status", "alice/words-data").stdout.strip() == "ready"
 
     kdir = write_kernel(tmp_path / "k", "alice/read-words", READ_INPUT_KERNEL, dataset_sources=["alice/words-data"])
-    lk.app.queue_delay_s = 2.0  # long enough to see the queued state from a second CLI call
+    lk.app.queue_delay_s = 3600.0  # held in the queue (however slow the CLI calls) until released below
     out = lk.cli("kernels", "push", "-p", str(kdir))
     assert "Kernel version 1 successfully pushed" in out.stdout
     first = lk.cli("kernels", "status", "alice/read-words").stdout
     assert 'has status "KernelWorkerStatus.QUEUED"' in first
-    lk.app.queue_delay_s = 0.2
+    lk.app.queue_delay_s = 0.2  # released
     assert lk.wait("alice/read-words") == ("COMPLETE", None)
     assert 'has status "KernelWorkerStatus.COMPLETE"' in lk.cli("kernels", "status", "alice/read-words").stdout
 
