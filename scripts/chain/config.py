@@ -238,7 +238,7 @@ def _place_checkpoints(cfg: ChainConfig, where: str) -> None:
 def _place_in_output(cfg: ChainConfig, where: str, size: int) -> None:
     ckpt_dir = str(cfg.train.get("checkpoint_dir", ""))
     keep = int(cfg.train.get("keep_checkpoints", 2))
-    if ckpt_dir.startswith("{temp}"):
+    if checkpoints_in_temp(cfg.train):
         cfg.train = {**cfg.train, "keep_stable": False}  # it would go with the session
         return
     if ckpt_dir and not ckpt_dir.startswith("{working}"):
