@@ -78,7 +78,8 @@ def local_demo(args) -> dict:
 
     run_cfg = smoke_config(cfg) if args.smoke else cfg
     app = LocalKaggle(workdir / "kaggle", users={DEMO_USER: DEMO_KEY}, queue_delay_s=0.2,
-                      session_limit_s=max(cfg.session_limit_s, run_cfg.session_limit_s)).start()
+                      session_limit_s=max(cfg.session_limit_s, run_cfg.session_limit_s,
+                                          cfg.eval_session_limit_s)).start()
 
     def attach_secrets(lines: list[str]) -> None:
         """What the user does on each new notebook's page (Add-ons > Secrets), done for them here."""

@@ -38,6 +38,16 @@ class ClientConfig:
     poll_max_s: float
 
 
+def _check_eval_limit(cfg: ChainConfig, where: str) -> None:
+    limit = cfg.eval.get("session_limit_s", cfg.session_limit_s)
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0:
+        raise UserError(f"{where}: eval.session_limit_s must be a number of seconds > 0, got {limit!r}")
+    longest = SESSION_MAX_S[cfg.eval_kind]
+    if limit > longest:
+        raise UserError(f"{where}: eval.session_limit_s {limit:g} is over the {longest / 3600:g} h Kaggle allows a "
+                        f"{cfg.eval_kind.upper()} session ({cfg.eval.get('accelerator', cfg.accelerator) or 'CPU'})")
+
+
 @dataclasses.dataclass
 class ChainConfig:
     """One chain: the model and how long it trains (`train`, `total_steps`), where its tokens come from
@@ -66,7 +76,8 @@ class ChainConfig:
     tokenize: dict = dataclasses.field(default_factory=dict)  # parts, settings, inputs, accelerator
     token_datasets: list = dataclasses.field(default_factory=list)  # existing datasets of shards (instead/as well)
     token_kernels: list = dataclasses.field(default_factory=list)  # existing kernels whose output holds shards
-    eval: dict = dataclasses.field(default_factory=dict)  # enabled, settings, inputs, accelerator
+    # enabled, settings, inputs, accelerator, session_limit_s (the eval session's limit; default session_limit_s)
+    eval: dict = dataclasses.field(default_factory=dict)
     slugs: dict = dataclasses.field(default_factory=dict)  # tokenize, train, eval, checkpoints
     smoke: dict = dataclasses.field(default_factory=dict)  # --smoke's sizes and limits (scripts/chain/smoke.py)
     # HellaSwag for the train sessions' evals: download, demo, a local jsonl, or "" (none); the chain uploads it as
@@ -95,6 +106,16 @@ class ChainConfig:
         return MACHINE_SHAPES.get(self.accelerator, "cpu")
 
     @property
+    def eval_kind(self) -> str:
+        return MACHINE_SHAPES.get(self.eval.get("accelerator", self.accelerator), "cpu")
+
+    @property
+    def eval_session_limit_s(self) -> float:
+        """The eval session's limit: its own where set, since an eval's length is its work, not a training
+        budget (a demo whose train sessions last 75 s still needs its eval to finish); else session_limit_s."""
+        return float(self.eval.get("session_limit_s", self.session_limit_s))
+
+    @property
     def client(self) -> ClientConfig:
         return ClientConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ClientConfig)})
 
@@ -104,7 +125,7 @@ class ChainConfig:
 
 
 _TOKENIZE_KEYS = {"parts", "settings", "inputs", "accelerator"}
-_EVAL_KEYS = {"enabled", "settings", "inputs", "accelerator"}
+_EVAL_KEYS = {"enabled", "settings", "inputs", "accelerator", "session_limit_s"}
 
 
 def load_config(path: str | os.PathLike, overrides: dict | None = None) -> ChainConfig:
@@ -174,6 +195,7 @@ def config_from_dict(raw: dict, where: str = "config") -> ChainConfig:
             raise UserError(f"{where}: unknown {section} key(s) {', '.join(extra)}; known: {', '.join(sorted(keys))}")
     check_settings("tokenize", cfg.tokenize.get("settings", {}), f"{where}: tokenize.settings")
     eval_shape = cfg.eval.get("accelerator", cfg.accelerator)
+    _check_eval_limit(cfg, where)
     check_settings("eval", cfg.eval.get("settings", {}), f"{where}: eval.settings",
                    session_devices(eval_shape, cfg.eval.get("settings", {}).get("backend", "auto")))
     parts = cfg.tokenize.get("parts", 0)

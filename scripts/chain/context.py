@@ -90,11 +90,15 @@ class StageContext:
 
     def session_timeout(self, key: str = "") -> str | None:
         """sessionTimeoutSeconds "must be lower than the global maximum" (kagglesdk): at the maximum, none is sent
-        and Kaggle's own limit applies. session_limit_s is the train and eval sessions' limit; a tokenize part (push
-        key tokenize-*) runs on its own machine, whose own limit applies (it stops at its own output budget)."""
-        if key.startswith("tokenize") or self.cfg.session_limit_s >= SESSION_MAX_S[self.cfg.accelerator_kind]:
+        and Kaggle's own limit applies. session_limit_s is the train sessions' limit and eval_session_limit_s the
+        eval's; a tokenize part (push key tokenize-*) runs on its own machine, whose own limit applies (it stops at
+        its own output budget)."""
+        if key.startswith("tokenize"):
             return None
-        return str(int(self.cfg.session_limit_s))
+        cfg = self.cfg
+        limit, kind = ((cfg.eval_session_limit_s, cfg.eval_kind) if key == "eval"
+                       else (cfg.session_limit_s, cfg.accelerator_kind))
+        return None if limit >= SESSION_MAX_S[kind] else str(int(limit))
 
     def wait(self, ref: str, label: str, key: str | None = None) -> tuple[str, str, float]:
         """Poll until the version pushed for `key` ends; backoff from poll_initial_s to poll_max_s.

@@ -215,7 +215,8 @@ def plan_lines(cfg: ChainConfig, plan: dict, source: str = "") -> list[str]:
         ev = _eval_config(cfg)
         lines.append(f"eval      {cfg.eval.get('accelerator', cfg.accelerator) or 'CPU'}: validation loss on "
                      f"{_tokens(ev.val_tokens) if ev.val_tokens else 'all'} tokens, HellaSwag {ev.hellaswag}, "
-                     f"samples, HF export {'on' if ev.export else 'off'}")
+                     f"samples, HF export {'on' if ev.export else 'off'}; a session of at most "
+                 f"{_hours(cfg.eval_session_limit_s)}")
     lines.append("")
     rate = plan["tokens_per_s"]
     lines.append(f"throughput  {f'{rate:,.0f} tokens/s' if rate else 'unknown'} on {running_shape(shape)}: "

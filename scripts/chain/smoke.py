@@ -53,7 +53,8 @@ def smoke_config(cfg: ChainConfig) -> ChainConfig:
     ev.update(val_tokens=int(s["val_tokens"]), kaggle_model="", samples_per_prompt=1, max_new_tokens=16)
     if ev.get("hellaswag", "auto") != "off":
         ev["hellaswag_examples"] = int(s["hellaswag_examples"])
-    raw["eval"] = {**cfg.eval, "settings": ev}
+    raw["eval"] = {**cfg.eval, "settings": ev,
+                   "session_limit_s": min(cfg.eval_session_limit_s, float(s["session_limit_s"]))}
     return config_from_dict(raw, f"{cfg.name} smoke")
 
 
@@ -64,7 +65,7 @@ def quota_cost_s(smoke: ChainConfig) -> float:
         return 0.0
     eval_on_it = smoke.eval.get("enabled", True) and MACHINE_SHAPES.get(smoke.eval.get("accelerator",
                                                                                       smoke.accelerator)) == kind
-    return (smoke.max_train_sessions + int(bool(eval_on_it))) * smoke.session_limit_s
+    return smoke.max_train_sessions * smoke.session_limit_s + int(bool(eval_on_it)) * smoke.eval_session_limit_s
 
 
 # --- the readiness report ------------------------------------------------------------------------------------

@@ -151,6 +151,26 @@ def test_session_limits_over_what_kaggle_allows_are_refused_at_load():
     assert short.ctx.session_timeout("tokenize-0-1") is None  # a tokenize part gets its machine's own limit
 
 
+def test_the_eval_session_has_its_own_limit_checked_against_its_own_machine():
+    # Unset, the eval gets the train sessions' limit; set, its own, sent as the eval push's timeout only.
+    short = Chain(config_from_dict({**BASE, "session_limit_s": 3600}), "/tmp/unused-chain", api=None)
+    assert short.ctx.session_timeout("eval") == "3600"
+    own = Chain(config_from_dict({**BASE, "session_limit_s": 2400, "eval": {"session_limit_s": 600}}),
+                "/tmp/unused-chain", api=None)
+    assert (own.ctx.session_timeout("eval"), own.ctx.session_timeout("train-1")) == ("600", "2400")
+    # An eval on a CPU may run 12 h (no timeout sent at that maximum), a TPU eval only 9 h.
+    cpu_eval = config_from_dict({**BASE, "eval": {"accelerator": "", "session_limit_s": 43200}})
+    assert Chain(cpu_eval, "/tmp/unused-chain", api=None).ctx.session_timeout("eval") is None
+    with pytest.raises(UserError) as err:
+        config_from_dict({**BASE, "eval": {"session_limit_s": 43200}})
+    assert str(err.value) == ("config: eval.session_limit_s 43200 is over the 9 h Kaggle allows a TPU session "
+                              "(TpuV5E8)")
+    for bad in (0, -5, "600", True):
+        with pytest.raises(UserError) as err:
+            config_from_dict({**BASE, "eval": {"session_limit_s": bad}})
+        assert str(err.value) == f"config: eval.session_limit_s must be a number of seconds > 0, got {bad!r}"
+
+
 def test_checkpoints_are_placed_where_they_fit_and_the_publish_margin_grows_with_them():
     gpt2 = config_from_dict({**BASE, "train": {"preset": "gpt2"}})
     assert "checkpoint_dir" not in gpt2.train and gpt2.publish_margin_s == 1200  # 1.5 GB checkpoints

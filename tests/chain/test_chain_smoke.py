@@ -37,6 +37,16 @@ def test_the_smoke_chain_is_a_short_copy_of_the_config_under_its_own_names():
     assert smoke.publish_margin_s == pytest.approx(60 + 12 * 124_475_904 / 10e6)
     assert smoke.time_budget == pytest.approx(840 - 420 - smoke.publish_margin_s)
     assert quota_cost_s(smoke) == 3 * 840 < SMOKE_TPU_BUDGET_S  # two train sessions and the eval on the TPU
+    assert smoke.eval_session_limit_s == 840  # the smoke's eval is a subset, held to the smoke's limit
+
+
+def test_the_smoke_eval_keeps_a_shorter_eval_limit_and_costs_only_its_own_limit():
+    cfg = config_from_dict({"token_datasets": ["a/b"], "eval": {"session_limit_s": 300}})
+    smoke = smoke_config(cfg)
+    assert (smoke.session_limit_s, smoke.eval_session_limit_s) == (840, 300)
+    assert quota_cost_s(smoke) == 2 * 840 + 300
+    on_cpu = smoke_config(config_from_dict({"token_datasets": ["a/b"], "eval": {"accelerator": ""}}))
+    assert quota_cost_s(on_cpu) == 2 * 840  # the eval runs on a CPU: no TPU quota
 
 
 def test_a_configs_own_smoke_slugs_never_reuse_the_real_runs():
