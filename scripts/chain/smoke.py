@@ -16,7 +16,7 @@ import statistics
 import time
 from pathlib import Path
 
-from scripts.chain.config import ChainConfig, config_from_dict
+from scripts.chain.config import ChainConfig, config_from_dict, publish_verify_s
 from scripts.chain.limits import ASSUMED_UPLOAD_BYTES_PER_S, MACHINE_SHAPES
 from scripts.chain.plan import MEASURED_THROUGHPUT, SHAPE_GENERATION, planned_train, running_shape
 from shared.errors import UserError
@@ -27,7 +27,9 @@ SMOKE_DEFAULTS = {
     "shard_size": 10_000_000,  # so the part has a validation shard and a few training shards
     "session_limit_s": 840.0,  # each train session and the eval: Kaggle stops it there (sessionTimeoutSeconds)
     "startup_margin_s": 420.0,  # imports, package installs, data, the first compile
-    "publish_margin_s": 0.0,  # 0: 60 s + the checkpoint's upload at the assumed rate, at least 120 s
+    # 0: 60 s + the checkpoint's upload at the assumed rate (+ the 600-s wait for a version of checkpoints kept in
+    # /kaggle/temp), at least 120 s
+    "publish_margin_s": 0.0,
     "val_tokens": 1_048_576,  # the eval's subset
     "hellaswag_examples": 200,
 }
@@ -40,7 +42,9 @@ def smoke_config(cfg: ChainConfig) -> ChainConfig:
     s = {**SMOKE_DEFAULTS, **cfg.smoke}  # the keys were checked with the config
     raw = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
     size = cfg.checkpoint_bytes
-    publish = s["publish_margin_s"] or max(120.0, 60.0 + size / ASSUMED_UPLOAD_BYTES_PER_S)
+    # With checkpoints in /kaggle/temp (gpt2-large/xl) the session also waits for its own version to settle.
+    publish = s["publish_margin_s"] or max(120.0, 60.0 + size / ASSUMED_UPLOAD_BYTES_PER_S
+                                           + publish_verify_s(cfg.train))
     raw.update(name=f"{cfg.name}-smoke", slugs={k: f"{v}-smoke" for k, v in cfg.slugs.items()},
                max_train_sessions=2, max_failed_sessions=1, session_limit_s=s["session_limit_s"],
                startup_margin_s=s["startup_margin_s"], publish_margin_s=publish, smoke={})

@@ -20,6 +20,7 @@ from scripts.chain.smoke import (
     report_lines,
     smoke_config,
 )
+from shared.config import MODEL_PRESETS
 from shared.errors import UserError
 
 
@@ -38,6 +39,14 @@ def test_the_smoke_chain_is_a_short_copy_of_the_config_under_its_own_names():
     assert smoke.time_budget == pytest.approx(840 - 420 - smoke.publish_margin_s)
     assert quota_cost_s(smoke) == 3 * 840 < SMOKE_TPU_BUDGET_S  # two train sessions and the eval on the TPU
     assert smoke.eval_session_limit_s == 840  # the smoke's eval is a subset, held to the smoke's limit
+
+
+def test_a_smoke_of_checkpoints_kept_in_temp_leaves_time_for_the_sessions_own_publish_check():
+    cfg = config_from_dict({"token_datasets": ["a/b"], "train": {"preset": "gpt2-large"},
+                            "smoke": {"session_limit_s": 3600}})
+    assert cfg.train["checkpoint_dir"].startswith("{temp}")
+    size = 12 * MODEL_PRESETS["gpt2-large"].num_params()
+    assert smoke_config(cfg).publish_margin_s == pytest.approx(60 + size / 10e6 + 600)
 
 
 def test_the_smoke_eval_keeps_a_shorter_eval_limit_and_costs_only_its_own_limit():
