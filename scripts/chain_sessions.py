@@ -135,15 +135,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--total-steps", type=int, help="override the config's total_steps")
     parser.add_argument("--max-train-sessions", type=int, help="override the config's max_train_sessions")
     args = parser.parse_args(argv)
-    if args.local_demo:
+    if args.local_demo and not args.plan:
         return local_demo(args)
-    if not args.config:
+    config = args.config or (str(DEMO_CONFIG) if args.local_demo else "")
+    if not config:
         raise UserError("give --config FILE (or --local-demo)")
-    cfg = load_config(args.config, overrides=_overrides(args))
-    if args.plan:
+    cfg = load_config(config, overrides=_overrides(args))
+    if args.plan:  # of the chain a command without --plan would run: the smoke chain where --smoke is given
         from scripts.chain.plan import print_plan
+        from scripts.chain.smoke import smoke_config
 
-        return print_plan(cfg, source=args.config)
+        return print_plan(smoke_config(cfg) if args.smoke else cfg, source=config)
     if args.smoke:
         from scripts.chain.smoke import run_smoke
 

@@ -25,7 +25,8 @@ from shared.kaggle.facts import FACTS_FILE
 SMOKE_DEFAULTS = {
     "tokens": 50_000_000,  # the tokenize part
     "shard_size": 10_000_000,  # so the part has a validation shard and a few training shards
-    "session_limit_s": 840.0,  # each train session and the eval: Kaggle stops it there (sessionTimeoutSeconds)
+    "session_limit_s": 840.0,  # each train session: Kaggle stops it there (sessionTimeoutSeconds)
+    "eval_session_limit_s": 0.0,  # the eval's (0: session_limit_s); never more than the config's eval limit
     "startup_margin_s": 420.0,  # imports, package installs, data, the first compile
     # 0: 60 s + the checkpoint's upload at the assumed rate (+ the 600-s wait for a version of checkpoints kept in
     # /kaggle/temp), at least 120 s
@@ -58,7 +59,8 @@ def smoke_config(cfg: ChainConfig) -> ChainConfig:
     if ev.get("hellaswag", "auto") != "off":
         ev["hellaswag_examples"] = int(s["hellaswag_examples"])
     raw["eval"] = {**cfg.eval, "settings": ev,
-                   "session_limit_s": min(cfg.eval_session_limit_s, float(s["session_limit_s"]))}
+                   "session_limit_s": min(cfg.eval_session_limit_s,
+                                          float(s["eval_session_limit_s"] or s["session_limit_s"]))}
     return config_from_dict(raw, f"{cfg.name} smoke")
 
 
@@ -270,7 +272,8 @@ def run_smoke(cfg: ChainConfig, workdir: Path, make_chain, log=print) -> list[Ro
     cost = quota_cost_s(smoke)
     kind = (MACHINE_SHAPES.get(smoke.accelerator) or "cpu").upper()
     log(f"smoke run {smoke.name}: one tokenize part, two train sessions of at most "
-        f"{smoke.session_limit_s / 60:.0f} min on {smoke.accelerator or 'CPU'}, an eval on a subset; "
+        f"{smoke.session_limit_s / 60:.0f} min on {smoke.accelerator or 'CPU'}, an eval on a subset (at most "
+        f"{smoke.eval_session_limit_s / 60:.0f} min); "
         f"at most {cost / 60:.0f} min of {kind} quota"
         + (f" (over the {SMOKE_TPU_BUDGET_S / 60:.0f} min a first contact should cost: this model's checkpoint "
            "takes long to publish)" if cost > SMOKE_TPU_BUDGET_S else ""))

@@ -208,6 +208,20 @@ def test_plan_without_credentials_still_prints_the_plan(tmp_path):
     assert "(quota not read: " in proc.stdout
 
 
+def test_plan_with_smoke_plans_the_smoke_chain_and_with_the_local_demo_starts_nothing(tmp_path):
+    env = {"KAGGLE_CONFIG_DIR": str(tmp_path), "KAGGLE_USERNAME": "", "KAGGLE_KEY": ""}
+    proc = run_script("scripts/chain_sessions.py", "--config", "examples/chain-gpt2-124m.json", "--smoke", "--plan",
+                      timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("plan for chain gpt2-124m-smoke (examples/chain-gpt2-124m.json): nothing is pushed")
+    assert "2 session(s) (max_train_sessions)" in proc.stdout and "a session of at most 0.23 h" in proc.stdout
+    demo = run_script("scripts/chain_sessions.py", "--local-demo", "--plan", "--workdir", str(tmp_path / "demo"),
+                      timeout=120, env=env)
+    assert demo.returncode == 0, demo.stderr
+    assert demo.stdout.startswith("plan for chain gpt2-demo (") and "local Kaggle" not in demo.stdout
+    assert not (tmp_path / "demo").exists()  # no local Kaggle was started, nothing pushed
+
+
 def test_the_chain_configs_own_fields_are_type_checked():
     with pytest.raises(UserError, match=r"^config: total_steps: expected int, got '19073'$"):
         config_from_dict({"total_steps": "19073", "token_datasets": ["a/b"]})

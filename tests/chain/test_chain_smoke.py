@@ -54,6 +54,12 @@ def test_the_smoke_eval_keeps_a_shorter_eval_limit_and_costs_only_its_own_limit(
     smoke = smoke_config(cfg)
     assert (smoke.session_limit_s, smoke.eval_session_limit_s) == (840, 300)
     assert quota_cost_s(smoke) == 2 * 840 + 300
+    # The smoke's own eval limit, where set, still never exceeds the config's.
+    own = config_from_dict({"token_datasets": ["a/b"], "smoke": {"eval_session_limit_s": 600}})
+    assert smoke_config(own).eval_session_limit_s == 600
+    capped = config_from_dict({"token_datasets": ["a/b"], "eval": {"session_limit_s": 300},
+                               "smoke": {"eval_session_limit_s": 600}})
+    assert smoke_config(capped).eval_session_limit_s == 300
     on_cpu = smoke_config(config_from_dict({"token_datasets": ["a/b"], "eval": {"accelerator": ""}}))
     assert quota_cost_s(on_cpu) == 2 * 840  # the eval runs on a CPU: no TPU quota
 
@@ -128,7 +134,7 @@ def test_smoke_on_the_local_kaggle_proves_every_link(tmp_path):
     proc = run_script("scripts/chain_sessions.py", "--local-demo", "--smoke", "--workdir", str(tmp_path),
                       timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "at most 6 min of TPU quota" in proc.stdout  # said before it starts: 3 sessions of 120 s
+    assert "at most 9 min of TPU quota" in proc.stdout  # said before it starts: 2 sessions of 120 s, an eval of 300
     report = json.loads((tmp_path / "chain" / "readiness.json").read_text())
     by = {r["link"]: r for r in report["rows"]}
     state = json.loads((tmp_path / "chain" / "state.json").read_text())
