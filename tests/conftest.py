@@ -16,12 +16,6 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 from helpers import IMAGE_PYTHONS, train_cli  # noqa: E402
 
 
-def pytest_collection_modifyitems(config, items) -> None:
-    """The end-to-end (slow) runs first, each folder's order kept otherwise: with two workers, a run of several
-    minutes handed out last leaves the other worker idle until it ends."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
 @pytest.fixture(scope="session")
 def gpt2_ranks() -> Path:
     from shared.tokenize.tokenizer import fetch_gpt2_ranks
