@@ -251,10 +251,29 @@ def _place_checkpoints(cfg: ChainConfig, where: str) -> None:
     live in /kaggle/temp with the session's wait for its version (TEMP_PUBLISH_VERIFY_S)."""
     size = cfg.checkpoint_bytes
     _place_in_output(cfg, where, size)
+    needed = publish_needs_s(cfg.train, size)
     if not cfg.publish_margin_s:
-        uploads = 2 if keeps_stable(cfg.train) else 1
-        cfg.publish_margin_s = max(1200.0, 600.0 + uploads * size / ASSUMED_UPLOAD_BYTES_PER_S
-                                   + publish_verify_s(cfg.train))
+        cfg.publish_margin_s = max(1200.0, 600.0 + needed)
+    elif cfg.publish_margin_s < needed:
+        # The session is killed mid-upload with its output unsaved: the session's training is lost.
+        raise UserError(f"{where}: publish_margin_s {cfg.publish_margin_s:g} is shorter than publishing takes: "
+                        f"{_publish_words(cfg.train, size)}, ~{needed:.0f} s; raise it or set 0 (sized for you)")
+
+
+def publish_needs_s(train: dict, size: int) -> float:
+    """The least a session's publish can take: its checkpoint's upload (and the stable-phase one's, for a wsd run)
+    at the assumed rate, and for checkpoints in /kaggle/temp the session's wait for its version."""
+    uploads = 2 if keeps_stable(train) else 1
+    return uploads * size / ASSUMED_UPLOAD_BYTES_PER_S + publish_verify_s(train)
+
+
+def _publish_words(train: dict, size: int) -> str:
+    uploads = 2 if keeps_stable(train) else 1
+    words = (f"{uploads} x " if uploads > 1 else "") + (f"{size / 1e9:.2g} GB at an assumed "
+                                                        f"{ASSUMED_UPLOAD_BYTES_PER_S / 1e6:g} MB/s")
+    if publish_verify_s(train):
+        words += f" + the session's {publish_verify_s(train):.0f}-s wait for its version"
+    return words
 
 
 def _place_in_output(cfg: ChainConfig, where: str, size: int) -> None:

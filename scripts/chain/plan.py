@@ -166,7 +166,11 @@ def make_plan(cfg: ChainConfig, quota: tuple[float, float, str] | None = None,
     if weekly and plan.get("sessions"):
         per_week = int(weekly // cfg.session_limit_s)  # a session starts only with a whole session's quota left
         plan["sessions_per_week"] = per_week
-        plan["weeks"] = math.ceil(plan["sessions"] / per_week) if per_week else None
+        # This week holds what is left of its quota; later weeks the whole allowance.
+        this_week = int(plan["quota_left_s"] // cfg.session_limit_s) if quota else per_week
+        plan["sessions_this_week"] = this_week
+        later = max(0, plan["sessions"] - this_week)
+        plan["weeks"] = (1 + math.ceil(later / per_week) if later else 1) if per_week else None
     return plan
 
 
@@ -238,7 +242,9 @@ def plan_lines(cfg: ChainConfig, plan: dict, source: str = "") -> list[str]:
                 f"{_hours(plan['weekly_quota_s'])} a week (Kaggle's stated quota, not verified; run with "
                 "credentials to read yours)")
         weeks = plan.get("weeks")
-        lines.append(f"quota       {left}: {plan.get('sessions_per_week', 0)} session(s) a week"
+        now = (f"{plan['sessions_this_week']} this week, " if plan["quota_left_s"] is not None
+               and "sessions_this_week" in plan else "")
+        lines.append(f"quota       {left}: {now}{plan.get('sessions_per_week', 0)} session(s) a week"
                      + (f" -> {weeks} week(s)" if weeks else ""))
     size = plan["checkpoint_bytes"]
     ckpt_dir = cfg.train.get("checkpoint_dir") or "{working}/train/checkpoints"
@@ -250,9 +256,11 @@ def plan_lines(cfg: ChainConfig, plan: dict, source: str = "") -> list[str]:
                      "its version and publishes again if it failed")
     stable = (", and from the end of the stable phase the checkpoint kept there beside it (train.extend trains on "
               f"from it): {_gb(2 * size)} a version") if keeps_stable(cfg.train) else ""
+    room = (f"not in the session's output, which holds {OUTPUT_LIMIT_BYTES / 1e9:g} GB"
+            if checkpoints_in_temp(cfg.train) else
+            f"{_gb((keep + 1) * size)} while one is written; the output holds {OUTPUT_LIMIT_BYTES / 1e9:g} GB")
     lines.append(f"checkpoint  {_gb(size)} (fp32 weights + AdamW moments), {keep} kept in {ckpt_dir} "
-                 f"({_gb((keep + 1) * size)} while one is written; the output holds "
-                 f"{OUTPUT_LIMIT_BYTES / 1e9:g} GB), published to dataset {user}/{cfg.slug('checkpoints')} "
+                 f"({room}), published to dataset {user}/{cfg.slug('checkpoints')} "
                  f"({versions}{stable})")
     lines.append("")
     lines += [f"margin      {line}" for line in margins(cfg, plan)]
@@ -273,7 +281,10 @@ def margins(cfg: ChainConfig, plan: dict) -> list[str]:
                f"{ASSUMED_UPLOAD_BYTES_PER_S / 1e6:g} MB/s")
     if plan.get("quota_s") and plan.get("weekly_quota_s"):
         weeks = plan.get("weeks") or 1
-        out.append(f"quota: {_hours(plan['weekly_quota_s'] * weeks - plan['quota_s'])} spare over {weeks} week(s)")
+        now = plan["weekly_quota_s"] if plan["quota_left_s"] is None else plan["quota_left_s"]
+        out.append(f"quota: {_hours(now + plan['weekly_quota_s'] * (weeks - 1) - plan['quota_s'])} spare over "
+                   f"{weeks} week(s)" + (" (this week's from what is left of it)" if now != plan["weekly_quota_s"]
+                                         else ""))
     return out
 
 
@@ -289,6 +300,9 @@ def warnings(cfg: ChainConfig, plan: dict, train: TrainConfig) -> list[str]:
                    "reaches its peak")
     if plan["tokens_per_s"] is None:
         out.append("no tokens/s for this machine: sessions and quota are not estimated")
+    if plan.get("sessions_this_week") == 0 and plan.get("sessions_per_week"):
+        out.append(f"{_hours(plan['quota_left_s'])} of quota left this week is less than one "
+                   f"{_hours(cfg.session_limit_s)} session: the chain starts nothing until the weekly reset")
     if plan.get("weeks") and plan["weeks"] > 1:
         out.append(f"{plan['weeks']} weeks of quota: the chain stops when a week's quota runs low and continues "
                    "when you run it again after the reset")

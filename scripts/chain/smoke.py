@@ -2,22 +2,24 @@
 user's own account before a week of quota goes into it, and measures their TPU.
 
 From the config it derives a short chain of its own (`<name>-smoke`, its own kernels and checkpoint dataset):
-one tokenize part of about 50M tokens; a train session of about 14 minutes on the chain's accelerator that
-checkpoints and publishes; a second one that resumes from that checkpoint (the step it starts from is checked);
-an eval on a subset. It ends with a readiness report, a row per link, and records the tokens/s it measured for
-`--plan` (scripts/chain/plan.py). A config's `smoke` section can change any of SMOKE_DEFAULTS.
+one tokenize part of about 50M tokens; a train session on the chain's accelerator (for gpt2 about 15 minutes:
+start-up, 4 minutes of training, the checkpoint's publish) that checkpoints and publishes; a second one that
+resumes from that checkpoint (the step it starts from is checked); an eval on a subset. It ends with a readiness
+report, a row per link, and records the tokens/s it measured for `--plan` (scripts/chain/plan.py). A config's
+`smoke` section can change any of SMOKE_DEFAULTS.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
 import time
 from pathlib import Path
 
-from scripts.chain.config import ChainConfig, config_from_dict, publish_verify_s
-from scripts.chain.limits import ASSUMED_UPLOAD_BYTES_PER_S, MACHINE_SHAPES
+from scripts.chain.config import ChainConfig, config_from_dict, keeps_stable, publish_needs_s
+from scripts.chain.limits import MACHINE_SHAPES
 from scripts.chain.plan import MEASURED_THROUGHPUT, SHAPE_GENERATION, planned_train, running_shape
 from shared.errors import UserError
 from shared.kaggle.facts import FACTS_FILE
@@ -25,11 +27,14 @@ from shared.kaggle.facts import FACTS_FILE
 SMOKE_DEFAULTS = {
     "tokens": 50_000_000,  # the tokenize part
     "shard_size": 10_000_000,  # so the part has a validation shard and a few training shards
-    "session_limit_s": 840.0,  # each train session: Kaggle stops it there (sessionTimeoutSeconds)
+    # each train session: Kaggle stops it there (sessionTimeoutSeconds); 0: startup_margin_s + the publish margin +
+    # train_s, so a larger model's longer upload never eats its training
+    "session_limit_s": 0.0,
+    "train_s": 240.0,  # training time in each train session, where session_limit_s is 0
     "eval_session_limit_s": 0.0,  # the eval's (0: session_limit_s); never more than the config's eval limit
     "startup_margin_s": 420.0,  # imports, package installs, data, the first compile
     # 0: 60 s + the checkpoint's upload at the assumed rate (+ the 600-s wait for a version of checkpoints kept in
-    # /kaggle/temp), at least 120 s
+    # /kaggle/temp), at least 120 s (scripts/chain/config.py publish_needs_s)
     "publish_margin_s": 0.0,
     "val_tokens": 1_048_576,  # the eval's subset
     "hellaswag_examples": 200,
@@ -42,12 +47,18 @@ def smoke_config(cfg: ChainConfig) -> ChainConfig:
     one small tokenize part, an eval on a subset; checked like any config."""
     s = {**SMOKE_DEFAULTS, **cfg.smoke}  # the keys were checked with the config
     raw = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-    size = cfg.checkpoint_bytes
+    train = dict(cfg.train)
+    if keeps_stable(train) and not train.get("extend"):
+        train["keep_stable"] = False  # two short sessions never reach the end of a wsd run's stable phase
     # With checkpoints in /kaggle/temp (gpt2-large/xl) the session also waits for its own version to settle.
-    publish = s["publish_margin_s"] or max(120.0, 60.0 + size / ASSUMED_UPLOAD_BYTES_PER_S
-                                           + publish_verify_s(cfg.train))
+    publish = s["publish_margin_s"] or max(120.0, 60.0 + publish_needs_s(train, cfg.checkpoint_bytes))
+    limit = s["session_limit_s"] or math.ceil(s["startup_margin_s"] + publish + s["train_s"])
+    if limit <= s["startup_margin_s"] + publish:
+        raise UserError(f"{cfg.name}: smoke.session_limit_s {limit:g} leaves no training time after the smoke's "
+                        f"start-up ({s['startup_margin_s']:g} s) and publish ({publish:.0f} s) margins; raise it, or "
+                        "set it 0 to add smoke.train_s to them")
     raw.update(name=f"{cfg.name}-smoke", slugs={k: f"{v}-smoke" for k, v in cfg.slugs.items()},
-               max_train_sessions=2, max_failed_sessions=1, session_limit_s=s["session_limit_s"],
+               train=train, max_train_sessions=2, max_failed_sessions=1, session_limit_s=limit,
                startup_margin_s=s["startup_margin_s"], publish_margin_s=publish, smoke={})
     if cfg.tokenize.get("parts"):
         settings = dict(cfg.tokenize.get("settings", {}))
@@ -60,7 +71,7 @@ def smoke_config(cfg: ChainConfig) -> ChainConfig:
         ev["hellaswag_examples"] = int(s["hellaswag_examples"])
     raw["eval"] = {**cfg.eval, "settings": ev,
                    "session_limit_s": min(cfg.eval_session_limit_s,
-                                          float(s["eval_session_limit_s"] or s["session_limit_s"]))}
+                                          float(s["eval_session_limit_s"] or limit))}
     return config_from_dict(raw, f"{cfg.name} smoke")
 
 

@@ -368,8 +368,9 @@ def test_a_finished_wsd_chain_extends_from_its_stable_phase_checkpoint_carried_i
     upload_tokens(lk, tmp_path, "alice/ext-tokens", demo_data)
     ckpt, work = "alice/ext-run-checkpoints", tmp_path / "w"
     train = {**DEMO["train"], "micro_batch": 8, "schedule": "wsd", "warmup_steps": 1, "cooldown_frac": 0.5}
+    # 20 s to publish: two checkpoints of 82 MB at the assumed 10 MB/s (the demo's 12 s is one's).
     common = dict(name="ext-run", tokenize={}, eval={"enabled": False}, token_datasets=["alice/ext-tokens"],
-                  session_limit_s=300)
+                  session_limit_s=300, publish_margin_s=20)
 
     def dataset_steps() -> tuple[int, int | None]:
         """(checkpoint step, stable-phase checkpoint step) of the dataset's newest version."""

@@ -202,6 +202,22 @@ def test_checkpoints_are_placed_where_they_fit_and_the_publish_margin_grows_with
     assert config_from_dict({**BASE, "publish_margin_s": 30}).publish_margin_s == 30  # an explicit margin stays
 
 
+def test_an_explicit_publish_margin_shorter_than_the_publish_is_refused_at_load():
+    """A copied example's 1200 s with a larger model: the session would be killed mid-upload, output unsaved."""
+    for preset, words, need in (
+            ("gpt2-large", "9.3 GB at an assumed 10 MB/s + the session's 600-s wait for its version", 1529),
+            ("gpt2-xl", "19 GB at an assumed 10 MB/s + the session's 600-s wait for its version", 2469)):
+        with pytest.raises(UserError) as err:
+            config_from_dict({**BASE, "publish_margin_s": 1200, "train": {"preset": preset}})
+        assert str(err.value) == (f"config: publish_margin_s 1200 is shorter than publishing takes: {words}, "
+                                  f"~{need} s; raise it or set 0 (sized for you)")
+        assert config_from_dict({**BASE, "publish_margin_s": need + 1, "train": {"preset": preset}}).time_budget > 0
+    # A wsd run publishes the stable-phase checkpoint beside the newest: two uploads of 4.3 GB.
+    with pytest.raises(UserError, match=r"publish_margin_s 800 is shorter than publishing takes: 2 x 4.3 GB .* ~852 s"):
+        config_from_dict({**BASE, "publish_margin_s": 800, "train": {"preset": "gpt2-medium", "schedule": "wsd"}})
+    assert config_from_dict({**BASE, "publish_margin_s": 800, "train": {"preset": "gpt2-medium"}})  # one: 426 s
+
+
 def test_a_chain_extends_a_wsd_run_whose_stable_phase_checkpoint_travels_and_refuses_one_that_cannot():
     """train.extend needs the stable-phase checkpoint in the dataset: a wsd run keeps it (and the publish margin
     counts its upload beside the newest); without it, or on cosine, one line before anything is pushed."""

@@ -137,6 +137,14 @@ def test_plan_of_every_example_config_counts_its_sessions_and_tpu_hours(example,
     assert plan["train_quota_s"] == pytest.approx(min(train_s, sessions * cfg.time_budget) + margins)
     assert any(f"{sessions} session(s)" in line for line in lines)
     assert any(line.startswith(f"TPU hours   ~{plan['quota_s'] / 3600:.2f} h") for line in lines)
+    # The command a user runs exits 0 and prints the same sessions and hours (from the same measured figures).
+    proc = run_script("scripts/chain_sessions.py", "--config", str(example), "--plan", timeout=120,
+                      env={"KAGGLE_CONFIG_DIR": str(tmp_path), "KAGGLE_USERNAME": "", "KAGGLE_KEY": ""})
+    assert proc.returncode == 0, proc.stderr
+    expected = []
+    print_plan(cfg, log=expected.append, with_quota=False)
+    counted = [line for line in expected if line.startswith(("            ", "TPU hours"))]
+    assert counted and all(line in proc.stdout.splitlines() for line in counted), (counted, proc.stdout)
 
 
 def test_plan_of_the_gpt2_examples_fits_one_session_and_one_week(tmp_path):
@@ -200,6 +208,25 @@ def test_plan_with_credentials_shows_the_accounts_quota(local_kaggle, tmp_path):
     assert lines[-1].startswith("4 kernel(s) built and checked")  # two tokenize parts, train, eval
 
 
+def test_plan_counts_sessions_against_the_quota_left_this_week(tmp_path):
+    """The stretch run's two 9-h sessions: with 20 h left both start this week; with 10 h one does and the other
+    waits for the reset; with 5 h none starts before it."""
+    cfg = load_config(REPO / "examples" / "chain-gpt2-124m-stretch.json")
+    measured = _no_measurement(tmp_path)
+    hour, week = 3600.0, 20 * 3600.0
+    for left, this_week, weeks in ((20 * hour, 2, 1), (10 * hour, 1, 2), (5 * hour, 0, 2)):
+        plan = make_plan(cfg, quota=(left, week, "reset"), measured_path=measured)
+        assert plan["sessions"] == 2 and plan["sessions_per_week"] == 2
+        assert (plan["sessions_this_week"], plan["weeks"]) == (this_week, weeks), left
+        lines = plan_lines(cfg, plan)
+        spare = left + week * (weeks - 1) - plan["quota_s"]
+        assert any(line.startswith(f"margin      quota: {spare / 3600:.2f} h spare over {weeks} week(s)")
+                   for line in lines), lines
+        assert any(line.startswith(f"quota       {left / 3600:.2f} h left this week of 20.00 h (your account): "
+                                   f"{this_week} this week, 2 session(s) a week") for line in lines)
+        assert any("less than one 9.00 h session" in line for line in lines) == (this_week == 0)
+
+
 def test_plan_without_credentials_still_prints_the_plan(tmp_path):
     proc = run_script("scripts/chain_sessions.py", "--config", "examples/chain-gpt2-124m.json", "--plan",
                       timeout=120, env={"KAGGLE_CONFIG_DIR": str(tmp_path), "KAGGLE_USERNAME": "", "KAGGLE_KEY": ""})
@@ -214,7 +241,7 @@ def test_plan_with_smoke_plans_the_smoke_chain_and_with_the_local_demo_starts_no
                       timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("plan for chain gpt2-124m-smoke (examples/chain-gpt2-124m.json): nothing is pushed")
-    assert "2 session(s) (max_train_sessions)" in proc.stdout and "a session of at most 0.23 h" in proc.stdout
+    assert "2 session(s) (max_train_sessions)" in proc.stdout and "a session of at most 0.24 h" in proc.stdout
     demo = run_script("scripts/chain_sessions.py", "--local-demo", "--plan", "--workdir", str(tmp_path / "demo"),
                       timeout=120, env=env)
     assert demo.returncode == 0, demo.stderr
@@ -294,10 +321,10 @@ def test_plan_of_a_wsd_run_counts_the_stable_phase_checkpoint_and_says_what_exte
 def test_plan_of_a_model_whose_checkpoints_live_in_temp_keeps_k_versions_and_says_the_session_verifies(tmp_path):
     raw = json.loads((REPO / "examples" / "chain-gpt2-124m.json").read_text())
     raw = {k: v for k, v in raw.items() if not k.startswith("_")}
-    cfg = config_from_dict({**raw, "train": {**raw["train"], "preset": "gpt2-xl"}})
+    cfg = config_from_dict({**raw, "train": {**raw["train"], "preset": "gpt2-xl"}, "publish_margin_s": 0})
     lines: list[str] = []
     print_plan(cfg, log=lines.append, with_quota=False, measured_path=_no_measurement(tmp_path))
     (checkpoint,) = [line for line in lines if line.startswith("checkpoint  ")]
     assert checkpoint.endswith("(at most 2 versions kept; with no copy in the output, a session waits up to 600 s "
                                "for its version and publishes again if it failed)")
-    assert "1 kept in {temp}/checkpoints" in checkpoint
+    assert "1 kept in {temp}/checkpoints (not in the session's output, which holds 20 GB)" in checkpoint

@@ -4,6 +4,7 @@ and its readiness report (issue 18)."""
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from scripts.chain.smoke import (
     readiness_rows,
     record_measurement,
     report_lines,
+    run_smoke,
     smoke_config,
 )
 from shared.config import MODEL_PRESETS
@@ -34,11 +36,45 @@ def test_the_smoke_chain_is_a_short_copy_of_the_config_under_its_own_names():
     assert smoke.tokenize["parts"] == 1
     assert smoke.tokenize["settings"] == {"tokens_per_part": 50_000_000, "shard_size": 10_000_000}
     assert smoke.eval["settings"]["kaggle_model"] == "" and smoke.eval["settings"]["hellaswag_examples"] == 200
-    # 14-min sessions: 420 s start-up, 60 s + 1.49 GB at the assumed 10 MB/s to publish, the rest trains
+    # 14.5-min sessions: 420 s start-up, 60 s + 1.49 GB at the assumed 10 MB/s to publish, 240 s of training
     assert smoke.publish_margin_s == pytest.approx(60 + 12 * 124_475_904 / 10e6)
-    assert smoke.time_budget == pytest.approx(840 - 420 - smoke.publish_margin_s)
-    assert quota_cost_s(smoke) == 3 * 840 < SMOKE_TPU_BUDGET_S  # two train sessions and the eval on the TPU
-    assert smoke.eval_session_limit_s == 840  # the smoke's eval is a subset, held to the smoke's limit
+    assert smoke.session_limit_s == math.ceil(420 + 60 + 149.371 + 240) == 870
+    assert smoke.time_budget == pytest.approx(870 - 420 - smoke.publish_margin_s) and smoke.time_budget >= 240
+    assert quota_cost_s(smoke) == 3 * 870 < SMOKE_TPU_BUDGET_S  # two train sessions and the eval on the TPU
+    assert smoke.eval_session_limit_s == 870  # the smoke's eval is a subset, held to the smoke's limit
+
+
+def test_a_smoke_of_a_larger_model_lengthens_its_sessions_by_the_publish_and_says_what_it_costs(tmp_path):
+    """The publish of a larger checkpoint is added to the session, never taken from its training; a smoke that
+    costs more than 45 min says so before it starts."""
+    for preset, publish in (("gpt2-medium", 60 + 12 * MODEL_PRESETS["gpt2-medium"].num_params() / 10e6),
+                            ("gpt2-xl", 60 + 12 * MODEL_PRESETS["gpt2-xl"].num_params() / 10e6 + 600)):
+        smoke = smoke_config(config_from_dict({"token_datasets": ["a/b"], "train": {"preset": preset}}))
+        assert smoke.publish_margin_s == pytest.approx(publish)
+        assert smoke.session_limit_s == math.ceil(420 + publish + 240) and 240 <= smoke.time_budget < 241
+        assert quota_cost_s(smoke) == 3 * smoke.session_limit_s > SMOKE_TPU_BUDGET_S
+        said = []
+
+        def no_chain(smoke_cfg, workdir):
+            raise LookupError("nothing pushed")
+
+        with pytest.raises(LookupError):
+            run_smoke(config_from_dict({"name": preset, "token_datasets": ["a/b"], "train": {"preset": preset}}),
+                      tmp_path, no_chain, log=said.append)
+        minutes = smoke.session_limit_s / 60
+        assert said == [f"smoke run {preset}-smoke: one tokenize part, two train sessions of at most {minutes:.0f} min "
+                        f"on TpuV5E8, an eval on a subset (at most {minutes:.0f} min); at most {3 * minutes:.0f} min "
+                        "of TPU quota (over the 45 min a first contact should cost: this model's checkpoint takes long "
+                        "to publish)"]
+    # An explicit smoke.session_limit_s that leaves nothing to train is one line naming the smoke's setting.
+    with pytest.raises(UserError) as err:
+        smoke_config(config_from_dict({"name": "big", "token_datasets": ["a/b"], "train": {"preset": "gpt2-medium"},
+                                       "smoke": {"session_limit_s": 840}}))
+    assert str(err.value) == ("big: smoke.session_limit_s 840 leaves no training time after the smoke's start-up "
+                              "(420 s) and publish (486 s) margins; raise it, or set it 0 to add smoke.train_s to them")
+    # A wsd run's two short sessions never reach the end of its stable phase: one checkpoint to publish.
+    wsd = smoke_config(config_from_dict({"token_datasets": ["a/b"], "train": {"preset": "gpt2", "schedule": "wsd"}}))
+    assert wsd.train["keep_stable"] is False and wsd.publish_margin_s == pytest.approx(60 + 149.3710848)
 
 
 def test_a_smoke_of_checkpoints_kept_in_temp_leaves_time_for_the_sessions_own_publish_check():
@@ -52,8 +88,9 @@ def test_a_smoke_of_checkpoints_kept_in_temp_leaves_time_for_the_sessions_own_pu
 def test_the_smoke_eval_keeps_a_shorter_eval_limit_and_costs_only_its_own_limit():
     cfg = config_from_dict({"token_datasets": ["a/b"], "eval": {"session_limit_s": 300}})
     smoke = smoke_config(cfg)
-    assert (smoke.session_limit_s, smoke.eval_session_limit_s) == (840, 300)
-    assert quota_cost_s(smoke) == 2 * 840 + 300
+    # tiny: 420 s start-up + 120 s (the least publish margin) + 240 s of training
+    assert (smoke.session_limit_s, smoke.eval_session_limit_s) == (780, 300)
+    assert quota_cost_s(smoke) == 2 * 780 + 300
     # The smoke's own eval limit, where set, still never exceeds the config's.
     own = config_from_dict({"token_datasets": ["a/b"], "smoke": {"eval_session_limit_s": 600}})
     assert smoke_config(own).eval_session_limit_s == 600
@@ -61,7 +98,7 @@ def test_the_smoke_eval_keeps_a_shorter_eval_limit_and_costs_only_its_own_limit(
                                "smoke": {"eval_session_limit_s": 600}})
     assert smoke_config(capped).eval_session_limit_s == 300
     on_cpu = smoke_config(config_from_dict({"token_datasets": ["a/b"], "eval": {"accelerator": ""}}))
-    assert quota_cost_s(on_cpu) == 2 * 840  # the eval runs on a CPU: no TPU quota
+    assert quota_cost_s(on_cpu) == 2 * 780  # the eval runs on a CPU: no TPU quota
 
 
 def test_a_configs_own_smoke_slugs_never_reuse_the_real_runs():
