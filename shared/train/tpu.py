@@ -168,12 +168,24 @@ def auto_micro_batch(generation: str | None, attention: str, model, seq_len: int
     return per_device * num_devices
 
 
+def activation_checkpointing_on(setting: str, n_layer: int, generation: str | None) -> bool:
+    """--activation-checkpointing as the step runs it: on or off as set; auto turns it on where the TPU's memory
+    needs it (24+ layers, gpt2-medium up, on 16 GB devices; 36+, gpt2-large up, on larger ones), never without a
+    TPU. The step (trainer.plan_step) and the micro-batch it is sized for (micro_batch_for) both ask here."""
+    if setting != "auto":
+        return setting == "on"
+    gen = TPU_GENERATIONS.get(generation or "")
+    return gen is not None and n_layer >= (24 if gen.hbm_gib_per_device <= 16 else 36)
+
+
 def micro_batch_for(cfg, generation: str | None, attention: str, num_devices: int) -> int:
-    """The micro-batch `--micro-batch auto` means for TrainConfig `cfg` on this machine: `auto_micro_batch`, lowered
-    to the largest power of two per device whose micro-steps make up the step's batch exactly."""
+    """The micro-batch `--micro-batch auto` means for TrainConfig `cfg` on this machine: `auto_micro_batch` (with
+    activation checkpointing as the step will run it), lowered to the largest power of two per device whose
+    micro-steps make up the step's batch exactly."""
     model = cfg.model
+    checkpointing = activation_checkpointing_on(cfg.activation_checkpointing, model.n_layer, generation)
     most = auto_micro_batch(generation, attention, model, model.block_size, num_devices,
-                            activation_checkpointing=cfg.activation_checkpointing == "on", fsdp=cfg.fsdp)
+                            activation_checkpointing=checkpointing, fsdp=cfg.fsdp)
     sequences = cfg.total_batch_tokens // model.block_size  # validate() made sure num_devices divides it
     per_device = most // num_devices
     while per_device > 1 and sequences % (per_device * num_devices):

@@ -47,7 +47,7 @@ from shared.train.optim import (
     saved_schedule,
     stable_phase_end,
 )
-from shared.train.tpu import micro_batch_for
+from shared.train.tpu import activation_checkpointing_on, micro_batch_for
 from shared.train.validation import periodic_eval
 
 XLA_CACHE_DIR = "xla_cache"  # inside out_dir, and inside each checkpoint (XLA's persistent compilation cache)
@@ -92,10 +92,7 @@ def plan_step(cfg: TrainConfig, runtime: Runtime, scan_available: bool | None = 
 
     n_layer, gen, xla = cfg.model.n_layer, runtime.tpu_generation, runtime.name == "xla"
     loop = cfg.grad_accum_loop and xla and cfg.grad_accum_steps > 1
-    if cfg.activation_checkpointing == "auto":
-        checkpointing = bool(gen) and n_layer >= (24 if gen.hbm_gib_per_device <= 16 else 36)
-    else:
-        checkpointing = cfg.activation_checkpointing == "on"
+    checkpointing = activation_checkpointing_on(cfg.activation_checkpointing, n_layer, gen.name if gen else None)
     wanted = cfg.scan_layers == "on" or (cfg.scan_layers == "auto" and xla and bool(gen) and n_layer >= 24)
     if scan_available is None:  # asked only where the scan could run: it imports jax into this process
         scan_available = wanted and xla and scan_layers_available()

@@ -334,6 +334,29 @@ def test_auto_micro_batch_from_the_memory_arithmetic(generation, attention, pres
         assert (expected // 8) * per_sequence <= room < (expected // 4) * per_sequence
 
 
+@pytest.mark.parametrize("generation, attention, expected", [
+    ("v3", "sdpa", (32, 64, 8)),
+    ("v5e", "pallas-flash", (64, 64, 8)),
+    ("v5e", "sdpa", (32, 64, 8)),
+    ("v6e", "pallas-flash", (128, 64, 128)),
+    ("v6e", "sdpa", (64, 32, 64)),
+])
+def test_micro_batch_auto_with_default_settings_matches_the_docs_table(generation, attention, expected):
+    """`--activation-checkpointing auto` (the default) is sized for as the step will run it: gpt2-medium on a 16 GB
+    device checkpoints (the step turns it on), so its micro-batch is the checkpointed one, not the smaller one
+    without; on a 32 GB v6e chip it does not, and gpt2-large does."""
+    from shared.train.tpu import auto_micro_batch, micro_batch_for
+
+    got = tuple(micro_batch_for(TrainConfig(preset=p), generation, attention, 8)
+                for p in ("gpt2", "gpt2-medium", "gpt2-large"))
+    assert got == expected
+    for preset, size in zip(("gpt2-medium", "gpt2-large"), expected[1:], strict=True):
+        cfg = TrainConfig(preset=preset)
+        step = plan_step(cfg, FakeRuntime(generation, attention), scan_available=False)
+        # 512 sequences a step: every power of two up to it divides them, so nothing is lowered
+        assert auto_micro_batch(generation, attention, cfg.model, 1024, 8, step.activation_checkpointing) == size
+
+
 def test_count_allreduce_attributes_reduces_to_the_loop_or_the_step():
     import importlib.util
 
