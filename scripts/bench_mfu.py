@@ -59,7 +59,7 @@ def chain_step(devices: int, seq_len: int, generation: str | None = None) -> tup
     import dataclasses
 
     from shared.config import AUTO, TrainConfig
-    from shared.train.tpu import TPU_GENERATIONS, micro_batch_for
+    from shared.tpu import TPU_GENERATIONS, micro_batch_for
 
     train = json.loads(CHAIN_CONFIG.read_text())["train"]
     cfg = TrainConfig(**{k: v for k, v in train.items() if k in ("micro_batch", "total_batch_tokens")},
@@ -252,7 +252,7 @@ def main() -> None:
 
     backend = pick_backend(args.backend)
     if backend == "xla":
-        from shared.train.tpu import default_xla_env
+        from shared.tpu import default_xla_env
 
         default_xla_env()  # torch_xla's CPU devices off-TPU; must precede torch's first backward pass
     import torch

@@ -97,7 +97,7 @@ def step_module(dump_dir: Path) -> Path:
 def train_and_dump(preset: str, seq_len: int, accum: int, dump_dir: Path, torch_xla_accum: bool = False) -> None:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump_dir} --xla_dump_hlo_as_text"
                                " --xla_dump_hlo_pass_re=^$").strip()
-    from shared.train.tpu import default_xla_env
+    from shared.tpu import default_xla_env
 
     default_xla_env()
     sys.path.insert(0, str(Path(__file__).resolve().parent))

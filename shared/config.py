@@ -144,7 +144,7 @@ class TrainConfig:
     seq_len: int = field(default=0, metadata={"help": "tokens per sequence (0: the preset's block size)"})
     micro_batch: int | str = field(default=16, metadata={
         "help": "sequences per micro-step over all devices, or auto: the most that fits, from the TPU generation, "
-                "the attention kernel and the model (shared/train/tpu.py auto_micro_batch; docs/tpu-throughput.md)"})
+                "the attention kernel and the model (shared/tpu.py auto_micro_batch; docs/tpu-throughput.md)"})
     total_batch_tokens: int = field(default=524288, metadata={"help": "tokens per optimizer step"})
     max_steps: int = field(default=19073, metadata={"help": "optimizer steps for the whole run (all sessions)"})
     warmup_steps: int = field(default=715, metadata={"help": "linear learning-rate warm-up steps"})
@@ -249,7 +249,7 @@ class TrainConfig:
     @property
     def tokens_per_micro_step(self) -> int:
         if self.micro_batch == AUTO:
-            raise UserError("--micro-batch auto is chosen once the runtime is up (shared/train/tpu.py micro_batch_for)")
+            raise UserError("--micro-batch auto is chosen once the runtime is up (shared/tpu.py micro_batch_for)")
         return self.micro_batch * self.model.block_size
 
     @property

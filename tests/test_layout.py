@@ -47,6 +47,31 @@ def test_no_stage_imports_a_later_one():
     assert backward_imports(SHARED) == []
 
 
+def platform_imports(root: Path) -> list[str]:
+    """Arrows against the layers around the stages: shared/kaggle (the session's platform: paths, secrets,
+    packages, publishing) imports no stage, and the common modules (shared/*.py) import nothing of shared/kaggle,
+    so stages may use the platform and the platform only the common modules."""
+    arrows = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root.parent).with_suffix("")
+        in_kaggle, common = rel.parts[1] == "kaggle", path.parent == root
+        for module in shared_imports(path):
+            if (in_kaggle and stage_of(module) is not None) or (common and module.startswith("shared.kaggle")):
+                arrows.append(f"{rel} -> {module}")
+    return arrows
+
+
+def test_the_kaggle_platform_imports_no_stage_and_the_common_modules_no_platform(tmp_path):
+    assert platform_imports(SHARED) == []
+    root = tmp_path / "shared"
+    (root / "kaggle").mkdir(parents=True)
+    (root / "kaggle" / "publish.py").write_text("def f():\n    from shared.train.checkpoint import save\n")
+    (root / "kaggle" / "env.py").write_text("from shared.tpu import tpu_devices_present\n")
+    (root / "tpu.py").write_text("import shared.kaggle.env\n")
+    assert platform_imports(root) == ["shared/kaggle/publish -> shared.train.checkpoint",
+                                      "shared/tpu -> shared.kaggle.env"]
+
+
 def test_a_backward_import_is_reported_even_inside_a_function(tmp_path):
     root = tmp_path / "shared"
     (root / "train").mkdir(parents=True)

@@ -18,8 +18,8 @@ from scripts.chain.notebooks import NotebooksStage, ask_on_terminal
 from scripts.chain.state import State
 from scripts.chain.tokenize_stage import TokenizeStage
 from scripts.chain.train_stage import TrainStage
+from shared.checkpoint_names import checkpoint_name
 from shared.errors import UserError
-from shared.train.checkpoint_names import checkpoint_name
 
 
 class Chain:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from scripts.chain.client import ApiFailure, VersionMissing, normalize_single_download
 from scripts.chain.context import StageContext
+from shared.checkpoint_names import CHECKPOINT_PREFIX, STABLE_DIR, checkpoint_name
 from shared.errors import UserError
 from shared.fsutil import sha256_file
 from shared.kaggle.publish import (
@@ -23,7 +24,6 @@ from shared.kaggle.publish import (
     stable_checkpoint,
     write_dataset_folder,
 )
-from shared.train.checkpoint_names import CHECKPOINT_PREFIX, STABLE_DIR, checkpoint_name
 
 
 def dataset_step(ctx: StageContext, ref: str, version: int = 0) -> int:

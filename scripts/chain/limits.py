@@ -54,7 +54,7 @@ ASSUMED_UPLOAD_BYTES_PER_S = 10 * 10**6
 
 def session_devices(shape: str, backend: str = "auto") -> int:
     """Devices a session's trainer splits its micro-batch over: 8 on a TPU board (v5e-8, v6e-8; a v3-8's 4 chips
-    are 8 cores) and on a CPU machine, whose XLA backend stands in with 8 devices (shared/train/tpu.py
+    are 8 cores) and on a CPU machine, whose XLA backend stands in with 8 devices (shared/tpu.py
     default_xla_env); one GPU (a kernel runs one process, no torchrun); one with backend cpu."""
     if backend == "cpu" or (backend in ("auto", "cuda") and MACHINE_SHAPES.get(shape) == "gpu"):
         return 1

@@ -31,7 +31,7 @@ MEASURED_THROUGHPUT = REPO / "runs" / "measured-throughput.json"
 # The MFU a plan assumes before anything is measured: the middle of docs/tpu-throughput.md's 25-35% estimate for
 # torch_xla GPT-2 on a v5e-8 (no published TPU figure exists to take instead).
 PLAN_MFU = 0.30
-# The TPU generation a shape runs on (shared/train/tpu.py TPU_GENERATIONS has its peak).
+# The TPU generation a shape runs on (shared/tpu.py TPU_GENERATIONS has its peak).
 SHAPE_GENERATION = {"TpuV5E8": "v5e", "TpuV6E8": "v6e"}
 # Kaggle's weekly quotas as Kaggle's pages state them; not verified from a primary source (docs/kaggle-api.md);
 # with credentials the plan reads the account's own quota instead.
@@ -76,7 +76,7 @@ def train_throughput(cfg: ChainConfig, train: TrainConfig, measured_path: Path =
     if not generation:
         return Throughput(None, f"no estimate for {shape or 'CPU'}: measure it with --smoke, or set "
                                 "plan_tokens_per_s in the config")
-    from shared.train.tpu import TPU_GENERATIONS  # standard library only at import
+    from shared.tpu import TPU_GENERATIONS  # standard library only at import
 
     gen = TPU_GENERATIONS[generation]
     board = gen.peak_bf16_per_device * session_devices(shape)
@@ -92,7 +92,7 @@ def planned_train(cfg: ChainConfig) -> tuple[TrainConfig, str]:
     train = TrainConfig(**{**cfg.train, "max_steps": cfg.total_steps})
     if train.micro_batch != AUTO:
         return train, ""
-    from shared.train.tpu import TPU_GENERATIONS, micro_batch_for  # standard library only at import
+    from shared.tpu import TPU_GENERATIONS, micro_batch_for  # standard library only at import
 
     generation = SHAPE_GENERATION.get(running_shape(cfg.accelerator))
     devices = session_devices(cfg.accelerator, train.backend)

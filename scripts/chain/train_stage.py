@@ -28,9 +28,9 @@ from scripts.chain.context import StageContext
 from scripts.chain.hellaswag import ensure_hellaswag_dataset, hellaswag_settings
 from scripts.chain.limits import MACHINE_SHAPES
 from scripts.chain.tokenize_stage import data_sources
+from shared.checkpoint_names import STATE_FILE
 from shared.errors import UserError
 from shared.kaggle.publish import PUBLISH_RECORD, STABLE_PREFIX
-from shared.train.checkpoint_names import STATE_FILE
 
 
 class TrainStage:

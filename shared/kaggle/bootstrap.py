@@ -21,6 +21,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from shared.checkpoint_names import STABLE_DIR, checkpoint_name
 from shared.errors import UserError, describe_error
 from shared.kaggle.publish import (
     MANIFEST,
@@ -32,7 +33,6 @@ from shared.kaggle.publish import (
     publish_problem,
     secrets_to_env,
 )
-from shared.train.checkpoint_names import STABLE_DIR, checkpoint_name
 
 FETCH_TIMEOUT_S = 3600.0  # fetching the expected checkpoint version (a gpt2-xl one is about 18.7 GB)
 

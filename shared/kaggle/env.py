@@ -101,7 +101,7 @@ def check_tpu_present(machine_shape: str, kernel: str) -> None:
     """A kernel built for a TPU machine shape that finds no TPU stops here, in one line, before it touches its
     inputs or the checkpoint dataset: otherwise torch_xla would quietly train on 8 CPU devices for 9 hours.
 
-    On Kaggle the chips must be on this host (shared.train.tpu.tpu_devices_present, torch_xla's own test); in the
+    On Kaggle the chips must be on this host (shared.tpu.tpu_devices_present, torch_xla's own test); in the
     local Kaggle, whose XLA CPU devices stand in for a TPU, the session's machine shape must be a TPU one.
     The build is remembered for check_session_device, which checks the runtime once it has started."""
     _built_for.update(machine_shape=machine_shape, kernel=kernel)
@@ -110,7 +110,7 @@ def check_tpu_present(machine_shape: str, kernel: str) -> None:
     if is_local_kaggle():
         present, seen = _local_session_is_tpu()
     else:
-        from shared.train.tpu import tpu_devices_present
+        from shared.tpu import tpu_devices_present
 
         present, seen = tpu_devices_present(), "no TPU chips on PCI, /dev/accel* or /dev/vfio"
     if not present:
@@ -128,7 +128,7 @@ def check_session_device(device_type: str) -> None:
     machine_shape, kernel = _built_for.get("machine_shape", ""), _built_for.get("kernel", "")
     if not machine_shape.lower().startswith("tpu") or device_type == "TPU":
         return
-    from shared.train.tpu import tpu_devices_present
+    from shared.tpu import tpu_devices_present
 
     chips = tpu_devices_present()
     if is_local_kaggle() and device_type == "CPU" and not chips and _local_session_is_tpu()[0]:

@@ -25,10 +25,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from shared.checkpoint_names import CHECKPOINT_PREFIX, STABLE_DIR
+from shared.checkpoint_names import MANIFEST_FILE as MANIFEST
 from shared.errors import UserError, describe_error
 from shared.fsutil import link_or_copy
-from shared.train.checkpoint_names import CHECKPOINT_PREFIX, STABLE_DIR
-from shared.train.checkpoint_names import MANIFEST_FILE as MANIFEST
 
 PUBLISH_RECORD = "publish.json"  # written to /kaggle/working: what the session published (read by the chain)
 DATASET_METADATA = "dataset-metadata.json"

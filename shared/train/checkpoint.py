@@ -30,9 +30,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from shared.errors import UserError
-from shared.fsutil import atomic_write_bytes, fsync_dir, sha256_file
-from shared.train.checkpoint_names import (
+from shared.checkpoint_names import (
     CHECKPOINT_PREFIX,
     MANIFEST_FILE,
     METRICS_FILE,
@@ -41,6 +39,8 @@ from shared.train.checkpoint_names import (
     STATE_FILE,
     checkpoint_name,
 )
+from shared.errors import UserError
+from shared.fsutil import atomic_write_bytes, fsync_dir, sha256_file
 
 FORMAT_VERSION = 1
 _CORRUPT_PREFIX = "corrupt-"  # a set-aside checkpoint: list_checkpoints ignores it, nothing deletes it

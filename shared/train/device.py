@@ -2,7 +2,7 @@
 torch (CPU/CUDA), so the training loop reads the same on every backend.
 
 torch_xla is imported only by `XlaRuntime`, so importing this module stays cheap. Which TPU a host has
-(generation, peaks, PCI probe) is `shared.train.tpu`.
+(generation, peaks, PCI probe) is `shared.tpu`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from shared.train.tpu import TPU_GENERATIONS, TpuGeneration, default_xla_env, detect_tpu_generation
+from shared.tpu import TPU_GENERATIONS, TpuGeneration, default_xla_env, detect_tpu_generation
 
 # bf16 peak FLOP/s per GPU, matched against torch.cuda.get_device_name.
 PEAK_BF16_FLOPS = {

@@ -18,9 +18,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from shared.checkpoint_names import STABLE_DIR
 from shared.config import AUTO, CHECKPOINT_BYTES_PER_PARAM, NINE_HOURS, TrainConfig
 from shared.data import LoaderState, TokenLoader, find_shards
 from shared.errors import UserError
+from shared.tpu import activation_checkpointing_on, micro_batch_for
 from shared.train.checkpoint import (
     METRICS_FILE,
     CheckpointTimer,
@@ -32,7 +34,6 @@ from shared.train.checkpoint import (
     saved_state,
     set_aside_checkpoint,
 )
-from shared.train.checkpoint_names import STABLE_DIR
 from shared.train.device import Runtime, make_runtime, runtime_versions
 from shared.train.metrics import BackgroundCalls, MetricsLogger, plot_loss
 from shared.train.model import GPT
@@ -47,7 +48,6 @@ from shared.train.optim import (
     saved_schedule,
     stable_phase_end,
 )
-from shared.train.tpu import activation_checkpointing_on, micro_batch_for
 from shared.train.validation import periodic_eval
 
 XLA_CACHE_DIR = "xla_cache"  # inside out_dir, and inside each checkpoint (XLA's persistent compilation cache)

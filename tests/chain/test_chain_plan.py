@@ -259,7 +259,7 @@ def test_the_chain_configs_own_fields_are_type_checked():
 
 def test_micro_batch_auto_is_resolved_for_the_chains_tpu():
     from scripts.chain.plan import planned_train
-    from shared.train.tpu import micro_batch_for
+    from shared.tpu import micro_batch_for
 
     cfg = load_config(REPO / "examples" / "chain-gpt2-124m.json")
     assert cfg.train["micro_batch"] == "auto"

@@ -6,9 +6,9 @@ import os
 
 import pytest
 
+from shared import tpu
 from shared.errors import UserError, run_cli
 from shared.kaggle import env
-from shared.train import tpu
 from shared.train.device import make_runtime
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from shared.config import TrainConfig
 from shared.errors import UserError
-from shared.train.tpu import (
+from shared.tpu import (
     TPU_GENERATIONS,
     detect_tpu_generation,
     parse_tpu_generation,
@@ -319,7 +319,7 @@ def test_the_trainer_probes_the_kernel_at_its_own_shapes_sharded_per_device(xla_
     (None, "sdpa", "gpt2", False, 16),  # no TPU: the project's default
 ])
 def test_auto_micro_batch_from_the_memory_arithmetic(generation, attention, preset, checkpointing, expected):
-    from shared.train.tpu import HBM_USABLE_FRACTION, activation_bytes_per_sequence, auto_micro_batch
+    from shared.tpu import HBM_USABLE_FRACTION, activation_bytes_per_sequence, auto_micro_batch
 
     model = TrainConfig(preset=preset).model
     assert auto_micro_batch(generation, attention, model, 1024, 8, checkpointing) == expected
@@ -345,7 +345,7 @@ def test_micro_batch_auto_with_default_settings_matches_the_docs_table(generatio
     """`--activation-checkpointing auto` (the default) is sized for as the step will run it: gpt2-medium on a 16 GB
     device checkpoints (the step turns it on), so its micro-batch is the checkpointed one, not the smaller one
     without; on a 32 GB v6e chip it does not, and gpt2-large does."""
-    from shared.train.tpu import auto_micro_batch, micro_batch_for
+    from shared.tpu import auto_micro_batch, micro_batch_for
 
     got = tuple(micro_batch_for(TrainConfig(preset=p), generation, attention, 8)
                 for p in ("gpt2", "gpt2-medium", "gpt2-large"))
@@ -394,7 +394,7 @@ class _ProbedRuntime:
     """A runtime whose flash kernel passes its probe only up to `flash_up_to` sequences a micro-step."""
 
     def __init__(self, generation: str | None, flash_up_to: int, num_devices: int = 8):
-        from shared.train.tpu import TPU_GENERATIONS
+        from shared.tpu import TPU_GENERATIONS
 
         self.tpu_generation = TPU_GENERATIONS.get(generation or "")
         self.num_devices, self.flash_up_to, self.attention, self.probed = num_devices, flash_up_to, "sdpa", []
