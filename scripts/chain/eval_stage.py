@@ -43,7 +43,7 @@ class EvalStage:
 
     def expected_checkpoint(self) -> dict:
         """The step and dataset version the last train session left: a session mounting an older version fetches
-        this one (shared/kaggle/publish.py), so the eval never reports on an older checkpoint."""
+        this one (shared/kaggle/bootstrap.py), so the eval never reports on an older checkpoint."""
         sessions = self.ctx.state.data.get("train_sessions") or []
         last = sessions[-1] if sessions else {}
         return {"expect_step": last.get("step_after", 0), "expect_version": last.get("ckpt_version_after", 0)}

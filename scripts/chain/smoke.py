@@ -23,6 +23,7 @@ from scripts.chain.limits import MACHINE_SHAPES
 from scripts.chain.plan import MEASURED_THROUGHPUT, SHAPE_GENERATION, planned_train, running_shape
 from shared.errors import UserError
 from shared.kaggle.facts import FACTS_FILE
+from shared.kaggle.publish import PUBLISH_RECORD
 
 SMOKE_DEFAULTS = {
     "tokens": 50_000_000,  # the tokenize part
@@ -229,7 +230,7 @@ def _publish_row(sessions: list[dict], folders: list[Path]) -> Row:
     if not sessions:
         return Row("publish", False, "no session")
     by = sessions[0].get("published_by")
-    record = _read_json(folders[0] / "publish.json")
+    record = _read_json(folders[0] / PUBLISH_RECORD)
     if by == "session":
         return Row("publish", True, f"in-session ({record.get('seconds', '?')} s)")
     if by == "chain":

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import time
 import uuid
@@ -30,6 +31,7 @@ from scripts.chain.limits import MACHINE_SHAPES
 from scripts.chain.tokenize_stage import data_sources
 from shared.checkpoint_names import STATE_FILE
 from shared.errors import UserError
+from shared.kaggle.facts import FACTS_FILE
 from shared.kaggle.publish import PUBLISH_RECORD, STABLE_PREFIX
 
 
@@ -178,8 +180,8 @@ class TrainStage:
         """The session's publish record, metrics and plot from its output: (publish record, what to record)."""
         ctx = self.ctx
         dest = ctx.workdir / "sessions" / f"train-{sess['n']:02d}"
-        ctx.client.download_output(ref, dest,
-                                   pattern=r"^(publish\.json|session-facts\.json|train/metrics\.jsonl|train/loss\.png)$",
+        wanted = (PUBLISH_RECORD, FACTS_FILE, "train/metrics.jsonl", "train/loss.png")
+        ctx.client.download_output(ref, dest, pattern="^(" + "|".join(map(re.escape, wanted)) + ")$",
                                    version=sess["version"])
         for name in ("metrics.jsonl", "loss.png"):
             if (dest / "train" / name).exists():

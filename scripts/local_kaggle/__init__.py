@@ -50,7 +50,8 @@ How it differs from Kaggle, on purpose or by necessity:
 - CancelKernelSession takes a kernelSessionId, as on Kaggle; no reply carries one, so read it from
   `LocalKaggle.session_id(ref)` or <root>/state.json (`versions[].session_id`).
 
-The package, one concern a module, each handed only the parts it uses (no module imports one above it):
+The package, one concern a module, each handed only the parts it uses (no import cycle; `kernels` uses
+`server`'s proxy settings, the rest import only modules listed before them):
 `rules` (Kaggle's shapes and limits, `ApiError`, `Settings`, injected `Faults`), `state` (state.json, users and
 notebooks' secrets, weekly quota), `datasets` (datasets, blob uploads), `kernels` (pushes, the scheduler, sessions),
 `api` (the routes in kagglesdk's types), `server` (HTTP), `app` (`LocalKaggle`, composing the rest); `__main__` is

@@ -175,10 +175,13 @@ class Quota:
                     if v.get("accelerator") == kind and v.get("started") is not None]
 
     def used_s(self, user: str, kind: str, now: float | None = None) -> float:
+        """Seconds used this week, never more than the allowance: Kaggle stops a session when the quota runs
+        out, so the moment the watchdog notices it a little later is not charged."""
         now = time.time() if now is None else now
         start = week_start(now)
-        return sum(max(0.0, min(v.get("ended") or now, now) - max(v["started"], start))
+        used = sum(max(0.0, min(v.get("ended") or now, now) - max(v["started"], start))
                    for v in self._versions(user, kind))
+        return min(used, self.allowed_s[kind])
 
     def push_refusal(self, user: str, kind: str) -> str | None:
         """Why a push on `kind` is refused (Kaggle answers in the push reply's `error`), or None."""

@@ -38,6 +38,7 @@ def _keep_previous_report(out: Path, log) -> None:
 
 def _find_checkpoint(cfg: EvalConfig, log):
     """The checkpoint to evaluate: a named step directory must verify; under a root, the newest that does."""
+    from shared.checkpoint_names import CHECKPOINT_PREFIX
     from shared.errors import UserError
     from shared.train.checkpoint import MANIFEST_FILE, latest_checkpoint, load_checkpoint
 
@@ -51,7 +52,8 @@ def _find_checkpoint(cfg: EvalConfig, log):
 
         if not in_session():
             raise UserError("--checkpoint: give a checkpoint, a checkpoints/ root or a run directory")
-        found = sorted({p.parent for p in kaggle_paths().input.rglob("step_*") if (p / MANIFEST_FILE).exists()})
+        found = sorted({p.parent for p in kaggle_paths().input.rglob(f"{CHECKPOINT_PREFIX}*")
+                        if (p / MANIFEST_FILE).exists()})
         roots = list(found)
     ckpt = latest_checkpoint(*roots, log=log)
     if ckpt is None:

@@ -1,7 +1,7 @@
 """Validation inside training: the loss over the validation shard(s), sharded over all devices like training, and
 the periodic evaluation every `eval_every` steps (validation loss, a HellaSwag subset, one sample). The eval
-kernel (shared/eval/evaluate.py) uses the same validation loss. HellaSwag scoring and sampling are the eval
-package's, imported only where a run asks for them."""
+kernel (shared/eval/evaluate.py) uses the same validation loss. HellaSwag scoring and sampling
+(shared/hellaswag.py, shared/sampling.py) are imported only where a run asks for them."""
 
 from __future__ import annotations
 

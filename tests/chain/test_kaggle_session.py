@@ -245,6 +245,7 @@ INSTALLS_TIKTOKEN = textwrap.dedent("""
     """)
 
 
+@pytest.mark.slow
 def test_a_session_in_the_cpu_image_installs_tiktoken_with_internet_and_stops_without(
         local_kaggle, tmp_path, image_pythons):  # noqa: F811
     lk = local_kaggle

@@ -249,22 +249,23 @@ def test_working_cap_stops_the_session(local_kaggle, tmp_path):
 
 def test_accelerator_quota_is_counted_and_enforced(local_kaggle, tmp_path):
     lk = local_kaggle
-    lk.app.quota_s["tpu"] = 2.5
+    lk.app.quota_s["tpu"] = 90.0
     quick = write_kernel(tmp_path / "q", "alice/tpu-quick", "import time\ntime.sleep(1)\n", enable_tpu=True)
     lk.cli("kernels", "push", "-p", str(quick))
     assert lk.wait("alice/tpu-quick") == ("COMPLETE", None)
     used = lk.app.quota_used_s(USER, "tpu")
-    assert 1.0 <= used < 2.5 and lk.app.quota_used_s(USER, "gpu") == 0
+    assert 1.0 <= used < 90.0 and lk.app.quota_used_s(USER, "gpu") == 0  # at least the session's sleep
     assert lk.app.state["kernels"]["alice/tpu-quick"]["versions"][0]["machine_shape"] == "TpuV5E8"
     table = lk.cli("quota").stdout
     tpu_row = next(line for line in table.splitlines() if line.startswith("TPU"))
-    assert tpu_row.split()[3] == "0.00h"  # total 2.5 s shows as 0.00h
+    assert tpu_row.split()[3] == "0.03h"  # total 90 s shows as 0.03h
 
+    lk.app.quota_s["tpu"] = used + 1.5  # 1.5 s left: the next session is stopped when they run out
     slow = write_kernel(tmp_path / "s", "alice/tpu-slow", "import time\ntime.sleep(30)\n", machine_shape="TpuV5E8")
     lk.cli("kernels", "push", "-p", str(slow))
     status, message = lk.wait("alice/tpu-slow", timeout=20)
     assert status == "ERROR" and "quota" in message
-    assert lk.app.quota_used_s(USER, "tpu") == pytest.approx(2.5, abs=0.3)
+    assert lk.app.quota_used_s(USER, "tpu") == used + 1.5  # charged up to the allowance, not past it
 
     out = lk.cli("kernels", "push", "-p", str(quick))
     assert "Kernel push error: Your weekly TPU quota" in out.stdout

@@ -60,6 +60,7 @@ def test_restart_after_kill_is_byte_identical(corpus, ranks, tmp_path, reference
     assert_same_shards(out, reference[0])
 
 
+@pytest.mark.slow
 def test_restart_after_sigkill_at_a_random_moment(corpus, ranks, tmp_path, reference):
     """A real SIGKILL while the run is busy; the restart is byte-identical to an uninterrupted run."""
     ref = tmp_path / "ref"
