@@ -2,7 +2,9 @@
 
 Not a conftest: import what you need explicitly, e.g.
 
-    from kaggle_fixtures import local_kaggle, write_kernel  # noqa: F401  (pytest finds the fixture)
+    from kaggle_fixtures import write_kernel
+
+The `local_kaggle` fixture reaches tests through the conftest.py of tests/chain/ and tests/local_kaggle/.
 
 (pytest puts tests/ on sys.path for test modules there, as tests/ has no __init__.py.)
 

@@ -1,7 +1,6 @@
 """The chain of Kaggle sessions (scripts/chain_sessions.py) on the local Kaggle through the real kaggle client:
 tokenize parts, train sessions ended by their time limit that resume from the checkpoint dataset, eval; the
 final parameters equal one uninterrupted run; a killed chain continues without pushing a session twice."""
-# ruff: noqa: F811  (the local_kaggle fixture is imported, then named as a test argument)
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import REPO, error_lines, importable_in, run_script
-from kaggle_fixtures import KEY, USER, client_env, local_kaggle, write_dataset  # noqa: F401
+from kaggle_fixtures import KEY, USER, client_env, write_dataset
 from safetensors.torch import load_file
 
 from scripts.chain import Chain, config_from_dict, load_config

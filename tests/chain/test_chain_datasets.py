@@ -3,7 +3,6 @@ a status that still describes the previous version is waited out and the new ver
 version; a publish that reports success but never appears is caught; versions beyond keep_dataset_versions are
 deleted; a session whose mount shows an older version fetches the expected one with kagglehub, or stops in one line;
 and a chain meeting all of it resumes each session from the step it expects."""
-# ruff: noqa: F811  (the local_kaggle fixture is imported, then named as a test argument)
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from helpers import REPO, error_lines
-from kaggle_fixtures import KEY, USER, local_kaggle, save_without_running, write_dataset, write_kernel  # noqa: F401
+from kaggle_fixtures import KEY, USER, save_without_running, write_dataset, write_kernel
 
 CKPT = "alice/unit-run-checkpoints"
 CONFIG = {"name": "unit-run", "token_datasets": ["alice/tokens"], "poll_initial_s": 0.05, "poll_max_s": 0.2,

@@ -1,7 +1,6 @@
 """What the chain must get right against the real Kaggle (docs/kaggle-api.md): a finished status read right after
 a push may be the previous version's; CANCEL_REQUESTED is not an end; 403 is not "missing"; session limits and
 checkpoint sizes are checked at config load; outputs stream to disk; one W&B run per chain; keys stay masked."""
-# ruff: noqa: F811  (the local_kaggle fixture is imported, then named as a test argument)
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import requests
 from helpers import REPO
-from kaggle_fixtures import USER, local_kaggle, write_kernel  # noqa: F401
+from kaggle_fixtures import USER, write_kernel
 
 from scripts.chain import ApiFailure, Chain, config_from_dict
 from shared.config import MODEL_PRESETS

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 from helpers import REPO, error_lines, run_script
-from kaggle_fixtures import local_kaggle  # noqa: F401 - fixture
 
 from scripts.chain.config import config_from_dict, load_config
 from scripts.chain.limits import session_devices
@@ -193,7 +192,7 @@ def test_plan_warns_when_the_tokenize_parts_are_shorter_than_training(tmp_path):
                for line in lines)
 
 
-def test_plan_with_credentials_shows_the_accounts_quota(local_kaggle, tmp_path):  # noqa: F811
+def test_plan_with_credentials_shows_the_accounts_quota(local_kaggle, tmp_path):
     import subprocess
     import sys
 

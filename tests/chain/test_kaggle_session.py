@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from helpers import REPO, error_lines, importable_in
-from kaggle_fixtures import KEY, USER, local_kaggle, save_without_running, write_kernel  # noqa: F401
+from kaggle_fixtures import write_kernel
 
 from shared.errors import UserError, run_cli
 from shared.kaggle import packages
@@ -247,7 +247,7 @@ INSTALLS_TIKTOKEN = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_a_session_in_the_cpu_image_installs_tiktoken_with_internet_and_stops_without(
-        local_kaggle, tmp_path, image_pythons):  # noqa: F811
+        local_kaggle, tmp_path, image_pythons):
     lk = local_kaggle
     kdir = write_kernel(tmp_path / "k", "alice/needs-tiktoken", INSTALLS_TIKTOKEN, enable_internet=True)
     lk.cli("kernels", "push", "-p", str(kdir))

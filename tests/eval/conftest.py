@@ -1,9 +1,9 @@
-"""Fixtures of the evaluation tests: the XLA runtime, started once for the folder.
+"""Fixtures of the evaluation tests: the XLA runtime, started before the folder's first test (tests/conftest.py
+`xla_runtime` says why it must come before any backward pass), not when the suite is collected."""
 
-torch's autograd engine sizes its per-device queues at the first backward pass; a backend whose devices appear
-after that (torch_xla's) then fails its first backward. These tests mix CPU and XLA runs in one process, so the
-XLA runtime (SPMD over the 8 CPU devices) starts before any of them runs."""
+import pytest
 
-from shared.train.device import make_runtime
 
-make_runtime("xla")
+@pytest.fixture(autouse=True, scope="session")
+def xla_runtime_first(xla_runtime):
+    return xla_runtime

@@ -2,7 +2,6 @@
 kagglesdk response type (recursively into nested messages), with enum values by name, no nulls, and parses
 back to the same JSON (`from_dict`); the fields the chain reads are there. The calls are the chain's own,
 made by the real KaggleApi / kagglesdk client in a subprocess that records each raw reply."""
-# ruff: noqa: F811  (the local_kaggle fixture is imported, then named as a test argument)
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ import textwrap
 import urllib.parse
 
 import pytest
-from kaggle_fixtures import USER, load_local_kaggle_module, local_kaggle, wait_for, write_kernel  # noqa: F401
+from kaggle_fixtures import USER, load_local_kaggle_module, wait_for, write_kernel
 from kagglesdk.datasets.types.dataset_enums import DatabundleVersionStatus
 from kagglesdk.kaggle_object import KaggleObject, ListSerializer, TimeDeltaSerializer
 from kagglesdk.kernels.types.kernels_api_service import ApiAcceleratorQuota

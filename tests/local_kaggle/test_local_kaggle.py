@@ -1,7 +1,6 @@
 """The local Kaggle, driven by the real `kaggle` CLI (2.2.x) and KaggleApi, exactly as users and the chain
 script will drive Kaggle: kernels push/status/output/logs/list, datasets create/version/status/files/download,
 secrets, the session limit, quota, faults, restarts and bad input."""
-# ruff: noqa: F811  (the local_kaggle fixture is imported, then named as a test argument)
 
 from __future__ import annotations
 
@@ -11,14 +10,13 @@ import os
 import textwrap
 
 import pytest
-from kaggle_fixtures import (  # noqa: F401  (local_kaggle is a fixture)
+from kaggle_fixtures import (
     KAGGLE_BIN,
     KEY,
     REPO,
     USER,
     client_env,
     load_local_kaggle_module,
-    local_kaggle,
     save_without_running,
     wait_for,
     write_dataset,
