@@ -95,41 +95,63 @@ class MuonAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One update of every group, traced per group rather than per parameter (under XLA every op here is
+        traced from Python each step): Muon's matrices of one shape are orthogonalised as one batch, and the
+        AdamW groups run in foreach calls, with the per-tensor arithmetic in the same order."""
         for group in self.param_groups:
-            lr, wd = group["lr"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                group_lr = lr * group["lr_ratio"] if "lr_ratio" in group else lr
-                if group["kind"] == "muon":
-                    self._muon_update(p, group, group_lr, wd)
-                else:
-                    self._adamw_update(p, group_lr, wd)
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            lr = group["lr"] * group["lr_ratio"] if "lr_ratio" in group else group["lr"]
+            if group["kind"] == "muon":
+                self._muon_group(params, group, lr, group["weight_decay"])
+            else:
+                self._adamw_group(params, lr, group["weight_decay"])
         return None
 
-    def _muon_update(self, p: torch.Tensor, group: dict, lr: torch.Tensor, wd: float) -> None:
-        momentum, shape = group["momentum"], group["shapes"][id(p)]
-        buf = self.state[p]["momentum_buffer"]
-        grad = p.grad.float()
-        buf.lerp_(grad, 1 - momentum)
-        update = grad.lerp(buf, momentum)  # Nesterov: the gradient, looked ahead along the momentum
-        ortho = newton_schulz(self.replicate(update).view(shape), dtype=self.ns_dtype)
-        # Scale so tall matrices (e.g. the MLP's c_fc, 4C x C) take steps of the same RMS per element.
-        ortho = ortho * max(1.0, shape[-2] / shape[-1]) ** 0.5
-        p.mul_(1 - lr * wd)
-        p.sub_(lr * ortho.view_as(p).to(p.dtype))
+    def _muon_group(self, params: list[torch.Tensor], group: dict, lr: torch.Tensor, wd: float) -> None:
+        momentum, shapes = group["momentum"], group["shapes"]
+        updates = []
+        for p in params:
+            buf, grad = self.state[p]["momentum_buffer"], p.grad.float()
+            buf.lerp_(grad, 1 - momentum)
+            updates.append(grad.lerp(buf, momentum))  # Nesterov: the gradient, looked ahead along the momentum
+        buckets: dict[tuple, list[int]] = {}
+        for i, p in enumerate(params):  # matrices of one shape share one batched Newton-Schulz
+            buckets.setdefault((shapes[id(p)], tuple(p.shape)), []).append(i)
+        deltas: list[torch.Tensor | None] = [None] * len(params)
+        for (shape, _), members in buckets.items():
+            batch = torch.stack([self.replicate(updates[i]).view(shape) for i in members])
+            ortho = newton_schulz(batch, dtype=self.ns_dtype)
+            # Scale so tall matrices (e.g. the MLP's c_fc, 4C x C) take steps of the same RMS per element.
+            step = lr * (ortho * max(1.0, shape[-2] / shape[-1]) ** 0.5)
+            for i, one in zip(members, step.unbind(0), strict=True):
+                deltas[i] = one.view_as(params[i]).to(params[i].dtype)
+        if wd != 0:
+            torch._foreach_mul_(params, 1 - lr * wd)
+        torch._foreach_sub_(params, deltas)
 
-    def _adamw_update(self, p: torch.Tensor, lr: torch.Tensor, wd: float) -> None:
-        state, grad = self.state[p], p.grad.float()
+    def _adamw_group(self, params: list[torch.Tensor], lr: torch.Tensor, wd: float) -> None:
+        """AdamW with the per-tensor arithmetic (torch's single-tensor order), in foreach calls. Every parameter's
+        step count is kept (the checkpoint layout), all equal, so the bias corrections come from the first."""
+        states = [self.state[p] for p in params]
+        grads = [p.grad.float() for p in params]
+        exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
         beta1, beta2 = ADAM_BETAS
-        state["step"].add_(1)
-        state["exp_avg"].lerp_(grad, 1 - beta1)
-        state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        bias1 = 1 - beta1 ** state["step"]
-        bias2 = 1 - beta2 ** state["step"]
-        denom = (state["exp_avg_sq"] / bias2).sqrt() + ADAM_EPS
-        p.mul_(1 - lr * wd)
-        p.sub_((lr / bias1) * state["exp_avg"] / denom)
+        torch._foreach_add_([s["step"] for s in states], 1)
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        step = states[0]["step"]
+        bias1, bias2 = 1 - beta1**step, 1 - beta2**step
+        denom = torch._foreach_div(exp_avg_sqs, bias2)
+        torch._foreach_sqrt_(denom)
+        torch._foreach_add_(denom, ADAM_EPS)
+        if wd != 0:
+            torch._foreach_mul_(params, 1 - lr * wd)
+        moves = torch._foreach_mul(exp_avgs, lr / bias1)
+        torch._foreach_div_(moves, denom)
+        torch._foreach_sub_(params, moves)
 
 
 class ForeachAdamW(torch.optim.AdamW):

@@ -115,6 +115,25 @@ def test_muon_update_matches_a_direct_computation():
         f"{n}.{k}" for n, p in named if not muon_matrix_shape(n, p) for k in ("exp_avg", "exp_avg_sq", "step")}
 
 
+def test_muon_orthogonalises_each_shape_of_matrix_once_a_step_as_a_batch(monkeypatch):
+    """Under XLA every op of the update is traced from Python each step: the matrices of one shape (one a layer)
+    go through Newton-Schulz as one batch, so tiny's 8 matrices (4 shapes x 2 layers) take 4 calls, not 8."""
+    import shared.train.optim as optim
+
+    batches = []
+    real = optim.newton_schulz
+    monkeypatch.setattr(optim, "newton_schulz", lambda x, **kw: batches.append(tuple(x.shape)) or real(x, **kw))
+    cfg = TrainConfig(preset="tiny", optimizer="muon")
+    model = GPT(cfg.model)
+    named = list(model.named_parameters())
+    opt = make_optimizer(named, cfg, Runtime("cpu"), torch.tensor(cfg.lr))
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    c = cfg.model.n_embd
+    assert sorted(batches) == sorted([(2, 3, c, c), (2, c, c), (2, 4 * c, c), (2, c, 4 * c)])
+
+
 def test_muon_leaves_embeddings_biases_and_gains_to_adamw_as_torch_computes_it():
     cfg = TrainConfig(preset="tiny", optimizer="muon", lr=2e-3, weight_decay=0.1)
     torch.manual_seed(0)
