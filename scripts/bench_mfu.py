@@ -245,6 +245,8 @@ def main() -> None:
     parser.add_argument("--backend", default="auto", choices=["auto", "cuda", "cpu", "xla"],
                         help="auto: CUDA if present, else a TPU (xla), else the CPU")
     parser.add_argument("--skip-reference", action="store_true", help="measure the trainer only")
+    parser.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
+                        help="the trainer's optimizer (default adamw; the reference loop always runs torch's AdamW)")
     parser.add_argument("--torch-xla-accum", action="store_true",
                         help="XLA: torch_xla's gradient_accumulation helper (a device wait and a full re-trace per "
                              "step) instead of the project's loop, to compare")
@@ -325,7 +327,7 @@ def main() -> None:
                           micro_batch=global_micro, total_batch_tokens=tokens_per_micro_step * accum,
                           max_steps=warmup + steps, warmup_steps=max(1, warmup + steps), log_every=log_every,
                           eval_every=0, checkpoint_every=0, keep_checkpoints=1, progress=False, wandb_project="",
-                          xla_cache=False, backend=backend)
+                          xla_cache=False, backend=backend, optimizer=args.optimizer)
         train(cfg, runtime, log=lambda msg, *a, **k: say(f"  [trainer] {msg}", flush=True))
         peak_mem = (torch.cuda.max_memory_allocated(runtime.device) / 2**30
                     if runtime.device.type == "cuda" else None)

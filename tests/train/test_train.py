@@ -96,6 +96,9 @@ def test_no_recompilation_after_step_two(demo_data, tmp_path):
     for s in (6, 8):  # evals follow steps 2, 4, 6, 8; checkpoints steps 3 and 6 (logged before them)
         assert records[s]["graphs"] - records[s - 1]["graphs"] == 1
         assert records[s]["device_waits"] == 0
+        # The window's timing reaches metrics.jsonl, measured: the host's tracing, the device's execution.
+        assert records[s]["host_trace_ms"] > 0 and records[s]["sync_ms"] >= 0 and records[s]["device_ms"] > 0
+        assert 0 < records[s]["device_busy"] <= 1
         assert records[s]["h2d_transfers"] - records[s - 1]["h2d_transfers"] == 1
         assert records[s]["d2h_transfers"] - records[s - 1]["d2h_transfers"] == 3
     # Between the logs of steps 8 and 9 lie the eval after step 8 and step 9 itself: host-to-device the step's
