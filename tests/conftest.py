@@ -17,7 +17,7 @@ from helpers import IMAGE_PYTHONS, train_cli  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def xla_runtime():
+def suite_xla_runtime():
     """torch_xla's runtime (SPMD over the 8 CPU devices), started once per process. torch's autograd engine sizes
     its per-device queues at the first backward pass, and a backend whose devices appear after that (torch_xla's)
     then fails its first backward: train/ and eval/, which mix CPU and XLA runs in one process, start it before

@@ -1,9 +1,9 @@
 """Fixtures of the evaluation tests: the XLA runtime, started before the folder's first test (tests/conftest.py
-`xla_runtime` says why it must come before any backward pass), not when the suite is collected."""
+`suite_xla_runtime` says why it must come before any backward pass), not when the suite is collected."""
 
 import pytest
 
 
 @pytest.fixture(autouse=True, scope="session")
-def xla_runtime_first(xla_runtime):
-    return xla_runtime
+def xla_runtime_first(suite_xla_runtime):
+    return suite_xla_runtime
