@@ -96,11 +96,13 @@ def test_no_recompilation_after_step_two(demo_data, tmp_path):
     for s in (6, 8):  # evals follow steps 2, 4, 6, 8; checkpoints steps 3 and 6 (logged before them)
         assert records[s]["graphs"] - records[s - 1]["graphs"] == 1
         assert records[s]["device_waits"] == 0
-        # The window's timing reaches metrics.jsonl, measured: the host's tracing, the device's execution.
-        assert records[s]["host_trace_ms"] > 0 and records[s]["sync_ms"] >= 0 and records[s]["device_ms"] > 0
-        assert 0 < records[s]["device_busy"] <= 1
         assert records[s]["h2d_transfers"] - records[s - 1]["h2d_transfers"] == 1
         assert records[s]["d2h_transfers"] - records[s - 1]["d2h_transfers"] == 3
+    # The windows' timing reaches metrics.jsonl, measured: the host's tracing and the device's execution. A step's
+    # device time is counted once it has run, which may be after its own log is read: summed over the run.
+    later = [records[s] for s in range(3, 10)]
+    assert all(r["host_trace_ms"] > 0 and r["sync_ms"] >= 0 and 0 <= r["device_busy"] <= 1 for r in later)
+    assert sum(r["device_ms"] for r in later) > 0
     # Between the logs of steps 8 and 9 lie the eval after step 8 and step 9 itself: host-to-device the step's
     # tokens and one batch per eval batch; device-to-host the three logged scalars and the eval's mean loss.
     assert records[9]["h2d_transfers"] - records[8]["h2d_transfers"] == 1 + cfg.eval_batches
