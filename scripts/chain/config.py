@@ -260,15 +260,19 @@ def _place_checkpoints(cfg: ChainConfig, where: str) -> None:
                         f"{_publish_words(cfg.train, size)}, ~{needed:.0f} s; raise it or set 0 (sized for you)")
 
 
+def checkpoint_uploads(train: dict) -> int:
+    """Checkpoints a session's publish uploads: the newest, and for a wsd run the stable-phase one beside it."""
+    return 2 if keeps_stable(train) else 1
+
+
 def publish_needs_s(train: dict, size: int) -> float:
-    """The least a session's publish can take: its checkpoint's upload (and the stable-phase one's, for a wsd run)
-    at the assumed rate, and for checkpoints in /kaggle/temp the session's wait for its version."""
-    uploads = 2 if keeps_stable(train) else 1
-    return uploads * size / ASSUMED_UPLOAD_BYTES_PER_S + publish_verify_s(train)
+    """The least a session's publish can take: its checkpoint uploads at the assumed rate, and for checkpoints in
+    /kaggle/temp the session's wait for its version."""
+    return checkpoint_uploads(train) * size / ASSUMED_UPLOAD_BYTES_PER_S + publish_verify_s(train)
 
 
 def _publish_words(train: dict, size: int) -> str:
-    uploads = 2 if keeps_stable(train) else 1
+    uploads = checkpoint_uploads(train)
     words = (f"{uploads} x " if uploads > 1 else "") + (f"{size / 1e9:.2g} GB at an assumed "
                                                         f"{ASSUMED_UPLOAD_BYTES_PER_S / 1e6:g} MB/s")
     if publish_verify_s(train):

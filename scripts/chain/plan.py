@@ -15,7 +15,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from scripts.chain.config import ChainConfig, checkpoints_in_temp, keeps_stable, publish_verify_s
+from scripts.chain.config import (
+    ChainConfig,
+    checkpoint_uploads,
+    checkpoints_in_temp,
+    keeps_stable,
+    publish_verify_s,
+)
 from scripts.chain.limits import (
     ASSUMED_UPLOAD_BYTES_PER_S,
     MACHINE_SHAPES,
@@ -275,7 +281,7 @@ def margins(cfg: ChainConfig, plan: dict) -> list[str]:
         spare = plan["tokenized_tokens"] - need
         out.append(f"tokens: {_tokens(plan['tokenized_tokens'])} tokenized for {_tokens(plan['train_tokens'])} "
                    f"trained + {_tokens(plan['validation_tokens'])} validation: {spare / need:+.1%}")
-    upload_s = plan["checkpoint_bytes"] * (2 if keeps_stable(cfg.train) else 1) / ASSUMED_UPLOAD_BYTES_PER_S
+    upload_s = plan["checkpoint_bytes"] * checkpoint_uploads(cfg.train) / ASSUMED_UPLOAD_BYTES_PER_S
     out.append(f"session: {cfg.startup_margin_s:g} s for start-up (imports, data, compile); "
                f"{cfg.publish_margin_s:g} s to publish, the upload alone ~{upload_s:.0f} s at an assumed "
                f"{ASSUMED_UPLOAD_BYTES_PER_S / 1e6:g} MB/s")
