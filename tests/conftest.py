@@ -13,7 +13,7 @@ os.environ.setdefault("CPU_NUM_DEVICES", "8")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("WANDB_MODE", "disabled")
 
-from helpers import IMAGE_PYTHONS, train_cli  # noqa: E402
+from helpers import IMAGE_PYTHONS, made_once, train_cli  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -38,19 +38,19 @@ def gpt2_ranks() -> Path:
 def demo_data(tmp_path_factory, gpt2_ranks) -> Path:
     from shared.tokenize.demo_corpus import build_demo_corpus
 
-    out = tmp_path_factory.mktemp("demo_data")
-    build_demo_corpus(out, shard_tokens=100_000, val_tokens=20_000, ranks_path=gpt2_ranks, max_chars=1_000_000)
-    return out
+    return made_once(tmp_path_factory, "demo_data", lambda out: build_demo_corpus(
+        out, shard_tokens=100_000, val_tokens=20_000, ranks_path=gpt2_ranks, max_chars=1_000_000))
 
 
 @pytest.fixture(scope="session")
 def straight_run(demo_data, tmp_path_factory) -> Path:
     """6 uninterrupted steps of kernels/train.py (helpers.py's small settings): what resumed runs must equal, in
-    train/test_train.py and chain/test_build_kernels.py alike, so it is run once."""
-    out = tmp_path_factory.mktemp("straight")
-    proc = train_cli(demo_data, out, "--max-steps", "6")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out
+    train/test_train.py and chain/test_build_kernels.py alike, so it is run once (on one worker)."""
+    def make(out: Path) -> None:
+        proc = train_cli(demo_data, out, "--max-steps", "6")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    return made_once(tmp_path_factory, "straight_run", make)
 
 
 @pytest.fixture(scope="session")

@@ -1,10 +1,14 @@
 """Helpers the test folders share: running repo scripts as a user would (a new process), the Kaggle image
-stand-ins' interpreters, a kernel's `error:` lines, and test_train's small training runs (used by train, chain and
-eval tests alike). Importable from every test module: pyproject puts tests/ on sys.path."""
+stand-ins' interpreters, a kernel's `error:` lines, test_train's small training runs (used by train, chain and
+eval tests alike), and `made_once` for a fixture's run that both xdist workers read. Importable from every test
+module: pyproject puts tests/ on sys.path."""
 
+import fcntl
 import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -87,3 +91,26 @@ def assert_identical_runs(a: Path, b: Path, steps: int) -> None:
 def train_cli(data_dir, out_dir, *extra, timeout=300):
     return run_script("kernels/train.py", "--data-dir", str(data_dir), "--out-dir", str(out_dir), *SMALL_ARGS,
                       *extra, timeout=timeout)
+
+
+def made_once(tmp_path_factory, name: str, make: Callable[[Path], None]) -> Path:
+    """The folder `name`, filled by `make` once per test run: under xdist the workers share it (the first to
+    come makes it while the others wait on a lock), so a training run that tests on both workers read is not
+    run twice. A `make` that fails leaves nothing behind, and the next test to ask tries again."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's folder, above each worker's own
+    out, done = root / "made-once" / name, root / "made-once" / f"{name}.done"
+    out.parent.mkdir(exist_ok=True)
+    with open(out.parent / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir()
+            try:
+                make(out)
+            except BaseException:
+                shutil.rmtree(out, ignore_errors=True)
+                raise
+            done.touch()
+    return out

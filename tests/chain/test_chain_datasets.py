@@ -322,45 +322,17 @@ def upload_tokens(lk, tmp_path: Path, ref: str, folder: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_chain_resumes_each_session_from_the_version_it_expects(local_kaggle, tmp_path, demo_data,
-                                                                   image_pythons):
-    """Session 2 mounts the placeholder version (a stale mount) and fetches version 2; after session 1's publish
-    the dataset's status still shows version 1 for a while (no second publish, no false "no progress"); session
-    2's publish deletes the older versions (keep_dataset_versions 2)."""
-    from test_chain import DEMO, first_contact, run_chain, session_log, write_config
-
-    lk = local_kaggle
-    upload_tokens(lk, tmp_path, "alice/mini-tokens", demo_data)
-    ckpt = "alice/mini-run-checkpoints"
-    config = write_config(tmp_path / "mini.json", name="mini-run", total_steps=4, tokenize={}, eval={"enabled": False},
-                          token_datasets=["alice/mini-tokens"], train={**DEMO["train"], "stop_after_steps": 2},
-                          session_limit_s=300)  # each session ends after its 2 steps
-    first_contact(lk, config, tmp_path / "w")
-    lk.app.inject("stale_mount", dataset=ckpt, count=1)  # the first session with two versions to choose from
-    lk.app.inject("stale_dataset_status", dataset=ckpt, count=6)  # the calls right after session 1's publish
-    proc = run_chain(lk, config, tmp_path / "w", timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-
-    sessions = json.loads((tmp_path / "w" / "state.json").read_text())["train_sessions"]
-    assert [(s["step_before"], s["step_after"], s["ckpt_version"], s["delete_old"], s.get("published_by"))
-            for s in sessions] == [(0, 2, 1, False, "session"), (2, 4, 2, True, "session")]
-    log = session_log(tmp_path / "w" / "sessions" / "train-02")
-    assert "(an older version); fetching version 2 with kagglehub" in log
-    assert f"resuming from {ckpt} (step 2)" in log
-    versions = lk.app.state["datasets"][ckpt]["versions"]
-    assert [(v["notes"], bool(v.get("deleted"))) for v in versions] == [
-        ("Initial release", True), ("checkpoint at step 2", True), ("checkpoint at step 4", False)]
-    assert json.loads((tmp_path / "w" / "state.json").read_text())["checkpoint_versions"] == [3]
-    assert lk.app.faults.datasets == {"stale_dataset_status": [], "stale_mount": [], "lost_publish": []}
-
-
-@pytest.mark.slow
 def test_a_finished_wsd_chain_extends_from_its_stable_phase_checkpoint_carried_in_the_dataset(
         local_kaggle, tmp_path, demo_data, image_pythons):
     """A 4-step wsd run finishes (its stable phase ends at step 3, published beside step 4); run again with
     total_steps 8 and train.extend, the chain trains on from step 3 (not 4, which decayed), counts that session's
     progress from 3, and the next session resumes from 6 and carries the new stable-phase checkpoint (step 5, made
-    by the session before) into the final version."""
+    by the session before) into the final version.
+
+    Each session resumes from the version the chain expects, whatever the dataset answers: after session 1's
+    publish the dataset's status still shows version 1 for a while (no second publish, no false "no progress");
+    session 2 mounts the placeholder version (a stale mount) and fetches version 2; its publish deletes the older
+    versions (keep_dataset_versions 2)."""
     from test_chain import DEMO, first_contact, run_chain, session_log, write_config
 
     lk = local_kaggle
@@ -381,12 +353,15 @@ def test_a_finished_wsd_chain_extends_from_its_stable_phase_checkpoint_carried_i
 
     config = write_config(tmp_path / "ext.json", total_steps=4, train=train, **common)
     first_contact(lk, config, work)
+    lk.app.inject("stale_dataset_status", dataset=ckpt, count=6)  # the calls right after session 1's publish
     proc = run_chain(lk, config, work, timeout=400)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert dataset_steps() == (4, 3)
+    assert lk.app.faults.datasets["stale_dataset_status"] == []  # all read, and not taken for a lost publish
 
     config = write_config(tmp_path / "ext.json", total_steps=8, train={**train, "extend": True, "stop_after_steps": 3},
                           **common)
+    lk.app.inject("stale_mount", dataset=ckpt, count=1)  # the first session with two versions to choose from
     proc = run_chain(lk, config, work, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert ("chain ext-run finished at step 4; training on to total_steps 8 (train.extend: from where the stable "
@@ -394,11 +369,20 @@ def test_a_finished_wsd_chain_extends_from_its_stable_phase_checkpoint_carried_i
     assert "step 3 (--extend: from where the stable phase ended) -> 6 of 8" in proc.stdout
     assert "stopping:" not in proc.stdout
     sessions = json.loads((work / "state.json").read_text())["train_sessions"]
-    assert [(s["step_before"], s.get("start_step"), s["step_after"], s.get("published_by")) for s in sessions] == [
-        (0, None, 4, "session"), (4, 3, 6, "session"), (6, None, 8, "session")]
-    assert "--extend: training on from step 3" in session_log(work / "sessions" / "train-02")
+    assert [(s["step_before"], s.get("start_step"), s["step_after"], s["ckpt_version"], s["delete_old"],
+             s.get("published_by")) for s in sessions] == [
+        (0, None, 4, 1, False, "session"), (4, 3, 6, 2, True, "session"), (6, None, 8, 3, False, "session")]
+    log = session_log(work / "sessions" / "train-02")
+    assert "(an older version); fetching version 2 with kagglehub" in log
+    assert "--extend: training on from step 3" in log
     assert f"resuming from {ckpt} (step 6)" in session_log(work / "sessions" / "train-03")
     assert dataset_steps() == (8, 5)
+    versions = lk.app.state["datasets"][ckpt]["versions"]
+    assert [(v["notes"], bool(v.get("deleted"))) for v in versions] == [
+        ("Initial release", True), ("checkpoint at step 4", True), ("checkpoint at step 6", False),
+        ("checkpoint at step 8", False)]
+    assert json.loads((work / "state.json").read_text())["checkpoint_versions"] == [3, 4]
+    assert lk.app.faults.datasets == {"stale_dataset_status": [], "stale_mount": [], "lost_publish": []}
 
 
 def test_a_checkpoint_kept_only_in_temp_deletes_older_versions_and_its_session_verifies_its_publish(local_kaggle,

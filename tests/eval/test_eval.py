@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import error_lines, run_script
+from helpers import error_lines, made_once, run_script
 
 from shared.config import ModelConfig, TrainConfig
 from shared.data import TokenLoader, find_shards
@@ -132,15 +132,20 @@ def test_prompt_longer_than_the_context_is_a_warning(gpt2_ranks):
 def hellaswag_file(gpt2_ranks, tmp_path_factory) -> Path:
     from shared.hellaswag import demo_examples, write_jsonl
 
-    return write_jsonl(tmp_path_factory.mktemp("hs") / "hellaswag_demo.jsonl", demo_examples(24, max_chars=300_000))
+    folder = made_once(tmp_path_factory, "hellaswag_demo", lambda out: write_jsonl(
+        out / "hellaswag_demo.jsonl", demo_examples(24, max_chars=300_000)))
+    return folder / "hellaswag_demo.jsonl"
 
 
 @pytest.fixture(scope="module")
 def trained_run(demo_data, hellaswag_file, tmp_path_factory) -> Path:
-    """Two training sessions (3 steps, then resumed to 6) with evals every 2 steps."""
+    """Two training sessions (3 steps, then resumed to 6) with evals every 2 steps (made once: conftest.py)."""
+    return made_once(tmp_path_factory, "trained_run", lambda out: train_two_sessions(demo_data, hellaswag_file, out))
+
+
+def train_two_sessions(demo_data: Path, hellaswag_file: Path, out: Path) -> None:
     from shared.train.trainer import train
 
-    out = tmp_path_factory.mktemp("run")
     cfg = TrainConfig(preset="tiny", seq_len=32, micro_batch=8, total_batch_tokens=512, warmup_steps=2, log_every=1,
                       eval_every=2, eval_batches=2, progress=False, wandb_project="", data_dir=str(demo_data),
                       out_dir=str(out), max_steps=6, checkpoint_every=0, hellaswag_file=str(hellaswag_file),
@@ -148,7 +153,6 @@ def trained_run(demo_data, hellaswag_file, tmp_path_factory) -> Path:
     runtime, lines = make_runtime("xla"), []
     assert train(replace(cfg, stop_after_steps=3), runtime, log=lines.append).step == 3
     assert train(cfg, runtime, log=lines.append).step == 6
-    return out
 
 
 @pytest.mark.slow
@@ -179,22 +183,26 @@ def eval_kernel(*args, timeout=300):
 
 @pytest.fixture(scope="module")
 def evaluated(trained_run, demo_data, hellaswag_file, tmp_path_factory):
-    out = tmp_path_factory.mktemp("eval")
-    bad = out.parent / "hellaswag_with_bad_line.jsonl"
-    lines = hellaswag_file.read_text().splitlines()
-    bad.write_text("\n".join(lines[:3] + ['{"ctx": "broken'] + lines[3:]) + "\n")
-    proc = eval_kernel("--checkpoint", str(trained_run), "--data-dir", str(demo_data), "--hellaswag", str(bad),
-                       "--out-dir", str(out))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out, proc
+    """The eval kernel's run on trained_run (made once: conftest.py): its folder, and its output."""
+    def make(folder: Path) -> None:
+        bad = folder / "hellaswag_with_bad_line.jsonl"
+        lines = hellaswag_file.read_text().splitlines()
+        bad.write_text("\n".join(lines[:3] + ['{"ctx": "broken'] + lines[3:]) + "\n")
+        proc = eval_kernel("--checkpoint", str(trained_run), "--data-dir", str(demo_data), "--hellaswag", str(bad),
+                           "--out-dir", str(folder / "eval"))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        (folder / "stdout.txt").write_text(proc.stdout)
+
+    folder = made_once(tmp_path_factory, "evaluated", make)
+    return folder / "eval", (folder / "stdout.txt").read_text()
 
 
 @pytest.mark.slow
 def test_eval_kernel_report_and_plots(evaluated, trained_run):
     import matplotlib.image
 
-    out, proc = evaluated
-    assert f"{out.parent / 'hellaswag_with_bad_line.jsonl'}:4: malformed HellaSwag line skipped" in proc.stdout
+    out, stdout = evaluated
+    assert f"{out.parent / 'hellaswag_with_bad_line.jsonl'}:4: malformed HellaSwag line skipped" in stdout
     for name in ("loss.png", "hellaswag.png", "throughput.png"):
         image = matplotlib.image.imread(out / name)
         assert image.shape[:2] == (450, 800), name
