@@ -91,7 +91,7 @@ def test_built_train_kernel_matches_kernels_train(demo_data, straight_run, tmp_p
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("train kernel, build ") and f"shared from {root1}" not in lines[0]
     assert "gpt2k-shared-" in lines[0]  # the embedded copy, not the repository's
-    ckpt = list_checkpoints(root1 / "working" / "train" / "checkpoints")[-1]
+    (ckpt,) = list_checkpoints(root1 / "working" / "train" / "checkpoints")  # a clean stop: one checkpoint
     assert ckpt.name == "step_000003"
 
     ckpt_data = tmp_path / "ckpt-data"

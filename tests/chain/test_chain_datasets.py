@@ -374,7 +374,7 @@ def test_a_finished_wsd_chain_extends_from_its_stable_phase_checkpoint_carried_i
         (0, None, 4, 1, False, "session"), (4, 3, 6, 2, True, "session"), (6, None, 8, 3, False, "session")]
     log = session_log(work / "sessions" / "train-02")
     assert "(an older version); fetching version 2 with kagglehub" in log
-    assert "--extend: training on from step 3" in log
+    assert f"resuming from {ckpt} (step 4)" in log and "--extend: training on from step 3" in log
     assert f"resuming from {ckpt} (step 6)" in session_log(work / "sessions" / "train-03")
     assert dataset_steps() == (8, 5)
     versions = lk.app.state["datasets"][ckpt]["versions"]

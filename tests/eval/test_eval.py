@@ -139,7 +139,7 @@ def hellaswag_file(gpt2_ranks, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def trained_run(demo_data, hellaswag_file, tmp_path_factory) -> Path:
-    """Two training sessions (3 steps, then resumed to 6) with evals every 2 steps (made once: conftest.py)."""
+    """Two training sessions (3 steps, then resumed to 6) with evals every 2 steps, made once for both workers."""
     return made_once(tmp_path_factory, "trained_run", lambda out: train_two_sessions(demo_data, hellaswag_file, out))
 
 
@@ -183,7 +183,7 @@ def eval_kernel(*args, timeout=300):
 
 @pytest.fixture(scope="module")
 def evaluated(trained_run, demo_data, hellaswag_file, tmp_path_factory):
-    """The eval kernel's run on trained_run (made once: conftest.py): its folder, and its output."""
+    """The eval kernel's run on trained_run, made once for both workers: its folder, and its output."""
     def make(folder: Path) -> None:
         bad = folder / "hellaswag_with_bad_line.jsonl"
         lines = hellaswag_file.read_text().splitlines()
