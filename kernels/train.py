@@ -20,12 +20,18 @@ BAKED_PUBLISH = None  # a build with a checkpoint dataset: what to publish after
 
 
 def main() -> None:
+    from shared.train.clock import process_start
+
+    started = process_start()  # --session-deadline counts from here: the bootstrap's installs and fetch included
     cfg = parse_dataclass(TrainConfig, description=__doc__, defaults=BAKED_SETTINGS)
     from shared.kaggle.env import wandb_key
+    from shared.kaggle.packages import installed_seconds
     from shared.kaggle.publish import after_training
     from shared.train.trainer import train
 
-    result = train(cfg, wandb_key=wandb_key() if cfg.wandb_project else None)
+    installs = installed_seconds()
+    result = train(cfg, wandb_key=wandb_key() if cfg.wandb_project else None, started=started,
+                   startup_parts={"packages": installs} if installs else None)
     after_training(result, BAKED_PUBLISH)  # publishes the final checkpoint where the build says so
 
 

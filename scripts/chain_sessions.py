@@ -95,7 +95,7 @@ def local_demo(args) -> dict:
     os.environ.update(app.client_env(DEMO_USER, DEMO_KEY))
     os.environ["KAGGLE_CONFIG_DIR"] = str(workdir / "kaggle-config")
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    print(f"local Kaggle on port {app.port}, state in {workdir / 'kaggle'}; sessions of {cfg.session_limit_s:g}s")
+    print(f"local Kaggle on port {app.port}, state in {workdir / 'kaggle'}; {session_words(run_cfg)}")
     def make_chain(chain_cfg, chain_dir: Path) -> Chain:
         chain = Chain(chain_cfg, chain_dir, on_new_notebooks=attach_secrets)
         chain.connect()
@@ -112,6 +112,19 @@ def local_demo(args) -> dict:
         return result
     finally:
         app.stop()
+
+
+def session_words(cfg) -> str:
+    """How long the train sessions last, in words."""
+    from scripts.chain.train_stage import STARTUP_HEADROOM
+
+    if not cfg.session_train_s:
+        return f"train sessions of {cfg.session_limit_s:g} s"
+    factor, extra = STARTUP_HEADROOM
+    return (f"each train session lasts its start-up as measured (x{factor:g} + {extra:g} s; {cfg.startup_margin_s:g} s "
+            f"before the first is measured) + {cfg.session_train_s:g} s of training + {cfg.publish_margin_s:g} s to "
+            f"publish, at most {cfg.session_limit_s:g} s: start-up here (packages, imports, compilation) is most of "
+            "a session, and varies with the machine's load")
 
 
 def _overrides(args) -> dict:

@@ -200,6 +200,11 @@ class TrainConfig:
         default=0.0,
         metadata={"help": "seconds this session may train before its final checkpoint (0: 9 h less a margin)"},
     )
+    session_deadline: float = field(
+        default=0.0,
+        metadata={"help": "seconds from the session's start (the kernel process's) by which training and its final "
+                  "checkpoint are done, however long start-up took (0: none; a chain sets its limit less publishing)"},
+    )
     checkpoint_every: int = field(default=1000, metadata={"help": "steps between periodic checkpoints (0: off)"})
     keep_checkpoints: int = field(default=2, metadata={"help": "how many checkpoints to keep"})
     keep_stable: bool = field(default=True, metadata={
@@ -266,8 +271,8 @@ class TrainConfig:
         check_field_types(self)
         self.model  # noqa: B018 - raises on a bad preset or sequence length
         _at_least(self, 0, "seq_len", "warmup_steps", "min_lr_ratio", "weight_decay", "muon_weight_decay",
-                  "time_budget", "checkpoint_every", "eval_every", "hellaswag_examples", "sample_tokens",
-                  "stop_after_steps")
+                  "time_budget", "session_deadline", "checkpoint_every", "eval_every", "hellaswag_examples",
+                  "sample_tokens", "stop_after_steps")
         _positive(self, "total_batch_tokens", "max_steps", "lr", "muon_lr", "grad_clip", "keep_checkpoints",
                   "log_every", "eval_batches")
         if self.micro_batch != AUTO:

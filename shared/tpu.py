@@ -118,7 +118,11 @@ def default_xla_env() -> None:
 
     Asking for the TPU by name matters: left to choose, torch_xla 2.8 (torch_xla/runtime.py) logs "Defaulting to
     PJRT_DEVICE=CPU" when its own probe (the PCI device ids it knows) misses the chips, and a session would train
-    on one CPU device; told TPU, it fails loudly instead."""
+    on one CPU device; told TPU, it fails loudly instead.
+
+    TORCHINDUCTOR_COMPILE_THREADS 1, where unset: importing torch_xla imports torch's inductor, which otherwise
+    starts a pool of compile workers (a process that imports torch) that an XLA step never uses."""
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     if "PJRT_DEVICE" not in os.environ:
         os.environ["PJRT_DEVICE"] = "TPU" if tpu_devices_present() else "CPU"
     if os.environ["PJRT_DEVICE"] == "CPU":

@@ -1,9 +1,11 @@
 """Fixtures every test folder may use: the environment of torch_xla's CPU backend (8 devices; the runtime itself
 starts only in the folders that train or evaluate in this process: train/ and eval/), GPT-2 ranks from the
-package index, a real-text corpus in llm.c shards, one uninterrupted training run, and the Kaggle image
-stand-ins. Plain helpers live in helpers.py."""
+package index, a real-text corpus in llm.c shards, one uninterrupted training run, the Kaggle image
+stand-ins, and a busy core beside a test. Plain helpers live in helpers.py."""
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -63,3 +65,13 @@ def image_pythons() -> dict[str, Path]:
             pytest.fail(f"{', '.join(missing)} missing: CI must run `bash scripts/setup.sh --kaggle-image`")
         pytest.skip("no Kaggle image interpreters: run `bash scripts/setup.sh --kaggle-image`")
     return IMAGE_PYTHONS
+
+
+@pytest.fixture
+def cpu_hog():
+    """A busy loop on one core beside the test (a laptop busy with something else), from the test's start until
+    the test kills it (`cpu_hog.kill()`) or ends."""
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    yield hog
+    hog.kill()
+    hog.wait()

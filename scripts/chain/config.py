@@ -64,6 +64,10 @@ class ChainConfig:
     session_limit_s: float = NINE_HOURS  # a session's time limit (Kaggle: 9 h)
     startup_margin_s: float = 600  # start-up before training begins (imports, data, compile)
     publish_margin_s: float = 0  # the final checkpoint's upload (0: sized from the checkpoint, at least 1200 s)
+    # Size each train session from its start-up as measured instead (0: every one lasts session_limit_s): the
+    # longest start-up seen so far x1.25 + 5 s (startup_margin_s before any), + this much training, +
+    # publish_margin_s, up to session_limit_s. For local runs (the demo, tests), whose start-up is most of a session.
+    session_train_s: float = 0
     max_train_sessions: int = 0  # stop training after this many sessions, then evaluate (0: until total_steps)
     max_failed_sessions: int = 3  # consecutive sessions without progress before the chain gives up
     # Checkpoint dataset versions kept on Kaggle (0: all); a publish that would exceed it deletes the older ones
@@ -100,6 +104,15 @@ class ChainConfig:
     @property
     def time_budget(self) -> float:
         return self.session_limit_s - self.startup_margin_s - self.publish_margin_s
+
+    def session_clock(self, limit_s: float) -> dict:
+        """A train session's time settings, for a session of `limit_s`: training stops by the limit less the publish
+        margin counted from the session's start (--session-deadline), and, in a session of the fixed length, after
+        the limit less both margins counted from training's start (--time-budget; Kaggle's clock may start before the
+        process: not verified). A session sized from measured start-up (session_train_s) has only the deadline."""
+        deadline = limit_s - self.publish_margin_s
+        budget = deadline if self.session_train_s else limit_s - self.startup_margin_s - self.publish_margin_s
+        return {"time_budget": budget, "session_deadline": deadline}
 
     @property
     def accelerator_kind(self) -> str:
@@ -175,7 +188,7 @@ def config_from_dict(raw: dict, where: str = "config") -> ChainConfig:
     if cfg.session_limit_s > longest:
         raise UserError(f"{where}: session_limit_s {cfg.session_limit_s:g} is over the {longest / 3600:g} h Kaggle "
                         f"allows a {cfg.accelerator_kind.upper()} session ({cfg.accelerator or 'CPU'})")
-    for key in ("data_dir", "out_dir", "resume_from", "max_steps", "time_budget", "wandb_run_id"):
+    for key in ("data_dir", "out_dir", "resume_from", "max_steps", "time_budget", "session_deadline", "wandb_run_id"):
         if key in cfg.train:
             raise UserError(f"{where}: train.{key} is set by the chain; remove it")
     devices = session_devices(cfg.accelerator, cfg.train.get("backend", "auto"))
@@ -189,6 +202,11 @@ def config_from_dict(raw: dict, where: str = "config") -> ChainConfig:
     if cfg.time_budget <= 0:
         raise UserError(f"{where}: session_limit_s {cfg.session_limit_s:g} leaves no training time after "
                         f"startup_margin_s {cfg.startup_margin_s:g} + publish_margin_s {cfg.publish_margin_s:g}")
+    if cfg.session_train_s < 0 or (cfg.session_train_s and cfg.session_train_s + cfg.startup_margin_s
+                                   + cfg.publish_margin_s > cfg.session_limit_s):
+        raise UserError(f"{where}: session_train_s {cfg.session_train_s:g} must be >= 0, and with startup_margin_s "
+                        f"{cfg.startup_margin_s:g} + publish_margin_s {cfg.publish_margin_s:g} fit session_limit_s "
+                        f"{cfg.session_limit_s:g}, the longest a session may be made")
     for section, keys in (("tokenize", _TOKENIZE_KEYS), ("eval", _EVAL_KEYS)):
         extra = sorted(set(getattr(cfg, section)) - keys)
         if extra:

@@ -34,8 +34,9 @@ class StageContext:
     def ref(self, slug: str) -> str:
         return self.client.ref(slug)
 
-    def push_once(self, key: str, ref: str, build: Callable[[str], Path]) -> int:
-        """Push the kernel `build(push_id)` builds, once for `key` however often the chain is restarted.
+    def push_once(self, key: str, ref: str, build: Callable[[str], Path], limit_s: float | None = None) -> int:
+        """Push the kernel `build(push_id)` builds, once for `key` however often the chain is restarted; `limit_s`:
+        this session's own time limit (a train session sized from measured start-up), else the config's.
 
         Before the push the state records the push id (which the built code carries) and the kernel's version;
         a restart finds an unrecorded push by that id in the kernel's newest source.
@@ -57,7 +58,7 @@ class StageContext:
         for attempt in range(1, self.cfg.retry_attempts + 1):
             try:
                 with contextlib.redirect_stdout(io.StringIO()):
-                    resp = self.client.api.kernels_push(str(folder), timeout=self.session_timeout(key))
+                    resp = self.client.api.kernels_push(str(folder), timeout=self.session_timeout(key, limit_s))
                 break
             except Exception as err:
                 if not is_transient(err) or attempt == self.cfg.retry_attempts:
@@ -88,7 +89,7 @@ class StageContext:
             return version
         return 0
 
-    def session_timeout(self, key: str = "") -> str | None:
+    def session_timeout(self, key: str = "", limit_s: float | None = None) -> str | None:
         """sessionTimeoutSeconds "must be lower than the global maximum" (kagglesdk): at the maximum, none is sent
         and Kaggle's own limit applies. session_limit_s is the train sessions' limit and eval_session_limit_s the
         eval's; a tokenize part (push key tokenize-*) runs on its own machine, whose own limit applies (it stops at
@@ -97,7 +98,7 @@ class StageContext:
             return None
         cfg = self.cfg
         limit, kind = ((cfg.eval_session_limit_s, cfg.eval_kind) if key == "eval"
-                       else (cfg.session_limit_s, cfg.accelerator_kind))
+                       else (limit_s or cfg.session_limit_s, cfg.accelerator_kind))
         return None if limit >= SESSION_MAX_S[kind] else str(int(limit))
 
     def wait(self, ref: str, label: str, key: str | None = None) -> tuple[str, str, float]:

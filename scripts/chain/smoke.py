@@ -59,7 +59,7 @@ def smoke_config(cfg: ChainConfig) -> ChainConfig:
                         f"start-up ({s['startup_margin_s']:g} s) and publish ({publish:.0f} s) margins; raise it, or "
                         "set it 0 to add smoke.train_s to them")
     raw.update(name=f"{cfg.name}-smoke", slugs={k: f"{v}-smoke" for k, v in cfg.slugs.items()},
-               train=train, max_train_sessions=2, max_failed_sessions=1, session_limit_s=limit,
+               train=train, max_train_sessions=2, max_failed_sessions=1, session_limit_s=limit, session_train_s=0,
                startup_margin_s=s["startup_margin_s"], publish_margin_s=publish, smoke={})
     if cfg.tokenize.get("parts"):
         settings = dict(cfg.tokenize.get("settings", {}))

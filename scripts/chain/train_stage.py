@@ -81,14 +81,15 @@ class TrainStage:
             ref = ctx.ref(cfg.slug("train"))
             ctx.log(f"train session {n} of {sessions_total(cfg, n, step, sessions)}: {ref}, from step {step}")
             sess["version"] = ctx.push_once(sess["key"], ref, lambda pid, s=sess: self.build(
-                pid, s["step_before"], s.get("ckpt_version", 0), s.get("delete_old", False)))
+                pid, s["step_before"], s.get("ckpt_version", 0), s.get("delete_old", False), s.get("limit_s")),
+                limit_s=sess.get("limit_s"))
             ctx.state.save()
             status, message, secs = ctx.wait(ref, f"{ref} v{sess['version']}", sess["key"])
             version, new_step, info = self.after_session(ref, sess, ckpt_ref)
             sess.update(ended=time.time(), status=status, message=message, seconds=round(secs, 1),
                         step_after=new_step, **info)
             ctx.state.save()
-            failures = 0 if new_step > start_of(sess) else failures + 1
+            failures = 0 if new_step > start_of(sess) else failures + self.no_progress(sess)
             self.report(sess, start_of(sess), new_step, status, message, secs)
             step = new_step
             if failures >= cfg.max_failed_sessions:
@@ -96,23 +97,45 @@ class TrainStage:
                                 f"{message or status}); logs in {ctx.workdir / 'sessions'}")
 
     def new_session(self, n: int, step: int, version: int) -> None:
-        """Record session `n` before its push: the checkpoint version and step it must resume from, and whether
-        its publish deletes the older versions (keep_dataset_versions)."""
-        self.ctx.state.data["train_sessions"].append(
-            {"n": n, "key": f"train-{n}", "step_before": step, "ckpt_version": version,
-             "delete_old": delete_old_on_publish(self.ctx, version)})
+        """Record session `n` before its push: the checkpoint version and step it must resume from, whether its
+        publish deletes the older versions (keep_dataset_versions), and its time limit."""
+        sessions = self.ctx.state.data["train_sessions"]
+        limit, why = session_length(self.cfg, sessions)
+        if why:
+            self.ctx.log(f"train session {n} lasts {limit:g} s: {why}")
+        sessions.append({"n": n, "key": f"train-{n}", "step_before": step, "ckpt_version": version,
+                         "delete_old": delete_old_on_publish(self.ctx, version), "limit_s": limit})
         self.ctx.state.save()
 
-    def build(self, push_id: str, expect_step: int = 0, expect_version: int = 0, delete_old: bool = False) -> Path:
+    def no_progress(self, sess: dict) -> int:
+        """A session that trained no step: 1 more failure in a row, or 0 where the chain sizes its sessions from
+        measured start-up and the next one is longer. One that could not fit a step at the longest its sessions
+        may be is one line at once: no later session would do better."""
+        cfg, limit = self.cfg, sess.get("limit_s") or self.cfg.session_limit_s
+        startup = sess.get("startup_s")
+        if cfg.session_train_s and session_length(cfg, self.ctx.state.data["train_sessions"])[0] > limit:
+            self.ctx.log(f"  session {sess['n']} trained no step in its {limit:g} s after a {startup or 0:.0f}-s "
+                         "start-up: the next session is longer")
+            return 0
+        if sess.get("stop_reason") == "too_short":
+            setting = "session_limit_s" if cfg.session_train_s else "session_limit_s (or lower startup_margin_s)"
+            raise UserError(f"stopping: train session {sess['n']} could not fit one step: its start-up took "
+                            f"{startup:.0f} s to the end of the first step, in a session of {limit:g} s with "
+                            f"publish_margin_s {cfg.publish_margin_s:g}; raise {setting}")
+        return 1
+
+    def build(self, push_id: str, expect_step: int = 0, expect_version: int = 0, delete_old: bool = False,
+              limit_s: float | None = None) -> Path:
         """The train kernel, expecting version `expect_version` of the checkpoint dataset at `expect_step`: a mount
-        of an older version is replaced by that version, fetched, and it never starts over."""
+        of an older version is replaced by that version, fetched, and it never starts over. `limit_s`: the session's
+        time limit (default session_limit_s)."""
         ctx, cfg = self.ctx, self.cfg
         datasets, kernels, data_dir = data_sources(ctx)
         ckpt = ctx.ref(cfg.slug("checkpoints"))
         hellaswag = ctx.state.data.get("hellaswag_dataset")  # scripts/chain/hellaswag.py, made before session 1
         settings = {"progress": False, "run_name": cfg.name, **cfg.train, "data_dir": data_dir,
                     "out_dir": "{working}/train", "max_steps": cfg.total_steps,
-                    "time_budget": cfg.time_budget, "wandb_run_id": self.wandb_run_id(),
+                    **cfg.session_clock(limit_s or cfg.session_limit_s), "wandb_run_id": self.wandb_run_id(),
                     **hellaswag_settings(ctx, hellaswag)}
         return build_kernel("train", ctx.workdir / "build" / "train", user=ctx.client.user, slug=cfg.slug("train"),
                             settings=settings, kernel_type=cfg.kernel_type, accelerator=cfg.accelerator,
@@ -187,7 +210,8 @@ class TrainStage:
             if (dest / "train" / name).exists():
                 shutil.copyfile(dest / "train" / name, ctx.workdir / name)
         record = json.loads((dest / PUBLISH_RECORD).read_text()) if (dest / PUBLISH_RECORD).exists() else {}
-        return record, {"logs": str(dest)}
+        metrics = dest / "train" / "metrics.jsonl"
+        return record, {"logs": str(dest), **(session_startup(metrics) if metrics.exists() else {})}
 
     def session_version(self, ckpt_ref: str, before: int, record: dict) -> int:
         """The checkpoint version after the session: the newer one it made, once ready, else `before`. Right after
@@ -253,6 +277,45 @@ def extend_start(ctx: StageContext, ref: str, version: int, cfg: ChainConfig) ->
                         f"{cfg.total_steps} ({found or 'none found'}): its decay must start after the stable phase "
                         "the run kept (docs/recipe.md section 6)")
     return max(agreeing)
+
+
+STARTUP_HEADROOM = (1.25, 5.0)  # a measured start-up, times this, plus this many seconds: the next allowance
+
+
+def session_length(cfg: ChainConfig, sessions: list) -> tuple[float, str]:
+    """The next train session's time limit, and why where it is sized from measured start-up (session_train_s):
+    the longest start-up a session of this chain took to the end of its first step, with headroom (before any
+    was measured: startup_margin_s), + session_train_s of training + publish_margin_s, at most session_limit_s."""
+    if not cfg.session_train_s:
+        return cfg.session_limit_s, ""
+    measured = [(s["startup_s"], s["n"]) for s in sessions if s.get("startup_s")]
+    factor, extra = STARTUP_HEADROOM
+    if measured:
+        startup, n = max(measured)
+        allowance = math.ceil(factor * startup + extra)
+        source = f"{factor:g} x the {startup:.1f} s session {n}'s took, + {extra:g} s"
+    else:
+        allowance, source = cfg.startup_margin_s, "startup_margin_s, before any was measured"
+    limit = min(cfg.session_limit_s, math.ceil(allowance + cfg.session_train_s + cfg.publish_margin_s))
+    capped = " (capped at session_limit_s)" if limit == cfg.session_limit_s else ""
+    return limit, (f"start-up {allowance:g} s ({source}) + {cfg.session_train_s:g} s of training (session_train_s) "
+                   f"+ {cfg.publish_margin_s:g} s to publish{capped}")
+
+
+def session_startup(metrics: Path) -> dict:
+    """What a session's own records say of its start-up: `startup_s` (to the end of its first step) and its
+    `stop_reason`, from the records after its `session_start` (those before are the resumed checkpoint's)."""
+    from shared.train.metrics import read_metrics
+
+    records = read_metrics(metrics)
+    starts = [i for i, r in enumerate(records) if r.get("event") == "session_start"]
+    found = {}
+    for r in records[starts[-1]:] if starts else []:
+        if r.get("event") == "startup":
+            found["startup_s"] = r["startup_s"]
+        if r.get("event") == "session_end":
+            found["stop_reason"] = r.get("stop_reason")
+    return found
 
 
 def start_of(sess: dict) -> int:

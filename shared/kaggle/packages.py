@@ -28,6 +28,7 @@ from shared.errors import UserError
 from shared.kaggle.facts import record_fact
 
 TARGET_DIR = "gpt2k-packages"  # under the session's temp folder
+_installs_s: list[float] = []  # this process's installs, for the trainer's start-up line
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,11 @@ class Package:
     requirements: tuple[str, ...]  # pinned pip requirements
     purpose: str  # what it is for, in the notices
     check: str = ""  # the import that proves an install works (default: `import <module>`)
+    # Tried first, where set: the package and what it imports that an image may lack, pinned and installed without
+    # resolving (pip --no-deps), the rest taken from the image. `check` decides; if it fails, `requirements` with
+    # their whole closure. (pip's --target installs a package's whole closure whatever the image has: kaggle 2.2.4
+    # brings 33 packages, jupytext's among them, in about 11 s here; these 8 take about 2 s.)
+    fast: tuple[str, ...] = ()
 
 
 # The versions the project's own setup installs and tests with (pyproject.toml pins the same; a test checks).
@@ -46,7 +52,12 @@ PACKAGES = {
                         "import tiktoken.load, tiktoken_ext.openai_public"),
     # The kaggle wheel imports six without declaring it; importing it authenticates (dummy credentials suffice).
     "kaggle": Package("kaggle", ("kaggle==2.2.4", "six==1.17.0"), "publishing checkpoints to a Kaggle dataset",
-                      "import kaggle.api.kaggle_api_extended"),
+                      "import kaggle.api.kaggle_api_extended",
+                      # kaggle 2.2.4's kaggle_api_extended.py imports these (lines 39-60) beside requests, urllib3,
+                      # tqdm, protobuf and packaging, which the TPU image has (with kagglehub: docs/kaggle-tpu.md)
+                      fast=("kaggle==2.2.4", "six==1.17.0", "kagglesdk==0.1.38", "bleach==6.4.0",
+                            "webencodings==0.6.1", "python-dotenv==1.2.4", "python-slugify==9.2.0",
+                            "text-unidecode==1.3", "python-dateutil==4.0.0")),
     "wandb": Package("wandb", ("wandb==0.31.0",), "W&B logging"),
 }
 
@@ -59,10 +70,12 @@ def importable(module: str) -> bool:
         return False
 
 
-def pip_install(requirements: tuple[str, ...], target: Path) -> str | None:
-    """Install into `target`; None on success, else pip's last error line."""
+def pip_install(requirements: tuple[str, ...], target: Path, no_deps: bool = False) -> str | None:
+    """Install into `target` (over what is there); None on success, else pip's last error line. `no_deps`: these
+    requirements alone."""
     cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-input",
-           "--retries", "1", "--timeout", "15", "--target", str(target), *requirements]
+           "--retries", "1", "--timeout", "15", "--upgrade", "--target", str(target),
+           *(["--no-deps"] if no_deps else []), *requirements]
     proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True)
     if proc.returncode == 0:
         return None
@@ -101,6 +114,19 @@ def _place(pkg: Package, target: str) -> tuple[str | None, str]:
                   f"before the image's packages, which break it after them ({after})")
 
 
+def _install(pkg: Package, target: Path, installer) -> tuple[str | None, str | None, str]:
+    """Install `pkg` into `target` and place it on the import path: its `fast` set first, where it has one, then
+    its whole closure. -> (pip's error, the import check's error, where the folder went on the import path)."""
+    if pkg.fast and installer(pkg.fast, target, no_deps=True) is None:
+        error, where = _place(pkg, str(target))
+        if error is None:
+            return None, None, where
+    pip_error = installer(pkg.requirements, target)
+    if pip_error is not None:
+        return pip_error, None, ""
+    return (None, *_place(pkg, str(target)))
+
+
 def install_dir() -> Path | None:
     """The session's folder for installed packages; None outside a Kaggle (or local Kaggle) session."""
     from shared.kaggle.env import in_session, kaggle_paths
@@ -121,23 +147,28 @@ def provide(name: str, reason: str = "", log=print, installer=None) -> str | Non
         return f"the {pkg.module} package is not installed (needed for {why}): pip install {' '.join(pkg.requirements)}"
     start = time.monotonic()
     target.mkdir(parents=True, exist_ok=True)
-    error = (installer or pip_install)(pkg.requirements, target)
+    error, import_error, where = _install(pkg, target, installer or pip_install)
     if error is None:
-        error, where = _place(pkg, str(target))
-        if error is None:
+        if import_error is None:
             seconds = time.monotonic() - start
+            _installs_s.append(seconds)
             record_fact("packages", name, {"from": "installed", "requirements": pkg.requirements,
                                            "seconds": round(seconds, 1)})
             log(f"installed {', '.join(pkg.requirements)} for {why} in {seconds:.1f}s "
                 f"(not in this image; into {target}, {where}, gone with the session)")
             return None
         problem = (f"the {pkg.module} package is not in this Kaggle image, and the copy pip installed into {target} "
-                   f"does not import ({error}); it is needed for {why}")
+                   f"does not import ({import_error}); it is needed for {why}")
     else:
         problem = (f"the {pkg.module} package is not in this Kaggle image and could not be installed ({error}); it "
                    f"is needed for {why}: turn on the notebook's internet (Settings > Internet)")
     record_fact("packages", name, {"from": "missing", "problem": problem})
     return problem
+
+
+def installed_seconds() -> float:
+    """The seconds this process spent installing packages (`provide`)."""
+    return sum(_installs_s)
 
 
 def require(name: str, reason: str = "", log=print, installer=None) -> None:

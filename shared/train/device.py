@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from shared.tpu import TPU_GENERATIONS, TpuGeneration, default_xla_env, detect_tpu_generation
+from shared.train.xla_notices import quiet_known_messages
 
 # bf16 peak FLOP/s per GPU, matched against torch.cuda.get_device_name.
 PEAK_BF16_FLOPS = {
@@ -185,6 +186,7 @@ class XlaRuntime(Runtime):
 
         if compile_cache:  # compiled graphs persist here (before any computation, as torch_xla requires)
             xr.initialize_cache(str(compile_cache), readonly=False)
+        quiet_known_messages()
         xr.use_spmd()
         self._xla, self._xs, self._xr = torch_xla, xs, xr
         count_device_waits()  # from here on, every wait for the device is counted

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from shared.checkpoint_names import STABLE_DIR
-from shared.config import AUTO, CHECKPOINT_BYTES_PER_PARAM, NINE_HOURS, TrainConfig
+from shared.config import AUTO, TrainConfig
 from shared.data import LoaderState, TokenLoader, find_shards
 from shared.errors import UserError
 from shared.tpu import activation_checkpointing_on, micro_batch_for
@@ -34,6 +34,7 @@ from shared.train.checkpoint import (
     saved_state,
     set_aside_checkpoint,
 )
+from shared.train.clock import SessionClock, default_time_budget, estimate_checkpoint_seconds, startup_line
 from shared.train.device import Runtime, make_runtime, runtime_versions
 from shared.train.metrics import BackgroundCalls, MetricsLogger, plot_loss
 from shared.train.model import GPT
@@ -49,19 +50,9 @@ from shared.train.optim import (
     stable_phase_end,
 )
 from shared.train.validation import periodic_eval
+from shared.train.xla_notices import compile_cache_notice
 
 XLA_CACHE_DIR = "xla_cache"  # inside out_dir, and inside each checkpoint (XLA's persistent compilation cache)
-
-
-def estimate_checkpoint_seconds(num_params: int) -> float:
-    """Before a checkpoint has been timed: its bytes (weights + AdamW) at a cautious 50 MB/s."""
-    return 5.0 + CHECKPOINT_BYTES_PER_PARAM * num_params / 50e6
-
-
-def default_time_budget(checkpoint_seconds: float) -> float:
-    """A Kaggle session's 9 h less start-up and publishing (10 min) and three checkpoint writes' worth: the
-    loop also stops early enough for one more step and 1.5 checkpoints, so the kill never meets a half write."""
-    return NINE_HOURS - (600 + 3 * checkpoint_seconds)
 
 
 @dataclass(frozen=True)
@@ -316,7 +307,10 @@ class Checkpointer:
         return resumed.path if resumed else None  # nothing trained: the run was already complete
 
 
-def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key: str | None = None) -> TrainResult:
+def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key: str | None = None,
+          started: float | None = None, startup_parts: dict | None = None) -> TrainResult:
+    """One session. `started`: the monotonic time the session began (a kernel's process start), which
+    --session-deadline counts from (default: now); `startup_parts`: seconds spent before this call, by name."""
     session_start = time.monotonic()
     cfg.validate()  # the flags; the device count is checked once the runtime is up
     model_cfg = cfg.model
@@ -339,6 +333,9 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
     # --- runtime: XLA starts with the compiled graphs of the previous session when the checkpoint has them ---
     compile_cache = restore_compile_cache(resumed, out_dir) if cfg.xla_cache else None
     runtime = runtime or make_runtime(cfg.backend, compile_cache)
+    notice = compile_cache_notice(runtime.device_type, bool(resumed and compile_cache and any(compile_cache.iterdir())))
+    if notice and runtime.name == "xla":
+        log(notice)
     if not runtime.is_main:  # under DDP one process speaks for all
         log = lambda *args, **kwargs: None  # noqa: E731
     compile_at_start, compiles_at_start = runtime.compile_seconds(), runtime.compile_count()
@@ -389,7 +386,9 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
     num_params = model.num_params()
     measured = resumed.state.get("timings", {}).get("checkpoint_seconds") if resumed else None
     ckpt_timer = CheckpointTimer(measured or estimate_checkpoint_seconds(num_params))
-    budget = cfg.time_budget or default_time_budget(ckpt_timer.seconds)
+    clock = SessionClock(session_start if started is None else min(started, session_start), session_start,
+                         cfg.time_budget or default_time_budget(ckpt_timer.seconds), cfg.session_deadline,
+                         dict(startup_parts or {}))
     if cfg.time_budget and cfg.time_budget < ckpt_timer.seconds:
         raise UserError(f"--time-budget {cfg.time_budget:g}s is shorter than one checkpoint "
                         f"(~{ckpt_timer.seconds:.0f}s for {num_params / 1e6:.1f}M parameters)")
@@ -407,7 +406,8 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
                            wandb_key=wandb_key)
     versions = runtime_versions()
     logger.write({"event": "session_start", "step": start_step, "tokens": start_step * tokens_per_step,
-                  "device": runtime.description, "versions": versions, "time_budget_s": round(budget, 1),
+                  "device": runtime.description, "versions": versions, "time_budget_s": round(clock.budget_s, 1),
+                  "session_deadline_s": cfg.session_deadline or None,
                   "micro_batch": cfg.micro_batch, "attention": runtime.attention,
                   "tpu": runtime.tpu_generation.name if runtime.tpu_generation
                   else None, "unix_time": round(time.time(), 1),
@@ -456,7 +456,7 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
     # --- the loop ----------------------------------------------------------------------------------------------
     evaluator.baseline(start_step)
     step, stop_reason = start_step, "max_steps"
-    first_step_end = last_step_end = time.monotonic()
+    loop_start = first_step_end = last_step_end = time.monotonic()
     # Summed: the host's CPU time building steps (data, tracing), and the wall time of the syncs (hashing the graph,
     # launching it, and waiting for the runtime if the host is ahead).
     host_trace_s = sync_s = 0.0
@@ -488,10 +488,14 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
             last_step_end = time.monotonic()
             if step == start_step + 1:
                 first_step_end = last_step_end
-                elapsed = time.monotonic() - session_start
-                if elapsed + ckpt_timer.seconds > budget:
-                    raise UserError(f"--time-budget {budget:g}s is shorter than one step ({elapsed:.1f}s with "
-                                    f"start-up and compilation) plus a checkpoint (~{ckpt_timer.seconds:.0f}s)")
+                startup = clock.startup(loop_start, first_step_end, runtime.compile_seconds() - compile_before)
+                logger.write({"event": "startup", "step": step, **startup})
+                log(startup_line(startup))
+                try:
+                    clock.check_first_step(startup, ckpt_timer.seconds)
+                except UserError:
+                    logger.write({"event": "session_end", "step": step, "stop_reason": "too_short", **startup})
+                    raise
             evaluator.maybe_run(step)
             checkpointer.maybe_save(step)
             if stop_requested.is_set():
@@ -502,7 +506,7 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
                 break
             # Under XLA the step just launched may still be running (the host runs a step ahead): count it too.
             in_flight = step_s if runtime.name == "xla" else 0.0
-            if time.monotonic() - session_start + in_flight + step_s + checkpointer.seconds_after(step) > budget:
+            if in_flight + step_s + checkpointer.seconds_after(step) > clock.left_s():
                 stop_reason = "time_budget"
                 break
         background.flush()
@@ -512,6 +516,7 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
                       "stop_reason": stop_reason, "elapsed_s": round(time.monotonic() - session_start, 3),
                       "unix_time": round(time.time(), 1),
                       "start_to_first_step_s": round(first_step_end - session_start, 3),
+                      "startup_s": round(clock.since_session(first_step_end), 3),
                       "last_step_to_checkpoint_s": round(time.monotonic() - last_step_end, 3),
                       "compile_s": round(runtime.compile_seconds() - compile_at_start, 3),
                       "compiles": runtime.compile_count() - compiles_at_start,

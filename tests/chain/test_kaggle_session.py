@@ -93,6 +93,34 @@ def test_a_package_an_older_copy_in_the_image_breaks_goes_before_the_image_and_a
         "import (ImportError: libfoo.so: cannot open shared object file); it is needed for W&B logging")
 
 
+def test_a_package_with_a_fast_set_installs_it_alone_and_its_whole_closure_only_where_that_does_not_import(
+        session, monkeypatch):
+    monkeypatch.setitem(packages.PACKAGES, "kaggle", packages.Package(
+        "gpt2k_fast_pub", ("gpt2k-fast-pub==1.0",), "publishing checkpoints", fast=("gpt2k-fast-pub==1.0", "dep==2")))
+    calls = []
+
+    def install(requirements, target: Path, no_deps: bool = False):
+        calls.append((requirements, no_deps))
+        # The fast set alone lacks a dependency the image does not have: only the whole closure brings it.
+        (target / "gpt2k_fast_pub.py").write_text("import gpt2k_fast_dep\n")
+        if not no_deps or image_has_dep:
+            (target / "gpt2k_fast_dep.py").write_text("")
+
+    image_has_dep = True
+    lines = []
+    assert packages.provide("kaggle", log=lines.append, installer=install) is None
+    assert calls == [(("gpt2k-fast-pub==1.0", "dep==2"), True)]  # the fast set, without resolving: nothing more
+    assert lines[0].startswith("installed gpt2k-fast-pub==1.0 for publishing checkpoints in ")
+    sys.modules.pop("gpt2k_fast_pub", None), sys.modules.pop("gpt2k_fast_dep", None)
+    for name in ("gpt2k_fast_pub.py", "gpt2k_fast_dep.py"):
+        (session / "temp" / packages.TARGET_DIR / name).unlink()
+    calls.clear()
+    image_has_dep = False
+    assert packages.provide("kaggle", log=lines.append, installer=install) is None
+    assert calls == [(("gpt2k-fast-pub==1.0", "dep==2"), True), (("gpt2k-fast-pub==1.0",), False)]
+    sys.modules.pop("gpt2k_fast_pub", None), sys.modules.pop("gpt2k_fast_dep", None)
+
+
 def test_without_internet_a_required_package_stops_the_kernel_in_one_line_with_exit_2(session, monkeypatch):
     monkeypatch.setitem(packages.PACKAGES, "tiktoken",
                         packages.Package("gpt2k_not_here", ("gpt2k-not-here==1.0",), "GPT-2's tokenizer"))
@@ -161,7 +189,7 @@ def test_the_pins_are_the_versions_the_project_is_set_up_with():
     from importlib.metadata import version
 
     for pkg in packages.PACKAGES.values():
-        for requirement in pkg.requirements:
+        for requirement in pkg.requirements + pkg.fast:
             name, pinned = requirement.split("==")
             assert version(name) == pinned, requirement
 

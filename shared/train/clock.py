@@ -1,0 +1,100 @@
+"""A training session's clock: when the loop must stop so that its final checkpoint (and the publish after it)
+lands before the session's time limit, whatever start-up took, and what start-up spent, by part.
+
+Two limits, whichever comes first:
+- `--time-budget`: seconds of training counted from `train()`'s start;
+- `--session-deadline`: seconds counted from the session's own start (the kernel's process start), so a slow
+  package install, checkpoint fetch or import eats training time instead of pushing the end past the kill.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+from shared.config import CHECKPOINT_BYTES_PER_PARAM, NINE_HOURS
+from shared.errors import UserError
+
+
+def estimate_checkpoint_seconds(num_params: int) -> float:
+    """Before a checkpoint has been timed: its bytes (weights + AdamW) at a cautious 50 MB/s."""
+    return 5.0 + CHECKPOINT_BYTES_PER_PARAM * num_params / 50e6
+
+
+def default_time_budget(checkpoint_seconds: float) -> float:
+    """A Kaggle session's 9 h less start-up and publishing (10 min) and three checkpoint writes' worth: the
+    loop also stops early enough for one more step and 1.5 checkpoints, so the kill never meets a half write."""
+    return NINE_HOURS - (600 + 3 * checkpoint_seconds)
+
+
+def process_start() -> float:
+    """The `time.monotonic()` at which this process started (Linux: /proc/self/stat's start time against the
+    boot clock); elsewhere, now. A kernel's session clock starts no later than its process."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: start time, clock ticks after boot
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - started
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.monotonic()
+    return time.monotonic() - max(0.0, age)
+
+
+@dataclass
+class SessionClock:
+    """The session's time: `session_start` (monotonic: the process's start, or train()'s where not given),
+    `train_start` (train()'s), and the seconds of each limit. `parts`: start-up measured before train(), by name
+    (e.g. the packages installed), for the start-up line."""
+
+    session_start: float
+    train_start: float
+    budget_s: float
+    deadline_s: float = 0.0
+    parts: dict = field(default_factory=dict)
+
+    @property
+    def stop_at(self) -> float:
+        """The monotonic time by which training (with its final checkpoint) must be done."""
+        deadline = self.session_start + self.deadline_s if self.deadline_s else math.inf
+        return min(self.train_start + self.budget_s, deadline)
+
+    def left_s(self) -> float:
+        return self.stop_at - time.monotonic()
+
+    def since_session(self, at: float | None = None) -> float:
+        return (time.monotonic() if at is None else at) - self.session_start
+
+    def startup(self, loop_start: float, first_step_end: float, compile_s: float) -> dict:
+        """What start-up spent up to the end of the first step, by part (seconds): the `startup` record."""
+        return {"startup_s": round(first_step_end - self.session_start, 3),
+                "before_train_s": round(self.train_start - self.session_start, 3),
+                **{f"{name}_s": round(seconds, 3) for name, seconds in self.parts.items()},
+                "runtime_and_model_s": round(loop_start - self.train_start, 3),
+                "first_step_s": round(first_step_end - loop_start, 3), "first_step_compile_s": round(compile_s, 3)}
+
+    def check_first_step(self, startup: dict, checkpoint_s: float) -> None:
+        """One step and a checkpoint must fit: else one line naming the limit that binds."""
+        if time.monotonic() + checkpoint_s <= self.stop_at:
+            return
+        if self.deadline_s and self.session_start + self.deadline_s < self.train_start + self.budget_s:
+            raise UserError(f"--session-deadline {self.deadline_s:g}s is shorter than start-up to the end of the "
+                            f"first step ({startup['startup_s']:.1f}s from the session's start) plus a checkpoint "
+                            f"(~{checkpoint_s:.0f}s)")
+        raise UserError(f"--time-budget {self.budget_s:g}s is shorter than one step "
+                        f"({self.since_session() - startup['before_train_s']:.1f}s with start-up and compilation) "
+                        f"plus a checkpoint (~{checkpoint_s:.0f}s)")
+
+
+def startup_line(record: dict) -> str:
+    """The start-up record as one log line."""
+    before = [f"{name[:-2].replace('_', ' ')} {record[name]:.1f} s" for name in record
+              if name.endswith("_s") and name not in _STARTUP_FIELDS]
+    return (f"start-up {record['startup_s']:.1f} s to the end of the first step: {record['before_train_s']:.1f} s "
+            f"before training (bootstrap, imports{', ' + ', '.join(before) if before else ''}), runtime and model "
+            f"{record['runtime_and_model_s']:.1f} s, first step {record['first_step_s']:.1f} s (compilation "
+            f"{record['first_step_compile_s']:.1f} s)")
+
+
+_STARTUP_FIELDS = {"startup_s", "before_train_s", "runtime_and_model_s", "first_step_s", "first_step_compile_s"}

@@ -1,0 +1,45 @@
+"""The README's first command, `scripts/chain_sessions.py --local-demo`, as a user runs it after the test setup
+(the Kaggle image stand-ins present, so every train session starts torch_xla 2.8 and installs kaggle): on its own
+and beside a busy core, every train session trains at least 10 steps, its length chosen from the start-up the
+sessions before it measured, and its log says torch_xla's harmless messages once."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from helpers import run_script
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("load", ["alone", "beside_a_busy_core"])
+def test_the_local_demo_trains_ten_steps_or_more_in_every_session(tmp_path, image_pythons, gpt2_ranks, load,
+                                                                   request):
+    if load == "beside_a_busy_core":
+        request.getfixturevalue("cpu_hog")
+    proc = run_script("scripts/chain_sessions.py", "--local-demo", "--workdir", str(tmp_path), timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    out = proc.stdout
+    assert "each train session lasts its start-up as measured (x1.25 + 5 s; 60 s before the first is measured) + " \
+           "30 s of training + 12 s to publish, at most 300 s" in out
+    state = json.loads((tmp_path / "chain" / "state.json").read_text())
+    sessions = state["train_sessions"]
+    assert len(sessions) == 3 and state["final_step"] == sessions[-1]["step_after"]
+    trained = [s["step_after"] - s["step_before"] for s in sessions]
+    assert all(steps >= 10 for steps in trained), (trained, out[-4000:])
+    chosen = re.findall(r"^train session (\d) lasts (\d+) s: start-up (\d+) s \((.*?)\) \+ 30 s of training", out,
+                        re.M)
+    assert [(int(n), int(limit)) for n, limit, _, _ in chosen] == [(s["n"], s["limit_s"]) for s in sessions]
+    assert chosen[0][2:] == ("60", "startup_margin_s, before any was measured")
+    for (_, _, allowance, why), before in zip(chosen[1:], (sessions[:1], sessions[:2]), strict=True):
+        longest = max(s["startup_s"] for s in before)  # the longest start-up measured so far, with headroom
+        assert why.startswith(f"1.25 x the {longest:.1f} s session ") and int(allowance) >= 1.25 * longest + 5
+
+    for n in (1, 2, 3):
+        (log,) = (tmp_path / "chain" / "sessions" / f"train-{n:02d}").glob("*.log")
+        text = "".join(e["data"] for e in json.loads(log.read_text()))
+        assert re.search(r"torch_xla 2\.8\.0", text), text[:2000]  # the TPU image's stand-in
+        assert "(time_budget)" in text and re.search(r"start-up [\d.]+ s to the end of the first step: ", text)
+        # torch_xla 2.8 without jax asked for it at every sharding call (144 lines a session): now one notice.
+        assert "requires jax/pallas" not in text and text.count("torch_xla asks for jax") == 1

@@ -1,0 +1,100 @@
+"""How long a train session lasts and when its training stops: a fixed length (Kaggle's 9 h) with its margins, or
+(session_train_s) each session sized from the start-up the chain's sessions measured; and what the chain does
+with a session that trained no step."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from scripts.chain import Chain, config_from_dict
+from scripts.chain.train_stage import session_length, session_startup
+from shared.errors import UserError
+
+BASE = {"name": "unit-run", "token_datasets": ["alice/tokens"]}
+MEASURED = {**BASE, "session_limit_s": 300, "startup_margin_s": 60, "session_train_s": 30, "publish_margin_s": 12}
+
+
+def test_a_fixed_session_stops_training_by_its_margins_and_never_past_its_limit_less_publishing():
+    cfg = config_from_dict({**BASE, "session_limit_s": 3600, "startup_margin_s": 600, "publish_margin_s": 1200})
+    assert session_length(cfg, []) == (3600, "")
+    # From training's start, the limit less both margins; from the session's start, never past limit - publish.
+    assert cfg.session_clock(3600) == {"time_budget": 1800, "session_deadline": 2400}
+
+
+def test_sessions_sized_from_measured_start_up_grow_with_the_longest_one_seen_up_to_session_limit_s():
+    cfg = config_from_dict(MEASURED)
+    assert session_length(cfg, []) == (102, "start-up 60 s (startup_margin_s, before any was measured) + 30 s of "
+                                            "training (session_train_s) + 12 s to publish")
+    sessions = [{"n": 1, "startup_s": 38.9}, {"n": 2, "startup_s": 52.2}, {"n": 3}]
+    # ceil(1.25 x 52.2 + 5) = 71: the longest start-up, with headroom for a busier machine.
+    assert session_length(cfg, sessions) == (113, "start-up 71 s (1.25 x the 52.2 s session 2's took, + 5 s) + "
+                                                   "30 s of training (session_train_s) + 12 s to publish")
+    assert session_length(cfg, [{"n": 1, "startup_s": 250.0}])[0] == 300  # at most session_limit_s
+    # Only training's end by the deadline: the allowance is an estimate, and start-up eats training, not the limit.
+    assert cfg.session_clock(113) == {"time_budget": 101, "session_deadline": 101}
+
+
+def test_session_train_s_must_fit_session_limit_s_with_the_margins():
+    with pytest.raises(UserError) as err:
+        config_from_dict({**MEASURED, "session_train_s": 250})
+    assert str(err.value) == ("config: session_train_s 250 must be >= 0, and with startup_margin_s 60 + "
+                              "publish_margin_s 12 fit session_limit_s 300, the longest a session may be made")
+    with pytest.raises(UserError, match="session_deadline is set by the chain"):
+        config_from_dict({**BASE, "train": {"session_deadline": 100}})
+
+
+def test_a_session_pushed_with_its_own_length_sends_it_as_its_timeout():
+    chain = Chain(config_from_dict(MEASURED), "/tmp/unused-chain", api=None)
+    assert chain.ctx.session_timeout("train-2", 113) == "113"
+    assert chain.ctx.session_timeout("train-2") == "300"
+    assert chain.ctx.session_timeout("eval", 113) == "300"  # the eval's is its own
+
+
+def write_metrics(path, records) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_a_sessions_start_up_is_read_from_its_own_records_not_the_resumed_history(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    history = [{"event": "session_start", "step": 0}, {"event": "startup", "step": 1, "startup_s": 40.0},
+               {"step": 1, "loss": 10.0}, {"event": "session_end", "step": 30, "stop_reason": "time_budget"}]
+    write_metrics(metrics, history + [{"event": "session_start", "step": 30},
+                                      {"event": "startup", "step": 31, "startup_s": 77.5},
+                                      {"event": "session_end", "step": 31, "stop_reason": "too_short"}])
+    assert session_startup(metrics) == {"startup_s": 77.5, "stop_reason": "too_short"}
+    write_metrics(metrics, history + [{"event": "session_start", "step": 30}])  # killed before its first step ended
+    assert session_startup(metrics) == {}
+
+
+def chain_with_sessions(tmp_path, cfg_dict: dict, sessions: list, log=None) -> Chain:
+    chain = Chain(config_from_dict(cfg_dict), tmp_path / "chain", api=None, log=log or (lambda _: None))
+    chain.ctx.state.data["train_sessions"] = sessions
+    return chain
+
+
+def test_a_session_that_trained_no_step_lengthens_the_next_or_stops_the_chain_in_one_line(tmp_path):
+    lines = []
+    # Sized from start-up: a session whose start-up outgrew it is not a failure; the next one is longer.
+    short = {"n": 1, "limit_s": 102, "startup_s": 95.0, "stop_reason": "too_short"}
+    chain = chain_with_sessions(tmp_path / "a", MEASURED, [short], lines.append)
+    assert chain.train.no_progress(short) == 0
+    assert lines == ["  session 1 trained no step in its 102 s after a 95-s start-up: the next session is longer"]
+    assert session_length(chain.cfg, [short])[0] == 166 > 102
+    # Already at session_limit_s: no longer session would do better, so one line at once, naming the setting.
+    capped = {"n": 4, "limit_s": 300, "startup_s": 290.0, "stop_reason": "too_short"}
+    with pytest.raises(UserError) as err:
+        chain_with_sessions(tmp_path / "b", MEASURED, [capped]).train.no_progress(capped)
+    assert str(err.value) == ("stopping: train session 4 could not fit one step: its start-up took 290 s to the end "
+                              "of the first step, in a session of 300 s with publish_margin_s 12; raise "
+                              "session_limit_s")
+    # A session of the fixed length (a real Kaggle chain) that cannot fit a step: one line at once too.
+    fixed = {**BASE, "session_limit_s": 3600, "startup_margin_s": 600, "publish_margin_s": 1200}
+    slow = {"n": 2, "limit_s": 3600, "startup_s": 1900.0, "stop_reason": "too_short"}
+    with pytest.raises(UserError, match=r"^stopping: train session 2 could not fit one step: its start-up took 1900 s"
+                                        r".*raise session_limit_s \(or lower startup_margin_s\)$"):
+        chain_with_sessions(tmp_path / "c", fixed, [slow]).train.no_progress(slow)
+    # Any other session without progress (no start-up measured: it died first) counts against the chain.
+    died = {"n": 1, "limit_s": 102}
+    assert chain_with_sessions(tmp_path / "d", MEASURED, [died]).train.no_progress(died) == 1
