@@ -116,15 +116,15 @@ def local_demo(args) -> dict:
 
 def session_words(cfg) -> str:
     """How long the train sessions last, in words."""
-    from scripts.chain.train_stage import STARTUP_HEADROOM
+    from scripts.chain.sizing import HEADROOM, MIN_STEPS, STARTUP_EXTRA_S
 
     if not cfg.session_train_s:
         return f"train sessions of {cfg.session_limit_s:g} s"
-    factor, extra = STARTUP_HEADROOM
-    return (f"each train session lasts its start-up as measured (x{factor:g} + {extra:g} s; {cfg.startup_margin_s:g} s "
-            f"before the first is measured) + {cfg.session_train_s:g} s of training + {cfg.publish_margin_s:g} s to "
-            f"publish, at most {cfg.session_limit_s:g} s: start-up here (packages, imports, compilation) is most of "
-            "a session, and varies with the machine's load")
+    return (f"each train session lasts its start-up as measured (x{HEADROOM:g} + {STARTUP_EXTRA_S:g} s; "
+            f"{cfg.startup_margin_s:g} s before the first is measured) + {cfg.session_train_s:g} s of training (more "
+            f"where {MIN_STEPS} steps take longer) + {cfg.publish_margin_s:g} s to publish, at most "
+            f"{cfg.session_limit_s:g} s: start-up here (packages, imports, compilation) is most of a session, and "
+            "varies with the machine's load")
 
 
 def _overrides(args) -> dict:

@@ -103,7 +103,9 @@ class ChainConfig:
 
     @property
     def time_budget(self) -> float:
-        return self.session_limit_s - self.startup_margin_s - self.publish_margin_s
+        """The training a session plans on: session_train_s where sessions are sized from measured start-up, else
+        the limit less both margins."""
+        return self.session_train_s or self.session_limit_s - self.startup_margin_s - self.publish_margin_s
 
     def session_clock(self, limit_s: float) -> dict:
         """A train session's time settings, for a session of `limit_s`: training stops by the limit less the publish

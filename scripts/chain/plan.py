@@ -231,8 +231,13 @@ def plan_lines(cfg: ChainConfig, plan: dict, source: str = "") -> list[str]:
     rate = plan["tokens_per_s"]
     lines.append(f"throughput  {f'{rate:,.0f} tokens/s' if rate else 'unknown'} on {running_shape(shape)}: "
                  f"{plan['tokens_per_s_source']}")
-    lines.append(f"sessions    each {_hours(cfg.session_limit_s)}: {_hours(cfg.time_budget)} of training after "
-                 f"{cfg.startup_margin_s:g} s start-up and {cfg.publish_margin_s:g} s publish margins")
+    if cfg.session_train_s:
+        lines.append(f"sessions    each its start-up as measured ({cfg.startup_margin_s:g} s before the first) + "
+                     f"{cfg.session_train_s:g} s of training (session_train_s) + {cfg.publish_margin_s:g} s to "
+                     f"publish, at most {_hours(cfg.session_limit_s)}")
+    else:
+        lines.append(f"sessions    each {_hours(cfg.session_limit_s)}: {_hours(cfg.time_budget)} of training after "
+                     f"{cfg.startup_margin_s:g} s start-up and {cfg.publish_margin_s:g} s publish margins")
     if plan.get("sessions"):
         capped = " (max_train_sessions)" if cfg.max_train_sessions and plan["sessions"] == cfg.max_train_sessions \
             else ""

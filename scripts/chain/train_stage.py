@@ -28,6 +28,7 @@ from scripts.chain.config import ChainConfig, publish_verify_s
 from scripts.chain.context import StageContext
 from scripts.chain.hellaswag import ensure_hellaswag_dataset, hellaswag_settings
 from scripts.chain.limits import MACHINE_SHAPES
+from scripts.chain.sizing import session_length, session_measurements
 from scripts.chain.tokenize_stage import data_sources
 from shared.checkpoint_names import STATE_FILE
 from shared.errors import UserError
@@ -211,7 +212,7 @@ class TrainStage:
                 shutil.copyfile(dest / "train" / name, ctx.workdir / name)
         record = json.loads((dest / PUBLISH_RECORD).read_text()) if (dest / PUBLISH_RECORD).exists() else {}
         metrics = dest / "train" / "metrics.jsonl"
-        return record, {"logs": str(dest), **(session_startup(metrics) if metrics.exists() else {})}
+        return record, {"logs": str(dest), **(session_measurements(metrics) if metrics.exists() else {})}
 
     def session_version(self, ckpt_ref: str, before: int, record: dict) -> int:
         """The checkpoint version after the session: the newer one it made, once ready, else `before`. Right after
@@ -277,45 +278,6 @@ def extend_start(ctx: StageContext, ref: str, version: int, cfg: ChainConfig) ->
                         f"{cfg.total_steps} ({found or 'none found'}): its decay must start after the stable phase "
                         "the run kept (docs/recipe.md section 6)")
     return max(agreeing)
-
-
-STARTUP_HEADROOM = (1.25, 5.0)  # a measured start-up, times this, plus this many seconds: the next allowance
-
-
-def session_length(cfg: ChainConfig, sessions: list) -> tuple[float, str]:
-    """The next train session's time limit, and why where it is sized from measured start-up (session_train_s):
-    the longest start-up a session of this chain took to the end of its first step, with headroom (before any
-    was measured: startup_margin_s), + session_train_s of training + publish_margin_s, at most session_limit_s."""
-    if not cfg.session_train_s:
-        return cfg.session_limit_s, ""
-    measured = [(s["startup_s"], s["n"]) for s in sessions if s.get("startup_s")]
-    factor, extra = STARTUP_HEADROOM
-    if measured:
-        startup, n = max(measured)
-        allowance = math.ceil(factor * startup + extra)
-        source = f"{factor:g} x the {startup:.1f} s session {n}'s took, + {extra:g} s"
-    else:
-        allowance, source = cfg.startup_margin_s, "startup_margin_s, before any was measured"
-    limit = min(cfg.session_limit_s, math.ceil(allowance + cfg.session_train_s + cfg.publish_margin_s))
-    capped = " (capped at session_limit_s)" if limit == cfg.session_limit_s else ""
-    return limit, (f"start-up {allowance:g} s ({source}) + {cfg.session_train_s:g} s of training (session_train_s) "
-                   f"+ {cfg.publish_margin_s:g} s to publish{capped}")
-
-
-def session_startup(metrics: Path) -> dict:
-    """What a session's own records say of its start-up: `startup_s` (to the end of its first step) and its
-    `stop_reason`, from the records after its `session_start` (those before are the resumed checkpoint's)."""
-    from shared.train.metrics import read_metrics
-
-    records = read_metrics(metrics)
-    starts = [i for i, r in enumerate(records) if r.get("event") == "session_start"]
-    found = {}
-    for r in records[starts[-1]:] if starts else []:
-        if r.get("event") == "startup":
-            found["startup_s"] = r["startup_s"]
-        if r.get("event") == "session_end":
-            found["stop_reason"] = r.get("stop_reason")
-    return found
 
 
 def start_of(sess: dict) -> int:

@@ -74,6 +74,19 @@ class SessionClock:
                 "runtime_and_model_s": round(loop_start - self.train_start, 3),
                 "first_step_s": round(first_step_end - loop_start, 3), "first_step_compile_s": round(compile_s, 3)}
 
+    def first_step_done(self, step: int, loop_start: float, first_step_end: float, compile_s: float,
+                        checkpoint_s: float, write, log) -> None:
+        """At the end of the session's first step: its start-up as a record (`write`) and a line (`log`); where a
+        checkpoint no longer fits, a `too_short` session end recorded, then the one-line error."""
+        startup = self.startup(loop_start, first_step_end, compile_s)
+        write({"event": "startup", "step": step, **startup})
+        log(startup_line(startup))
+        try:
+            self.check_first_step(startup, checkpoint_s)
+        except UserError:
+            write({"event": "session_end", "step": step, "stop_reason": "too_short", **startup})
+            raise
+
     def check_first_step(self, startup: dict, checkpoint_s: float) -> None:
         """One step and a checkpoint must fit: else one line naming the limit that binds."""
         if time.monotonic() + checkpoint_s <= self.stop_at:

@@ -34,7 +34,7 @@ from shared.train.checkpoint import (
     saved_state,
     set_aside_checkpoint,
 )
-from shared.train.clock import SessionClock, default_time_budget, estimate_checkpoint_seconds, startup_line
+from shared.train.clock import SessionClock, default_time_budget, estimate_checkpoint_seconds
 from shared.train.device import Runtime, make_runtime, runtime_versions
 from shared.train.metrics import BackgroundCalls, MetricsLogger, plot_loss
 from shared.train.model import GPT
@@ -50,7 +50,7 @@ from shared.train.optim import (
     stable_phase_end,
 )
 from shared.train.validation import periodic_eval
-from shared.train.xla_notices import compile_cache_notice
+from shared.train.xla_notices import runtime_notices
 
 XLA_CACHE_DIR = "xla_cache"  # inside out_dir, and inside each checkpoint (XLA's persistent compilation cache)
 
@@ -333,9 +333,10 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
     # --- runtime: XLA starts with the compiled graphs of the previous session when the checkpoint has them ---
     compile_cache = restore_compile_cache(resumed, out_dir) if cfg.xla_cache else None
     runtime = runtime or make_runtime(cfg.backend, compile_cache)
-    notice = compile_cache_notice(runtime.device_type, bool(resumed and compile_cache and any(compile_cache.iterdir())))
-    if notice and runtime.name == "xla":
-        log(notice)
+    if runtime.name == "xla":
+        restored = bool(resumed and compile_cache and any(compile_cache.iterdir()))
+        for notice in runtime_notices(runtime.device_type, runtime_versions().get("torch_xla"), restored):
+            log(notice)
     if not runtime.is_main:  # under DDP one process speaks for all
         log = lambda *args, **kwargs: None  # noqa: E731
     compile_at_start, compiles_at_start = runtime.compile_seconds(), runtime.compile_count()
@@ -488,14 +489,8 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
             last_step_end = time.monotonic()
             if step == start_step + 1:
                 first_step_end = last_step_end
-                startup = clock.startup(loop_start, first_step_end, runtime.compile_seconds() - compile_before)
-                logger.write({"event": "startup", "step": step, **startup})
-                log(startup_line(startup))
-                try:
-                    clock.check_first_step(startup, ckpt_timer.seconds)
-                except UserError:
-                    logger.write({"event": "session_end", "step": step, "stop_reason": "too_short", **startup})
-                    raise
+                clock.first_step_done(step, loop_start, first_step_end, runtime.compile_seconds() - compile_before,
+                                      ckpt_timer.seconds, logger.write, log)
             evaluator.maybe_run(step)
             checkpointer.maybe_save(step)
             if stop_requested.is_set():

@@ -7,8 +7,11 @@ warnings and errors) passes untouched.
 - "XLA_USE_SPMD is being deprecated": where a user's environment sets XLA_USE_SPMD; `xr.use_spmd()` is what
   turns SPMD on here.
 - "Failed to deserialize executable: UNIMPLEMENTED": the CPU client cannot load the compiled graphs a checkpoint
-  carries (a TPU's can), so it compiles them again. It comes from C++ on stderr, where no filter reaches: the
-  trainer explains it once before it appears (`compile_cache_notice`).
+  carries (a TPU's can), so it compiles them again.
+- "GSPMD sharding propagation is going to be deprecated": torch_xla 2.9's XLA says it at every SPMD compilation
+  (three in a session's first steps); 2.8's (the TPU image's) does not.
+The last two come from C++ on stderr, where no filter reaches: the trainer explains them once before they appear
+(`runtime_notices`).
 """
 
 from __future__ import annotations
@@ -45,10 +48,16 @@ def quiet_known_messages(log=print) -> None:
     warnings.filterwarnings("once", message="XLA_USE_SPMD is being deprecated")
 
 
-def compile_cache_notice(device_type: str, restored: bool) -> str | None:
-    """The line that explains XLA's deserialization warning before it appears: CPU devices, graphs restored."""
-    if device_type != "CPU" or not restored:
-        return None
-    return ("notice: the checkpoint carried its compiled graphs, which torch_xla's CPU devices cannot load (a TPU "
-            "can): the 'Failed to deserialize executable: UNIMPLEMENTED' warnings that follow are harmless, the "
-            "graphs compile again")
+def runtime_notices(device_type: str, torch_xla_version: str | None, restored: bool) -> list[str]:
+    """The lines that explain XLA's C++ warnings before they appear: for CPU devices whose checkpoint carried
+    compiled graphs (`restored`), and for torch_xla 2.9 and later."""
+    notices = []
+    if device_type == "CPU" and restored:
+        notices.append("notice: the checkpoint carried its compiled graphs, which torch_xla's CPU devices cannot load "
+                       "(a TPU can): the 'Failed to deserialize executable: UNIMPLEMENTED' warnings that follow are "
+                       "harmless, the graphs compile again")
+    major_minor = tuple(int(p) for p in (torch_xla_version or "0.0").split("+")[0].split(".")[:2] if p.isdigit())
+    if major_minor >= (2, 9):
+        notices.append(f"notice: torch_xla {torch_xla_version}'s XLA warns at each compilation that 'GSPMD sharding "
+                       "propagation is going to be deprecated': harmless, SPMD here still runs on GSPMD")
+    return notices

@@ -21,20 +21,23 @@ def test_the_local_demo_trains_ten_steps_or_more_in_every_session(tmp_path, imag
     proc = run_script("scripts/chain_sessions.py", "--local-demo", "--workdir", str(tmp_path), timeout=1500)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     out = proc.stdout
-    assert "each train session lasts its start-up as measured (x1.25 + 5 s; 60 s before the first is measured) + " \
-           "30 s of training + 12 s to publish, at most 300 s" in out
+    assert ("each train session lasts its start-up as measured (x1.25 + 5 s; 90 s before the first is measured) + "
+            "30 s of training (more where 10 steps take longer) + 12 s to publish, at most 300 s") in out
     state = json.loads((tmp_path / "chain" / "state.json").read_text())
     sessions = state["train_sessions"]
     assert len(sessions) == 3 and state["final_step"] == sessions[-1]["step_after"]
     trained = [s["step_after"] - s["step_before"] for s in sessions]
     assert all(steps >= 10 for steps in trained), (trained, out[-4000:])
-    chosen = re.findall(r"^train session (\d) lasts (\d+) s: start-up (\d+) s \((.*?)\) \+ 30 s of training", out,
-                        re.M)
-    assert [(int(n), int(limit)) for n, limit, _, _ in chosen] == [(s["n"], s["limit_s"]) for s in sessions]
-    assert chosen[0][2:] == ("60", "startup_margin_s, before any was measured")
-    for (_, _, allowance, why), before in zip(chosen[1:], (sessions[:1], sessions[:2]), strict=True):
+    chosen = re.findall(r"^train session (\d) lasts (\d+) s: start-up (\d+) s \((.*?)\) \+ (\d+) s of training "
+                        r"\((.*?)\) \+ 12 s to publish$", out, re.M)
+    assert [(int(n), int(limit)) for n, limit, *_ in chosen] == [(s["n"], s["limit_s"]) for s in sessions]
+    assert chosen[0][2:] == ("90", "startup_margin_s, before any was measured", "30", "session_train_s")
+    for (_, _, allowance, why, training, training_why), before in zip(chosen[1:], (sessions[:1], sessions[:2]),
+                                                                         strict=True):
         longest = max(s["startup_s"] for s in before)  # the longest start-up measured so far, with headroom
         assert why.startswith(f"1.25 x the {longest:.1f} s session ") and int(allowance) >= 1.25 * longest + 5
+        slowest = max(s["step_s"] for s in before)  # room for 10 steps at the slowest step time, and the end
+        assert int(training) >= max(30, 1.25 * 12 * slowest), (training, training_why)
 
     for n in (1, 2, 3):
         (log,) = (tmp_path / "chain" / "sessions" / f"train-{n:02d}").glob("*.log")

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from scripts.chain import Chain, config_from_dict
-from scripts.chain.train_stage import session_length, session_startup
+from scripts.chain.sizing import session_length, session_measurements
 from shared.errors import UserError
 
 BASE = {"name": "unit-run", "token_datasets": ["alice/tokens"]}
@@ -32,6 +32,13 @@ def test_sessions_sized_from_measured_start_up_grow_with_the_longest_one_seen_up
     assert session_length(cfg, sessions) == (113, "start-up 71 s (1.25 x the 52.2 s session 2's took, + 5 s) + "
                                                    "30 s of training (session_train_s) + 12 s to publish")
     assert session_length(cfg, [{"n": 1, "startup_s": 250.0}])[0] == 300  # at most session_limit_s
+    # Steps slow enough that 30 s would not hold 10 of them: training grows to 10 steps, the 2 that end a session
+    # and 1.5 checkpoints, x1.25 (ceil(1.25 x (12 x 3.5 + 1.5 x 0.4)) = 54).
+    slow = [{"n": 1, "startup_s": 55.4, "step_s": 3.5, "checkpoint_s": 0.4}, {"n": 2, "step_s": 1.0}]
+    assert session_length(cfg, slow) == (141, "start-up 75 s (1.25 x the 55.4 s session 1's took, + 5 s) + 54 s of "
+                                              "training (10 steps at the 3.50 s a step session 1 took, x1.25, with the "
+                                              "steps and checkpoint that end a session) + 12 s to publish")
+    assert session_length(cfg, [{"n": 1, "startup_s": 40.0, "step_s": 1.0, "checkpoint_s": 0.4}])[0] == 55 + 30 + 12
     # Only training's end by the deadline: the allowance is an estimate, and start-up eats training, not the limit.
     assert cfg.session_clock(113) == {"time_budget": 101, "session_deadline": 101}
 
@@ -59,13 +66,21 @@ def write_metrics(path, records) -> None:
 def test_a_sessions_start_up_is_read_from_its_own_records_not_the_resumed_history(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     history = [{"event": "session_start", "step": 0}, {"event": "startup", "step": 1, "startup_s": 40.0},
-               {"step": 1, "loss": 10.0}, {"event": "session_end", "step": 30, "stop_reason": "time_budget"}]
+               {"step": 1, "loss": 10.0, "elapsed_s": 30.0}, {"step": 2, "loss": 9.0, "elapsed_s": 31.0},
+               {"event": "checkpoint", "step": 30, "checkpoint_s": 9.0},
+               {"event": "session_end", "step": 30, "stop_reason": "time_budget"}]
     write_metrics(metrics, history + [{"event": "session_start", "step": 30},
                                       {"event": "startup", "step": 31, "startup_s": 77.5},
                                       {"event": "session_end", "step": 31, "stop_reason": "too_short"}])
-    assert session_startup(metrics) == {"startup_s": 77.5, "stop_reason": "too_short"}
+    assert session_measurements(metrics) == {"startup_s": 77.5, "stop_reason": "too_short"}
+    # The step time: the mean over the steps after the first two (which compile), whatever the windows' jitter.
+    steps = [{"step": n, "loss": 5.0, "elapsed_s": t} for n, t in
+             ((31, 40.0), (32, 52.0), (33, 54.0), (34, 54.01), (35, 58.0), (36, 58.01), (38, 62.0))]
+    write_metrics(metrics, history + [{"event": "session_start", "step": 30}, *steps,
+                                      {"event": "checkpoint", "step": 38, "checkpoint_s": 0.4}])
+    assert session_measurements(metrics) == {"step_s": 1.6, "checkpoint_s": 0.4}  # (62 - 54) / (38 - 33)
     write_metrics(metrics, history + [{"event": "session_start", "step": 30}])  # killed before its first step ended
-    assert session_startup(metrics) == {}
+    assert session_measurements(metrics) == {}
 
 
 def chain_with_sessions(tmp_path, cfg_dict: dict, sessions: list, log=None) -> Chain:

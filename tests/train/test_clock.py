@@ -12,9 +12,9 @@ import pytest
 from helpers import REPO, SMALL_ARGS, error_lines, run_script, small_config, train_in_process
 
 from shared.errors import UserError
-from shared.train.clock import SessionClock, process_start, startup_line
+from shared.train.clock import SessionClock, startup_line
 from shared.train.metrics import read_metrics
-from shared.train.xla_notices import PALLAS_NOTICE, _SayOnce, compile_cache_notice
+from shared.train.xla_notices import PALLAS_NOTICE, _SayOnce, runtime_notices
 
 
 def test_a_start_up_that_ate_20_s_ends_training_20_s_earlier_under_the_deadline():
@@ -87,5 +87,10 @@ def test_a_known_harmless_message_is_said_once_and_every_other_passes(caplog):
         logger.warning("a real warning")
     assert notices == [PALLAS_NOTICE]
     assert [r.getMessage() for r in caplog.records] == ["a real warning"]
-    assert compile_cache_notice("CPU", restored=True).startswith("notice: the checkpoint carried its compiled graphs")
-    assert compile_cache_notice("TPU", restored=True) is None and compile_cache_notice("CPU", restored=False) is None
+    # XLA's C++ warnings, explained once before they come: CPU executables that cannot be loaded; GSPMD from 2.9 on.
+    (cache,) = runtime_notices("CPU", "2.8.0", restored=True)
+    assert cache.startswith("notice: the checkpoint carried its compiled graphs, which torch_xla's CPU devices ")
+    assert runtime_notices("TPU", "2.8.0", restored=True) == [] == runtime_notices("CPU", "2.8.0", restored=False)
+    (gspmd,) = runtime_notices("TPU", "2.9.0", restored=True)
+    assert gspmd.startswith("notice: torch_xla 2.9.0's XLA warns at each compilation that 'GSPMD sharding")
+    assert len(runtime_notices("CPU", "2.10.1+cpu", restored=True)) == 2 and runtime_notices("CPU", None, False) == []

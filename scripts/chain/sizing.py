@@ -1,0 +1,67 @@
+"""How long each train session lasts where the chain sizes it from what its sessions measured (session_train_s:
+the local demo and tests, whose start-up is most of a session and varies with the machine's load): long enough
+for the start-up the sessions took, with headroom, and for at least MIN_STEPS steps at the step time they took,
+and what a session's own records say of those."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from scripts.chain.config import ChainConfig
+
+HEADROOM = 1.25  # a measured time, times this: what the next session allows for it
+STARTUP_EXTRA_S = 5.0  # and seconds more for start-up
+MIN_STEPS = 10  # steps a sized session trains at the least, at the step time measured
+END_STEPS = 2  # the trainer stops with the step in flight and one more unstarted (shared/train/trainer.py)
+
+
+def session_length(cfg: ChainConfig, sessions: list) -> tuple[float, str]:
+    """The next train session's time limit, and why where it is sized (session_train_s): the longest start-up a
+    session of this chain took to the end of its first step, with headroom (before any was measured:
+    startup_margin_s); training of session_train_s, or longer where MIN_STEPS steps at the slowest step time
+    measured (and the checkpoint at the end) need it; publish_margin_s; at most session_limit_s."""
+    if not cfg.session_train_s:
+        return cfg.session_limit_s, ""
+    startup = max(((s["startup_s"], s["n"]) for s in sessions if s.get("startup_s")), default=None)
+    if startup:
+        allowance = math.ceil(HEADROOM * startup[0] + STARTUP_EXTRA_S)
+        source = f"{HEADROOM:g} x the {startup[0]:.1f} s session {startup[1]}'s took, + {STARTUP_EXTRA_S:g} s"
+    else:
+        allowance, source = cfg.startup_margin_s, "startup_margin_s, before any was measured"
+    training, why = cfg.session_train_s, "session_train_s"
+    step = max(((s["step_s"], s["n"]) for s in sessions if s.get("step_s")), default=None)
+    if step:
+        checkpoint = max((s.get("checkpoint_s") or 0.0 for s in sessions), default=0.0)
+        needed = math.ceil(HEADROOM * ((MIN_STEPS + END_STEPS) * step[0] + 1.5 * checkpoint))
+        if needed > training:
+            training, why = needed, (f"{MIN_STEPS} steps at the {step[0]:.2f} s a step session {step[1]} took, "
+                                     f"x{HEADROOM:g}, with the steps and checkpoint that end a session")
+    limit = min(cfg.session_limit_s, math.ceil(allowance + training + cfg.publish_margin_s))
+    capped = " (capped at session_limit_s)" if limit == cfg.session_limit_s else ""
+    return limit, (f"start-up {allowance:g} s ({source}) + {training:g} s of training ({why}) "
+                   f"+ {cfg.publish_margin_s:g} s to publish{capped}")
+
+
+def session_measurements(metrics: Path) -> dict:
+    """What a session's own records say, from those after its `session_start` (those before are the resumed
+    checkpoint's): `startup_s` (to the end of its first step), `step_s` (the mean step after the first two,
+    which compile), `checkpoint_s` (its last checkpoint's write) and its `stop_reason`."""
+    from shared.train.metrics import read_metrics
+
+    records = read_metrics(metrics)
+    starts = [i for i, r in enumerate(records) if r.get("event") == "session_start"]
+    own = records[starts[-1]:] if starts else []
+    found: dict = {}
+    for r in own:
+        if r.get("event") == "startup":
+            found["startup_s"] = r["startup_s"]
+        elif r.get("event") == "checkpoint":
+            found["checkpoint_s"] = r["checkpoint_s"]
+        elif r.get("event") == "session_end":
+            found["stop_reason"] = r.get("stop_reason")
+    # The mean over the steps after the first two (which compile); single windows alternate (the host runs ahead).
+    logged = [(r["step"], r["elapsed_s"]) for r in own if "loss" in r and "elapsed_s" in r][2:]
+    if len(logged) >= 2 and logged[-1][0] > logged[0][0]:
+        found["step_s"] = round((logged[-1][1] - logged[0][1]) / (logged[-1][0] - logged[0][0]), 3)
+    return found
