@@ -127,7 +127,8 @@ class ChainConfig:
     @property
     def eval_session_limit_s(self) -> float:
         """The eval session's limit: its own where set, since an eval's length is its work, not a training
-        budget (a demo whose train sessions last 75 s still needs its eval to finish); else session_limit_s."""
+        budget (a demo whose train sessions last 1.5-2.5 minutes still needs its eval to finish); else
+        session_limit_s."""
         return float(self.eval.get("session_limit_s", self.session_limit_s))
 
     @property

@@ -44,14 +44,12 @@ def session_length(cfg: ChainConfig, sessions: list) -> tuple[float, str]:
 
 
 def session_measurements(metrics: Path) -> dict:
-    """What a session's own records say, from those after its `session_start` (those before are the resumed
-    checkpoint's): `startup_s` (to the end of its first step), `step_s` (the mean step after the first two,
-    which compile), `checkpoint_s` (its last checkpoint's write) and its `stop_reason`."""
-    from shared.train.metrics import read_metrics
+    """What a session's own records say (the last session's in its metrics.jsonl):
+    `startup_s` (to the end of its first step), `step_s` (the mean step after its first two, which compile),
+    `checkpoint_s` (its last checkpoint's write) and its `stop_reason`."""
+    from shared.train.metrics import last_session_records
 
-    records = read_metrics(metrics)
-    starts = [i for i, r in enumerate(records) if r.get("event") == "session_start"]
-    own = records[starts[-1]:] if starts else []
+    own = last_session_records(metrics)
     found: dict = {}
     for r in own:
         if r.get("event") == "startup":
@@ -60,8 +58,9 @@ def session_measurements(metrics: Path) -> dict:
             found["checkpoint_s"] = r["checkpoint_s"]
         elif r.get("event") == "session_end":
             found["stop_reason"] = r.get("stop_reason")
-    # The mean over the steps after the first two (which compile); single windows alternate (the host runs ahead).
-    logged = [(r["step"], r["elapsed_s"]) for r in own if "loss" in r and "elapsed_s" in r][2:]
+    # The mean over the steps after the first two; single log windows jitter (the host runs a step ahead).
+    start_step = own[0].get("step", 0) if own else 0
+    logged = [(r["step"], r["elapsed_s"]) for r in own if "loss" in r and r["step"] >= start_step + 2]
     if len(logged) >= 2 and logged[-1][0] > logged[0][0]:
         found["step_s"] = round((logged[-1][1] - logged[0][1]) / (logged[-1][0] - logged[0][0]), 3)
     return found

@@ -109,11 +109,9 @@ def _read_json(path: Path) -> dict:
 def _session_records(folder: Path) -> tuple[dict, dict, list[dict]]:
     """(session_start, session_end, step records) of the session whose output is in `folder`: the last session in
     its metrics.jsonl (a resumed run's file starts with the earlier sessions' records)."""
-    from shared.train.metrics import read_metrics
+    from shared.train.metrics import last_session_records
 
-    records = read_metrics(folder / "train" / "metrics.jsonl")
-    starts = [i for i, r in enumerate(records) if r.get("event") == "session_start"]
-    mine = records[starts[-1]:] if starts else []
+    mine = last_session_records(folder / "train" / "metrics.jsonl")
     start = mine[0] if mine else {}
     end = next((r for r in mine if r.get("event") == "session_end"), {})
     steps = [r for r in mine if r.get("tokens_per_s") and "loss" in r]

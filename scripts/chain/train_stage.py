@@ -91,6 +91,7 @@ class TrainStage:
                         step_after=new_step, **info)
             ctx.state.save()
             failures = 0 if new_step > start_of(sess) else failures + self.no_progress(sess)
+            ctx.state.save()
             self.report(sess, start_of(sess), new_step, status, message, secs)
             step = new_step
             if failures >= cfg.max_failed_sessions:
@@ -110,16 +111,21 @@ class TrainStage:
 
     def no_progress(self, sess: dict) -> int:
         """A session that trained no step: 1 more failure in a row, or 0 where the chain sizes its sessions from
-        measured start-up and the next one is longer. One that could not fit a step at the longest its sessions
-        may be is one line at once: no later session would do better."""
+        what they measured and the next one is longer (a session killed at its limit before its first step ended
+        took at least that limit to start up). One that could not fit a step at the longest its sessions may be
+        is one line at once: no later session would do better."""
         cfg, limit = self.cfg, sess.get("limit_s") or self.cfg.session_limit_s
+        if cfg.session_train_s and not sess.get("startup_s") and sess.get("seconds", 0) >= limit:
+            sess["startup_s"] = limit - cfg.publish_margin_s  # a lower bound: the session ran out first
         startup = sess.get("startup_s")
         if cfg.session_train_s and session_length(cfg, self.ctx.state.data["train_sessions"])[0] > limit:
+            sess["lengthened"] = True  # not a failure, after a restart too (_trailing_failures)
             self.ctx.log(f"  session {sess['n']} trained no step in its {limit:g} s after a {startup or 0:.0f}-s "
                          "start-up: the next session is longer")
             return 0
         if sess.get("stop_reason") == "too_short":
-            setting = "session_limit_s" if cfg.session_train_s else "session_limit_s (or lower startup_margin_s)"
+            setting = ("session_limit_s" if cfg.session_train_s else "session_limit_s (at most the machine's limit) "
+                       "or lower startup_margin_s, or shorten start-up (its log says what took the time, by part)")
             raise UserError(f"stopping: train session {sess['n']} could not fit one step: its start-up took "
                             f"{startup:.0f} s to the end of the first step, in a session of {limit:g} s with "
                             f"publish_margin_s {cfg.publish_margin_s:g}; raise {setting}")
@@ -309,7 +315,7 @@ def sessions_left(cfg: ChainConfig, step: int, sessions: list) -> int:
 
 def _trailing_failures(sessions: list):
     for s in reversed(sessions):
-        if not s.get("ended"):
+        if not s.get("ended") or s.get("lengthened"):
             continue
         if s.get("step_after", 0) > start_of(s):
             return

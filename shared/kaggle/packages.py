@@ -52,12 +52,12 @@ PACKAGES = {
                         "import tiktoken.load, tiktoken_ext.openai_public"),
     # The kaggle wheel imports six without declaring it; importing it authenticates (dummy credentials suffice).
     "kaggle": Package("kaggle", ("kaggle==2.2.4", "six==1.17.0"), "publishing checkpoints to a Kaggle dataset",
-                      "import kaggle.api.kaggle_api_extended",
+                      "import kaggle.api.kaggle_api_extended, dateutil.tz",
                       # kaggle 2.2.4's kaggle_api_extended.py imports these (lines 39-60) beside requests, urllib3,
                       # tqdm, protobuf and packaging, which the TPU image has (with kagglehub: docs/kaggle-tpu.md)
                       fast=("kaggle==2.2.4", "six==1.17.0", "kagglesdk==0.1.38", "bleach==6.4.0",
                             "webencodings==0.6.1", "python-dotenv==1.2.4", "python-slugify==9.2.0",
-                            "text-unidecode==1.3", "python-dateutil==4.0.0")),
+                            "text-unidecode==1.3", "python-dateutil==4.0.0", "tzdata==2026.6")),
     "wandb": Package("wandb", ("wandb==0.31.0",), "W&B logging"),
 }
 
@@ -71,11 +71,11 @@ def importable(module: str) -> bool:
 
 
 def pip_install(requirements: tuple[str, ...], target: Path, no_deps: bool = False) -> str | None:
-    """Install into `target` (over what is there); None on success, else pip's last error line. `no_deps`: these
-    requirements alone."""
+    """Install into `target`; None on success, else pip's last error line. `no_deps`: these requirements alone.
+    (What is in `target` already stays: --target with --upgrade would replace shared folders such as bin/ whole.)"""
     cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-input",
-           "--retries", "1", "--timeout", "15", "--upgrade", "--target", str(target),
-           *(["--no-deps"] if no_deps else []), *requirements]
+           "--retries", "1", "--timeout", "15", "--target", str(target), *(["--no-deps"] if no_deps else []),
+           *requirements]
     proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True)
     if proc.returncode == 0:
         return None
@@ -114,17 +114,18 @@ def _place(pkg: Package, target: str) -> tuple[str | None, str]:
                   f"before the image's packages, which break it after them ({after})")
 
 
-def _install(pkg: Package, target: Path, installer) -> tuple[str | None, str | None, str]:
+def _install(pkg: Package, target: Path, installer) -> tuple[str | None, str | None, str, bool]:
     """Install `pkg` into `target` and place it on the import path: its `fast` set first, where it has one, then
-    its whole closure. -> (pip's error, the import check's error, where the folder went on the import path)."""
+    its whole closure. -> (pip's error, the import check's error, where the folder went on the import path,
+    whether the fast set was enough)."""
     if pkg.fast and installer(pkg.fast, target, no_deps=True) is None:
         error, where = _place(pkg, str(target))
         if error is None:
-            return None, None, where
+            return None, None, where, True
     pip_error = installer(pkg.requirements, target)
     if pip_error is not None:
-        return pip_error, None, ""
-    return (None, *_place(pkg, str(target)))
+        return pip_error, None, "", False
+    return (None, *_place(pkg, str(target)), False)
 
 
 def install_dir() -> Path | None:
@@ -147,15 +148,17 @@ def provide(name: str, reason: str = "", log=print, installer=None) -> str | Non
         return f"the {pkg.module} package is not installed (needed for {why}): pip install {' '.join(pkg.requirements)}"
     start = time.monotonic()
     target.mkdir(parents=True, exist_ok=True)
-    error, import_error, where = _install(pkg, target, installer or pip_install)
+    error, import_error, where, fast = _install(pkg, target, installer or pip_install)
     if error is None:
         if import_error is None:
             seconds = time.monotonic() - start
             _installs_s.append(seconds)
-            record_fact("packages", name, {"from": "installed", "requirements": pkg.requirements,
-                                           "seconds": round(seconds, 1)})
+            record_fact("packages", name, {"from": "installed", "requirements": pkg.fast if fast else pkg.requirements,
+                                           "fast": fast, "seconds": round(seconds, 1)})
             log(f"installed {', '.join(pkg.requirements)} for {why} in {seconds:.1f}s "
-                f"(not in this image; into {target}, {where}, gone with the session)")
+                f"(not in this image; into {target}, {where}, gone with the session"
+                + (f"; with {len(pkg.fast) - len(pkg.requirements)} of its dependencies, pinned, the rest the "
+                   "image's)" if fast else ")"))
             return None
         problem = (f"the {pkg.module} package is not in this Kaggle image, and the copy pip installed into {target} "
                    f"does not import ({import_error}); it is needed for {why}")

@@ -29,9 +29,13 @@ def default_time_budget(checkpoint_seconds: float) -> float:
     return NINE_HOURS - (600 + 3 * checkpoint_seconds)
 
 
+MAX_PROCESS_AGE_S = 24 * 3600  # no session is this long: an age past it (or below 0) is a clock that disagrees
+
+
 def process_start() -> float:
     """The `time.monotonic()` at which this process started (Linux: /proc/self/stat's start time against the
-    boot clock); elsewhere, now. A kernel's session clock starts no later than its process."""
+    boot clock); elsewhere, or where the two clocks disagree (a sandboxed kernel), now. A kernel's session clock
+    starts no later than its process."""
     try:
         with open("/proc/self/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
@@ -39,7 +43,7 @@ def process_start() -> float:
         age = time.clock_gettime(time.CLOCK_BOOTTIME) - started
     except (OSError, ValueError, IndexError, AttributeError):
         return time.monotonic()
-    return time.monotonic() - max(0.0, age)
+    return time.monotonic() - (age if 0.0 <= age <= MAX_PROCESS_AGE_S else 0.0)
 
 
 @dataclass

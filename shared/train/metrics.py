@@ -25,6 +25,14 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def last_session_records(path: str | os.PathLike) -> list[dict]:
+    """The records of the last session in a metrics.jsonl, from its `session_start` on (a resumed run's file
+    starts with the earlier sessions' records, the checkpoint's copy); [] where it has none."""
+    records = read_metrics(path)
+    starts = [i for i, r in enumerate(records) if r.get("event") == "session_start"]
+    return records[starts[-1]:] if starts else []
+
+
 def wandb_run_id(text: str) -> str:
     """A W&B run id (letters, digits, dashes, underscores) from a run id or name."""
     return re.sub(r"[^A-Za-z0-9_-]+", "-", text).strip("-") or "run"

@@ -20,8 +20,9 @@ import logging
 import warnings
 
 PALLAS_MESSAGE = "requires jax/pallas"
-PALLAS_NOTICE = ("notice: torch_xla asks for jax at each sharding call and this image has none: harmless, since "
-                 "only the Pallas attention kernel needs it and SDPA attention runs instead (said once, not per call)")
+PALLAS_NOTICE = ("notice: torch_xla asks for jax at each sharding call, and jax does not import here: harmless for "
+                 "the step, since only the Pallas attention kernel needs it and SDPA attention runs instead (said "
+                 "once, not per call)")
 
 
 class _SayOnce(logging.Filter):
