@@ -10,8 +10,10 @@ from pathlib import Path
 
 from scripts.chain.config import ChainConfig
 
-HEADROOM = 1.25  # a measured time, times this: what the next session allows for it
-STARTUP_EXTRA_S = 5.0  # and seconds more for start-up
+# A measured time, times this: what the next session allows for it. Start-up on a loaded 2-core machine was
+# seen to grow 1.6x from one session to the next (33.8 s, then 53.5 s, in the test suite beside a busy core).
+HEADROOM = 1.5
+STARTUP_EXTRA_S = 10.0  # and seconds more for start-up
 MIN_STEPS = 10  # steps a sized session trains at the least, at the step time measured
 END_STEPS = 2  # the trainer stops with the step in flight and one more unstarted (shared/train/trainer.py)
 

@@ -1,6 +1,6 @@
 """The README's first command, `scripts/chain_sessions.py --local-demo`, as a user runs it after the test setup
-(the Kaggle image stand-ins present, so every train session starts torch_xla 2.8 and installs kaggle): on its own
-and beside a busy core, every train session trains at least 10 steps, its length chosen from the start-up the
+(the Kaggle image stand-ins present, so every train session starts torch_xla 2.8 and installs kaggle), beside a
+busy core: every train session trains at least 10 steps, its length chosen from the start-up the
 sessions before it measured, and its log says torch_xla's harmless messages once."""
 
 from __future__ import annotations
@@ -13,15 +13,14 @@ from helpers import run_script
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("load", ["alone", "beside_a_busy_core"])
-def test_the_local_demo_trains_ten_steps_or_more_in_every_session(tmp_path, image_pythons, gpt2_ranks, load,
-                                                                   request):
-    if load == "beside_a_busy_core":
-        request.getfixturevalue("cpu_hog")
+def test_the_local_demo_beside_a_busy_core_trains_ten_steps_or_more_in_every_session(tmp_path, image_pythons,
+                                                                                      gpt2_ranks, cpu_hog):
+    # One run, the harder case: the stand-ins present and a core busy (beside the suite's other worker too). The
+    # same run without the busy core adds 7 minutes to the suite and proves nothing this one does not.
     proc = run_script("scripts/chain_sessions.py", "--local-demo", "--workdir", str(tmp_path), timeout=1500)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     out = proc.stdout
-    assert ("each train session lasts its start-up as measured (x1.25 + 5 s; 90 s before the first is measured) + "
+    assert ("each train session lasts its start-up as measured (x1.5 + 10 s; 90 s before the first is measured) + "
             "30 s of training (more where 10 steps take longer) + 12 s to publish, at most 300 s") in out
     state = json.loads((tmp_path / "chain" / "state.json").read_text())
     sessions = state["train_sessions"]
@@ -35,9 +34,9 @@ def test_the_local_demo_trains_ten_steps_or_more_in_every_session(tmp_path, imag
     for (_, _, allowance, why, training, training_why), before in zip(chosen[1:], (sessions[:1], sessions[:2]),
                                                                          strict=True):
         longest = max(s["startup_s"] for s in before)  # the longest start-up measured so far, with headroom
-        assert why.startswith(f"1.25 x the {longest:.1f} s session ") and int(allowance) >= 1.25 * longest + 5
+        assert why.startswith(f"1.5 x the {longest:.1f} s session ") and int(allowance) >= 1.5 * longest + 10
         slowest = max(s["step_s"] for s in before)  # room for 10 steps at the slowest step time, and the end
-        assert int(training) >= max(30, 1.25 * 12 * slowest), (training, training_why)
+        assert int(training) >= max(30, 1.5 * 12 * slowest), (training, training_why)
 
     for n in (1, 2, 3):
         (log,) = (tmp_path / "chain" / "sessions" / f"train-{n:02d}").glob("*.log")

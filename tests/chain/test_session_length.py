@@ -28,17 +28,17 @@ def test_sessions_sized_from_measured_start_up_grow_with_the_longest_one_seen_up
     assert session_length(cfg, []) == (102, "start-up 60 s (startup_margin_s, before any was measured) + 30 s of "
                                             "training (session_train_s) + 12 s to publish")
     sessions = [{"n": 1, "startup_s": 38.9}, {"n": 2, "startup_s": 52.2}, {"n": 3}]
-    # ceil(1.25 x 52.2 + 5) = 71: the longest start-up, with headroom for a busier machine.
-    assert session_length(cfg, sessions) == (113, "start-up 71 s (1.25 x the 52.2 s session 2's took, + 5 s) + "
+    # ceil(1.5 x 52.2 + 10) = 89: the longest start-up, with headroom for a busier machine.
+    assert session_length(cfg, sessions) == (131, "start-up 89 s (1.5 x the 52.2 s session 2's took, + 10 s) + "
                                                    "30 s of training (session_train_s) + 12 s to publish")
     assert session_length(cfg, [{"n": 1, "startup_s": 250.0}])[0] == 300  # at most session_limit_s
     # Steps slow enough that 30 s would not hold 10 of them: training grows to 10 steps, the 2 that end a session
-    # and 1.5 checkpoints, x1.25 (ceil(1.25 x (12 x 3.5 + 1.5 x 0.4)) = 54).
+    # and 1.5 checkpoints, x1.5 (ceil(1.5 x (12 x 3.5 + 1.5 x 0.4)) = 64).
     slow = [{"n": 1, "startup_s": 55.4, "step_s": 3.5, "checkpoint_s": 0.4}, {"n": 2, "step_s": 1.0}]
-    assert session_length(cfg, slow) == (141, "start-up 75 s (1.25 x the 55.4 s session 1's took, + 5 s) + 54 s of "
-                                              "training (10 steps at the 3.50 s a step session 1 took, x1.25, with the "
+    assert session_length(cfg, slow) == (170, "start-up 94 s (1.5 x the 55.4 s session 1's took, + 10 s) + 64 s of "
+                                              "training (10 steps at the 3.50 s a step session 1 took, x1.5, with the "
                                               "steps and checkpoint that end a session) + 12 s to publish")
-    assert session_length(cfg, [{"n": 1, "startup_s": 40.0, "step_s": 1.0, "checkpoint_s": 0.4}])[0] == 55 + 30 + 12
+    assert session_length(cfg, [{"n": 1, "startup_s": 40.0, "step_s": 1.0, "checkpoint_s": 0.4}])[0] == 70 + 30 + 12
     # Only training's end by the deadline: the allowance is an estimate, and start-up eats training, not the limit.
     assert cfg.session_clock(113) == {"time_budget": 101, "session_deadline": 101}
 
@@ -97,7 +97,7 @@ def test_a_session_that_trained_no_step_lengthens_the_next_or_stops_the_chain_in
     chain = chain_with_sessions(tmp_path / "a", MEASURED, [short], lines.append)
     assert chain.train.no_progress(short) == 0
     assert lines == ["  session 1 trained no step in its 102 s after a 95-s start-up: the next session is longer"]
-    assert session_length(chain.cfg, [short])[0] == 166 > 102
+    assert session_length(chain.cfg, [short])[0] == 153 + 30 + 12 > 102
     # Already at session_limit_s: no longer session would do better, so one line at once, naming the setting.
     capped = {"n": 4, "limit_s": 300, "startup_s": 290.0, "stop_reason": "too_short"}
     with pytest.raises(UserError) as err:
@@ -119,7 +119,7 @@ def test_a_session_that_trained_no_step_lengthens_the_next_or_stops_the_chain_in
     killed = {"n": 1, "limit_s": 132, "seconds": 133.2, "ended": 1.0, "step_before": 0, "step_after": 0}
     chain = chain_with_sessions(tmp_path / "d", MEASURED, [killed])
     assert chain.train.no_progress(killed) == 0 and killed["startup_s"] == 120
-    assert session_length(chain.cfg, [killed])[0] == 155 + 30 + 12
+    assert session_length(chain.cfg, [killed])[0] == 190 + 30 + 12
     # After a restart those sessions still do not count against the chain; only the others do.
     from scripts.chain.train_stage import _trailing_failures
 
