@@ -44,6 +44,7 @@ def test_process_start_is_when_the_process_began_not_when_it_is_asked():
     assert 1.5 <= age < 120
 
 
+@pytest.mark.slow
 def test_a_session_whose_start_up_ate_its_deadline_stops_after_one_step_in_one_line_with_its_record(
         demo_data, tmp_path, suite_xla_runtime):
     import time
