@@ -42,7 +42,7 @@ class Package:
     # Tried first, where set: the package and what it imports that an image may lack, pinned and installed without
     # resolving (pip --no-deps), the rest taken from the image. `check` decides; if it fails, `requirements` with
     # their whole closure. (pip's --target installs a package's whole closure whatever the image has: kaggle 2.2.4
-    # brings 33 packages, jupytext's among them, in about 11 s here; these 8 take about 2 s.)
+    # and six are 34 packages, jupytext among them, 11-14 s in the TPU image's stand-in; these 10, 4-6 s.)
     fast: tuple[str, ...] = ()
 
 
