@@ -100,7 +100,7 @@ class SessionClock:
                             f"first step ({startup['startup_s']:.1f}s from the session's start) plus a checkpoint "
                             f"(~{checkpoint_s:.0f}s)")
         raise UserError(f"--time-budget {self.budget_s:g}s is shorter than one step "
-                        f"({self.since_session() - startup['before_train_s']:.1f}s with start-up and compilation) "
+                        f"({time.monotonic() - self.train_start:.1f}s with start-up and compilation) "
                         f"plus a checkpoint (~{checkpoint_s:.0f}s)")
 
 

@@ -333,9 +333,10 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
     # --- runtime: XLA starts with the compiled graphs of the previous session when the checkpoint has them ---
     compile_cache = restore_compile_cache(resumed, out_dir) if cfg.xla_cache else None
     runtime = runtime or make_runtime(cfg.backend, compile_cache)
+    versions = runtime_versions()
     if runtime.name == "xla":
         restored = bool(resumed and compile_cache and any(compile_cache.iterdir()))
-        for notice in runtime_notices(runtime.device_type, runtime_versions().get("torch_xla"), restored):
+        for notice in runtime_notices(runtime.device_type, versions["torch_xla"], restored):
             log(notice)
     if not runtime.is_main:  # under DDP one process speaks for all
         log = lambda *args, **kwargs: None  # noqa: E731
@@ -405,7 +406,6 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
     logger = MetricsLogger(out_dir, cfg.max_steps, start_step, cfg.to_dict(), cfg.wandb_project, cfg.run_name,
                            progress=cfg.progress, log=log, enabled=runtime.is_main, run_id=cfg.wandb_run_id,
                            wandb_key=wandb_key)
-    versions = runtime_versions()
     logger.write({"event": "session_start", "step": start_step, "tokens": start_step * tokens_per_step,
                   "device": runtime.description, "versions": versions, "time_budget_s": round(clock.budget_s, 1),
                   "session_deadline_s": cfg.session_deadline or None,
