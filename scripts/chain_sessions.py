@@ -120,11 +120,11 @@ def session_words(cfg) -> str:
 
     if not cfg.session_train_s:
         return f"train sessions of {cfg.session_limit_s:g} s"
-    return (f"each train session lasts its start-up as measured (x{HEADROOM:g} + {STARTUP_EXTRA_S:g} s; "
-            f"{cfg.startup_margin_s:g} s before the first is measured) + {cfg.session_train_s:g} s of training (more "
-            f"where {MIN_STEPS} steps take longer) + {cfg.publish_margin_s:g} s to publish, at most "
-            f"{cfg.session_limit_s:g} s: start-up here (packages, imports, compilation) is most of a session, and "
-            "varies with the machine's load")
+    return (f"each train session lasts its start-up as measured (x{HEADROOM:g} + {STARTUP_EXTRA_S:g} s) + "
+            f"{cfg.session_train_s:g} s of training (more where {MIN_STEPS} steps take longer) + "
+            f"{cfg.publish_margin_s:g} s to publish, at most {cfg.session_limit_s:g} s; the first, before anything "
+            f"is measured, up to {cfg.session_limit_s:g} s and {MIN_STEPS} steps: start-up here (packages, imports, "
+            "compilation) is most of a session, and varies with the machine's load")
 
 
 def _overrides(args) -> dict:

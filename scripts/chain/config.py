@@ -65,9 +65,10 @@ class ChainConfig:
     startup_margin_s: float = 600  # start-up before training begins (imports, data, compile)
     publish_margin_s: float = 0  # the final checkpoint's upload (0: sized from the checkpoint, at least 1200 s)
     # Size each train session from what its sessions measured instead (0: every one lasts session_limit_s): the
-    # longest start-up seen so far x1.5 + 10 s (startup_margin_s before any), + this much training (more where 10
-    # steps at the step time measured need it), + publish_margin_s, up to session_limit_s (scripts/chain/sizing.py).
-    # For local runs (the demo, tests), whose start-up is most of a session.
+    # longest start-up seen so far x1.5 + 10 s, + this much training (more where 10 steps at the step time measured
+    # need it), + publish_margin_s, up to session_limit_s; the first, before anything is measured, up to
+    # session_limit_s and 10 steps (scripts/chain/sizing.py). For local runs (the demo, tests), whose start-up is
+    # most of a session; startup_margin_s is then the plan's guess at it.
     session_train_s: float = 0
     max_train_sessions: int = 0  # stop training after this many sessions, then evaluate (0: until total_steps)
     max_failed_sessions: int = 3  # consecutive sessions without progress before the chain gives up

@@ -29,6 +29,7 @@ from scripts.chain.limits import (
     RETIRED_SHAPES,
     session_devices,
 )
+from scripts.chain.sizing import MIN_STEPS
 from shared.config import AUTO, HELLASWAG_VALIDATION_EXAMPLES, EvalConfig, TokenizeConfig, TrainConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -232,9 +233,10 @@ def plan_lines(cfg: ChainConfig, plan: dict, source: str = "") -> list[str]:
     lines.append(f"throughput  {f'{rate:,.0f} tokens/s' if rate else 'unknown'} on {running_shape(shape)}: "
                  f"{plan['tokens_per_s_source']}")
     if cfg.session_train_s:
-        lines.append(f"sessions    each its start-up as measured ({cfg.startup_margin_s:g} s before the first) + "
+        lines.append(f"sessions    each its start-up as measured (~{cfg.startup_margin_s:g} s) + "
                      f"{cfg.session_train_s:g} s of training (session_train_s) + {cfg.publish_margin_s:g} s to "
-                     f"publish, at most {_hours(cfg.session_limit_s)}")
+                     f"publish, at most {_hours(cfg.session_limit_s)}; the first up to {_hours(cfg.session_limit_s)} "
+                     f"and {MIN_STEPS} steps")
     else:
         lines.append(f"sessions    each {_hours(cfg.session_limit_s)}: {_hours(cfg.time_budget)} of training after "
                      f"{cfg.startup_margin_s:g} s start-up and {cfg.publish_margin_s:g} s publish margins")

@@ -1,12 +1,14 @@
 """How long each train session lasts where the chain sizes it from what its sessions measured (session_train_s:
-the local demo and tests, whose start-up is most of a session and varies with the machine's load): long enough
-for the start-up the sessions took, with headroom, and for at least MIN_STEPS steps at the step time they took,
-and what a session's own records say of those."""
+the local demo and tests, whose start-up is most of a session and varies with the machine's load): the first,
+before anything is measured, may last the longest a session may (session_limit_s) and ends after MIN_STEPS
+steps; each later one long enough for the start-up the sessions took, with headroom, and for at least MIN_STEPS
+steps at the step time they took. And what a session's own records say of those."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import NamedTuple
 
 from scripts.chain.config import ChainConfig
 
@@ -18,19 +20,29 @@ MIN_STEPS = 10  # steps a sized session trains at the least, at the step time me
 END_STEPS = 2  # the trainer stops with the step in flight and one more unstarted (shared/train/trainer.py)
 
 
-def session_length(cfg: ChainConfig, sessions: list) -> tuple[float, str]:
-    """The next train session's time limit, and why where it is sized (session_train_s): the longest start-up a
-    session of this chain took to the end of its first step, with headroom (before any was measured:
-    startup_margin_s); training of session_train_s, or longer where MIN_STEPS steps at the slowest step time
-    measured (and the checkpoint at the end) need it; publish_margin_s; at most session_limit_s."""
+class SessionLength(NamedTuple):
+    """A train session's time limit (seconds), why (where sized; '' for the fixed length), and the steps after
+    which it ends however much time is left (0: only its clock ends it)."""
+
+    limit_s: float
+    why: str
+    stop_after_steps: int = 0
+
+
+def session_length(cfg: ChainConfig, sessions: list) -> SessionLength:
+    """The next train session's length. Where sized (session_train_s): before any start-up was measured, the
+    longest a session may be, ending after MIN_STEPS steps (a guess at start-up that falls short on a busy machine
+    leaves a session of a step or two); after, the longest start-up a session of this chain took to the end of its
+    first step, with headroom; training of session_train_s, or longer where MIN_STEPS steps at the slowest step
+    time measured (and the checkpoint at the end) need it; publish_margin_s; at most session_limit_s."""
     if not cfg.session_train_s:
-        return cfg.session_limit_s, ""
+        return SessionLength(cfg.session_limit_s, "")
     startup = max(((s["startup_s"], s["n"]) for s in sessions if s.get("startup_s")), default=None)
-    if startup:
-        allowance = math.ceil(HEADROOM * startup[0] + STARTUP_EXTRA_S)
-        source = f"{HEADROOM:g} x the {startup[0]:.1f} s session {startup[1]}'s took, + {STARTUP_EXTRA_S:g} s"
-    else:
-        allowance, source = cfg.startup_margin_s, "startup_margin_s, before any was measured"
+    if not startup:
+        return SessionLength(cfg.session_limit_s, f"the longest a session may be (session_limit_s), ending after "
+                             f"{MIN_STEPS} steps: nothing is measured before it", MIN_STEPS)
+    allowance = math.ceil(HEADROOM * startup[0] + STARTUP_EXTRA_S)
+    source = f"{HEADROOM:g} x the {startup[0]:.1f} s session {startup[1]}'s took, + {STARTUP_EXTRA_S:g} s"
     training, why = cfg.session_train_s, "session_train_s"
     step = max(((s["step_s"], s["n"]) for s in sessions if s.get("step_s")), default=None)
     if step:
@@ -41,8 +53,8 @@ def session_length(cfg: ChainConfig, sessions: list) -> tuple[float, str]:
                                      f"x{HEADROOM:g}, with the steps and checkpoint that end a session")
     limit = min(cfg.session_limit_s, math.ceil(allowance + training + cfg.publish_margin_s))
     capped = " (capped at session_limit_s)" if limit == cfg.session_limit_s else ""
-    return limit, (f"start-up {allowance:g} s ({source}) + {training:g} s of training ({why}) "
-                   f"+ {cfg.publish_margin_s:g} s to publish{capped}")
+    return SessionLength(limit, f"start-up {allowance:g} s ({source}) + {training:g} s of training ({why}) "
+                                f"+ {cfg.publish_margin_s:g} s to publish{capped}")
 
 
 def session_measurements(metrics: Path) -> dict:

@@ -82,8 +82,8 @@ class TrainStage:
             ref = ctx.ref(cfg.slug("train"))
             ctx.log(f"train session {n} of {sessions_total(cfg, n, step, sessions)}: {ref}, from step {step}")
             sess["version"] = ctx.push_once(sess["key"], ref, lambda pid, s=sess: self.build(
-                pid, s["step_before"], s.get("ckpt_version", 0), s.get("delete_old", False), s.get("limit_s")),
-                limit_s=sess.get("limit_s"))
+                pid, s["step_before"], s.get("ckpt_version", 0), s.get("delete_old", False), s.get("limit_s"),
+                s.get("stop_after_steps", 0)), limit_s=sess.get("limit_s"))
             ctx.state.save()
             status, message, secs = ctx.wait(ref, f"{ref} v{sess['version']}", sess["key"])
             version, new_step, info = self.after_session(ref, sess, ckpt_ref)
@@ -102,11 +102,12 @@ class TrainStage:
         """Record session `n` before its push: the checkpoint version and step it must resume from, whether its
         publish deletes the older versions (keep_dataset_versions), and its time limit."""
         sessions = self.ctx.state.data["train_sessions"]
-        limit, why = session_length(self.cfg, sessions)
-        if why:
-            self.ctx.log(f"train session {n} lasts {limit:g} s: {why}")
+        length = session_length(self.cfg, sessions)
+        if length.why:
+            self.ctx.log(f"train session {n} lasts {length.limit_s:g} s: {length.why}")
         sessions.append({"n": n, "key": f"train-{n}", "step_before": step, "ckpt_version": version,
-                         "delete_old": delete_old_on_publish(self.ctx, version), "limit_s": limit})
+                         "delete_old": delete_old_on_publish(self.ctx, version), "limit_s": length.limit_s,
+                         **({"stop_after_steps": length.stop_after_steps} if length.stop_after_steps else {})})
         self.ctx.state.save()
 
     def no_progress(self, sess: dict) -> int:
@@ -118,7 +119,8 @@ class TrainStage:
         if cfg.session_train_s and not sess.get("startup_s") and sess.get("seconds", 0) >= limit:
             sess["startup_s"] = limit - cfg.publish_margin_s  # a lower bound: the session ran out first
         startup = sess.get("startup_s")
-        if cfg.session_train_s and session_length(cfg, self.ctx.state.data["train_sessions"])[0] > limit:
+        if (cfg.session_train_s and startup
+                and session_length(cfg, self.ctx.state.data["train_sessions"]).limit_s > limit):
             sess["lengthened"] = True  # not a failure, after a restart too (_trailing_failures)
             self.ctx.log(f"  session {sess['n']} trained no step in its {limit:g} s after a {startup or 0:.0f}-s "
                          "start-up: the next session is longer")
@@ -132,10 +134,10 @@ class TrainStage:
         return 1
 
     def build(self, push_id: str, expect_step: int = 0, expect_version: int = 0, delete_old: bool = False,
-              limit_s: float | None = None) -> Path:
+              limit_s: float | None = None, stop_after_steps: int = 0) -> Path:
         """The train kernel, expecting version `expect_version` of the checkpoint dataset at `expect_step`: a mount
         of an older version is replaced by that version, fetched, and it never starts over. `limit_s`: the session's
-        time limit (default session_limit_s)."""
+        time limit (default session_limit_s); `stop_after_steps`: the steps after which it ends (0: its clock)."""
         ctx, cfg = self.ctx, self.cfg
         datasets, kernels, data_dir = data_sources(ctx)
         ckpt = ctx.ref(cfg.slug("checkpoints"))
@@ -144,6 +146,8 @@ class TrainStage:
                     "out_dir": "{working}/train", "max_steps": cfg.total_steps,
                     **cfg.session_clock(limit_s or cfg.session_limit_s), "wandb_run_id": self.wandb_run_id(),
                     **hellaswag_settings(ctx, hellaswag)}
+        if stop_after_steps:  # the user's train.stop_after_steps, where lower, still holds
+            settings["stop_after_steps"] = min(settings.get("stop_after_steps") or stop_after_steps, stop_after_steps)
         return build_kernel("train", ctx.workdir / "build" / "train", user=ctx.client.user, slug=cfg.slug("train"),
                             settings=settings, kernel_type=cfg.kernel_type, accelerator=cfg.accelerator,
                             internet=True, dataset_sources=[ckpt] + datasets + ([hellaswag] if hellaswag else []),

@@ -103,8 +103,8 @@ def test_chain_end_to_end_resumes_bit_exactly_and_survives_a_kill(local_kaggle, 
     lk = local_kaggle
     files = chain_script().make_demo_corpus(tmp_path / "corpus", 400_000)
     upload(lk, tmp_path, "alice/gpt2-demo-corpus", {f.name: f.read_bytes() for f in files})
-    # Sessions sized as the demo's are: each one's start-up as measured (90 s before the first), 20 s of training
-    # (more where 10 steps take longer) and 10 s for publishing the checkpoint (session_train_s).
+    # Sessions sized as the demo's are: the first up to session_limit_s and 10 steps, each later one its start-up
+    # as measured, 20 s of training (more where 10 steps take longer), 10 s to publish (session_train_s).
     config = write_config(tmp_path / "chain.json", publish_margin_s=10, session_train_s=20)
     assert DEMO["startup_margin_s"] == 90
     workdir = tmp_path / "chain"
@@ -177,16 +177,17 @@ def test_chain_end_to_end_resumes_bit_exactly_and_survives_a_kill(local_kaggle, 
     assert [s.get("published_by") for s in state["train_sessions"]] == ["chain", "session", "session"]
 
     cpu_hog.kill()
-    # Every session ended by its time limit, sized from the start-up the sessions before it measured, resuming from
-    # where the previous one published.
+    # The first session ended after its 10 steps, every later one by its time limit, sized from the start-up the
+    # sessions before it measured, each resuming from where the previous one published.
     assert [line.split(":")[0] for line in chain_output.splitlines() if " lasts " in line] == [
         f"train session {n} lasts {s['limit_s']:g} s" for n, s in enumerate(state["train_sessions"], 1)]
-    assert state["train_sessions"][0]["limit_s"] == 90 + 20 + 10
+    first_session = state["train_sessions"][0]
+    assert first_session["limit_s"] == DEMO["session_limit_s"] and first_session["step_after"] == 10
     assert all(s["startup_s"] > 0 for s in state["train_sessions"])
     steps = [0]
     for n in (1, 2, 3):
         log = session_log(workdir / "sessions" / f"train-{n:02d}")
-        assert "(time_budget)" in log and KEY not in log
+        assert ("(stop_after_steps)" if n == 1 else "(time_budget)") in log and KEY not in log
         if n == 1:
             assert "warning: could not publish step" in log and "Injected refusal" in log
         else:

@@ -20,19 +20,23 @@ def test_the_local_demo_beside_a_busy_core_trains_ten_steps_or_more_in_every_ses
     proc = run_script("scripts/chain_sessions.py", "--local-demo", "--workdir", str(tmp_path), timeout=1500)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     out = proc.stdout
-    assert ("each train session lasts its start-up as measured (x1.5 + 10 s; 90 s before the first is measured) + "
-            "30 s of training (more where 10 steps take longer) + 12 s to publish, at most 300 s") in out
+    assert ("each train session lasts its start-up as measured (x1.5 + 10 s) + 30 s of training (more where 10 steps "
+            "take longer) + 12 s to publish, at most 300 s; the first, before anything is measured, up to 300 s and "
+            "10 steps") in out
     state = json.loads((tmp_path / "chain" / "state.json").read_text())
     sessions = state["train_sessions"]
     assert len(sessions) == 3 and state["final_step"] == sessions[-1]["step_after"]
     trained = [s["step_after"] - s["step_before"] for s in sessions]
     assert all(steps >= 10 for steps in trained), (trained, out[-4000:])
+    # The first measures: as long as a session may be, ended after its 10 steps (so well before its limit).
+    assert ("train session 1 lasts 300 s: the longest a session may be (session_limit_s), ending after 10 steps: "
+            "nothing is measured before it") in out
+    assert trained[0] == 10 and sessions[0]["seconds"] < 300 - 12
     chosen = re.findall(r"^train session (\d) lasts (\d+) s: start-up (\d+) s \((.*?)\) \+ (\d+) s of training "
                         r"\((.*?)\) \+ 12 s to publish$", out, re.M)
-    assert [(int(n), int(limit)) for n, limit, *_ in chosen] == [(s["n"], s["limit_s"]) for s in sessions]
-    assert chosen[0][2:] == ("90", "startup_margin_s, before any was measured", "30", "session_train_s")
-    for (_, _, allowance, why, training, training_why), before in zip(chosen[1:], (sessions[:1], sessions[:2]),
-                                                                         strict=True):
+    assert [(int(n), int(limit)) for n, limit, *_ in chosen] == [(s["n"], s["limit_s"]) for s in sessions[1:]]
+    for (_, _, allowance, why, training, training_why), before in zip(chosen, (sessions[:1], sessions[:2]),
+                                                                      strict=True):
         longest = max(s["startup_s"] for s in before)  # the longest start-up measured so far, with headroom
         assert why.startswith(f"1.5 x the {longest:.1f} s session ") and int(allowance) >= 1.5 * longest + 10
         slowest = max(s["step_s"] for s in before)  # room for 10 steps at the slowest step time, and the end
@@ -42,6 +46,7 @@ def test_the_local_demo_beside_a_busy_core_trains_ten_steps_or_more_in_every_ses
         (log,) = (tmp_path / "chain" / "sessions" / f"train-{n:02d}").glob("*.log")
         text = "".join(e["data"] for e in json.loads(log.read_text()))
         assert re.search(r"torch_xla 2\.8\.0", text), text[:2000]  # the TPU image's stand-in
-        assert "(time_budget)" in text and re.search(r"start-up [\d.]+ s to the end of the first step: ", text)
+        assert ("(stop_after_steps)" if n == 1 else "(time_budget)") in text
+        assert re.search(r"start-up [\d.]+ s to the end of the first step: ", text)
         # torch_xla 2.8 without jax asked for it at every sharding call (144 lines a session): now one notice.
         assert "requires jax/pallas" not in text and text.count("torch_xla asks for jax") == 1

@@ -18,26 +18,29 @@ MEASURED = {**BASE, "session_limit_s": 300, "startup_margin_s": 60, "session_tra
 
 def test_a_fixed_session_stops_training_by_its_margins_and_never_past_its_limit_less_publishing():
     cfg = config_from_dict({**BASE, "session_limit_s": 3600, "startup_margin_s": 600, "publish_margin_s": 1200})
-    assert session_length(cfg, []) == (3600, "")
+    assert session_length(cfg, []) == (3600, "", 0)
     # From training's start, the limit less both margins; from the session's start, never past limit - publish.
     assert cfg.session_clock(3600) == {"time_budget": 1800, "session_deadline": 2400}
 
 
 def test_sessions_sized_from_measured_start_up_grow_with_the_longest_one_seen_up_to_session_limit_s():
     cfg = config_from_dict(MEASURED)
-    assert session_length(cfg, []) == (102, "start-up 60 s (startup_margin_s, before any was measured) + 30 s of "
-                                            "training (session_train_s) + 12 s to publish")
+    # Before anything is measured, a guess at start-up falls short on a busy machine: as long as a session may
+    # be, ended after 10 steps (which measure the start-up and the step time).
+    assert session_length(cfg, []) == (300, "the longest a session may be (session_limit_s), ending after 10 steps: "
+                                            "nothing is measured before it", 10)
+    assert session_length(cfg, [{"n": 1, "step_s": 1.0}]).stop_after_steps == 10  # no start-up measured yet
     sessions = [{"n": 1, "startup_s": 38.9}, {"n": 2, "startup_s": 52.2}, {"n": 3}]
     # ceil(1.5 x 52.2 + 10) = 89: the longest start-up, with headroom for a busier machine.
     assert session_length(cfg, sessions) == (131, "start-up 89 s (1.5 x the 52.2 s session 2's took, + 10 s) + "
-                                                   "30 s of training (session_train_s) + 12 s to publish")
+                                                   "30 s of training (session_train_s) + 12 s to publish", 0)
     assert session_length(cfg, [{"n": 1, "startup_s": 250.0}])[0] == 300  # at most session_limit_s
     # Steps slow enough that 30 s would not hold 10 of them: training grows to 10 steps, the 2 that end a session
     # and 1.5 checkpoints, x1.5 (ceil(1.5 x (12 x 3.5 + 1.5 x 0.4)) = 64).
     slow = [{"n": 1, "startup_s": 55.4, "step_s": 3.5, "checkpoint_s": 0.4}, {"n": 2, "step_s": 1.0}]
     assert session_length(cfg, slow) == (170, "start-up 94 s (1.5 x the 55.4 s session 1's took, + 10 s) + 64 s of "
                                               "training (10 steps at the 3.50 s a step session 1 took, x1.5, with the "
-                                              "steps and checkpoint that end a session) + 12 s to publish")
+                                              "steps and checkpoint that end a session) + 12 s to publish", 0)
     assert session_length(cfg, [{"n": 1, "startup_s": 40.0, "step_s": 1.0, "checkpoint_s": 0.4}])[0] == 70 + 30 + 12
     # Only training's end by the deadline: the allowance is an estimate, and start-up eats training, not the limit.
     assert cfg.session_clock(113) == {"time_budget": 101, "session_deadline": 101}
@@ -93,10 +96,10 @@ def chain_with_sessions(tmp_path, cfg_dict: dict, sessions: list, log=None) -> C
 def test_a_session_that_trained_no_step_lengthens_the_next_or_stops_the_chain_in_one_line(tmp_path):
     lines = []
     # Sized from start-up: a session whose start-up outgrew it is not a failure; the next one is longer.
-    short = {"n": 1, "limit_s": 102, "startup_s": 95.0, "stop_reason": "too_short"}
+    short = {"n": 2, "limit_s": 102, "startup_s": 95.0, "stop_reason": "too_short"}
     chain = chain_with_sessions(tmp_path / "a", MEASURED, [short], lines.append)
     assert chain.train.no_progress(short) == 0
-    assert lines == ["  session 1 trained no step in its 102 s after a 95-s start-up: the next session is longer"]
+    assert lines == ["  session 2 trained no step in its 102 s after a 95-s start-up: the next session is longer"]
     assert session_length(chain.cfg, [short])[0] == 153 + 30 + 12 > 102
     # Already at session_limit_s: no longer session would do better, so one line at once, naming the setting.
     capped = {"n": 4, "limit_s": 300, "startup_s": 290.0, "stop_reason": "too_short"}
