@@ -175,7 +175,7 @@ def auto_micro_batch(generation: str | None, attention: str, model, seq_len: int
 def activation_checkpointing_on(setting: str, n_layer: int, generation: str | None) -> bool:
     """--activation-checkpointing as the step runs it: on or off as set; auto turns it on where the TPU's memory
     needs it (24+ layers, gpt2-medium up, on 16 GB devices; 36+, gpt2-large up, on larger ones), never without a
-    TPU. The step (trainer.plan_step) and the micro-batch it is sized for (micro_batch_for) both ask here."""
+    TPU. The step (shared.train.step.plan_step) and the micro-batch it is sized for (micro_batch_for) both ask here."""
     if setting != "auto":
         return setting == "on"
     gen = TPU_GENERATIONS.get(generation or "")

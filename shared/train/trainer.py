@@ -6,7 +6,6 @@ the next session (a new process, maybe on another machine) resumes from it bit-e
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 import signal
 import threading
@@ -19,10 +18,9 @@ import numpy as np
 import torch
 
 from shared.checkpoint_names import STABLE_DIR
-from shared.config import AUTO, TrainConfig
+from shared.config import TrainConfig
 from shared.data import LoaderState, TokenLoader, find_shards
 from shared.errors import UserError
-from shared.tpu import activation_checkpointing_on, micro_batch_for
 from shared.train.checkpoint import (
     METRICS_FILE,
     CheckpointTimer,
@@ -39,65 +37,17 @@ from shared.train.device import Runtime, make_runtime, runtime_versions
 from shared.train.metrics import BackgroundCalls, MetricsLogger, plot_loss
 from shared.train.model import GPT
 from shared.train.optim import (
-    clip_grad_norm,
-    lr_at,
-    make_optimizer,
-    muon_momentum_at,
     optimizer_of_state,
     optimizer_tensors,
     same_schedule_until,
     saved_schedule,
     stable_phase_end,
 )
+from shared.train.step import build_step, select_attention_and_micro_batch
 from shared.train.validation import periodic_eval
 from shared.train.xla_notices import runtime_notices
 
 XLA_CACHE_DIR = "xla_cache"  # inside out_dir, and inside each checkpoint (XLA's persistent compilation cache)
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """How a step runs on this runtime, with `auto` settings resolved (logged at the session start)."""
-
-    accum_loop: bool
-    activation_checkpointing: bool
-    scan_layers: bool
-
-    def describe(self, runtime: Runtime, accum: int) -> str:
-        loop = ("one graph per step (micro-steps in an XLA loop)" if self.accum_loop else
-                "one graph per micro-step" if accum > 1 else "one micro-step per step")
-        return (f"step: {loop if runtime.name == 'xla' else f'{accum} micro-step(s)'}; attention {runtime.attention}; "
-                f"activation checkpointing {'on' if self.activation_checkpointing else 'off'}; "
-                f"scan over layers {'on' if self.scan_layers else 'off'}")
-
-
-def plan_step(cfg: TrainConfig, runtime: Runtime, scan_available: bool | None = None) -> StepPlan:
-    """Resolve the step settings for this runtime. Under XLA a step of several micro-steps is one graph (the
-    micro-steps in an XLA loop) unless --no-grad-accum-loop. `auto` turns activation checkpointing on where the
-    TPU's memory needs it (gpt2-medium and up on 16 GB devices, gpt2-large and up on 32 GB ones), and the scan
-    over layers on for 24+ layers (gpt2-medium up; for gpt2's 12 it compiled slower on the XLA CPU
-    compiler: docs/tpu-throughput.md) on a TPU running SDPA attention (the Pallas kernel is untested inside scan)
-    when the step has no accumulation loop: inside torch_xla 2.9's loop the scan computed wrong losses
-    (tests/train/test_train.py shows it), so the two are never combined."""
-    from shared.train.device import scan_layers_available
-
-    n_layer, gen, xla = cfg.model.n_layer, runtime.tpu_generation, runtime.name == "xla"
-    loop = cfg.grad_accum_loop and xla and cfg.grad_accum_steps > 1
-    checkpointing = activation_checkpointing_on(cfg.activation_checkpointing, n_layer, gen.name if gen else None)
-    wanted = cfg.scan_layers == "on" or (cfg.scan_layers == "auto" and xla and bool(gen) and n_layer >= 24)
-    if scan_available is None:  # asked only where the scan could run: it imports jax into this process
-        scan_available = wanted and xla and scan_layers_available()
-    if cfg.scan_layers == "on" and not (xla and scan_available):
-        raise UserError("--scan-layers on needs the xla backend with jax and torchax importable by torch_xla "
-                        f"(backend {runtime.name}, jax+torchax {'working' if scan_available else 'not importable'})")
-    if cfg.scan_layers == "on" and loop:
-        raise UserError("--scan-layers on computes wrong losses inside torch_xla's gradient-accumulation loop; "
-                        "add --no-grad-accum-loop (a graph per micro-step), or use one micro-step per step")
-    if cfg.scan_layers == "auto":
-        scan = wanted and scan_available and runtime.attention == "sdpa" and not loop
-    else:
-        scan = cfg.scan_layers == "on"
-    return StepPlan(accum_loop=loop, activation_checkpointing=checkpointing, scan_layers=scan)
 
 
 def step_timing(per_step: dict[str, float], host_trace_s: float, sync_s: float, step_s: float) -> dict:
@@ -177,27 +127,6 @@ def resume_point(cfg: TrainConfig, ckpt_root: Path, log=print) -> LoadedCheckpoi
                                        "makes differently", log=log)
     log(f"--extend: training on from step {resumed.step} ({resumed.path}) to step {cfg.max_steps}")
     return resumed
-
-
-def select_attention_and_micro_batch(cfg: TrainConfig, runtime: Runtime, log=print) -> TrainConfig:
-    """The attention kernel for this model's shapes (on a TPU the Pallas kernel is probed at them); with
-    `--micro-batch auto`, the micro-batch that kernel and this TPU allow (the kernel probed again at it), as the
-    config the session trains with."""
-    m = cfg.model
-    shape = (m.n_head, m.block_size, m.n_embd // m.n_head)
-    if cfg.micro_batch != AUTO:
-        runtime.select_attention(cfg.micro_batch, *shape)
-        return cfg
-    runtime.select_attention(runtime.num_devices, *shape)
-    generation = runtime.tpu_generation.name if runtime.tpu_generation else None
-    chosen = micro_batch_for(cfg, generation, runtime.attention, runtime.num_devices)
-    if runtime.attention != "sdpa" and chosen != runtime.num_devices:
-        runtime.select_attention(chosen, *shape)
-        if runtime.attention == "sdpa":  # the kernel failed at the larger batch: size it for SDPA instead
-            chosen = micro_batch_for(cfg, generation, "sdpa", runtime.num_devices)
-    log(f"micro-batch auto: {chosen} ({chosen // runtime.num_devices} a device; TPU {generation or 'none'}, "
-        f"{runtime.attention} attention)")
-    return dataclasses.replace(cfg, micro_batch=chosen)
 
 
 class StepLog:
@@ -364,25 +293,11 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
     if resumed:
         model.load_checkpoint_tensors(resumed.model, resumed.path)
         runtime.set_rng_state(resumed.state.get("rng", {}))
-    plan = plan_step(cfg, runtime)
-    # `model` itself moves; step_model is what the step calls (a DDP or torch.compile wrapper, or `model`)
-    step_model = runtime.prepare_model(model, cfg.fsdp, cfg.compile, plan.activation_checkpointing, plan.scan_layers)
     start_step = resumed.step if resumed else 0
-    step_t = torch.tensor(float(start_step)).to(runtime.device)  # the schedule's step, on the device
-    lr_t = lr_at(step_t, cfg)
-    # Muon's momentum moves with the step only while it warms up; otherwise it stays a constant in the graph.
-    momentum_t = muon_momentum_at(step_t, cfg) if cfg.optimizer == "muon" and cfg.muon_momentum_warmup_steps else None
-    for scalar in (step_t, lr_t, momentum_t):
-        if scalar is not None:
-            runtime.shard_like(scalar, scalar)
-    runtime.sync()  # AdamW's constructor reads the LR's value once; let it read device data
-    named_params = list(model.named_parameters())
-    opt = make_optimizer(named_params, cfg, runtime, lr_t, resumed.optimizer if resumed else None, momentum_t)
-    params = [p for _, p in named_params]
-    scaler = runtime.grad_scaler(cfg.bf16)  # active only for fp16 autocast (GPUs without bf16)
+    train_step = build_step(cfg, runtime, model, start_step, resumed.optimizer if resumed else None)
+    plan, opt, scaler, named_params = train_step.plan, train_step.opt, train_step.scaler, train_step.named_params
     if resumed and resumed.state.get("grad_scaler") and scaler.is_enabled():
         scaler.load_state_dict(resumed.state["grad_scaler"])
-    runtime.sync()  # materialise params and optimizer state as device data before the first step
 
     # --- time budget ---------------------------------------------------------------------------------------
     num_params = model.num_params()
@@ -466,17 +381,7 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
             step_started, compile_before = time.monotonic(), runtime.compile_seconds()
             cpu_started = time.thread_time()  # the host's own work: blocking waits (back-pressure) are not in it
             tokens = np.stack([loader.next_batch() for _ in range(accum)])  # (accum, micro_batch, T+1)
-            loss = runtime.forward_backward(step_model, tokens, cfg.bf16, scaler, plan.accum_loop)
-            scaler.unscale_(opt)
-            grad_norm = clip_grad_norm(params, cfg.grad_clip)
-            lr = lr_at(step_t, cfg)  # a fresh tensor each step: the logging thread reads it after lr_t has moved on
-            lr_t.copy_(lr)
-            if momentum_t is not None:
-                momentum_t.copy_(muon_momentum_at(step_t, cfg))
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad(set_to_none=True)
-            step_t += 1
+            loss, grad_norm, lr = train_step(tokens)
             step += 1
             host_trace_s += time.thread_time() - cpu_started
             if step % cfg.log_every == 0 or step == cfg.max_steps:

@@ -13,7 +13,7 @@ from shared.tpu import (
     tpu_devices_present,
     tpu_pci_devices,
 )
-from shared.train.trainer import plan_step
+from shared.train.step import plan_step
 
 # What torch_xla's PJRT client reports for device 0 of a TPU: core_on_chip, num_cores, coords, name; no
 # device_kind (docs/kaggle-tpu.md cites the source).
@@ -414,7 +414,7 @@ class _ProbedRuntime:
 def test_micro_batch_auto_follows_the_attention_kernel_that_passed(generation, flash_up_to, probed, chosen,
                                                                     attention):
     from shared.config import TrainConfig
-    from shared.train.trainer import select_attention_and_micro_batch
+    from shared.train.step import select_attention_and_micro_batch
 
     runtime = _ProbedRuntime(generation, flash_up_to)
     lines = []
