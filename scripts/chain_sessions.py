@@ -127,6 +127,17 @@ def session_words(cfg) -> str:
             "compilation) is most of a session, and varies with the machine's load")
 
 
+def check_step_fits(cfg) -> None:
+    """Before a chain on Kaggle pushes anything: its train step compiled for its TPU by libtpu (cached), refused
+    in one line where it does not fit the chips' HBM. A local Kaggle runs its sessions on this machine's CPU."""
+    if os.environ.get("KAGGLE_API_ENVIRONMENT") == "LOCALHOST":
+        return
+    from scripts.chain.plan import compiled_fit
+
+    _, line = compiled_fit(cfg, log=lambda msg: print(msg, flush=True))
+    print(f"train step compiled: {line}", flush=True)
+
+
 def _overrides(args) -> dict:
     return {"total_steps": args.total_steps, "max_train_sessions": args.max_train_sessions}
 
@@ -160,6 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
         from scripts.chain.smoke import smoke_config
 
         return print_plan(smoke_config(cfg) if args.smoke else cfg, source=config)
+    check_step_fits(cfg)
     if args.smoke:
         from scripts.chain.smoke import run_smoke
 

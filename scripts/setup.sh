@@ -2,7 +2,7 @@
 # Set up everything on a fresh machine: a virtualenv in .venv with the project, its TPU stack (torch 2.9.0 +
 # torch_xla 2.9.0) and test tools, plus GPT-2's BPE ranks taken from the package index (no other network).
 #
-#   bash scripts/setup.sh                 # .venv
+#   bash scripts/setup.sh                 # .venv, and .venv-tpu: the TPU compiler (scripts/tpu_compile.py)
 #   bash scripts/setup.sh --kaggle-image  # also .venv-kaggle-tpu and .venv-kaggle-cpu: stand-ins for Kaggle's images
 #                                         # (docs/kaggle-tpu.md), which the local Kaggle runs sessions in
 set -euo pipefail
@@ -19,7 +19,7 @@ export UV_CACHE_DIR="$PWD/build/uv-cache" UV_LINK_MODE=hardlink UV_NO_PROGRESS=1
 export TMPDIR="$PWD/build/setup-tmp"
 mkdir -p "$TMPDIR"
 trap 'rm -rf "$TMPDIR"' EXIT
-NEED_GB=$([ "${1:-}" = "--kaggle-image" ] && echo 12 || echo 9)
+NEED_GB=$([ "${1:-}" = "--kaggle-image" ] && echo 13 || echo 10)
 FREE_GB=$(df -Pk . | awk 'NR == 2 {print int($4 / 1048576)}')
 echo "setup: ${FREE_GB} GB free on the disk of $PWD; it needs about ${NEED_GB} GB"
 if [ "$FREE_GB" -lt "$NEED_GB" ]; then
@@ -37,6 +37,12 @@ install .venv -e '.[test]'
 install .venv --reinstall-package torchax --no-deps "$(.venv/bin/python -c \
   "import importlib.metadata as m; print('torchax==' + m.version('torchax'))")"
 .venv/bin/python -c "from shared.tokenize.tokenizer import fetch_gpt2_ranks; print('GPT-2 ranks:', fetch_gpt2_ranks())"
+# The TPU compiler, as Kaggle's TPU image pins it (Kaggle/docker-python tpu/Dockerfile: libtpu 0.0.17 "compatible
+# with both jax 0.7.2 and torch 2.8.0"): libtpu's compile-only client compiles the train step for v5e-8/v6e-8 here
+# (scripts/tpu_compile.py). Its own virtualenv: the project's keeps torch_xla 2.9's jax 0.7.1. About 260 MB to
+# download (libtpu 135 MB, jaxlib 78 MB, scipy), 800 MB installed.
+[ -x .venv-tpu/bin/python ] || "$PYTHON" -m venv .venv-tpu
+install .venv-tpu jax==0.7.2 jaxlib==0.7.2 libtpu==0.0.17 numpy
 if [ "${1:-}" = "--kaggle-image" ]; then
   # Stand-ins for Kaggle's images, which the local Kaggle runs sessions in: each holds its image's versions of
   # the packages the kernels import, and nothing the image lacks (docs/kaggle-tpu.md, section 5, with sources).

@@ -14,6 +14,9 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.setdefault("CPU_NUM_DEVICES", "8")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("WANDB_MODE", "disabled")
+# --plan and a chain's start compile the train step for the TPU (minutes for gpt2): only the tests that ask for it
+# (tests/train/test_tpu_compile.py) turn the TPU compiler on.
+os.environ.setdefault("TPU_COMPILER_PYTHON", "off")
 
 from helpers import IMAGE_PYTHONS, made_once, train_cli  # noqa: E402
 

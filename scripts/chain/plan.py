@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,6 +33,7 @@ from scripts.chain.limits import (
 )
 from scripts.chain.sizing import MIN_STEPS
 from shared.config import AUTO, HELLASWAG_VALIDATION_EXAMPLES, EvalConfig, TokenizeConfig, TrainConfig
+from shared.errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]
 # What --smoke measured, one record per run (newest last); the plan counts sessions with the newest that matches.
@@ -357,13 +360,46 @@ def check_builds(cfg: ChainConfig) -> int:
         return parts + 1 + int(cfg.eval.get("enabled", True))
 
 
+def compiled_fit(cfg: ChainConfig, log=print) -> tuple[dict | None, str]:
+    """The chain's train step compiled for its TPU board by libtpu (scripts/tpu_compile.py; cached by settings and
+    versions), and one line on it: HBM per chip, the loop's all-reduces, the MFU ceiling. A step that does not fit
+    is one UserError naming the fix. Without a TPU board, or without the compiler, (None, why)."""
+    from scripts.tpu_compile import TPUS, compile_step, compiler_python
+
+    generation = SHAPE_GENERATION.get(running_shape(cfg.accelerator))
+    tpu = next((name for name, t in TPUS.items() if t["generation"] == generation), None)
+    if tpu is None:
+        return None, f"no TPU compiler check on {cfg.accelerator or 'CPU'}"
+    if compiler_python() is None:
+        why = ("is off (TPU_COMPILER_PYTHON=off)" if os.environ.get("TPU_COMPILER_PYTHON") == "off" else
+               "is not installed (bash scripts/setup.sh makes .venv-tpu)")
+        return None, f"the TPU compiler {why}: HBM checked by arithmetic only"
+    report = compile_step({**cfg.train, "max_steps": cfg.total_steps}, tpu, log)
+    hbm = f"{report['peak_bytes'] / 2**30:.1f} GiB of {report['hbm_bytes'] / 2**30:.0f} GiB"
+    if not report["fits"]:
+        raise UserError(f"the train step does not fit {tpu}'s HBM: {hbm} per chip (the TPU compiler's figure; "
+                        f"{report['preset']}, micro-batch {report['micro_batch']}, {report['attention']}); lower "
+                        "train.micro_batch (or leave it auto), set train.activation_checkpointing \"on\", or set "
+                        "train.fsdp true")
+    in_loop = [g for g in report["collectives"] if g["where"] == "inside" and g["kind"] == "all-reduce"]
+    return report, (f"{tpu} by libtpu {report['versions']['libtpu']} (the SDPA step, micro-batch "
+                    f"{report['micro_batch']}): HBM per chip {hbm} ({report['free_fraction']:.0%} free); "
+                    f"all-reduce inside the loop {sum(g['count'] for g in in_loop)}, "
+                    f"{sum(g['bytes'] for g in in_loop) / 1e6:.1f} MB per micro-step; MFU ceiling "
+                    f"{report['mfu_ceiling']:.1%} (roofline estimate)")
+
+
 def print_plan(cfg: ChainConfig, source: str = "", log=print, with_quota: bool = True,
                measured_path: Path = MEASURED_THROUGHPUT) -> dict:
     built = check_builds(cfg)
     quota, why = read_quota(cfg) if with_quota and MACHINE_SHAPES.get(cfg.accelerator) else (None, "")
     plan = make_plan(cfg, quota, measured_path)
     plan["kernels_built"] = built
-    for line in plan_lines(cfg, plan, source):
+    plan["compiled"], compiled_line = compiled_fit(cfg, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    lines = plan_lines(cfg, plan, source)
+    at = next((i for i, line in enumerate(lines) if line.startswith("throughput")), len(lines))
+    lines.insert(at + 1, f"compiled    {compiled_line}")
+    for line in lines:
         log(line)
     if why:
         log(f"(quota not read: {why})")

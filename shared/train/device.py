@@ -121,6 +121,12 @@ class Runtime:
     def shard_like(self, tensor: torch.Tensor, param: torch.Tensor) -> None:
         """Give `tensor` (an optimizer state) the same layout as `param`."""
 
+    def place(self, tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """`tensor` (on the CPU) on the device, laid out as `like` (an optimizer state as its parameter)."""
+        placed = tensor.to(self.device)
+        self.shard_like(placed, like)
+        return placed
+
     def replicate(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` laid out whole on every device (a no-op where nothing is sharded)."""
         return tensor

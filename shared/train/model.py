@@ -94,7 +94,11 @@ class GPT(nn.Module):
         self.block_stack = None
         # Padded vocabulary columns are masked out of the loss (not sliced off) so the head's matmul keeps its
         # 128-aligned width: -inf logits add nothing to the softmax and get zero gradient.
-        self.register_buffer("vocab_padding", torch.arange(cfg.vocab_size) >= GPT2_VOCAB_SIZE, persistent=False)
+        self.register_buffer("vocab_padding", self.vocab_padding_mask(), persistent=False)
+
+    def vocab_padding_mask(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """True at the vocabulary's padded columns (past GPT-2's 50257 tokens)."""
+        return torch.arange(self.config.vocab_size, device=device) >= GPT2_VOCAB_SIZE
 
     def zero_output_projections(self) -> None:
         """The attention and MLP output projections (c_proj) at zero: each block starts as the identity on the

@@ -294,13 +294,10 @@ def make_optimizer(named: NamedParams, cfg: TrainConfig, runtime, lr: torch.Tens
         for key in keys[id(p)]:
             if key == "step":
                 src = saved[f"{name}.step"] if saved else torch.zeros((), dtype=torch.float32)
-                state[key] = src.to(device if step_on_device else "cpu")
-                if step_on_device:
-                    runtime.shard_like(state[key], state[key])
+                state[key] = runtime.place(src, src) if step_on_device else src
             else:
                 src = saved[f"{name}.{key}"] if saved else torch.zeros(p.shape, dtype=torch.float32)
-                state[key] = src.to(device)
-                runtime.shard_like(state[key], p)
+                state[key] = runtime.place(src, p)
         opt.state[p] = state
     return opt
 

@@ -1,0 +1,227 @@
+"""What a TPU-optimized HLO module (one chip's program after SPMD partitioning) costs per run, read from its text:
+each While loop's trip count (its condition's bound), how often each computation runs, the FLOPs of its matmuls
+(convolutions and dots, inside fusions too), the HBM bytes its top-level ops move (each op's operands read and
+result written once: a fusion's intermediates stay on chip), and its collectives, inside and outside the loops.
+
+All of it is an estimate from the compiler's output, not a measurement: `roofline` turns it into a lower bound on
+the step's time on a chip of given peak FLOP/s, HBM and ICI bandwidth. Standard library only.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8, "pred": 1, "s8": 1, "u8": 1,
+               "f64": 8, "s16": 2, "u16": 2, "f8e4m3fn": 1, "f8e5m2": 1}
+_ARRAY = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
+_INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\((.*)$")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s")
+COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "collective-permute", "all-to-all")
+# Ops that move no HBM bytes of their own: bookkeeping, control flow (their computations are counted), collectives
+# (counted on the interconnect), and the ends of async pairs (the start carries the shapes).
+_NO_BYTES = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
+             "after-all", "partition-id", "replica-id", "opt-barrier", "copy-done", "all-reduce-done",
+             "all-gather-done", "collective-permute-done", "async-done", "async-update", "custom-call"}
+
+
+def shape_dims(shape: str) -> list[tuple[str, list[int]]]:
+    """Each array of an HLO shape (an array or a tuple): (dtype, dims)."""
+    return [(dtype, [int(d) for d in dims.split(",") if d]) for dtype, dims in _ARRAY.findall(shape)]
+
+
+def shape_bytes(shape: str) -> int:
+    return sum(DTYPE_BYTES[dtype] * math.prod(dims) for dtype, dims in shape_dims(shape))
+
+
+@dataclass
+class Instruction:
+    name: str
+    shape: str
+    op: str
+    operands: list[str]
+    attrs: str
+    args: str  # the text inside the op's parentheses (a constant's value)
+    root: bool = False
+
+
+@dataclass
+class Computation:
+    name: str
+    entry: bool
+    instructions: list[Instruction] = field(default_factory=list)
+    shapes: dict[str, str] = field(default_factory=dict)  # instruction (or parameter) name -> shape
+
+
+def _split_call(rest: str) -> tuple[str, str]:
+    """The text inside an op's parentheses, and the attributes after them."""
+    depth = 1
+    for i, ch in enumerate(rest):
+        depth += ch == "("
+        depth -= ch == ")"
+        if depth == 0:
+            return rest[:i], rest[i + 1:]
+    return rest, ""
+
+
+def parse_module(text: str) -> dict[str, Computation]:
+    computations: dict[str, Computation] = {}
+    current = None
+    for line in text.splitlines():
+        if not line.startswith(" ") and line.rstrip().endswith("{"):
+            header = _HEADER.match(line)
+            if header:
+                current = computations.setdefault(header.group(2), Computation(header.group(2), bool(header.group(1))))
+            continue
+        match = _INSTRUCTION.match(line) if current else None
+        if not match:
+            continue
+        root, name, shape, op, rest = match.groups()
+        inside, attrs = _split_call(rest)
+        instruction = Instruction(name, shape, op, re.findall(r"%([\w.\-]+)", inside), attrs, inside, bool(root))
+        current.instructions.append(instruction)
+        current.shapes[name] = shape
+    return computations
+
+
+def _called(attrs: str, key: str) -> list[str]:
+    found = re.search(key + r"=\{?([^}]*?)(?:\}|,\s*[a-z_]+=|$)", attrs)
+    return [n.strip().lstrip("%") for n in found.group(1).split(",") if n.strip()] if found else []
+
+
+def trip_count(condition: Computation) -> int | None:
+    """A counted loop's bound: its condition compares the counter with an integer constant (LT)."""
+    constants = {i.name: int(i.args) for i in condition.instructions
+                 if i.op == "constant" and re.fullmatch(r"\s*-?\d+\s*", i.args)}
+    for i in condition.instructions:
+        if i.op == "compare" and "direction=LT" in i.attrs:
+            bound = [constants[o] for o in i.operands if o in constants]
+            if bound:
+                return bound[0]
+    return None
+
+
+def conv_flops(instruction: Instruction, shapes: dict[str, str]) -> float:
+    """2 x output elements x the kernel's multiply-adds per output (its dims but the output feature), less the
+    taps that fall on an lhs dilation's zeros; a dot: 2 x output elements x the contracted size."""
+    out = math.prod(d for _, dims in shape_dims(instruction.shape)[:1] for d in dims)
+    if instruction.op == "dot":
+        lhs = shape_dims(shapes.get(instruction.operands[0], ""))
+        contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instruction.attrs)
+        if not lhs or not contracting:
+            return 0.0
+        return 2.0 * out * math.prod(lhs[0][1][int(d)] for d in contracting.group(1).split(",") if d)
+    kernel = shape_dims(shapes.get(instruction.operands[1], "")) if len(instruction.operands) > 1 else []
+    labels = re.search(r"dim_labels=\w+_(\w+)->", instruction.attrs)
+    if not kernel or not labels or len(labels.group(1)) != len(kernel[0][1]):
+        return 0.0
+    taps = math.prod(size for label, size in zip(labels.group(1), kernel[0][1], strict=True) if label != "o")
+    dilation = re.search(r"lhs_dilate=([\dx]+)", instruction.attrs)
+    if dilation:
+        taps /= math.prod(int(d) for d in dilation.group(1).split("x"))
+    return 2.0 * out * max(taps, 1.0)
+
+
+@dataclass
+class Collective:
+    kind: str
+    bytes: int
+    in_loop: bool
+    runs: int  # per step
+
+
+@dataclass
+class StepCost:
+    """Per chip, per run of the module (one optimizer step)."""
+
+    flops: float = 0.0
+    hbm_bytes: float = 0.0
+    roofline_ops_s: float = 0.0  # sum over ops of max(FLOPs / peak, bytes / HBM bandwidth), times their runs
+    collectives: list[Collective] = field(default_factory=list)
+    loops: dict[str, int | None] = field(default_factory=dict)  # While body -> trip count
+
+
+def _fused_flops(computations: dict[str, Computation], name: str) -> float:
+    comp = computations.get(name)
+    if comp is None:
+        return 0.0
+    total = 0.0
+    for i in comp.instructions:
+        if i.op in ("convolution", "dot"):
+            total += conv_flops(i, comp.shapes)
+        elif i.op == "fusion":
+            total += sum(_fused_flops(computations, c) for c in _called(i.attrs, "calls"))
+    return total
+
+
+def step_cost(text: str, peak_flops: float, hbm_bytes_per_s: float, default_trip: int = 1) -> StepCost:
+    """The module's cost, per chip and run: FLOPs, HBM bytes, the per-op roofline time and the collectives.
+    `default_trip`: a loop's trip count where its condition does not say."""
+    computations = parse_module(text)
+    cost = StepCost()
+    entry = next((c for c in computations.values() if c.entry), None)
+    if entry is None:
+        return cost
+    _walk(computations, entry.name, 1, False, cost, peak_flops, hbm_bytes_per_s, default_trip)
+    return cost
+
+
+def _walk(computations: dict[str, Computation], name: str, runs: int, in_loop: bool, cost: StepCost,
+          peak_flops: float, hbm_bytes_per_s: float, default_trip: int) -> None:
+    comp = computations.get(name)
+    if comp is None:
+        return
+    for i in comp.instructions:
+        if i.op == "while":
+            body, condition = _called(i.attrs, "body"), _called(i.attrs, "condition")
+            trips = trip_count(computations[condition[0]]) if condition and condition[0] in computations else None
+            if body:
+                cost.loops[body[0]] = trips
+                _walk(computations, body[0], runs * (trips or default_trip), True, cost, peak_flops,
+                      hbm_bytes_per_s, default_trip)
+            continue
+        if i.op in ("conditional", "call"):
+            for callee in _called(i.attrs, "branch_computations") + _called(i.attrs, "to_apply") \
+                    + _called(i.attrs, "true_computation") + _called(i.attrs, "false_computation"):
+                _walk(computations, callee, runs, in_loop, cost, peak_flops, hbm_bytes_per_s, default_trip)
+            continue
+        kind = next((k for k in COLLECTIVES if i.op in (k, k + "-start")), None)
+        if kind:
+            operand = sum(shape_bytes(comp.shapes.get(o, "")) for o in i.operands)
+            # What the collective is about: a reduce-scatter's whole input, else its (whole) result; an async
+            # start's result also holds its operands, so an all-reduce-start is its operands.
+            size = operand if kind == "reduce-scatter" or i.op == "all-reduce-start" else shape_bytes(i.shape)
+            cost.collectives.append(Collective(kind, size, in_loop, runs))
+            continue
+        if i.op in _NO_BYTES:
+            continue
+        moved = _moved_bytes(computations, comp, i)
+        flops = conv_flops(i, comp.shapes) if i.op in ("convolution", "dot") else \
+            sum(_fused_flops(computations, c) for c in _called(i.attrs, "calls")) if i.op == "fusion" else 0.0
+        cost.flops += flops * runs
+        cost.hbm_bytes += moved * runs
+        cost.roofline_ops_s += max(flops / peak_flops, moved / hbm_bytes_per_s) * runs
+
+
+def _moved_bytes(computations: dict[str, Computation], comp: Computation, i: Instruction) -> int:
+    """HBM bytes an op reads and writes: its operands and result; an async start (its result holds its operands)
+    and an in-place update (dynamic-update-slice, alone or as a fusion's root) only the part they write, twice."""
+    operands = [shape_bytes(comp.shapes.get(o, "")) for o in i.operands]
+    if i.op.endswith("-start"):
+        return 2 * max(shape_bytes(i.shape) - sum(operands), 0)
+    root = i.op
+    if i.op == "fusion":
+        fused = computations.get(next(iter(_called(i.attrs, "calls")), ""))
+        root = next((f.op for f in fused.instructions if f.root), "") if fused else ""
+    if root == "dynamic-update-slice" and operands:
+        return 2 * (sum(operands) - max(operands))  # all but the buffer updated in place
+    return shape_bytes(i.shape) + sum(operands)
+
+
+def collective_seconds(collective: Collective, devices: int, ici_bytes_per_s: float) -> float:
+    """A ring's lower bound on one run: an all-reduce moves 2(n-1)/n of its bytes through each chip, an all-gather
+    or reduce-scatter (n-1)/n of the whole, a permute or all-to-all its bytes once."""
+    share = {"all-reduce": 2 * (devices - 1) / devices, "all-gather": (devices - 1) / devices,
+             "reduce-scatter": (devices - 1) / devices}.get(collective.kind, 1.0)
+    return share * collective.bytes / ici_bytes_per_s

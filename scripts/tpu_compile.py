@@ -1,0 +1,233 @@
+"""See the TPU from a laptop: compile the train step a session will run with Kaggle's TPU compiler (libtpu's
+compile-only client, no TPU needed) and print, per TPU, what the compiler says: HBM per chip (and whether it fits),
+the step's FLOPs and HBM bytes, its collectives inside and outside the accumulation loop, and a roofline lower bound
+on its time with the MFU ceiling it implies. Every figure is the compiler's or an estimate from its output; none is
+a measurement.
+
+    python scripts/tpu_compile.py --config examples/chain-gpt2-124m.json          # its train section, v5e-8
+    python scripts/tpu_compile.py --preset gpt2 --micro-batch 64 --tpu all
+    python scripts/tpu_compile.py --preset gpt2-large --fsdp --tpu v6e-8
+
+The step is traced with torch_xla on 8 CPU devices, never run (its state is placeholders), and compiled in the
+TPU compiler's virtualenv (.venv-tpu, made by scripts/setup.sh: jax and libtpu as Kaggle's TPU image pins them).
+Attention is SDPA, the session's fallback: the Pallas flash kernel is lowered by jax for a TPU backend only, so
+`micro_batch: auto` is resolved as a session resolves it with SDPA. Results are cached by settings and versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from shared.errors import UserError, run_cli  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+CACHE_DIR = Path(os.environ.get("TPU_COMPILE_CACHE") or Path.home() / ".cache" / "gpt2-on-kaggle" / "tpu-compile")
+# Kaggle's TPU boards (one host, 8 chips): the compile-only topology and its per-chip figures. HBM bandwidth and
+# ICI (bidirectional, per chip) from Google's pages: https://cloud.google.com/tpu/docs/v5e (819 GBps, 400 GBps)
+# and https://cloud.google.com/tpu/docs/v6e (1640 GBps; 3584 Gbps = 448 GBps); peak bf16 in shared/tpu.py.
+TPUS = {"v5e-8": {"generation": "v5e", "topology": "v5e:2x4", "chips_per_host": (2, 4, 1), "hbm_bw": 819e9,
+                  "ici_bw": 400e9},
+        "v6e-8": {"generation": "v6e", "topology": "v6e:2x4", "chips_per_host": (2, 4, 1), "hbm_bw": 1640e9,
+                  "ici_bw": 448e9}}
+# libtpu without a TPU: no metadata server to ask, and no lock on the (absent) chips, so that two compiles (two
+# TPUs, two test workers) may run at once; a process that opens real chips never runs here.
+COMPILER_ENV = {"TPU_SKIP_MDS_QUERY": "1", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+TIGHT_FREE_FRACTION = 0.05  # under this much HBM left, a fit is called tight (the runtime takes some too)
+
+
+def compiler_python() -> Path | None:
+    """The TPU compiler's interpreter: $TPU_COMPILER_PYTHON, else .venv-tpu's; None where neither exists, or
+    where TPU_COMPILER_PYTHON is `off` (the test suite's default: a check compiles only where a test asks)."""
+    if os.environ.get("TPU_COMPILER_PYTHON") == "off":
+        return None
+    path = Path(os.environ.get("TPU_COMPILER_PYTHON") or REPO / ".venv-tpu" / "bin" / "python")
+    return path if path.exists() else None
+
+
+def _versions(python: Path) -> str:
+    out = subprocess.run([str(python), "-c", "from importlib.metadata import version as v; "
+                          "print(v('jax'), v('jaxlib'), v('libtpu'))"], capture_output=True, text=True)
+    return out.stdout.strip()
+
+
+def cache_key(settings: dict, tpu: str, compiler: str) -> str:
+    """The step's settings, the TPU, the compiler's versions, torch_xla's and the step's code."""
+    from importlib.metadata import version
+
+    code = b"".join((REPO / "shared" / "train" / f).read_bytes() for f in sorted(os.listdir(REPO / "shared" / "train"))
+                    if f.endswith(".py"))
+    blob = json.dumps([settings, tpu, compiler, version("torch_xla")], sort_keys=True).encode() + code
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def compile_step(settings: dict, tpu: str, log=print, cache_dir: Path = CACHE_DIR) -> dict:
+    """The compiler's report on the step of train `settings` (TrainConfig fields) on Kaggle's `tpu` ("v5e-8"),
+    cached. Raises UserError where the TPU compiler is not installed or the step does not compile."""
+    from shared.config import TrainConfig
+
+    TrainConfig(**settings)  # bad settings are one line before anything is traced
+    python = compiler_python()
+    if python is None:
+        raise UserError("the TPU compiler is not installed (.venv-tpu: jax and libtpu as Kaggle's image pins them); "
+                        "run bash scripts/setup.sh")
+    target = TPUS[tpu]
+    key = cache_key(settings, tpu, _versions(python))
+    cached = cache_dir / key / "report.json"
+    if cached.exists():
+        return {**json.loads(cached.read_text()), "cached": True}
+    with tempfile.TemporaryDirectory(prefix="tpu-compile-") as tmp:
+        work = Path(tmp)
+        (work / "settings.json").write_text(json.dumps(settings))
+        log(f"tracing the step for {tpu} (torch_xla, 8 CPU devices, nothing run) ...")
+        env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(math_devices(target)),
+               "PYTHONPATH": str(REPO)}
+        _run([sys.executable, "-m", "shared.train.step_trace", str(work / "settings.json"), str(work / "trace"),
+              target["generation"]], env, "tracing the step")
+        log(f"compiling it with libtpu for {tpu} ({target['topology']}; gpt2's step takes minutes on 2 cores) ...")
+        bounds = ",".join(str(b) for b in target["chips_per_host"])
+        _run([str(python), str(REPO / "scripts" / "tpu_compile_libtpu.py"), str(work / "trace"), target["topology"],
+              bounds], {**os.environ, **COMPILER_ENV}, "compiling the step")
+        report = analyse(work / "trace", tpu)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    cached.write_text(json.dumps(report, indent=1))
+    return {**report, "cached": False}
+
+
+def math_devices(target: dict) -> int:
+    x, y, z = (int(v) for v in (target["topology"].split(":")[1].split("x") + ["1"])[:3])
+    return x * y * z
+
+
+def _run(cmd: list[str], env: dict, what: str) -> None:
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
+    if proc.returncode != 0:
+        lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
+        error = next((ln for ln in reversed(lines) if ln.startswith("error:") or "Error" in ln), lines[-1] if lines
+                     else f"exit {proc.returncode}")
+        raise UserError(f"{what} failed: {error.removeprefix('error: ')[:400]}")
+
+
+def analyse(trace_dir: Path, tpu: str) -> dict:
+    """The report: the compiler's memory figures and the HLO's costs, per chip."""
+    from scripts.hlo_cost import collective_seconds, step_cost
+    from shared.config import TrainConfig
+    from shared.tpu import TPU_GENERATIONS
+
+    target = TPUS[tpu]
+    gen = TPU_GENERATIONS[target["generation"]]
+    meta = json.loads((trace_dir / "step.json").read_text())
+    compiled = json.loads((trace_dir / "compiled.json").read_text())
+    cost = step_cost((trace_dir / "optimized.hlo.txt").read_text(), gen.peak_bf16_per_chip, target["hbm_bw"],
+                     default_trip=meta["grad_accum_steps"])
+    memory = compiled["memory"]
+    peak = memory["arguments"] + memory["outputs"] - memory["aliased"] + memory["temps"] + memory["code"]
+    hbm = gen.hbm_gib_per_device * 2**30
+    groups: dict[str, dict] = {}
+    for c in cost.collectives:
+        where = "inside" if c.in_loop else "outside"
+        group = groups.setdefault(f"{c.kind} {where}", {"kind": c.kind, "where": where, "count": 0, "bytes": 0})
+        group["count"] += 1
+        group["bytes"] += c.bytes
+    collective_s = sum(collective_seconds(c, compiled["devices"], target["ici_bw"]) * c.runs for c in cost.collectives)
+    train = TrainConfig(**meta["train"])
+    model_flops = train.model.flops_per_token() * train.total_batch_tokens / compiled["devices"]
+    step_s = cost.roofline_ops_s + collective_s
+    return {"tpu": tpu, "device_kind": compiled["device_kind"], "devices": compiled["devices"],
+            "versions": {"jax": compiled["jax"], "libtpu": compiled["libtpu"]}, "compile_s": compiled["compile_s"],
+            "preset": train.preset, "micro_batch": meta["micro_batch"], "grad_accum_steps": meta["grad_accum_steps"],
+            "attention": meta["attention"], "activation_checkpointing": meta["activation_checkpointing"],
+            "scan_layers": meta["scan_layers"], "fsdp": train.fsdp, "memory": memory, "peak_bytes": peak,
+            "hbm_bytes": hbm, "fits": peak <= hbm, "free_fraction": 1 - peak / hbm,
+            "flops": cost.flops, "model_flops": model_flops, "hbm_traffic": cost.hbm_bytes,
+            "loops": list(cost.loops.values()), "collectives": list(groups.values()),
+            "roofline_ops_s": cost.roofline_ops_s, "collective_s": collective_s, "step_s": step_s,
+            "mfu_ceiling": model_flops / (gen.peak_bf16_per_chip * step_s) if step_s else 0.0}
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def report_lines(r: dict) -> list[str]:
+    """The report as lines; the HBM, collective and MFU lines keep one fixed form for scripts that read them."""
+    m = r["memory"]
+    free = r["free_fraction"]
+    verdict = (f"fits, {free:.0%} free" + (" - tight" if free < TIGHT_FREE_FRACTION else "")) if r["fits"] else \
+        f"does not fit, {_gib(r['peak_bytes'] - r['hbm_bytes'])} over"
+    lines = [f"{r['tpu']} ({r['device_kind']} x{r['devices']}; jax {r['versions']['jax']}, libtpu "
+             f"{r['versions']['libtpu']}): {r['preset']}, micro-batch {r['micro_batch']} x {r['grad_accum_steps']} "
+             f"micro-steps, {r['attention']} attention, activation checkpointing "
+             f"{'on' if r['activation_checkpointing'] else 'off'}, scan {'on' if r['scan_layers'] else 'off'}, fsdp "
+             f"{'on' if r['fsdp'] else 'off'}; compiled in {r['compile_s']:.0f} s"
+             + (" (cached)" if r.get("cached") else ""),
+             f"HBM per chip: {r['peak_bytes'] / 2**30:.1f} GiB of {r['hbm_bytes'] / 2**30:.0f} GiB ({verdict})",
+             f"  compiler's buffers: arguments {_gib(m['arguments'])}, outputs {_gib(m['outputs'])} (aliased to "
+             f"arguments {_gib(m['aliased'])}), temps {_gib(m['temps'])}, code {_gib(m['code'])}"]
+    for where in ("inside", "outside"):
+        unit = "per micro-step" if where == "inside" else "per step"
+        found = [g for g in r["collectives"] if g["where"] == where]
+        if not any(g["kind"] == "all-reduce" for g in found):
+            found.append({"kind": "all-reduce", "count": 0, "bytes": 0})
+        for g in found:
+            lines.append(f"{g['kind']} {where} the loop: {g['count']}, {g['bytes'] / 1e6:.1f} MB {unit}")
+    lines += [f"step FLOPs per chip (estimate from the optimized HLO, loops' trip counts applied): "
+              f"{r['flops'] / 1e12:.2f} TFLOP ({r['model_flops'] / 1e12:.2f} TFLOP of model FLOPs, 6N + 12LCT); "
+              f"HBM traffic {r['hbm_traffic'] / 1e9:.2f} GB",
+              f"roofline lower bound (estimate): {r['step_s'] * 1e3:.1f} ms a step = ops "
+              f"{r['roofline_ops_s'] * 1e3:.1f} ms (each op at peak FLOP/s or HBM bandwidth) + collectives "
+              f"{r['collective_s'] * 1e3:.1f} ms (at ICI bandwidth)",
+              f"MFU ceiling: {r['mfu_ceiling']:.1%}"]
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="a chain config (its train section)")
+    parser.add_argument("--preset", help="a model preset (without --config)")
+    parser.add_argument("--micro-batch", help="sequences per micro-step over all chips, or auto")
+    parser.add_argument("--total-batch-tokens", type=int)
+    parser.add_argument("--seq-len", type=int)
+    parser.add_argument("--fsdp", action="store_true")
+    parser.add_argument("--activation-checkpointing", choices=("on", "off", "auto"))
+    parser.add_argument("--tpu", default="v5e-8", choices=(*TPUS, "all"))
+    parser.add_argument("--json", action="store_true", help="print the reports as JSON")
+    args = parser.parse_args()
+    if bool(args.config) == bool(args.preset):
+        raise UserError("give --config CONFIG.json or --preset NAME")
+    if args.config:  # the settings a session of that chain trains with, as --plan compiles them
+        from scripts.chain import load_config
+
+        chain = load_config(args.config)
+        settings = {**chain.train, "max_steps": chain.total_steps}
+    else:
+        settings = {"preset": args.preset}
+    for name in ("micro_batch", "total_batch_tokens", "seq_len", "activation_checkpointing"):
+        value = getattr(args, name)
+        if value is not None:
+            settings[name] = int(value) if name == "micro_batch" and value != "auto" else value
+    if args.fsdp:
+        settings["fsdp"] = True
+    reports = []
+    for tpu in (TPUS if args.tpu == "all" else [args.tpu]):
+        started = time.monotonic()
+        report = compile_step(settings, tpu, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+        reports.append(report)
+        if not args.json:
+            print("\n".join(report_lines(report)))
+            print(f"({time.monotonic() - started:.0f} s)\n", flush=True)
+    if args.json:
+        print(json.dumps(reports, indent=1))
+
+
+if __name__ == "__main__":
+    run_cli(main)

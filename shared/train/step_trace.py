@@ -1,0 +1,140 @@
+"""The session's optimizer step traced for a TPU's compiler, never run: `trace_step(cfg, "v5e")` builds the step as
+a session on that TPU would (shared.train.step: the micro-batch `auto` picks there, accumulation loop, activation
+checkpointing, scan, optimizer, fsdp) on torch_xla's SPMD CPU devices, with every parameter and optimizer state a
+placeholder (device data with no buffer: gpt2-xl's 18 GB of state is never allocated), and returns the step's HLO
+module (before optimization, shardings on its parameters) with what the compiler needs beside it.
+
+Run in a process whose torch_xla has as many CPU devices as the TPU has chips (`PJRT_DEVICE=CPU
+CPU_NUM_DEVICES=8`): `python -m shared.train.step_trace SETTINGS.json OUT_DIR TPU` (scripts/tpu_compile.py does).
+Attention is SDPA: torch_xla's Pallas flash-attention kernel is lowered by jax for a TPU backend, which this
+process does not have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from shared.config import TrainConfig
+from shared.train.device import XlaRuntime
+
+HLO_FILE, SPEC_FILE = "step.hlo.pb", "step.json"
+
+
+def hlo_sharding(spec: tuple, mesh_size: int) -> str:
+    """An HLO sharding string for a partition spec over the 1-D ("data",) mesh: one sharded dimension or none."""
+    if "data" not in spec:
+        return "{replicated}"
+    tiles = ",".join(str(mesh_size) if axis == "data" else "1" for axis in spec)
+    return "{devices=[" + tiles + "]" + ",".join(str(d) for d in range(mesh_size)) + "}"
+
+
+class TraceRuntime(XlaRuntime):
+    """The XLA runtime with the step's state as placeholders, laid out as the session lays it out, on a named TPU
+    generation: records each input's (shape, dtype, sharding) for the compiler, and never runs a graph that reads
+    a placeholder."""
+
+    def __init__(self, generation: str):
+        super().__init__()
+        from shared.tpu import TPU_GENERATIONS
+
+        self.tpu_generation, self.tpu_generation_source = TPU_GENERATIONS[generation], "the compile target"
+        self.inputs: list[dict] = []
+        self._placeholders: set[int] = set()
+
+    def select_attention(self, batch: int, n_head: int, seq_len: int, head_dim: int) -> None:
+        from shared.train.model import set_attention_kernel
+
+        set_attention_kernel(None)
+        self.attention = "sdpa"
+
+    def _record(self, tensor: torch.Tensor, spec: tuple) -> None:
+        self.inputs.append({"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."),
+                            "sharding": hlo_sharding(spec, self.num_devices)})
+
+    def _placeholder(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        from torch_xla.core import xla_builder
+
+        tensor = xla_builder.create_placeholder_tensor(shape, dtype)
+        self._placeholders.add(id(tensor))
+        return tensor
+
+    def place(self, tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        placed = self._placeholder(tensor.shape, tensor.dtype)
+        self._record(placed, self._param_spec(like))
+        return placed
+
+    def shard_like(self, tensor: torch.Tensor, param: torch.Tensor) -> None:
+        if id(tensor) not in self._placeholders:  # a real (small) tensor: laid out as the session lays it out
+            super().shard_like(tensor, param)
+        self._record(tensor, self._param_spec(param))
+
+    def batch_to_device(self, batch: np.ndarray, batch_dim: int = 0) -> torch.Tensor:
+        tensor = super().batch_to_device(batch, batch_dim)
+        self._record(tensor, tuple("data" if d == batch_dim else None for d in range(tensor.dim())))
+        return tensor
+
+    def prepare_model(self, model: torch.nn.Module, fsdp: bool, compile: bool = False,
+                      activation_checkpointing: bool = False, scan_layers: bool = False) -> torch.nn.Module:
+        """`model` (built on the meta device) with placeholder parameters, tied ones still tied."""
+        swapped: dict[int, torch.nn.Parameter] = {}
+        for module in model.modules():
+            for name, param in list(module._parameters.items()):
+                if param is not None:
+                    if id(param) not in swapped:
+                        placeholder = torch.nn.Parameter(self._placeholder(param.shape, param.dtype),
+                                                         requires_grad=param.requires_grad)
+                        self._placeholders.add(id(placeholder))
+                        swapped[id(param)] = placeholder
+                    module._parameters[name] = swapped[id(param)]
+        model.vocab_padding = model.vocab_padding_mask(self.device)
+        return super().prepare_model(model, fsdp, compile, activation_checkpointing, scan_layers)
+
+
+def trace_step(cfg: TrainConfig, generation: str) -> tuple[bytes, dict]:
+    """The HLO module (serialized HloModuleProto) of one optimizer step of `cfg` as a session on TPU `generation`
+    runs it, and what the compiler needs beside it: each input's shape, dtype and sharding, the outputs that
+    update an input in place (donated, as torch_xla donates them), and the settings the step was built with."""
+    import torch_xla
+
+    from shared.train.model import GPT
+    from shared.train.step import build_step, select_attention_and_micro_batch
+
+    runtime = TraceRuntime(generation)
+    cfg.validate(runtime.num_devices)
+    cfg = select_attention_and_micro_batch(cfg, runtime, log=lambda _: None)
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+    step = build_step(cfg, runtime, model, start_step=1)
+    state = step.state_tensors()
+    tokens = np.zeros((cfg.grad_accum_steps, cfg.micro_batch, cfg.model.block_size + 1), dtype=np.int32)
+    loss, grad_norm, lr = step(tokens)
+    outputs = state + [loss, grad_norm, lr]
+    proto = torch_xla._XLAC._get_xla_tensors_hlo_proto(outputs)
+    meta = {"inputs": runtime.inputs, "updated_outputs": len(state), "num_devices": runtime.num_devices,
+            "micro_batch": cfg.micro_batch, "grad_accum_steps": cfg.grad_accum_steps, "attention": runtime.attention,
+            "accum_loop": step.plan.accum_loop, "activation_checkpointing": step.plan.activation_checkpointing,
+            "scan_layers": step.plan.scan_layers, "num_params": cfg.model.num_params(),
+            "train": {k: v for k, v in dataclasses.asdict(cfg).items() if isinstance(v, (str, int, float, bool))}}
+    return proto, meta
+
+
+def main(argv: list[str]) -> None:
+    settings_path, out_dir, generation = argv
+    cfg = TrainConfig(**json.loads(Path(settings_path).read_text()))
+    proto, meta = trace_step(cfg, generation)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / HLO_FILE).write_bytes(proto)
+    (out / SPEC_FILE).write_text(json.dumps(meta, indent=1))
+
+
+if __name__ == "__main__":
+    from shared.errors import run_cli
+
+    run_cli(lambda: main(sys.argv[1:]))

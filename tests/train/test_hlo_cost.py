@@ -1,0 +1,109 @@
+# ruff: noqa: E501 - the HLO module below keeps its lines whole, as XLA writes them
+"""What scripts/hlo_cost.py reads from a TPU-optimized HLO module: loop trip counts, matmul FLOPs (a dot, a
+convolution, one whose lhs dilation zero-fills most taps), HBM bytes (plain ops, an async start, an in-place
+update) and collectives inside and outside the loop, on a small module written out by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from scripts.hlo_cost import Collective, collective_seconds, parse_module, step_cost, trip_count
+
+MODULE = """HloModule step, entry_computation_layout={()->()}
+
+%add.clone (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %add = f32[] add(%x, %y)
+}
+
+%fused_matmul (param_0: bf16[64,128], param_1: bf16[128,256]) -> bf16[64,256] {
+  %param_0 = bf16[64,128]{1,0:T(8,128)(2,1)} parameter(0)
+  %param_1 = bf16[128,256]{1,0:T(8,128)(2,1)} parameter(1)
+  ROOT %convolution.1 = bf16[64,256]{1,0:T(8,128)(2,1)} convolution(%param_0, %param_1), window={size=1}, dim_labels=bf_io->bf
+}
+
+%fused_update (param_0.1: f32[4,256], param_1.1: f32[1,256], param_2: s32[]) -> f32[4,256] {
+  %param_0.1 = f32[4,256]{1,0} parameter(0)
+  %param_1.1 = f32[1,256]{1,0} parameter(1)
+  %param_2 = s32[] parameter(2)
+  %constant.9 = s32[] constant(0)
+  ROOT %dynamic-update-slice.1 = f32[4,256]{1,0} dynamic-update-slice(%param_0.1, %param_1.1, %param_2, %constant.9)
+}
+
+%body (p: (s32[], bf16[64,128], bf16[128,256])) -> (s32[], bf16[64,128], bf16[128,256]) {
+  %p = (s32[], bf16[64,128]{1,0}, bf16[128,256]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %a = bf16[64,128]{1,0} get-tuple-element(%p), index=1
+  %b = bf16[128,256]{1,0} get-tuple-element(%p), index=2
+  %fusion.1 = bf16[64,256]{1,0} fusion(%a, %b), kind=kOutput, calls=%fused_matmul
+  %all-reduce.1 = bf16[64,256]{1,0} all-reduce(%fusion.1), channel_id=1, replica_groups=[1,8]<=[8], to_apply=%add.clone
+  %dot.1 = f32[64,64]{1,0} dot(%a, %a), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %t = (s32[], bf16[64,128]{1,0}, bf16[128,256]{1,0}) tuple(%next, %a, %b)
+}
+
+%cond (q: (s32[], bf16[64,128], bf16[128,256])) -> pred[] {
+  %q = (s32[], bf16[64,128]{1,0}, bf16[128,256]{1,0}) parameter(0)
+  %limit = s32[] constant(4)
+  %j = s32[] get-tuple-element(%q), index=0
+  ROOT %lt = pred[] compare(%j, %limit), direction=LT
+}
+
+ENTRY %main (in_a: bf16[64,128], in_b: bf16[128,256], acc: f32[4,256], row: f32[1,256], k: s32[], heads: bf16[8,64,128], kern: bf16[8,128,64]) -> f32[4,256] {
+  %in_a = bf16[64,128]{1,0} parameter(0)
+  %in_b = bf16[128,256]{1,0} parameter(1)
+  %acc = f32[4,256]{1,0} parameter(2)
+  %row = f32[1,256]{1,0} parameter(3)
+  %k = s32[] parameter(4)
+  %heads = bf16[8,64,128]{2,1,0} parameter(5)
+  %kern = bf16[8,128,64]{2,1,0} parameter(6)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[64,128]{1,0}, bf16[128,256]{1,0}) tuple(%zero, %in_a, %in_b)
+  %loop = (s32[], bf16[64,128]{1,0}, bf16[128,256]{1,0}) while(%init), condition=%cond, body=%body
+  %scores = bf16[8,64,64]{2,1,0} convolution(%heads, %kern), window={size=8 stride=7 lhs_dilate=8}, dim_labels=0bf_0io->0bf
+  %copy-start.1 = (f32[4,256]{1,0}, f32[4,256]{1,0}, u32[]) copy-start(%acc)
+  %fusion.2 = f32[4,256]{1,0} fusion(%acc, %row, %k), kind=kLoop, calls=%fused_update
+  %all-gather.1 = f32[32,256]{1,0} all-gather(%fusion.2), channel_id=2, replica_groups=[1,8]<=[8], dimensions={0}
+  ROOT %out = f32[4,256]{1,0} negate(%fusion.2)
+}
+"""
+
+
+def test_a_loops_trip_count_is_its_conditions_bound():
+    computations = parse_module(MODULE)
+    assert trip_count(computations["cond"]) == 4
+    assert trip_count(computations["body"]) is None  # no bounded compare: not a loop condition
+
+
+def test_matmul_flops_count_each_loop_run_and_drop_the_taps_on_dilation_zeros():
+    cost = step_cost(MODULE, peak_flops=1e12, hbm_bytes_per_s=1e9)
+    assert cost.loops == {"body": 4}
+    in_loop = 4 * (2 * 64 * 256 * 128 + 2 * 64 * 64 * 128)  # the fused convolution and the dot, 4 runs
+    # The dilated convolution (a batched matmul as XLA:TPU writes one): its kernel bf16[8,128,64] labelled 0io,
+    # so 8 x 128 taps per output element, of which the lhs dilation of 8 leaves 128 on real values.
+    dilated = 2 * (8 * 64 * 64) * 128
+    assert cost.flops == pytest.approx(in_loop + dilated)
+
+
+def test_hbm_bytes_count_an_async_start_and_an_in_place_update_by_what_they_write():
+    cost = step_cost(MODULE, peak_flops=1e30, hbm_bytes_per_s=1.0)  # bytes bound: the roofline is the bytes
+    fusion_1 = 64 * 128 * 2 + 128 * 256 * 2 + 64 * 256 * 2
+    dot_1 = 64 * 128 * 2 * 2 + 64 * 64 * 4
+    next_add = 3 * 4
+    scores = 8 * 64 * 128 * 2 + 8 * 128 * 64 * 2 + 8 * 64 * 64 * 2
+    copy_start = 2 * (4 * 256 * 4 + 4)  # its result less the operand it carries: the copy (and the u32), twice
+    update = 2 * (256 * 4 + 4)  # the row and the index, read and written: the accumulator is updated in place
+    negate = 2 * 4 * 256 * 4
+    assert cost.hbm_bytes == 4 * (fusion_1 + dot_1 + next_add) + scores + copy_start + update + negate
+    assert cost.roofline_ops_s == pytest.approx(cost.hbm_bytes)
+
+
+def test_collectives_are_told_apart_inside_and_outside_the_loop_with_their_bytes_and_runs():
+    cost = step_cost(MODULE, peak_flops=1e12, hbm_bytes_per_s=1e9)
+    assert [(c.kind, c.bytes, c.in_loop, c.runs) for c in cost.collectives] == [
+        ("all-reduce", 64 * 256 * 2, True, 4), ("all-gather", 32 * 256 * 4, False, 1)]
+    # A ring all-reduce moves 2(n-1)/n of its bytes through each chip; an all-gather (n-1)/n of the whole.
+    assert collective_seconds(Collective("all-reduce", 800, True, 1), 8, 100.0) == pytest.approx(14.0)
+    assert collective_seconds(Collective("all-gather", 800, False, 1), 8, 100.0) == pytest.approx(7.0)

@@ -1,0 +1,78 @@
+"""The train step compiled for Kaggle's TPUs by libtpu's compile-only client (scripts/tpu_compile.py, in .venv-tpu
+as scripts/setup.sh makes it): tiny's step fits v5e-8 and v6e-8 with the compiler's figures agreeing with what the
+step holds and computes; a micro-batch far too large for gpt2 does not fit v5e-8, and --plan refuses that chain in
+one line before anything is pushed."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from helpers import REPO, error_lines, run_script
+
+from shared.config import TrainConfig
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not (REPO / ".venv-tpu" / "bin" / "python").exists(),
+                                                   reason="no .venv-tpu: run bash scripts/setup.sh")]
+COMPILER = {"TPU_COMPILER_PYTHON": ""}  # the suite turns it off (conftest.py); these tests use .venv-tpu's
+
+
+def test_tinys_step_compiles_for_v5e_8_and_v6e_8_with_the_compilers_figures_in_line_with_the_step(tmp_path):
+    env = {**COMPILER, "TPU_COMPILE_CACHE": str(tmp_path / "cache")}
+    args = ("--preset", "tiny", "--micro-batch", "16", "--total-batch-tokens", "8192", "--tpu", "all")
+    proc = run_script("scripts/tpu_compile.py", *args, "--json", env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = json.loads(proc.stdout)
+    assert [(r["tpu"], r["device_kind"], r["devices"]) for r in reports] == [
+        ("v5e-8", "TPU v5 lite", 8), ("v6e-8", "TPU v6 lite", 8)]
+    assert [r["versions"] for r in reports] == [{"jax": "0.7.2", "libtpu": "0.0.17"}] * 2  # Kaggle's image's pins
+    cfg = TrainConfig(preset="tiny", micro_batch=16, total_batch_tokens=8192)
+    params = cfg.model.num_params()
+    for r, hbm_gib in zip(reports, (16, 32), strict=True):
+        assert (r["micro_batch"], r["grad_accum_steps"], r["attention"]) == (16, 2, "sdpa")
+        assert r["hbm_bytes"] == hbm_gib * 2**30 and 0 < r["peak_bytes"] < r["hbm_bytes"] and r["fits"]
+        memory = r["memory"]
+        # Replicated over the chips: each holds the fp32 weights and both AdamW moments (and the token batch),
+        # and every updated one is donated, as torch_xla donates them.
+        assert 3 * 4 * params <= memory["arguments"] <= 3 * 4 * params * 1.05
+        assert memory["aliased"] >= 3 * 4 * params
+        # The step's matmul FLOPs per chip, counted in the optimized HLO with the loop's 2 trips: 6N + 12LCT a token
+        # (the embedding's gradient and the logits' padding are a few percent more).
+        assert r["model_flops"] == cfg.model.flops_per_token() * 8192 / 8
+        assert r["model_flops"] <= r["flops"] <= 1.1 * r["model_flops"]
+        assert r["loops"] == [2]
+        # Every gradient is all-reduced at least once a step (bf16 or fp32): the counter finds them in the loop
+        # (per micro-step) and after it.
+        inside = sum(g["bytes"] for g in r["collectives"] if g["where"] == "inside" and g["kind"] == "all-reduce")
+        outside = sum(g["bytes"] for g in r["collectives"] if g["where"] == "outside" and g["kind"] == "all-reduce")
+        assert inside > 0 and 2 * inside + outside >= 2 * params
+        assert 0 < r["mfu_ceiling"] < 1 and r["step_s"] > r["roofline_ops_s"] > 0
+    # The lines scripts read, then the same again from the cache.
+    again = run_script("scripts/tpu_compile.py", *args, env=env, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert re.search(r"^HBM per chip: \d+\.\d GiB of 16 GiB \(fits, \d+% free\)$", again.stdout, re.M)
+    assert re.search(r"^HBM per chip: \d+\.\d GiB of 32 GiB \(fits, \d+% free\)$", again.stdout, re.M)
+    assert len(re.findall(r"^all-reduce inside the loop: \d+, \d+\.\d MB per micro-step$", again.stdout, re.M)) == 2
+    assert len(re.findall(r"^MFU ceiling: \d+\.\d%$", again.stdout, re.M)) == 2
+    assert again.stdout.count("(cached)") == 2 and "compiling" not in again.stderr
+
+
+def test_a_micro_batch_far_too_large_for_gpt2_does_not_fit_v5e_8_and_plan_refuses_it_in_one_line(tmp_path):
+    env = {**COMPILER, "TPU_COMPILE_CACHE": str(tmp_path / "cache")}
+    config = tmp_path / "chain.json"
+    config.write_text(json.dumps({"name": "too-big", "user": "alice", "total_steps": 100,
+                                  "token_datasets": ["alice/tokens"], "accelerator": "TpuV5E8",
+                                  "train": {"preset": "gpt2", "micro_batch": 512}}))
+    proc = run_script("scripts/tpu_compile.py", "--config", str(config), "--json", env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (report,) = json.loads(proc.stdout)
+    assert (report["tpu"], report["micro_batch"], report["fits"]) == ("v5e-8", 512, False)
+    assert report["peak_bytes"] > 16 * 2**30
+    plan = run_script("scripts/chain_sessions.py", "--config", str(config), "--plan", env=env, timeout=300)
+    assert plan.returncode == 2, plan.stdout[-2000:]
+    assert error_lines(plan.stderr) == [
+        f"error: the train step does not fit v5e-8's HBM: {report['peak_bytes'] / 2**30:.1f} GiB of 16 GiB per chip "
+        "(the TPU compiler's figure; gpt2, micro-batch 512, sdpa); lower train.micro_batch (or leave it auto), set "
+        "train.activation_checkpointing \"on\", or set train.fsdp true"]
+    assert "plan for chain" not in plan.stdout  # refused before the plan is printed
