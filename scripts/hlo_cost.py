@@ -103,24 +103,33 @@ def trip_count(condition: Computation) -> int | None:
 
 
 def conv_flops(instruction: Instruction, shapes: dict[str, str]) -> float:
-    """2 x output elements x the kernel's multiply-adds per output (its dims but the output feature), less the
-    taps that fall on an lhs dilation's zeros; a dot: 2 x output elements x the contracted size."""
+    """2 x output elements x the multiply-adds behind each: a dot's contracted size; a convolution's input
+    features times, per spatial dimension, the window's taps that can meet real input (XLA:TPU writes batched and
+    per-head matmuls as convolutions whose windows mostly cover padding or an lhs dilation's zeros)."""
     out = math.prod(d for _, dims in shape_dims(instruction.shape)[:1] for d in dims)
+    lhs = shape_dims(shapes.get(instruction.operands[0], "")) if instruction.operands else []
     if instruction.op == "dot":
-        lhs = shape_dims(shapes.get(instruction.operands[0], ""))
         contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instruction.attrs)
         if not lhs or not contracting:
             return 0.0
         return 2.0 * out * math.prod(lhs[0][1][int(d)] for d in contracting.group(1).split(",") if d)
     kernel = shape_dims(shapes.get(instruction.operands[1], "")) if len(instruction.operands) > 1 else []
-    labels = re.search(r"dim_labels=\w+_(\w+)->", instruction.attrs)
-    if not kernel or not labels or len(labels.group(1)) != len(kernel[0][1]):
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->", instruction.attrs)
+    if not lhs or not kernel or not labels or len(labels.group(2)) != len(kernel[0][1]) \
+            or len(labels.group(1)) != len(lhs[0][1]):
         return 0.0
-    taps = math.prod(size for label, size in zip(labels.group(1), kernel[0][1], strict=True) if label != "o")
+    lhs_labels, kernel_labels = labels.group(1), labels.group(2)
     dilation = re.search(r"lhs_dilate=([\dx]+)", instruction.attrs)
-    if dilation:
-        taps /= math.prod(int(d) for d in dilation.group(1).split("x"))
-    return 2.0 * out * max(taps, 1.0)
+    dilate = [int(d) for d in dilation.group(1).split("x")] if dilation else []
+    taps = 1
+    for label, size in zip(kernel_labels, kernel[0][1], strict=True):
+        if label == "i":
+            taps *= size
+        elif label.isdigit():
+            spatial = int(label)
+            d = dilate[spatial] if spatial < len(dilate) else 1
+            taps *= min(math.ceil(size / d), lhs[0][1][lhs_labels.index(label)])
+    return 2.0 * out * taps
 
 
 @dataclass

@@ -127,6 +127,16 @@ def analyse(trace_dir: Path, tpu: str) -> dict:
     gen = TPU_GENERATIONS[target["generation"]]
     meta = json.loads((trace_dir / "step.json").read_text())
     compiled = json.loads((trace_dir / "compiled.json").read_text())
+    train = TrainConfig(**meta["train"])
+    head = {"tpu": tpu, "device_kind": compiled["device_kind"], "devices": compiled["devices"],
+            "versions": {"jax": compiled["jax"], "libtpu": compiled["libtpu"]}, "compile_s": compiled["compile_s"],
+            "preset": train.preset, "micro_batch": meta["micro_batch"], "grad_accum_steps": meta["grad_accum_steps"],
+            "attention": meta["attention"], "activation_checkpointing": meta["activation_checkpointing"],
+            "scan_layers": meta["scan_layers"], "fsdp": train.fsdp}
+    if "out_of_memory" in compiled:  # the compiler refused it: its own figures, nothing else to read
+        oom = compiled["out_of_memory"]
+        return {**head, "fits": False, "peak_bytes": oom["used"], "hbm_bytes": oom["capacity"],
+                "free_fraction": 1 - oom["used"] / oom["capacity"], "compiler_says": oom["message"]}
     cost = step_cost((trace_dir / "optimized.hlo.txt").read_text(), gen.peak_bf16_per_chip, target["hbm_bw"],
                      default_trip=meta["grad_accum_steps"])
     memory = compiled["memory"]
@@ -139,15 +149,10 @@ def analyse(trace_dir: Path, tpu: str) -> dict:
         group["count"] += 1
         group["bytes"] += c.bytes
     collective_s = sum(collective_seconds(c, compiled["devices"], target["ici_bw"]) * c.runs for c in cost.collectives)
-    train = TrainConfig(**meta["train"])
     model_flops = train.model.flops_per_token() * train.total_batch_tokens / compiled["devices"]
     step_s = cost.roofline_ops_s + collective_s
-    return {"tpu": tpu, "device_kind": compiled["device_kind"], "devices": compiled["devices"],
-            "versions": {"jax": compiled["jax"], "libtpu": compiled["libtpu"]}, "compile_s": compiled["compile_s"],
-            "preset": train.preset, "micro_batch": meta["micro_batch"], "grad_accum_steps": meta["grad_accum_steps"],
-            "attention": meta["attention"], "activation_checkpointing": meta["activation_checkpointing"],
-            "scan_layers": meta["scan_layers"], "fsdp": train.fsdp, "memory": memory, "peak_bytes": peak,
-            "hbm_bytes": hbm, "fits": peak <= hbm, "free_fraction": 1 - peak / hbm,
+    return {**head, "memory": memory, "peak_bytes": peak,
+            "hbm_bytes": hbm, "fits": True, "free_fraction": 1 - peak / hbm,  # the compiler refuses what overflows
             "flops": cost.flops, "model_flops": model_flops, "hbm_traffic": cost.hbm_bytes,
             "loops": list(cost.loops.values()), "collectives": list(groups.values()),
             "roofline_ops_s": cost.roofline_ops_s, "collective_s": collective_s, "step_s": step_s,
@@ -160,7 +165,6 @@ def _gib(n: float) -> str:
 
 def report_lines(r: dict) -> list[str]:
     """The report as lines; the HBM, collective and MFU lines keep one fixed form for scripts that read them."""
-    m = r["memory"]
     free = r["free_fraction"]
     verdict = (f"fits, {free:.0%} free" + (" - tight" if free < TIGHT_FREE_FRACTION else "")) if r["fits"] else \
         f"does not fit, {_gib(r['peak_bytes'] - r['hbm_bytes'])} over"
@@ -170,9 +174,12 @@ def report_lines(r: dict) -> list[str]:
              f"{'on' if r['activation_checkpointing'] else 'off'}, scan {'on' if r['scan_layers'] else 'off'}, fsdp "
              f"{'on' if r['fsdp'] else 'off'}; compiled in {r['compile_s']:.0f} s"
              + (" (cached)" if r.get("cached") else ""),
-             f"HBM per chip: {r['peak_bytes'] / 2**30:.1f} GiB of {r['hbm_bytes'] / 2**30:.0f} GiB ({verdict})",
-             f"  compiler's buffers: arguments {_gib(m['arguments'])}, outputs {_gib(m['outputs'])} (aliased to "
-             f"arguments {_gib(m['aliased'])}), temps {_gib(m['temps'])}, code {_gib(m['code'])}"]
+             f"HBM per chip: {r['peak_bytes'] / 2**30:.1f} GiB of {r['hbm_bytes'] / 2**30:.0f} GiB ({verdict})"]
+    if "compiler_says" in r:
+        return lines + [f"  the compiler refused the step: {r['compiler_says']}"]
+    m = r["memory"]
+    lines += [f"  compiler's buffers: arguments {_gib(m['arguments'])}, outputs {_gib(m['outputs'])} (aliased to "
+              f"arguments {_gib(m['aliased'])}), temps {_gib(m['temps'])}, code {_gib(m['code'])}"]
     for where in ("inside", "outside"):
         unit = "per micro-step" if where == "inside" else "per step"
         found = [g for g in r["collectives"] if g["where"] == where]

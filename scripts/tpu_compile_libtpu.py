@@ -15,6 +15,7 @@ the session's.
 
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -106,8 +107,15 @@ def compile_step(trace_dir: Path, topology: str, chips_per_host: tuple[int, int,
         debug = options.executable_build_options.debug_options
         debug.xla_dump_to, debug.xla_dump_hlo_as_text = str(trace_dir / "dump"), True
         started = time.monotonic()
-        executable = devices[0].client.compile(jax_mlir.module_to_bytecode(module),
-                                               xla_client.DeviceList(tuple(devices)), options)
+        try:
+            executable = devices[0].client.compile(jax_mlir.module_to_bytecode(module),
+                                                   xla_client.DeviceList(tuple(devices)), options)
+        except Exception as err:  # the compiler's own refusal: the step's buffers exceed the chip's HBM
+            result = out_of_memory(str(err), time.monotonic() - started, devices, topology, jax.__version__)
+            if result is None:
+                raise
+            (trace_dir / RESULT_FILE).write_text(json.dumps(result, indent=1))
+            return result
         seconds = time.monotonic() - started
     stats = executable.get_compiled_memory_stats()
     optimized = max((trace_dir / "dump").glob("*.after_optimizations.txt"), key=lambda p: p.stat().st_size)
@@ -121,6 +129,21 @@ def compile_step(trace_dir: Path, topology: str, chips_per_host: tuple[int, int,
                          "host_temps": getattr(stats, "host_temp_size_in_bytes", 0)}}
     (trace_dir / RESULT_FILE).write_text(json.dumps(result, indent=1))
     return result
+
+
+_OOM = re.compile(r"Ran out of memory in memory space hbm\. Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm")
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}  # XLA's human-readable bytes are binary
+
+
+def out_of_memory(message: str, seconds: float, devices, topology: str, jax_version: str) -> dict | None:
+    """The compile's result where the compiler refused the step for HBM (its figures: used and capacity)."""
+    found = _OOM.search(message)
+    if not found:
+        return None
+    used, capacity = (float(found.group(i)) * _UNITS[found.group(i + 1)] for i in (1, 3))
+    return {"device_kind": devices[0].device_kind, "devices": len(devices), "topology": topology,
+            "compile_s": round(seconds, 1), "jax": jax_version, "libtpu": _libtpu_version(),
+            "out_of_memory": {"used": used, "capacity": capacity, "message": found.group(0)}}
 
 
 def _libtpu_version() -> str:

@@ -1,6 +1,6 @@
 # ruff: noqa: E501 - the HLO module below keeps its lines whole, as XLA writes them
 """What scripts/hlo_cost.py reads from a TPU-optimized HLO module: loop trip counts, matmul FLOPs (a dot, a
-convolution, one whose lhs dilation zero-fills most taps), HBM bytes (plain ops, an async start, an in-place
+convolution, one whose lhs dilation zero-fills most taps, one whose window mostly covers padding), HBM bytes (plain ops, an async start, an in-place
 update) and collectives inside and outside the loop, on a small module written out by hand."""
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ MODULE = """HloModule step, entry_computation_layout={()->()}
   ROOT %lt = pred[] compare(%j, %limit), direction=LT
 }
 
-ENTRY %main (in_a: bf16[64,128], in_b: bf16[128,256], acc: f32[4,256], row: f32[1,256], k: s32[], heads: bf16[8,64,128], kern: bf16[8,128,64]) -> f32[4,256] {
+ENTRY %main (in_a: bf16[64,128], in_b: bf16[128,256], acc: f32[4,256], row: f32[1,256], k: s32[], heads: bf16[8,64,128], kern: bf16[8,128,64], x4: bf16[4,16,768,1], w4: bf16[12,64,768,1]) -> f32[4,256] {
   %in_a = bf16[64,128]{1,0} parameter(0)
   %in_b = bf16[128,256]{1,0} parameter(1)
   %acc = f32[4,256]{1,0} parameter(2)
@@ -59,6 +59,9 @@ ENTRY %main (in_a: bf16[64,128], in_b: bf16[128,256], acc: f32[4,256], row: f32[
   %k = s32[] parameter(4)
   %heads = bf16[8,64,128]{2,1,0} parameter(5)
   %kern = bf16[8,128,64]{2,1,0} parameter(6)
+  %x4 = bf16[4,16,768,1]{3,2,1,0} parameter(7)
+  %w4 = bf16[12,64,768,1]{3,2,1,0} parameter(8)
+  %per_head = bf16[4,16,12,64]{3,2,1,0} convolution(%x4, %w4), window={size=1x12 pad=0_0x11_11 rhs_reversal=0x1}, dim_labels=0bf1_1oi0->0b1f
   %zero = s32[] constant(0)
   %init = (s32[], bf16[64,128]{1,0}, bf16[128,256]{1,0}) tuple(%zero, %in_a, %in_b)
   %loop = (s32[], bf16[64,128]{1,0}, bf16[128,256]{1,0}) while(%init), condition=%cond, body=%body
@@ -84,7 +87,10 @@ def test_matmul_flops_count_each_loop_run_and_drop_the_taps_on_dilation_zeros():
     # The dilated convolution (a batched matmul as XLA:TPU writes one): its kernel bf16[8,128,64] labelled 0io,
     # so 8 x 128 taps per output element, of which the lhs dilation of 8 leaves 128 on real values.
     dilated = 2 * (8 * 64 * 64) * 128
-    assert cost.flops == pytest.approx(in_loop + dilated)
+    # A per-head projection: its window of 12 along a dimension of size 1 padded by 11 each side meets one real
+    # value, so each output element is 768 multiply-adds (not 12 x 768).
+    per_head = 2 * (4 * 16 * 12 * 64) * 768
+    assert cost.flops == pytest.approx(in_loop + dilated + per_head)
 
 
 def test_hbm_bytes_count_an_async_start_and_an_in_place_update_by_what_they_write():
@@ -96,7 +102,8 @@ def test_hbm_bytes_count_an_async_start_and_an_in_place_update_by_what_they_writ
     copy_start = 2 * (4 * 256 * 4 + 4)  # its result less the operand it carries: the copy (and the u32), twice
     update = 2 * (256 * 4 + 4)  # the row and the index, read and written: the accumulator is updated in place
     negate = 2 * 4 * 256 * 4
-    assert cost.hbm_bytes == 4 * (fusion_1 + dot_1 + next_add) + scores + copy_start + update + negate
+    per_head = 2 * (4 * 16 * 768 + 12 * 64 * 768 + 4 * 16 * 12 * 64)
+    assert cost.hbm_bytes == 4 * (fusion_1 + dot_1 + next_add) + scores + per_head + copy_start + update + negate
     assert cost.roofline_ops_s == pytest.approx(cost.hbm_bytes)
 
 

@@ -38,9 +38,9 @@ def test_tinys_step_compiles_for_v5e_8_and_v6e_8_with_the_compilers_figures_in_l
         assert 3 * 4 * params <= memory["arguments"] <= 3 * 4 * params * 1.05
         assert memory["aliased"] >= 3 * 4 * params
         # The step's matmul FLOPs per chip, counted in the optimized HLO with the loop's 2 trips: 6N + 12LCT a token
-        # (the embedding's gradient and the logits' padding are a few percent more).
+        # (6N counts the position embedding and the LayerNorms as matmul weights: the HLO has a little less).
         assert r["model_flops"] == cfg.model.flops_per_token() * 8192 / 8
-        assert r["model_flops"] <= r["flops"] <= 1.1 * r["model_flops"]
+        assert 0.97 * r["model_flops"] <= r["flops"] <= 1.03 * r["model_flops"]
         assert r["loops"] == [2]
         # Every gradient is all-reduced at least once a step (bf16 or fp32): the counter finds them in the loop
         # (per micro-step) and after it.
@@ -68,7 +68,9 @@ def test_a_micro_batch_far_too_large_for_gpt2_does_not_fit_v5e_8_and_plan_refuse
     assert proc.returncode == 0, proc.stderr[-3000:]
     (report,) = json.loads(proc.stdout)
     assert (report["tpu"], report["micro_batch"], report["fits"]) == ("v5e-8", 512, False)
-    assert report["peak_bytes"] > 16 * 2**30
+    # The compiler refused it itself, with its figures: what the step needs against what a v5e chip offers it.
+    assert report["peak_bytes"] > report["hbm_bytes"] and 15 * 2**30 <= report["hbm_bytes"] <= 16 * 2**30
+    assert "Ran out of memory in memory space hbm" in report["compiler_says"]
     plan = run_script("scripts/chain_sessions.py", "--config", str(config), "--plan", env=env, timeout=300)
     assert plan.returncode == 2, plan.stdout[-2000:]
     assert error_lines(plan.stderr) == [
