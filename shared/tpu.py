@@ -135,7 +135,10 @@ STATIC_BYTES_PER_PARAM = 22
 # per layer and token, in units of C: LayerNorm inputs (fp32) 8, matmul inputs (bf16) 14, attention 8, GELU 8
 ACTIVATION_BYTES_PER_LAYER_TOKEN_PER_C = 38
 HEAD_BYTES_PER_TOKEN_PER_VOCAB = 10  # bf16 logits 2 + their fp32 copy 4 + log-softmax 4 (its gradient reuses them)
-SDPA_SCORE_BYTES = 6  # without flash attention: fp32 scores 4 + bf16 probabilities 2, per head per T x T
+# Without flash attention, per head per T x T: what the TPU compiler keeps of the scores and probabilities. 6 (fp32
+# scores + bf16 probabilities) was the first guess; libtpu's own buffers for gpt2's SDPA step grow by 1.02 GiB (v5e)
+# and 1.27 GiB (v6e) a sequence, which 4 covers (docs/tpu-throughput.md section 10).
+SDPA_SCORE_BYTES = 4
 HBM_USABLE_FRACTION = 0.85  # what XLA's buffers may take; the rest for its workspace, fragmentation, the runtime
 CPU_MICRO_BATCH_PER_DEVICE = 2  # no TPU (or an unknown one): the project's default 16 over 8 devices
 

@@ -266,7 +266,7 @@ def test_micro_batch_auto_is_resolved_for_the_chains_tpu():
     assert cfg.train["micro_batch"] == "auto"
     train, note = planned_train(cfg)
     assert (train.micro_batch, train.grad_accum_steps) == (64, 8)  # docs/tpu-throughput.md's v5e-8 flash row
-    assert note == "auto: 64 on v5e with pallas-flash attention, 32 if it falls back to SDPA"
+    assert note == "auto: 64 on v5e with pallas-flash attention, 64 if it falls back to SDPA"
     v6e = config_from_dict({**{k: v for k, v in json.loads((REPO / "examples" / "chain-gpt2-124m.json").read_text())
                                .items() if not k.startswith("_")}, "accelerator": "TpuV6E8"})
     assert planned_train(v6e)[0].micro_batch == 128
