@@ -135,7 +135,7 @@ def check_step_fits(cfg) -> None:
     from scripts.chain.plan import compiled_fit
 
     _, line = compiled_fit(cfg, log=lambda msg: print(msg, flush=True))
-    print(f"train step compiled: {line}", flush=True)
+    print(f"TPU compiler: {line}", flush=True)
 
 
 def _overrides(args) -> dict:

@@ -38,7 +38,12 @@ CACHE_DIR = Path(os.environ.get("TPU_COMPILE_CACHE") or Path.home() / ".cache" /
 TPUS = {"v5e-8": {"generation": "v5e", "topology": "v5e:2x4", "chips_per_host": (2, 4, 1), "hbm_bw": 819e9,
                   "ici_bw": 400e9},
         "v6e-8": {"generation": "v6e", "topology": "v6e:2x4", "chips_per_host": (2, 4, 1), "hbm_bw": 1640e9,
-                  "ici_bw": 448e9}}
+                  "ici_bw": 448e9},
+        # Not on Kaggle: a 4-host slice (4 chips a host, libtpu's default layout), to show the same SPMD step
+        # compiles past one host.
+        "v5e-16": {"generation": "v5e", "topology": "v5e:4x4", "chips_per_host": (2, 2, 1), "hbm_bw": 819e9,
+                   "ici_bw": 400e9}}
+KAGGLE_TPUS = ("v5e-8", "v6e-8")
 # libtpu without a TPU: no metadata server to ask, and no lock on the (absent) chips, so that two compiles (two
 # TPUs, two test workers) may run at once; a process that opens real chips never runs here.
 COMPILER_ENV = {"TPU_SKIP_MDS_QUERY": "1", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
@@ -88,8 +93,8 @@ def compile_step(settings: dict, tpu: str, log=print, cache_dir: Path = CACHE_DI
     with tempfile.TemporaryDirectory(prefix="tpu-compile-") as tmp:
         work = Path(tmp)
         (work / "settings.json").write_text(json.dumps(settings))
-        log(f"tracing the step for {tpu} (torch_xla, 8 CPU devices, nothing run) ...")
-        env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(math_devices(target)),
+        log(f"tracing the step for {tpu} (torch_xla, {chips(target)} CPU devices, nothing run) ...")
+        env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(chips(target)),
                "PYTHONPATH": str(REPO)}
         _run([sys.executable, "-m", "shared.train.step_trace", str(work / "settings.json"), str(work / "trace"),
               target["generation"]], env, "tracing the step")
@@ -103,7 +108,8 @@ def compile_step(settings: dict, tpu: str, log=print, cache_dir: Path = CACHE_DI
     return {**report, "cached": False}
 
 
-def math_devices(target: dict) -> int:
+def chips(target: dict) -> int:
+    """Chips in a topology such as `v5e:4x4`."""
     x, y, z = (int(v) for v in (target["topology"].split(":")[1].split("x") + ["1"])[:3])
     return x * y * z
 
@@ -201,12 +207,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="a chain config (its train section)")
     parser.add_argument("--preset", help="a model preset (without --config)")
-    parser.add_argument("--micro-batch", help="sequences per micro-step over all chips, or auto")
+    parser.add_argument("--micro-batch", help="sequences per micro-step over all chips, or auto (the default)")
     parser.add_argument("--total-batch-tokens", type=int)
     parser.add_argument("--seq-len", type=int)
     parser.add_argument("--fsdp", action="store_true")
     parser.add_argument("--activation-checkpointing", choices=("on", "off", "auto"))
-    parser.add_argument("--tpu", default="v5e-8", choices=(*TPUS, "all"))
+    parser.add_argument("--tpu", default="v5e-8", choices=(*TPUS, "all"), help="all: Kaggle's, v5e-8 and v6e-8")
     parser.add_argument("--json", action="store_true", help="print the reports as JSON")
     args = parser.parse_args()
     if bool(args.config) == bool(args.preset):
@@ -216,8 +222,8 @@ def main() -> None:
 
         chain = load_config(args.config)
         settings = {**chain.train, "max_steps": chain.total_steps}
-    else:
-        settings = {"preset": args.preset}
+    else:  # as the example chains set it: auto, resolved as a session on that TPU resolves it
+        settings = {"preset": args.preset, "micro_batch": "auto"}
     for name in ("micro_batch", "total_batch_tokens", "seq_len", "activation_checkpointing"):
         value = getattr(args, name)
         if value is not None:
@@ -225,7 +231,7 @@ def main() -> None:
     if args.fsdp:
         settings["fsdp"] = True
     reports = []
-    for tpu in (TPUS if args.tpu == "all" else [args.tpu]):
+    for tpu in (KAGGLE_TPUS if args.tpu == "all" else [args.tpu]):
         started = time.monotonic()
         report = compile_step(settings, tpu, log=lambda msg: print(msg, file=sys.stderr, flush=True))
         reports.append(report)

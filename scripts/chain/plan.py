@@ -364,10 +364,10 @@ def compiled_fit(cfg: ChainConfig, log=print) -> tuple[dict | None, str]:
     """The chain's train step compiled for its TPU board by libtpu (scripts/tpu_compile.py; cached by settings and
     versions), and one line on it: HBM per chip, the loop's all-reduces, the MFU ceiling. A step that does not fit
     is one UserError naming the fix. Without a TPU board, or without the compiler, (None, why)."""
-    from scripts.tpu_compile import TPUS, compile_step, compiler_python
+    from scripts.tpu_compile import KAGGLE_TPUS, TPUS, compile_step, compiler_python
 
     generation = SHAPE_GENERATION.get(running_shape(cfg.accelerator))
-    tpu = next((name for name, t in TPUS.items() if t["generation"] == generation), None)
+    tpu = next((name for name in KAGGLE_TPUS if TPUS[name]["generation"] == generation), None)
     if tpu is None:
         return None, f"no TPU compiler check on {cfg.accelerator or 'CPU'}"
     if compiler_python() is None:
