@@ -115,7 +115,9 @@ def chips(target: dict) -> int:
 
 
 def _run(cmd: list[str], env: dict, what: str) -> None:
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
+    # At low priority: a compile takes most of a laptop's cores for minutes, and what runs beside it (a local
+    # Kaggle's sessions, whose start-up their time limits count) comes first.
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, preexec_fn=lambda: os.nice(10))
     if proc.returncode != 0:
         lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
         error = next((ln for ln in reversed(lines) if ln.startswith("error:") or "Error" in ln), lines[-1] if lines

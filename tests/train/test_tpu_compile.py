@@ -21,7 +21,7 @@ COMPILER = {"TPU_COMPILER_PYTHON": ""}  # the suite turns it off (conftest.py); 
 def test_tinys_step_compiles_for_v5e_8_and_v6e_8_with_the_compilers_figures_in_line_with_the_step(tmp_path):
     env = {**COMPILER, "TPU_COMPILE_CACHE": str(tmp_path / "cache")}
     args = ("--preset", "tiny", "--micro-batch", "16", "--total-batch-tokens", "8192", "--tpu", "all")
-    proc = run_script("scripts/tpu_compile.py", *args, "--json", env=env, timeout=600)
+    proc = run_script("scripts/tpu_compile.py", *args, "--json", env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     reports = json.loads(proc.stdout)
     assert [(r["tpu"], r["device_kind"], r["devices"]) for r in reports] == [
@@ -64,7 +64,7 @@ def test_a_micro_batch_far_too_large_for_gpt2_does_not_fit_v5e_8_and_plan_refuse
     config.write_text(json.dumps({"name": "too-big", "user": "alice", "total_steps": 100,
                                   "token_datasets": ["alice/tokens"], "accelerator": "TpuV5E8",
                                   "train": {"preset": "gpt2", "micro_batch": 512}}))
-    proc = run_script("scripts/tpu_compile.py", "--config", str(config), "--json", env=env, timeout=900)
+    proc = run_script("scripts/tpu_compile.py", "--config", str(config), "--json", env=env, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (report,) = json.loads(proc.stdout)
     assert (report["tpu"], report["micro_batch"], report["fits"]) == ("v5e-8", 512, False)
