@@ -20,25 +20,12 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from scripts.hlo_cost import shape_bytes  # noqa: E402 - an HLO shape's bytes, as the TPU report counts them
 from shared.errors import UserError, run_cli  # noqa: E402
 
-DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8, "pred": 1, "s8": 1, "u8": 1,
-               "f64": 8}
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)")
 _REFERENCES = re.compile(r"(?:calls|body|condition|to_apply|branch_computations)=\{?%?([\w.\-]+(?:,\s*%?[\w.\-]+)*)")
 _ALL_REDUCE = re.compile(r"=\s*(.+?)\s+all-reduce(?:-start)?\(")
-_ARRAY = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
-
-
-def shape_bytes(shape: str) -> int:
-    """Bytes of an HLO result shape: an array `f32[768,2304]{1,0}` or a tuple of arrays."""
-    total = 0
-    for dtype, dims in _ARRAY.findall(shape):
-        n = 1
-        for d in filter(None, dims.split(",")):
-            n *= int(d)
-        total += n * DTYPE_BYTES[dtype]
-    return total
 
 
 def parse_hlo(text: str) -> tuple[dict[str, set[str]], dict[str, list[int]], set[str]]:
