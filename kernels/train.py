@@ -24,9 +24,9 @@ def main() -> None:
 
     started = process_start()  # --session-deadline counts from here: the bootstrap's installs and fetch included
     cfg = parse_dataclass(TrainConfig, description=__doc__, defaults=BAKED_SETTINGS)
-    from shared.kaggle.env import wandb_key
     from shared.kaggle.packages import installed_seconds
     from shared.kaggle.publish import after_training
+    from shared.kaggle.secrets import wandb_key
     from shared.train.trainer import train
 
     installs = installed_seconds()

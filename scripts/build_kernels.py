@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.chain import KERNEL_NAMES, REPO, build_kernel  # noqa: E402
+from scripts.chain.build import KERNEL_NAMES, REPO, build_kernel  # noqa: E402
 from shared.errors import UserError, run_cli  # noqa: E402
 
 

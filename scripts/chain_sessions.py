@@ -28,7 +28,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from scripts.chain import Chain, load_config  # noqa: E402
+from scripts.chain.chain import Chain  # noqa: E402
+from scripts.chain.config import load_config  # noqa: E402
 from shared.errors import UserError, run_cli  # noqa: E402
 
 DEMO_CONFIG = REPO / "examples" / "chain-demo.json"

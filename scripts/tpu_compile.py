@@ -220,7 +220,7 @@ def main() -> None:
     if bool(args.config) == bool(args.preset):
         raise UserError("give --config CONFIG.json or --preset NAME")
     if args.config:  # the settings a session of that chain trains with, as --plan compiles them
-        from scripts.chain import load_config
+        from scripts.chain.config import load_config
 
         chain = load_config(args.config)
         settings = {**chain.train, "max_steps": chain.total_steps}

@@ -7,14 +7,13 @@ with a push id written into the pushed code (`context`), so a chain killed at an
 continues without pushing a session twice. Each kernel is built into one self-contained file (`build`); the
 Kaggle API is reached through a small retrying client (`client`).
 
+The modules stand in layers, each importing only those below it (tests/test_layout.py finds any import circle):
+1. `limits`, `state`, `build`: Kaggle's limits, the state file, the kernel builder;
+2. `config`: the chain's config and its checks;
+3. `client`, `sizing`; then `context`, which the stages share;
+4. the stages: `checkpoints`, `notebooks`, `hellaswag`, `tokenize_stage`, `train_stage`, `eval_stage`;
+5. `chain`, which runs them; `plan` (`--plan`) and `smoke` (`--smoke`) on top.
+This file imports none of them, so any one can be imported, read and tested alone.
+
 Module-level imports are the standard library and `shared`'s light modules only (the chain never needs torch).
 """
-
-from scripts.chain.build import KERNEL_NAMES, REPO, build_kernel, fill_metadata
-from scripts.chain.chain import Chain
-from scripts.chain.client import ApiFailure, KaggleClient
-from scripts.chain.config import ChainConfig, ClientConfig, config_from_dict, load_config
-from scripts.chain.limits import MACHINE_SHAPES
-
-__all__ = ["KERNEL_NAMES", "MACHINE_SHAPES", "REPO", "ApiFailure", "Chain", "ChainConfig", "ClientConfig",
-           "KaggleClient", "build_kernel", "config_from_dict", "fill_metadata", "load_config"]

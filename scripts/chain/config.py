@@ -22,6 +22,22 @@ from shared.config import NINE_HOURS, TokenizeConfig, TrainConfig, check_field_t
 from shared.errors import UserError
 from shared.kaggle.publish import TEMP_PUBLISH_VERIFY_S
 
+# --smoke's sizes and limits; a config's `smoke` section may change any of them (scripts/chain/smoke.py)
+SMOKE_DEFAULTS = {
+    "tokens": 50_000_000,  # the tokenize part
+    "shard_size": 10_000_000,  # so the part has a validation shard and a few training shards
+    # each train session: Kaggle stops it there (sessionTimeoutSeconds); 0: startup_margin_s + the publish margin +
+    # train_s, so a larger model's longer upload never eats its training
+    "session_limit_s": 0.0,
+    "train_s": 240.0,  # training time in each train session, where session_limit_s is 0
+    "eval_session_limit_s": 0.0,  # the eval's (0: session_limit_s); never more than the config's eval limit
+    "startup_margin_s": 420.0,  # imports, package installs, data, the first compile
+    # 0: 60 s + the checkpoint's upload at the assumed rate (+ the 600-s wait for a version of checkpoints kept in
+    # /kaggle/temp), at least 120 s (scripts/chain/config.py publish_needs_s)
+    "publish_margin_s": 0.0,
+    "val_tokens": 1_048_576,  # the eval's subset
+    "hellaswag_examples": 200,
+}
 
 def one_line(text: str) -> str:
     lines = str(text).strip().splitlines()
@@ -142,6 +158,15 @@ class ChainConfig:
         return TrainConfig(**self.train).model.checkpoint_bytes()  # the keys were checked by check_settings
 
 
+def check_hellaswag_source(source: str, where: str) -> None:
+    """At load: a known word, or a local file that exists."""
+    if source in ("", "download", "demo"):
+        return
+    if not Path(source).is_file():
+        raise UserError(f"{where}: hellaswag {source!r} is not download, demo or an existing jsonl file")
+
+
+
 _TOKENIZE_KEYS = {"parts", "settings", "inputs", "accelerator"}
 _EVAL_KEYS = {"enabled", "settings", "inputs", "accelerator", "session_limit_s"}
 
@@ -236,9 +261,6 @@ def config_from_dict(raw: dict, where: str = "config") -> ChainConfig:
     unknown_slugs = sorted(set(cfg.slugs) - {"tokenize", "train", "eval", "checkpoints"})
     if unknown_slugs:
         raise UserError(f"{where}: unknown slugs key(s) {', '.join(unknown_slugs)}")
-    from scripts.chain.hellaswag import check_hellaswag_source  # (these build on this module)
-    from scripts.chain.smoke import SMOKE_DEFAULTS
-
     check_hellaswag_source(cfg.hellaswag, where)
 
     unknown_smoke = sorted(set(cfg.smoke) - set(SMOKE_DEFAULTS))

@@ -11,7 +11,6 @@ import shutil
 from pathlib import Path
 
 from scripts.chain.context import StageContext
-from shared.errors import UserError
 
 HELLASWAG_FILE = "hellaswag_val.jsonl"
 DEMO_EXAMPLES = 200
@@ -19,14 +18,6 @@ DEMO_EXAMPLES = 200
 
 def hellaswag_ref(ctx: StageContext) -> str:
     return ctx.ref(f"{ctx.cfg.name}-hellaswag")
-
-
-def check_hellaswag_source(source: str, where: str) -> None:
-    """At load: a known word, or a local file that exists."""
-    if source in ("", "download", "demo"):
-        return
-    if not Path(source).is_file():
-        raise UserError(f"{where}: hellaswag {source!r} is not download, demo or an existing jsonl file")
 
 
 def _write_file(source: str, path: Path, log) -> Path:

@@ -6,7 +6,7 @@ one tokenize part of about 50M tokens; a train session on the chain's accelerato
 start-up, 4 minutes of training, the checkpoint's publish) that checkpoints and publishes; a second one that
 resumes from that checkpoint (the step it starts from is checked); an eval on a subset. It ends with a readiness
 report, a row per link, and records the tokens/s it measured for `--plan` (scripts/chain/plan.py). A config's
-`smoke` section can change any of SMOKE_DEFAULTS.
+`smoke` section can change any of SMOKE_DEFAULTS (scripts/chain/config.py).
 """
 
 from __future__ import annotations
@@ -18,28 +18,13 @@ import statistics
 import time
 from pathlib import Path
 
-from scripts.chain.config import ChainConfig, config_from_dict, keeps_stable, publish_needs_s
+from scripts.chain.config import SMOKE_DEFAULTS, ChainConfig, config_from_dict, keeps_stable, publish_needs_s
 from scripts.chain.limits import MACHINE_SHAPES
 from scripts.chain.plan import MEASURED_THROUGHPUT, SHAPE_GENERATION, planned_train, running_shape
 from shared.errors import UserError
 from shared.kaggle.facts import FACTS_FILE
 from shared.kaggle.publish import PUBLISH_RECORD
 
-SMOKE_DEFAULTS = {
-    "tokens": 50_000_000,  # the tokenize part
-    "shard_size": 10_000_000,  # so the part has a validation shard and a few training shards
-    # each train session: Kaggle stops it there (sessionTimeoutSeconds); 0: startup_margin_s + the publish margin +
-    # train_s, so a larger model's longer upload never eats its training
-    "session_limit_s": 0.0,
-    "train_s": 240.0,  # training time in each train session, where session_limit_s is 0
-    "eval_session_limit_s": 0.0,  # the eval's (0: session_limit_s); never more than the config's eval limit
-    "startup_margin_s": 420.0,  # imports, package installs, data, the first compile
-    # 0: 60 s + the checkpoint's upload at the assumed rate (+ the 600-s wait for a version of checkpoints kept in
-    # /kaggle/temp), at least 120 s (scripts/chain/config.py publish_needs_s)
-    "publish_margin_s": 0.0,
-    "val_tokens": 1_048_576,  # the eval's subset
-    "hellaswag_examples": 200,
-}
 SMOKE_TPU_BUDGET_S = 45 * 60  # what a first contact may cost, said before it starts
 
 

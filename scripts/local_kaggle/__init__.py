@@ -32,7 +32,7 @@ How it differs from Kaggle, on purpose or by necessity:
 - KAGGLE_API_ENVIRONMENT is read when `kaggle.api.kaggle_api_extended` is first imported (a class attribute),
   so set it before any `import kaggle`.
 - A session's environment carries no Kaggle credentials (read KAGGLE_USERNAME/KAGGLE_KEY with
-  `shared.kaggle.env.get_secret`); KAGGLE_API_ENVIRONMENT is set only when enable_internet is true. All its
+  `shared.kaggle.secrets.get_secret`); KAGGLE_API_ENVIRONMENT is set only when enable_internet is true. All its
   HTTP(S) goes through this server, which serves the Kaggle API and refuses every other host (no internet),
   except, with internet on, the package index, so a kernel can pip-install what its image lacks, as on Kaggle.
 - A session runs in the interpreter of its machine's image (`rules.image_pythons`: .venv-kaggle-tpu for TPU

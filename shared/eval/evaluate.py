@@ -12,8 +12,8 @@ from pathlib import Path
 from shared.config import EvalConfig
 from shared.data import TokenLoader
 from shared.eval.report import HELLASWAG_PNG, LOSS_PNG, REPORT_FILE, THROUGHPUT_PNG
-from shared.kaggle.env import wandb_key
 from shared.kaggle.models import upload_kaggle_model
+from shared.kaggle.secrets import wandb_key
 from shared.train.checkpoint import METRICS_FILE
 from shared.train.validation import one_pass_batches, validation_loss
 

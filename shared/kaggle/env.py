@@ -1,17 +1,15 @@
-"""Where a kernel is running (Kaggle, the local Kaggle, or neither), its filesystem, and its secrets.
+"""Where a kernel is running (Kaggle, the local Kaggle, or neither) and its filesystem.
 
 On Kaggle a kernel sees `/kaggle/input/<slug>/` (read-only inputs), `/kaggle/working` (its saved output,
 20 GB) and `/kaggle/temp` (scratch), and reads user secrets through `kaggle_secrets.UserSecretsClient`.
 The local Kaggle (`scripts/local_kaggle/`) runs each kernel with the same layout under a session folder
 and tells it where through environment variables; this module is the one place that knows both, so a
-kernel calls `kaggle_paths()` and `get_secret(name)` and runs unchanged in either place.
-
-Secret values are never printed, logged or put into an exception message here.
+kernel calls `kaggle_paths()` (and `shared.kaggle.secrets.get_secret(name)`, which reads the store named here)
+and runs unchanged in either place.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,65 +136,3 @@ def check_session_device(device_type: str) -> None:
     raise UserError(f"this {kernel} kernel was built for a TPU ({machine_shape}) but its runtime started on "
                     f"{device_type} {seen}; stopping before any step. Check the notebook's accelerator setting, "
                     f"and leave PJRT_DEVICE unset or TPU")
-
-
-def get_secret(name: str) -> str:
-    """A user secret (see `_read_secret`); whether it was found goes to the session's facts, its value nowhere."""
-    from shared.kaggle.facts import record_fact
-
-    try:
-        value = _read_secret(name)
-    except UserError:
-        record_fact("secrets", name, False)
-        raise
-    record_fact("secrets", name, True)
-    return value
-
-
-def wandb_key() -> str | None:
-    """The W&B key: WANDB_API_KEY from the environment, else the user's secret of that name; None without one."""
-    if os.environ.get("WANDB_API_KEY"):
-        return os.environ["WANDB_API_KEY"]
-    try:
-        return get_secret("WANDB_API_KEY")
-    except Exception:  # not attached, or no secrets service: W&B stays off, with a notice from the logger
-        return None
-
-
-def _read_secret(name: str) -> str:
-    """A user secret: Kaggle Secrets on Kaggle, the local Kaggle's store locally.
-
-    Outside any Kaggle session the environment variable of the same name is used, so tools run on a
-    workstation can be given the same secrets. A missing secret is a UserError naming it, never its value.
-    """
-    if is_local_kaggle():
-        path = os.environ.get(LOCAL_SECRETS_ENV)
-        values: dict = {}
-        if path:
-            try:
-                with open(path, encoding="utf-8") as f:
-                    values = json.load(f)
-            except (OSError, ValueError):
-                values = {}
-        if name not in values:
-            raise UserError(f"secret {name!r} is not attached to this notebook in the local Kaggle")
-        return str(values[name])
-    if is_kaggle():
-        try:
-            from kaggle_secrets import UserSecretsClient  # only exists on Kaggle
-        except ImportError as err:
-            raise UserError("kaggle_secrets is not importable in this Kaggle session") from err
-        try:
-            value = UserSecretsClient().get_secret(name)
-        except Exception as err:  # the client raises its own types; never echo their payloads
-            raise UserError(
-                f"secret {name!r} could not be read: attach it to this notebook (Add-ons > Secrets)"
-                f" ({type(err).__name__})"
-            ) from None
-        if value is None:
-            raise UserError(f"secret {name!r} is empty or not attached to this notebook")
-        return value
-    value = os.environ.get(name)
-    if value is None:
-        raise UserError(f"secret {name!r} is not set (outside Kaggle, secrets come from the environment)")
-    return value

@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 import os
 
+from shared.kaggle.env import in_session, is_local_kaggle, kaggle_paths
+
 FACTS_FILE = "session-facts.json"
 
 
 def record_fact(section: str, key: str, value) -> None:
     """facts[section][key] = value in the session's FACTS_FILE (a no-op outside a Kaggle or local session)."""
-    from shared.kaggle.env import in_session, is_local_kaggle, kaggle_paths
-
     if not in_session():
         return
     path = kaggle_paths().working / FACTS_FILE

@@ -90,8 +90,8 @@ def stable_checkpoint(*roots: str | os.PathLike | None) -> Path | None:
 def publish_problem(log=print, purpose: str = "publishing checkpoints") -> str | None:
     """Why this session could not publish to Kaggle (a checkpoint, or the eval's Kaggle Model): a secret not
     attached, the kaggle package not to be had; None when it can. Secrets are read, never shown."""
-    from shared.kaggle.env import get_secret
     from shared.kaggle.packages import provide
+    from shared.kaggle.secrets import get_secret
 
     missing = []
     for name in CREDENTIAL_NAMES:
@@ -152,7 +152,8 @@ def kaggle_api(from_secrets: bool = True):
 def secrets_to_env() -> None:
     """In a session, the user's Kaggle credentials from its secrets into this process's environment (where the
     kaggle client and kagglehub read them; never printed)."""
-    from shared.kaggle.env import get_secret, in_session
+    from shared.kaggle.env import in_session
+    from shared.kaggle.secrets import get_secret
 
     if in_session():
         for name in CREDENTIAL_NAMES:

@@ -43,7 +43,7 @@ class MetricsLogger:
                  wandb_project: str = "", run_name: str = "", progress: bool = True, log=print,
                  enabled: bool = True, run_id: str = "", wandb_key: str | None = None):
         """`enabled=False` (the non-main processes of a DDP run) makes every method a no-op. W&B logs with
-        `wandb_project` and `wandb_key` (the caller's: shared.kaggle.env.wandb_key), never showing the key."""
+        `wandb_project` and `wandb_key` (the caller's: shared.kaggle.secrets.wandb_key), never showing the key."""
         self.path = Path(out_dir) / "metrics.jsonl"
         self.enabled = enabled
         self.log = log

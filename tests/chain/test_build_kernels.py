@@ -14,7 +14,7 @@ import pytest
 from helpers import REPO, assert_identical_runs, error_lines, run_script
 from kaggle_fixtures import load_local_kaggle_module
 
-from scripts.chain import build_kernel, fill_metadata
+from scripts.chain.build import build_kernel, fill_metadata
 from shared.errors import UserError
 from shared.kaggle.publish import checkpoint_files
 from shared.train.checkpoint import list_checkpoints

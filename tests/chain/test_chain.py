@@ -20,7 +20,8 @@ from helpers import REPO, error_lines, importable_in, run_script
 from kaggle_fixtures import KEY, USER, client_env, write_dataset
 from safetensors.torch import load_file
 
-from scripts.chain import Chain, config_from_dict, load_config
+from scripts.chain.chain import Chain
+from scripts.chain.config import config_from_dict, load_config
 from shared.errors import UserError
 from shared.train.metrics import read_metrics
 

@@ -40,7 +40,8 @@ def live_numbers(lk, ref: str) -> list[int]:
 PROBE = """
 import json, sys
 sys.path.insert(0, {repo!r})  # scripts/ is not installed: the checkout's
-from scripts.chain import Chain, config_from_dict
+from scripts.chain.chain import Chain
+from scripts.chain.config import config_from_dict
 from scripts.chain.checkpoints import (dataset_head, dataset_step, delete_old_on_publish, note_version,
                                        wait_published, ensure_checkpoint_dataset, check_version_step)
 from shared.errors import UserError
@@ -231,7 +232,7 @@ def test_versions_beyond_keep_dataset_versions_are_deleted(local_kaggle, tmp_pat
 
 
 def test_keep_dataset_versions_must_be_a_whole_number():
-    from scripts.chain import config_from_dict
+    from scripts.chain.config import config_from_dict
     from shared.errors import UserError
 
     assert config_from_dict({"token_datasets": ["a/b"]}).keep_dataset_versions == 2

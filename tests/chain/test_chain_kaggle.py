@@ -14,7 +14,9 @@ import requests
 from helpers import REPO
 from kaggle_fixtures import USER, write_kernel
 
-from scripts.chain import ApiFailure, Chain, config_from_dict
+from scripts.chain.chain import Chain
+from scripts.chain.client import ApiFailure
+from scripts.chain.config import config_from_dict
 from shared.config import MODEL_PRESETS
 from shared.errors import UserError
 
@@ -61,7 +63,8 @@ VERSIONED_PROBE = """
 import json, sys
 from pathlib import Path
 sys.path.insert(0, {repo!r})  # scripts/ is not installed: the checkout's
-from scripts.chain import Chain, config_from_dict
+from scripts.chain.chain import Chain
+from scripts.chain.config import config_from_dict
 chain = Chain(config_from_dict({base}), {work!r}, log=lambda _: None, sleep=lambda s: None)
 chain.connect()
 chain.state.pushes["train-2"] = {{"push_id": "x", "version": 2, "pushed": 0}}
@@ -329,7 +332,8 @@ import hashlib, json, tracemalloc
 import sys
 from pathlib import Path
 sys.path.insert(0, {str(REPO)!r})  # scripts/ is not installed: the checkout's
-from scripts.chain import Chain, config_from_dict
+from scripts.chain.chain import Chain
+from scripts.chain.config import config_from_dict
 chain = Chain(config_from_dict({json.dumps(BASE)}), {str(tmp_path / 'chain')!r}, log=lambda _: None)
 chain.connect()
 tracemalloc.start()
@@ -350,7 +354,8 @@ print(json.dumps({{"files": sorted(Path(f).name for f in files), "peak": peak, "
 
 
 def test_templates_ask_for_the_tpu_their_machine_shape_names(tmp_path):
-    from scripts.chain import MACHINE_SHAPES, build_kernel
+    from scripts.chain.build import build_kernel
+    from scripts.chain.limits import MACHINE_SHAPES
 
     for kernel in ("train", "eval"):
         template = json.loads((REPO / "kernel-metadata" / f"{kernel}.json").read_text())

@@ -159,7 +159,7 @@ def test_wandb_is_off_with_a_one_line_notice_when_the_image_lacks_it_and_it_cann
 
 
 def test_the_wandb_key_is_the_environment_s_else_the_notebook_s_secret_else_none(session, tmp_path, monkeypatch):
-    from shared.kaggle.env import wandb_key
+    from shared.kaggle.secrets import wandb_key
 
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     assert wandb_key() is None  # not attached: W&B off, with the logger's notice

@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from scripts.chain import Chain, config_from_dict
+from scripts.chain.chain import Chain
+from scripts.chain.config import config_from_dict
 from scripts.chain.sizing import session_length, session_measurements
 from shared.errors import UserError
 

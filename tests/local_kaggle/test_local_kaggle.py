@@ -26,6 +26,7 @@ from kaggle_fixtures import (
 from scripts.local_kaggle import ApiError
 from shared.errors import UserError
 from shared.kaggle import env as kaggle_env
+from shared.kaggle import secrets as kaggle_secrets
 
 READ_INPUT_KERNEL = textwrap.dedent(
     """
@@ -136,7 +137,8 @@ def test_secrets_are_attached_to_a_notebook_reach_it_and_never_its_logs(local_ka
     assert err.value.status == 404
     code = textwrap.dedent("""
         import hashlib
-        from shared.kaggle.env import get_secret, kaggle_paths
+        from shared.kaggle.env import kaggle_paths
+        from shared.kaggle.secrets import get_secret
         value = get_secret("WANDB_API_KEY")
         (kaggle_paths().working / "digest.txt").write_text(hashlib.sha256(value.encode()).hexdigest())
         try:
@@ -164,7 +166,8 @@ def test_secrets_are_attached_to_a_notebook_reach_it_and_never_its_logs(local_ka
 SESSION_VERSIONS_DATASET = textwrap.dedent(
     """
     import json, os
-    from shared.kaggle.env import get_secret, kaggle_paths
+    from shared.kaggle.env import kaggle_paths
+    from shared.kaggle.secrets import get_secret
     os.environ["KAGGLE_USERNAME"] = get_secret("KAGGLE_USERNAME")
     os.environ["KAGGLE_KEY"] = get_secret("KAGGLE_KEY")
     from kaggle.api.kaggle_api_extended import KaggleApi
@@ -416,9 +419,9 @@ def test_kaggle_env_outside_and_inside_sessions(tmp_path, monkeypatch):
         with pytest.raises(UserError, match="not inside a Kaggle session"):
             kaggle_env.kaggle_paths()
     with pytest.raises(UserError, match="'MY_TOKEN' is not set"):
-        kaggle_env.get_secret("MY_TOKEN")
+        kaggle_secrets.get_secret("MY_TOKEN")
     monkeypatch.setenv("MY_TOKEN", "env-value")
-    assert kaggle_env.get_secret("MY_TOKEN") == "env-value"
+    assert kaggle_secrets.get_secret("MY_TOKEN") == "env-value"
 
     root = tmp_path / "kaggle"
     (root / "input" / "datasets" / "alice" / "shards").mkdir(parents=True)
@@ -434,9 +437,9 @@ def test_kaggle_env_outside_and_inside_sessions(tmp_path, monkeypatch):
     assert paths.input_dir("alice/shards") == root / "input" / "datasets" / "alice" / "shards"
     with pytest.raises(UserError, match="not attached"):
         paths.input_dir("alice/other")
-    assert kaggle_env.get_secret("HF_TOKEN") == "hf-123"
+    assert kaggle_secrets.get_secret("HF_TOKEN") == "hf-123"
     with pytest.raises(UserError) as err:
-        kaggle_env.get_secret("MY_TOKEN")  # the local store, not the environment, inside a session
+        kaggle_secrets.get_secret("MY_TOKEN")  # the local store, not the environment, inside a session
     assert "env-value" not in str(err.value)
 
 

@@ -292,7 +292,7 @@ def test_muon_resume_in_new_process_is_bit_exact(demo_data, tmp_path):
 def test_one_session_recipe_config_is_muon_over_five_billion_tokens():
     from helpers import REPO
 
-    from scripts.chain import load_config
+    from scripts.chain.config import load_config
 
     chain = load_config(REPO / "examples" / "chain-gpt2-124m-muon.json")
     cfg = TrainConfig(**chain.train, max_steps=chain.total_steps)
