@@ -28,9 +28,9 @@ def main() -> None:
     from shared.config import NINE_HOURS, TrainConfig
     from shared.train.checkpoint import latest_checkpoint, save_checkpoint
     from shared.train.clock import default_time_budget, estimate_checkpoint_seconds
-    from shared.train.device import Runtime
     from shared.train.model import GPT
     from shared.train.optim import make_optimizer, optimizer_tensors
+    from shared.train.runtime import Runtime
 
     cfg = TrainConfig(preset=args.preset)
     model = GPT(cfg.model)

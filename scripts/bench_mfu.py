@@ -9,7 +9,7 @@ of the same model in the same run (eager, torch.optim.AdamW defaults, same micro
 MFU = tokens/s x FLOPs per token / bf16 peak FLOP/s, with FLOPs per token = 6 N + 12 n_layer n_embd T
 (nanoGPT / PaLM appendix B: forward + backward of the weights' matmuls, plus attention's QK^T and AV),
 N counted as the trainer counts it (every parameter, the tied embedding once), peaks from
-shared.train.device.PEAK_BF16_FLOPS.
+shared.train.runtime.PEAK_BF16_FLOPS.
 """
 
 import argparse
@@ -294,7 +294,7 @@ def main() -> None:
             else runtime.description)
 
     say(f"device: {runtime.description}{f' ({name})' if name != runtime.description else ''}; bf16 peak "
-        + (f"{peak_one / 1e12:.1f} TFLOP/s per device (shared.train.device.PEAK_BF16_FLOPS)" if peak_one
+        + (f"{peak_one / 1e12:.1f} TFLOP/s per device (shared.train.runtime.PEAK_BF16_FLOPS)" if peak_one
            else "unknown"))
     say(f"model: {args.preset} ({num_params / 1e6:.2f}M params), T={model_cfg.block_size}, micro-batch {micro} "
         f"per device x {accum} micro-steps per optimizer step; FLOPs/token = 6N + 12*L*C*T = 6*{num_params:,} + "

@@ -87,7 +87,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied embeddings
         self.apply(self._init_weights)
-        # How the block stack runs, set by the device layer (shared.train.device prepare_model): a checkpoint
+        # How the block stack runs, set by the runtime (prepare_model, shared/train/runtime.py): a checkpoint
         # function (block, x) -> x that recomputes a block's activations in the backward pass, and/or a runner
         # (blocks, x) -> x for the whole stack (XLA's scan: one block compiled once). None: a plain loop.
         self.block_checkpoint = None

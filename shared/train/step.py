@@ -14,8 +14,8 @@ import torch
 from shared.config import AUTO, TrainConfig
 from shared.errors import UserError
 from shared.tpu import activation_checkpointing_on, micro_batch_for
-from shared.train.device import Runtime
 from shared.train.optim import clip_grad_norm, lr_at, make_optimizer, muon_momentum_at
+from shared.train.runtime import Runtime
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ def plan_step(cfg: TrainConfig, runtime: Runtime, scan_available: bool | None = 
     compiler: docs/tpu-throughput.md) on a TPU running SDPA attention (the Pallas kernel is untested inside scan)
     when the step has no accumulation loop: inside torch_xla 2.9's loop the scan computed wrong losses
     (tests/train/test_train.py shows it), so the two are never combined."""
-    from shared.train.device import scan_layers_available
+    from shared.train.xla_runtime import scan_layers_available
 
     n_layer, gen, xla = cfg.model.n_layer, runtime.tpu_generation, runtime.name == "xla"
     loop = cfg.grad_accum_loop and xla and cfg.grad_accum_steps > 1

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from shared.config import TrainConfig
-from shared.train.device import XlaRuntime
+from shared.train.xla_runtime import XlaRuntime
 
 HLO_FILE, SPEC_FILE = "step.hlo.pb", "step.json"
 

@@ -33,7 +33,7 @@ from shared.train.checkpoint import (
     set_aside_checkpoint,
 )
 from shared.train.clock import SessionClock, default_time_budget, estimate_checkpoint_seconds
-from shared.train.device import Runtime, make_runtime, runtime_versions
+from shared.train.device import make_runtime
 from shared.train.metrics import BackgroundCalls, MetricsLogger, plot_loss
 from shared.train.model import GPT
 from shared.train.optim import (
@@ -43,6 +43,7 @@ from shared.train.optim import (
     saved_schedule,
     stable_phase_end,
 )
+from shared.train.runtime import Runtime, runtime_versions
 from shared.train.step import build_step, select_attention_and_micro_batch
 from shared.train.validation import periodic_eval
 from shared.train.xla_notices import runtime_notices

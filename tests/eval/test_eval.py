@@ -17,9 +17,10 @@ from shared.data import TokenLoader, find_shards
 from shared.eval.hf import export_hf
 from shared.sampling import generate_tokens, sample_text
 from shared.train.checkpoint import list_checkpoints, load_checkpoint
-from shared.train.device import Runtime, make_runtime
+from shared.train.device import make_runtime
 from shared.train.metrics import read_metrics
 from shared.train.model import GPT
+from shared.train.runtime import Runtime
 from shared.train.validation import validation_loss
 
 transformers = pytest.importorskip("transformers")

@@ -10,8 +10,9 @@ import torch
 from shared import hellaswag as hs
 from shared.config import ModelConfig
 from shared.eval.hf import export_hf
-from shared.train.device import Runtime, make_runtime
+from shared.train.device import make_runtime
 from shared.train.model import GPT
+from shared.train.runtime import Runtime
 
 transformers = pytest.importorskip("transformers")
 

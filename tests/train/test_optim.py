@@ -19,7 +19,6 @@ from helpers import (
 
 from shared.config import TrainConfig
 from shared.errors import UserError
-from shared.train.device import Runtime
 from shared.train.metrics import read_metrics
 from shared.train.model import GPT
 from shared.train.optim import (
@@ -33,6 +32,7 @@ from shared.train.optim import (
     same_schedule_until,
     stable_phase_end,
 )
+from shared.train.runtime import Runtime
 
 MUON = ("--optimizer", "muon", "--schedule", "wsd", "--lr", "3e-3", "--muon-lr", "0.03")
 

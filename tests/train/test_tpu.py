@@ -141,22 +141,22 @@ def test_scan_layers_on_is_refused_where_it_cannot_run():
 def test_scan_availability_is_what_torch_xla_can_import_and_asked_only_where_it_could_run(monkeypatch):
     import torch_xla._internal.jax_workarounds as workarounds
 
-    from shared.train import device
+    from shared.train import xla_runtime
 
     # torch_xla's wheel carries a torchax that imports flax: found by find_spec, unusable by torch_xla.
     monkeypatch.setattr(workarounds, "maybe_get_torchax", lambda: None)
-    assert device.scan_layers_available() is False
+    assert xla_runtime.scan_layers_available() is False
     monkeypatch.setattr(workarounds, "maybe_get_torchax", lambda: object())
     monkeypatch.setattr(workarounds, "maybe_get_jax", lambda *a, **k: object())
-    assert device.scan_layers_available() is True
+    assert xla_runtime.scan_layers_available() is True
 
     def must_not_ask():
         raise AssertionError("scan availability asked (jax imported) where the scan cannot be chosen")
 
-    monkeypatch.setattr(device, "scan_layers_available", must_not_ask)
+    monkeypatch.setattr(xla_runtime, "scan_layers_available", must_not_ask)
     for preset, generation in (("gpt2", "v3"), ("gpt2-xl", None), ("tiny", "v5e")):
         assert not plan_step(TrainConfig(preset=preset, grad_accum_loop=False), FakeRuntime(generation)).scan_layers
-    monkeypatch.setattr(device, "scan_layers_available", lambda: True)
+    monkeypatch.setattr(xla_runtime, "scan_layers_available", lambda: True)
     assert plan_step(TrainConfig(preset="gpt2-medium", grad_accum_loop=False), FakeRuntime("v3")).scan_layers
 
 
@@ -179,7 +179,7 @@ def wrong_dk_kernel(scale: float):
     """A kernel whose forward is exact attention and whose backward returns dk times `scale` (dq, dv exact)."""
     import torch
 
-    from shared.train.device import sdpa_causal
+    from shared.train.attention_probe import sdpa_causal
 
     class WrongDk(torch.autograd.Function):
         @staticmethod
@@ -210,7 +210,7 @@ def xla_runtime():
 
 
 def test_attention_probe_accepts_exact_kernels_sharded_as_training_shards(xla_runtime):
-    from shared.train.device import probe_attention_kernel, sdpa_causal
+    from shared.train.attention_probe import probe_attention_kernel, sdpa_causal
 
     for kernel in (sdpa_causal, manual_attention):
         assert probe_attention_kernel(kernel, PROBE_SHAPE, xla_runtime.device, xla_runtime.shard_batch,
@@ -221,7 +221,7 @@ def test_attention_probe_accepts_exact_kernels_sharded_as_training_shards(xla_ru
 def test_attention_probe_rejects_a_wrong_gradient_and_names_it(xla_runtime):
     import re
 
-    from shared.train.device import ATTENTION_PROBE_TOLERANCE, probe_attention_kernel
+    from shared.train.attention_probe import ATTENTION_PROBE_TOLERANCE, probe_attention_kernel
 
     failure = probe_attention_kernel(wrong_dk_kernel(1.1), PROBE_SHAPE, xla_runtime.device, xla_runtime.shard_batch,
                                      xla_runtime.sync)
@@ -242,7 +242,7 @@ def test_attention_probe_rejects_a_wrong_gradient_and_names_it(xla_runtime):
 
 
 def test_attention_probe_reports_a_failing_kernel_in_one_line():
-    from shared.train.device import probe_attention_kernel
+    from shared.train.attention_probe import probe_attention_kernel
 
     def broken(q, k, v):
         raise RuntimeError("Mosaic failed to compile TPU kernel: Unsupported matmul\nmore detail")
@@ -276,8 +276,9 @@ def test_the_trainer_probes_the_kernel_at_its_own_shapes_sharded_per_device(xla_
     import torch_xla
 
     from shared.data import write_shard
-    from shared.train.device import XlaRuntime, sdpa_causal
+    from shared.train.attention_probe import sdpa_causal
     from shared.train.trainer import train
+    from shared.train.xla_runtime import XlaRuntime
 
     calls = []
 

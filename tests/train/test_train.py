@@ -287,8 +287,9 @@ def test_own_accumulation_loop_equals_torch_xlas_helper_and_is_traced_once():
     # The project's loop (traced on the first step, reused after, no device wait) against torch_xla's
     # gradient_accumulation (a device wait and a full re-trace every step): the same tokens give bit-identical
     # losses and parameters, and the body is built once.
-    from shared.train.device import count_device_waits, make_runtime
+    from shared.train.device import make_runtime
     from shared.train.model import GPT
+    from shared.train.xla_runtime import count_device_waits
 
     runtime = make_runtime("xla")
     cfg = TrainConfig(preset="tiny", seq_len=32)

@@ -1,0 +1,304 @@
+"""The torch_xla SPMD runtime (a TPU, or torch_xla's CPU devices): one 1-D mesh, batches sharded on it, the
+step traced once and compiled; with its helpers for torch_xla's scan over the block stack and the count of
+explicit device waits. torch_xla is imported only when an `XlaRuntime` is made, so importing this stays cheap.
+Which TPU a host has (generation, peaks, PCI probe) is `shared.tpu`."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from shared.tpu import TPU_GENERATIONS, default_xla_env, detect_tpu_generation
+from shared.train.attention_probe import probe_attention_kernel
+from shared.train.runtime import Runtime
+from shared.train.xla_notices import quiet_known_messages
+
+
+class XlaRuntime(Runtime):
+    """torch_xla SPMD over every device: a 1-D mesh ('data'), batches sharded on it, params replicated
+    (or sharded over it with fsdp, GSPMD inserting the gathers and reduce-scatters)."""
+
+    name = "xla"
+
+    def __init__(self, compile_cache: str | os.PathLike | None = None):
+        default_xla_env()
+        import torch_xla
+        import torch_xla.distributed.spmd as xs
+        import torch_xla.runtime as xr
+
+        if compile_cache:  # compiled graphs persist here (before any computation, as torch_xla requires)
+            xr.initialize_cache(str(compile_cache), readonly=False)
+        quiet_known_messages()
+        xr.use_spmd()
+        self._xla, self._xs, self._xr = torch_xla, xs, xr
+        count_device_waits()  # from here on, every wait for the device is counted
+        self.device = torch_xla.device()
+        self.num_devices = xr.global_runtime_device_count()
+        self.mesh = xs.Mesh(np.arange(self.num_devices), (self.num_devices,), ("data",))
+        self._fsdp = False
+        self._accum_loop: tuple | None = None  # (model, bf16, AccumulationLoop) of the last step
+        self.accum_impl = "own"  # or "torch_xla": its gradient_accumulation helper (bench_mfu --torch-xla-accum)
+        self.tpu_generation, self.tpu_generation_source = None, ""
+        if xr.device_type() == "TPU":
+            self._detect_tpu_generation()
+
+    @property
+    def description(self) -> str:
+        kind = f" {self.tpu_generation.name}" if self.tpu_generation else ""
+        return f"xla:{self.device_type}{kind} x{self.num_devices} (SPMD)"
+
+    @property
+    def device_type(self) -> str:
+        return self._xr.device_type()
+
+    def _detect_tpu_generation(self) -> None:
+        from torch_xla._internal import tpu
+
+        try:
+            attributes = dict(self._xr.global_runtime_device_attributes()[0])
+        except Exception:  # the attribute API has changed across versions; the other sources suffice
+            attributes = {}
+        name, self.tpu_generation_source = detect_tpu_generation(device_attributes=attributes,
+                                                                 tpu_type=tpu.get_tpu_type)
+        self.tpu_generation = TPU_GENERATIONS.get(name or "")
+
+    def select_attention(self, batch: int, n_head: int, seq_len: int, head_dim: int) -> None:
+        from shared.train.model import set_attention_kernel
+
+        set_attention_kernel(None)  # the runtime is process-wide: a previous session's choice does not carry over
+        self.attention = "sdpa"
+        kernel = self._flash_attention_kernel()
+        if kernel is None:
+            return
+        # The image's jax may not be the one this torch_xla was built against (Kaggle's TPU image pairs torch_xla
+        # 2.8.0 with jax 0.7.x, docs/kaggle-tpu.md), and Mosaic compiles the kernel per shape: run it forward and
+        # backward at this session's own shapes, sharded as training shards them, and keep SDPA unless it runs
+        # and agrees with SDPA, rather than dying (or training wrong) at the first step.
+        failure = probe_attention_kernel(kernel, (batch, n_head, seq_len, head_dim), self.device,
+                                         self.shard_batch, self.sync)
+        if failure:
+            print(f"notice: the Pallas flash-attention kernel failed its probe at this session's shapes "
+                  f"({batch // self.num_devices} sequences x {n_head} heads x {seq_len} tokens x {head_dim} per "
+                  f"device): {failure}; using SDPA", flush=True)
+            return
+        set_attention_kernel(kernel)
+        self.attention = "pallas-flash"
+
+    def _flash_attention_kernel(self) -> Callable | None:
+        """torch_xla's Pallas flash attention (q, k, v) -> out over this mesh, or None where it may not run."""
+        # The Pallas kernel needs jax (torch_xla[pallas]) and a generation whose Mosaic compiles it (not v2/v3);
+        # on an unknown TPU, and anywhere else, SDPA (XLA's own attention) is used.
+        gen = self.tpu_generation
+        if not gen or not gen.pallas_flash_attention or os.environ.get("GPT2K_FLASH_ATTENTION", "1") == "0":
+            return None
+        try:
+            import jax  # noqa: F401
+            from torch_xla.experimental.custom_kernel import flash_attention
+        except ImportError:
+            return None
+        mesh = self.mesh
+
+        def tpu_flash_attention(q, k, v):
+            return flash_attention(q, k, v, causal=True, sm_scale=q.shape[-1] ** -0.5,
+                                   partition_spec=("data", None, None, None), mesh=mesh)
+
+        return tpu_flash_attention
+
+    def shard_batch(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A device tensor's first (batch) dimension sharded over the mesh, as `batch_to_device` lays out batches."""
+        self._xs.mark_sharding(tensor, self.mesh, ("data",) + (None,) * (tensor.dim() - 1))
+        return tensor
+
+    def autocast(self, enabled: bool):
+        if not enabled:
+            return contextlib.nullcontext()
+        return torch.autocast("xla", dtype=torch.bfloat16)
+
+    def batch_to_device(self, batch: np.ndarray, batch_dim: int = 0) -> torch.Tensor:
+        tensor = torch.from_numpy(batch).to(self.device)
+        spec = tuple("data" if d == batch_dim else None for d in range(tensor.dim()))
+        self._xs.mark_sharding(tensor, self.mesh, spec)
+        return tensor
+
+    def forward_backward(self, model: torch.nn.Module, tokens: np.ndarray, bf16: bool, scaler,
+                         accum_loop: bool = True) -> torch.Tensor:
+        """One optimizer step's gradients as one graph: the (accum, B, T+1) tokens go to the device once and the
+        micro-steps run as an XLA While loop over their first dimension (`shared.train.accum_loop`: traced on the
+        first step, no device wait; `accum_impl = "torch_xla"` runs torch_xla's gradient_accumulation instead).
+        accum_loop=False: one graph per micro-step, each micro-batch sent on its own (the earlier structure)."""
+        accum = tokens.shape[0]
+        if accum == 1 or not accum_loop:
+            return super().forward_backward(model, tokens, bf16, scaler)
+        tokens_on_device = self.batch_to_device(tokens, batch_dim=1)
+
+        def micro_step(batch: torch.Tensor) -> torch.Tensor:
+            with self.autocast(bf16):
+                return model(batch[:, :-1], batch[:, 1:])[1]
+
+        if self.accum_impl == "torch_xla":  # torch_xla's own helper (a device wait per step), to measure against
+            from torch_xla.experimental.gradient_accumulation import gradient_accumulation
+
+            return gradient_accumulation(micro_step, (tokens_on_device,), model)
+        # It divides each micro-step's loss by accum and sums: the returned loss is the step's mean. The loop is
+        # traced on the first step and reused after; it is kept per model and autocast setting.
+        if self._accum_loop is None or self._accum_loop[:2] != (model, bf16):
+            from shared.train.accum_loop import AccumulationLoop
+
+            loop = AccumulationLoop(micro_step, list(model.parameters()), place_slice=self.shard_batch)
+            self._accum_loop = (model, bf16, loop)
+        return self._accum_loop[2](tokens_on_device)
+
+    def _param_spec(self, param: torch.Tensor) -> tuple:
+        # fsdp: shard the first dimension the mesh divides; otherwise (or if none divides) replicate.
+        if self._fsdp:
+            for dim, size in enumerate(param.shape):
+                if size % self.num_devices == 0:
+                    return tuple("data" if d == dim else None for d in range(param.dim()))
+        return (None,) * param.dim()
+
+    def prepare_model(self, model: torch.nn.Module, fsdp: bool, compile: bool = False,
+                      activation_checkpointing: bool = False, scan_layers: bool = False) -> torch.nn.Module:
+        model.to(self.device)  # XLA traces and compiles the step itself; torch.compile is not used here
+        self._fsdp = fsdp
+        for param in model.parameters():
+            self.shard_like(param, param)
+        if activation_checkpointing:
+            # torch_xla's checkpoint puts an optimization barrier around the recomputation (XLA would otherwise
+            # common-subexpression it away, keeping the activations after all).
+            from torch_xla.utils.checkpoint import checkpoint
+
+            model.block_checkpoint = lambda block, x: checkpoint(block, x, use_reentrant=True)
+        if scan_layers:
+            model.block_stack = make_scan_layers(activation_checkpointing)
+        return model
+
+    def shard_like(self, tensor: torch.Tensor, param: torch.Tensor) -> None:
+        # Replicated tensors are annotated too: a step's inputs then carry the same sharding before and after
+        # the first step, so step 1 and step 2 are one graph (and a resumed run compiles that same graph).
+        self._xs.mark_sharding(tensor, self.mesh, self._param_spec(param))
+
+    def replicate(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self._fsdp:  # GSPMD gathers the shards where the annotation asks for the whole tensor
+            self._xs.mark_sharding(tensor, self.mesh, (None,) * tensor.dim())
+        return tensor
+
+    def sync(self) -> None:
+        self._xla.sync()
+
+    def add_step_closure(self, fn: Callable, args: tuple = ()) -> None:
+        import torch_xla.core.xla_model as xm
+
+        xm.add_step_closure(fn, args=args)
+
+    def compile_count(self) -> int:
+        import torch_xla.debug.metrics as met
+
+        data = met.metric_data("CompileTime")
+        return int(data[0]) if data else 0
+
+    def execution_count(self) -> int:
+        import torch_xla.debug.metrics as met
+
+        # Graphs launched: every sync looks its graph up, found (CachedCompile) or compiled (UncachedCompile), then
+        # launches it. Counted in the launching thread, so exact at any moment; the ExecuteReplicated counter
+        # moves on the runtime's own threads, a step late or early.
+        return sum(int(met.counter_value(name) or 0) for name in ("CachedCompile", "UncachedCompile"))
+
+    def compile_seconds(self) -> float:
+        import torch_xla.debug.metrics as met
+
+        data = met.metric_data("CompileTime")
+        return float(data[1]) / 1e9 if data else 0.0  # the accumulator is in nanoseconds
+
+    def compile_cache_stats(self) -> dict:
+        import torch_xla.debug.metrics as met
+
+        names = {"hits": "PersistentCacheHit", "unloadable": "PersistentCacheDeserializeFailure",
+                 "misses": "PersistentCacheMiss"}
+        return {key: int(met.counter_value(name) or 0) for key, name in names.items()}
+
+    def transfer_counts(self) -> tuple[int, int]:
+        import torch_xla.debug.metrics as met
+
+        to_dev, from_dev = met.metric_data("TransferToDeviceTime"), met.metric_data("TransferFromDeviceTime")
+        return (int(to_dev[0]) if to_dev else 0, int(from_dev[0]) if from_dev else 0)
+
+    def device_timers(self) -> dict[str, float]:
+        import torch_xla.debug.metrics as met
+
+        def total_s(name: str) -> float:
+            data = met.metric_data(name)
+            return float(data[1]) / 1e9 if data else 0.0  # accumulators are in nanoseconds
+
+        # ExecuteReplicatedTime (SPMD) runs from the launch until the results are ready: the PJRT client releases
+        # its timer in the execution's OnReady callback (pytorch/xla torch_xla/csrc/runtime/
+        # pjrt_computation_client.cpp, ExecuteReplicated). (DeviceLockWait is no host-wait measure: it also sums
+        # the logging thread's waits for a step's values.)
+        return {"execute_s": total_s("ExecuteReplicatedTime") + total_s("ExecuteTime"),
+                "device_waits": float(count_device_waits())}
+
+    def peak_flops(self) -> float | None:
+        gen = self.tpu_generation
+        return gen.peak_bf16_per_device * self.num_devices if gen else None
+
+    def rng_state(self) -> dict:
+        import torch_xla.core.xla_model as xm
+
+        return {**super().rng_state(), "xla_seed": int(xm.get_rng_state())}
+
+    def set_rng_state(self, state: dict) -> None:
+        import torch_xla.core.xla_model as xm
+
+        super().set_rng_state(state)
+        if "xla_seed" in state:
+            xm.set_rng_state(int(state["xla_seed"]))
+
+
+def scan_layers_available() -> bool:
+    """torch_xla's scan under SPMD calls into jax (shard_alike) through torchax: true when torch_xla's own imports
+    of both succeed. (The torch_xla 2.8/2.9 wheels carry a torchax of their own that imports flax; whichever of
+    it and PyPI's torchax was installed last is the one imported: scripts/setup.sh installs PyPI's last.)"""
+    import importlib.util
+
+    if any(importlib.util.find_spec(name) is None for name in ("jax", "torchax")):
+        return False
+    try:
+        from torch_xla._internal.jax_workarounds import maybe_get_jax, maybe_get_torchax
+
+        return maybe_get_torchax() is not None and maybe_get_jax() is not None
+    except Exception:  # a broken install: no scan, rather than no training
+        return False
+
+
+def make_scan_layers(activation_checkpointing: bool) -> Callable:
+    """A block-stack runner (blocks, x) -> x that traces and compiles one block and loops it over the stack
+    (torch_xla's scan_layers); with activation checkpointing, AOTAutograd's min-cut partition recomputes what
+    the backward pass needs instead of keeping it."""
+    from functorch.compile import default_partition, min_cut_rematerialization_partition
+    from torch_xla.experimental.scan_layers import scan_layers
+
+    partition = min_cut_rematerialization_partition if activation_checkpointing else default_partition
+    return lambda blocks, x: scan_layers(blocks, x, partition_fn=partition, is_layer_pure=True)
+
+
+_device_waits = [0]
+
+
+def count_device_waits() -> int:
+    """Explicit waits for the device (torch_xla's `wait_device_ops`, as `xm.wait_device_ops` and torch_xla's
+    gradient_accumulation call it) since the first call, which installs the counting wrapper."""
+    import torch_xla
+
+    wait = torch_xla._XLAC._xla_wait_device_ops
+    if not getattr(wait, "counted", False):
+        def counted_wait(*args, **kwargs):
+            _device_waits[0] += 1
+            return wait(*args, **kwargs)
+
+        counted_wait.counted = True
+        torch_xla._XLAC._xla_wait_device_ops = counted_wait  # xm.wait_device_ops looks it up at each call
+    return _device_waits[0]
