@@ -95,3 +95,11 @@ def test_the_kernel_configs_and_the_chain_config_load_with_the_standard_library_
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'numpy', 'safetensors', 'kaggle'}))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=SHARED.parent, capture_output=True, text=True, check=True)
     assert proc.stdout.strip() == "[]"
+
+
+def test_no_module_of_shared_scripts_or_kernels_is_over_500_lines():
+    """DEVELOPERS.md: no module over 500 lines. A longer one is split along a seam of its own."""
+    long = {str(p.relative_to(SHARED.parent)): n for folder in ("shared", "scripts", "kernels")
+            for p in sorted((SHARED.parent / folder).rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > 500}
+    assert long == {}

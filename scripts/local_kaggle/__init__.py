@@ -60,7 +60,7 @@ the command line.
 
 from .api import API_ROUTES, SDK_ROUTES, ApiParts, call_api, message, to_wire
 from .app import LocalKaggle
-from .kernels import Session, notebook_to_script
+from .kernels import notebook_to_script
 from .rules import (
     DEFAULT_CONCURRENCY,
     DEFAULT_GPU_QUOTA_HOURS,
@@ -77,6 +77,7 @@ from .rules import (
     Settings,
 )
 from .server import ADMIN_HEADER, admin_call
+from .sessions import Session
 
 __all__ = [
     "ADMIN_HEADER", "API_ROUTES", "DEFAULT_CONCURRENCY", "DEFAULT_GPU_QUOTA_HOURS", "DEFAULT_GPU_SHAPE",

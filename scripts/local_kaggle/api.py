@@ -54,8 +54,9 @@ from kagglesdk.security.services.oauth_service import OAuthClient
 from kagglesdk.security.types.oauth_service import IntrospectTokenResponse
 
 from .datasets import Datasets, Uploads, is_ready, live_versions
-from .kernels import Kernels, Scheduler
+from .kernels import Kernels
 from .rules import MACHINE_SHAPES, TERMINAL, WEEK_S, ApiError, Faults, utc, week_start
+from .sessions import Scheduler
 from .state import Quota, Store
 
 # ----- kagglesdk's types on the wire -----

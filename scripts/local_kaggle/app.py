@@ -16,7 +16,7 @@ from typing import Any
 
 from .api import ApiParts, call_api
 from .datasets import Datasets, Uploads
-from .kernels import Kernels, Runtime, Scheduler
+from .kernels import Kernels
 from .rules import (
     DEFAULT_GPU_QUOTA_HOURS,
     DEFAULT_SESSION_LIMIT_S,
@@ -28,6 +28,7 @@ from .rules import (
     Settings,
 )
 from .server import Backend, make_server, proxy_env
+from .sessions import Runtime, Scheduler
 from .state import LOST_SESSION, Accounts, Quota, Store
 
 
