@@ -103,3 +103,10 @@ def test_no_module_of_shared_scripts_or_kernels_is_over_500_lines():
             for p in sorted((SHARED.parent / folder).rglob("*.py"))
             if (n := len(p.read_text().splitlines())) > 500}
     assert long == {}
+
+
+def test_the_training_loop_reads_in_at_most_100_lines():
+    """train() reads top to bottom on one screen: set up, resume, the loop, end; the rest is calls with names."""
+    tree = ast.parse((SHARED / "train" / "trainer.py").read_text())
+    train = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "train")
+    assert train.end_lineno - train.lineno + 1 <= 100

@@ -4,7 +4,7 @@ the runtime's running totals, against a direct computation."""
 import torch
 
 from shared.train import trainer
-from shared.train.trainer import StepLog, step_timing
+from shared.train.session import StepLog, step_timing
 
 
 class FakeRuntime:

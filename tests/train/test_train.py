@@ -380,7 +380,7 @@ def test_background_calls_run_in_order_and_flush_reraises():
 
 def test_extend_with_no_checkpoint_at_all_starts_at_step_zero(tmp_path):
     # A chain's first session (or its smoke run) with train.extend set: nothing to extend, nothing refused.
-    from shared.train.trainer import resume_point
+    from shared.train.session import resume_point
 
     cfg = TrainConfig(preset="tiny", seq_len=32, micro_batch=8, total_batch_tokens=256, max_steps=8, schedule="wsd",
                       extend=True, resume_from=str(tmp_path / "mount"))

@@ -1,0 +1,263 @@
+"""The session around the step: where it resumes from, when it evaluates and checkpoints, what it writes into a
+checkpoint, and the metric lines it logs. `shared.train.trainer.train` calls each by name."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from shared.checkpoint_names import STABLE_DIR
+from shared.config import TrainConfig
+from shared.data import TokenLoader
+from shared.errors import UserError
+from shared.train.checkpoint import (
+    METRICS_FILE,
+    CheckpointTimer,
+    LoadedCheckpoint,
+    check_same_shape,
+    checkpoint_name,
+    latest_checkpoint,
+    save_checkpoint,
+    saved_state,
+    set_aside_checkpoint,
+)
+from shared.train.metrics import BackgroundCalls, MetricsLogger
+from shared.train.model import GPT
+from shared.train.optim import (
+    optimizer_of_state,
+    optimizer_tensors,
+    same_schedule_until,
+    saved_schedule,
+    stable_phase_end,
+)
+from shared.train.runtime import Runtime
+from shared.train.step import TrainStep
+from shared.train.validation import periodic_eval
+
+XLA_CACHE_DIR = "xla_cache"  # inside out_dir, and inside each checkpoint (XLA's persistent compilation cache)
+
+
+def step_timing(per_step: dict[str, float], host_trace_s: float, sync_s: float, step_s: float) -> dict:
+    """A logging window's timing, per step: host_trace_ms, the loop thread's CPU time building a step (data,
+    tracing) before its sync (CPU time: a wait for the device in the middle is no host work); sync_ms, the sync's
+    wall time (hashing and launching the graph, waiting if the runtime is still busy; the window's syncs up to its
+    last step's, which the log cannot wait for); and where the runtime measures them (`device_timers`, per-step
+    deltas): device_ms, the device running graphs; device_busy, device time over the window's wall time;
+    device_waits, explicit waits for the device."""
+    record = {"host_trace_ms": round(1e3 * host_trace_s, 2), "sync_ms": round(1e3 * sync_s, 2)}
+    if per_step:
+        record.update(device_ms=round(1e3 * per_step["execute_s"], 2),
+                      device_busy=round(min(1.0, per_step["execute_s"] / max(step_s, 1e-9)), 4),
+                      device_waits=round(per_step["device_waits"], 3))
+    return record
+
+
+def restore_compile_cache(resumed, out_dir: Path) -> Path:
+    """`<out_dir>/xla_cache`, seeded with the compiled graphs that travelled in the resumed checkpoint."""
+    cache = out_dir / XLA_CACHE_DIR
+    cache.mkdir(parents=True, exist_ok=True)
+    saved = resumed.path / XLA_CACHE_DIR if resumed else None
+    if saved and saved.is_dir():
+        for file in saved.iterdir():
+            if file.is_file() and not (cache / file.name).exists():
+                shutil.copyfile(file, cache / file.name)
+    return cache
+
+
+def resume_point(cfg: TrainConfig, ckpt_root: Path, log=print) -> LoadedCheckpoint | None:
+    """The checkpoint this session starts from: the newest that verifies in the run's checkpoints or
+    --resume-from. With --extend, the newest that the new schedule agrees with (every update it holds made with
+    the same learning rates), the stable-phase checkpoints included; the run's newer checkpoints, made on the
+    shorter schedule, are then set aside, so this and every later session of the longer run go on from the right
+    one. Nothing is renamed when no checkpoint agrees; with no checkpoint at all, the run starts at step 0."""
+    roots = [ckpt_root, Path(cfg.resume_from) if cfg.resume_from else None]
+    if not cfg.extend:
+        return latest_checkpoint(*roots, log=log, set_aside=True)
+    roots += [root / STABLE_DIR for root in roots if root]
+    passed_over: dict[Path, str] = {}
+
+    def superseded(path: Path) -> bool:
+        was, step = saved_schedule(cfg, saved_state(path))
+        if same_schedule_until(was, cfg, step):
+            return False
+        passed_over[path] = f"step {step} of a {was.max_steps}-step {was.schedule} schedule"
+        return True
+
+    try:
+        resumed = latest_checkpoint(*roots, log=log, set_aside=True, superseded=superseded)
+    except UserError:
+        if not passed_over:
+            raise
+        resumed = None
+    if resumed is None and not passed_over:  # nothing to extend yet (a chain's first session, a smoke run)
+        log(f"--extend: no checkpoint yet in {', '.join(str(r) for r in roots if r)}; training from step 0")
+        return None
+    if resumed is None:
+        found = "; ".join(f"{path}: {what}" for path, what in passed_over.items())
+        raise UserError(f"--extend --max-steps {cfg.max_steps}: no checkpoint in "
+                        f"{', '.join(str(r) for r in roots if r)} agrees with this schedule (a wsd run keeps the one "
+                        f"where its stable phase ends in {STABLE_DIR}/; the new decay must start later)"
+                        + (f"; passed over {found}" if found else ""))
+    owned = (ckpt_root, ckpt_root / STABLE_DIR)  # --resume-from is another run's, or a read-only dataset
+    for path, what in passed_over.items():
+        if path.parent in owned:
+            set_aside_checkpoint(path, f"--extend: {path} ({what}) holds updates --max-steps {cfg.max_steps} "
+                                       "makes differently", log=log)
+    log(f"--extend: training on from step {resumed.step} ({resumed.path}) to step {cfg.max_steps}")
+    return resumed
+
+
+def check_resumable(cfg: TrainConfig, resumed: LoadedCheckpoint) -> None:
+    """The checkpoint holds this model's shape and this optimizer's state (one-line UserError otherwise)."""
+    check_same_shape(resumed, cfg.model.to_dict())
+    saved_with = optimizer_of_state(resumed.optimizer)
+    if saved_with != cfg.optimizer:
+        raise UserError(f"--optimizer {cfg.optimizer}: the checkpoint {resumed.path} holds {saved_with}'s "
+                        f"state; resume with --optimizer {saved_with} (or start a new run in another --out-dir)")
+
+
+class StepLog:
+    """The loop's metric lines. `queue` runs as a step closure once a logged step is launched, so its host-side
+    counts include that step's compilation, graph launch and tokens; the device values (loss, grad norm, LR)
+    are read by `background` (a thread under XLA) while the loop goes on tracing the next step. Each line
+    reports the window since the previous one."""
+
+    def __init__(self, runtime: Runtime, logger: MetricsLogger, background: BackgroundCalls, step: int,
+                 tokens_per_step: int, flops_per_token: float, session_start: float):
+        self.runtime, self.logger, self.background = runtime, logger, background
+        self.tokens_per_step, self.flops_per_token, self.session_start = tokens_per_step, flops_per_token, session_start
+        self.peak = runtime.peak_flops()
+        self.last_loss: float | None = None
+        self._window_start = {"time": time.monotonic(), "step": step, "host_trace_s": 0.0, "sync_s": 0.0,
+                              **runtime.device_timers()}
+
+    def queue(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: torch.Tensor, host_trace_s: float,
+              sync_s: float) -> None:
+        # The previous line must be written first: the device is busy with this step meanwhile, and a read the
+        # runtime kept waiting (its device lock goes to the loop's syncs first) is late by one window at most.
+        self.background.flush()
+        h2d, _ = self.runtime.transfer_counts()
+        counts = {"compiles": self.runtime.compile_count(), "graphs": self.runtime.execution_count(),
+                  "h2d_transfers": h2d}
+        self.background.submit(self._write, step, loss, grad_norm, lr, host_trace_s, sync_s, counts)
+
+    def _write(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: torch.Tensor, host_trace_s: float,
+               sync_s: float, counts: dict) -> None:
+        # Under XLA this runs on the background thread: reading the values waits for the device to finish the
+        # step. They are read first, so the window's clock stops once the device has finished the step, not when
+        # it was queued. Every other device-to-host read (evals, checkpoints) waits for this one first, so the
+        # count read after it is exact.
+        self.last_loss = self.runtime.mean_across(loss).item()
+        lr_value, grad_norm_value = lr.item(), grad_norm.item()
+        now, timers = time.monotonic(), self.runtime.device_timers()
+        start = self._window_start
+        steps, seconds = step - start["step"], max(now - start["time"], 1e-9)
+        per_step = {key: (timers[key] - start[key]) / steps for key in timers}
+        tokens_per_s = steps * self.tokens_per_step / seconds
+        self.logger.write({"step": step, "loss": self.last_loss, "lr": lr_value, "grad_norm": grad_norm_value,
+                           "tokens": step * self.tokens_per_step, "tokens_per_s": round(tokens_per_s, 1),
+                           "mfu": tokens_per_s * self.flops_per_token / self.peak if self.peak else None,
+                           "elapsed_s": round(now - self.session_start, 3), **counts,
+                           "d2h_transfers": self.runtime.transfer_counts()[1],
+                           **step_timing(per_step, (host_trace_s - start["host_trace_s"]) / steps,
+                                         (sync_s - start["sync_s"]) / steps, seconds / steps)})
+        self._window_start = {"time": now, "step": step, "host_trace_s": host_trace_s, "sync_s": sync_s, **timers}
+
+
+class Evaluator:
+    """Decides when to evaluate and does it: every `eval_every` steps, where there are validation shards, and at
+    a session's start (its baseline, which also compiles the eval graphs before the first step). An eval is the
+    validation loss, and the HellaSwag subset and a sample where configured (shared/train/validation.py)."""
+
+    def __init__(self, model: GPT, runtime: Runtime, cfg: TrainConfig, val_loader: TokenLoader | None,
+                 logger: MetricsLogger, background: BackgroundCalls):
+        self.model, self.runtime, self.cfg, self.val_loader = model, runtime, cfg, val_loader
+        self.logger, self.background = logger, background
+        self.active = val_loader is not None and cfg.eval_every > 0
+
+    def baseline(self, step: int) -> None:
+        if self.active and step < self.cfg.max_steps:
+            self._run(step)
+
+    def maybe_run(self, step: int) -> None:
+        if self.active and step % self.cfg.eval_every == 0:
+            self._run(step)
+
+    def _run(self, step: int) -> None:
+        self.background.flush()  # the logged steps before the eval's records
+        periodic_eval(self.model, self.runtime, self.cfg, step, step * self.cfg.total_batch_tokens, self.val_loader,
+                      self.logger)
+
+
+class Checkpointer:
+    """Decides when to write a checkpoint and times each write: every `checkpoint_every` steps, where a wsd
+    run's stable phase ends (apart, in <root>/stable/, out of rotation: --extend trains on from it), and at the
+    session's end. `write(root, step, keep)` is the trainer's: it gathers the tensors and saves them."""
+
+    def __init__(self, cfg: TrainConfig, root: Path, step: int, timer: CheckpointTimer,
+                 write: Callable[[Path, int, int], Path]):
+        self.cfg, self.root, self.timer, self.write = cfg, root, timer, write
+        self.stable_end = stable_phase_end(cfg) if cfg.keep_stable else None
+        self.saved_step = step
+
+    def maybe_save(self, step: int) -> None:
+        every = self.cfg.checkpoint_every
+        if every and step % every == 0 and step < self.cfg.max_steps:
+            self.write(self.root, step, self.cfg.keep_checkpoints)
+            self.saved_step = step
+        if step == self.stable_end:
+            self.write(self.root / STABLE_DIR, step, 1)
+
+    def seconds_after(self, step: int) -> float:
+        """The writes still to come after `step` that the time budget must leave room for: the stable-phase one
+        if the next step makes it, and the final one, with half again as margin."""
+        stable = self.timer.seconds if step + 1 == self.stable_end else 0.0
+        return stable + 1.5 * self.timer.seconds
+
+    def final_save(self, step: int, start_step: int, resumed: LoadedCheckpoint | None) -> Path | None:
+        """The session's last checkpoint: written unless this step's is already on disk."""
+        if step != self.saved_step:
+            return self.write(self.root, step, self.cfg.keep_checkpoints)
+        if step > start_step:
+            return self.root / checkpoint_name(step)
+        return resumed.path if resumed else None  # nothing trained: the run was already complete
+
+
+class CheckpointWriter:
+    """Writes one checkpoint: the model's and optimizer's tensors gathered to the host (the checkpoint's
+    device-to-host transfer, off the step path), the loader's position, RNG, config, timings and the XLA
+    compile cache beside them, and logs it. Under DDP every process holds the same tensors; one writes them."""
+
+    def __init__(self, cfg: TrainConfig, runtime: Runtime, model: GPT, train_step: TrainStep, loader: TokenLoader,
+                 timer: CheckpointTimer, compile_cache: Path | None, logger: MetricsLogger,
+                 background: BackgroundCalls, ckpt_root: Path, session_start: float):
+        self.cfg, self.runtime, self.model, self.train_step, self.loader = cfg, runtime, model, train_step, loader
+        self.timer, self.compile_cache, self.logger, self.background = timer, compile_cache, logger, background
+        self.ckpt_root, self.session_start = ckpt_root, session_start
+        self.metrics_path = Path(cfg.out_dir) / METRICS_FILE
+
+    def __call__(self, root: Path, step: int, keep: int) -> Path:
+        self.background.flush()  # the logged steps before the checkpoint's record
+        model_tensors = self.model.checkpoint_tensors()
+        opt_tensors = optimizer_tensors(self.train_step.opt, self.train_step.named_params)
+        tokens, scaler = step * self.cfg.total_batch_tokens, self.train_step.scaler
+        path = root / checkpoint_name(step)
+        if self.runtime.is_main:
+            state = {"loader": self.loader.state.to_dict(), "rng": self.runtime.rng_state(), "config": {
+                "train": self.cfg.to_dict(), "model": self.cfg.model.to_dict()},
+                "timings": {"checkpoint_seconds": self.timer.seconds}, "tokens": tokens,
+                "grad_scaler": scaler.state_dict() if scaler.is_enabled() else None}
+            extra = ({XLA_CACHE_DIR: self.compile_cache} if self.compile_cache and self.runtime.name == "xla"
+                     else None)
+            path = self.timer.time(save_checkpoint, root, step, model_tensors, opt_tensors, state,
+                                   self.metrics_path, keep, extra)
+        self.runtime.barrier()
+        self.logger.write({"event": "checkpoint", "step": step, "tokens": tokens,
+                           "checkpoint_s": round(self.timer.seconds, 3),
+                           **({"stable": True} if root != self.ckpt_root else {}),
+                           "elapsed_s": round(time.monotonic() - self.session_start, 3)})
+        return path
