@@ -135,30 +135,32 @@ SCHEDULES = ("cosine", "wsd")
 
 @dataclass
 class TrainConfig:
+    """One train session's settings; every field is a flag (`--max-steps`) and a key of a chain config's
+    `train.settings`. Grouped as a reader looks for them: the model, the data, the optimizer, the schedule, the
+    step's structure, the session, evals, logging. Checked in `__post_init__`, however the config is built."""
+
+    # --- the model --------------------------------------------------------------------------------------------------
     preset: str = field(default="tiny", metadata={"help": "model size: " + ", ".join(MODEL_PRESETS)})
-    data_dir: str = field(default="data/demo", metadata={"help": "directory of *_train_*.bin / *_val_*.bin shards"})
-    out_dir: str = field(default="runs/demo", metadata={"help": "checkpoints, metrics.jsonl and plots go here"})
-    resume_from: str = field(
-        default="", metadata={"help": "checkpoint root to resume from if out_dir has none (e.g. a Kaggle input)"}
-    )
     seq_len: int = field(default=0, metadata={"help": "tokens per sequence (0: the preset's block size)"})
-    micro_batch: int | str = field(default=16, metadata={
-        "help": "sequences per micro-step over all devices, or auto: the most that fits, from the TPU generation, "
-                "the attention kernel and the model (shared/tpu.py auto_micro_batch; docs/tpu-throughput.md)"})
-    total_batch_tokens: int = field(default=524288, metadata={"help": "tokens per optimizer step"})
-    max_steps: int = field(default=19073, metadata={"help": "optimizer steps for the whole run (all sessions)"})
-    warmup_steps: int = field(default=715, metadata={"help": "linear learning-rate warm-up steps"})
+    seed: int = field(default=1337, metadata={"help": "init and data-order seed"})
+    zero_init_projections: bool = field(default=False, metadata={
+        "help": "start the attention and MLP output projections (c_proj) at zero (modded-nanogpt's 2024-10-14 record; "
+                "initialisation only: the architecture and the Hugging Face export are unchanged)"})
+
+    # --- the data ---------------------------------------------------------------------------------------------------
+    data_dir: str = field(default="data/demo", metadata={"help": "directory of *_train_*.bin / *_val_*.bin shards"})
+    on_data_change: str = field(
+        default="error",
+        metadata={"help": "when the training shards differ from the resumed checkpoint's (token parts added or "
+                  "removed): error, or new-epoch (go on with a new pass over the shards given)"},
+    )
+
+    # --- the optimizer ----------------------------------------------------------------------------------------------
     optimizer: str = field(
         default="adamw", metadata={"help": "adamw, or muon (Muon for the blocks' matrices, AdamW for the rest; "
                                    "docs/recipe.md)"}
     )
-    schedule: str = field(
-        default="cosine", metadata={"help": "cosine (warm-up, cosine to min_lr_ratio), or wsd (warm-up, constant, "
-                                  "linear decay to zero over the last cooldown_frac of the run)"}
-    )
     lr: float = field(default=6e-4, metadata={"help": "peak learning rate (AdamW's, and Muon's AdamW part)"})
-    min_lr_ratio: float = field(default=0.1, metadata={"help": "cosine floor as a fraction of the peak"})
-    cooldown_frac: float = field(default=0.4, metadata={"help": "wsd: the fraction of max_steps that decays"})
     weight_decay: float = field(default=0.1, metadata={"help": "AdamW decay on 2-D weights only"})
     muon_lr: float = field(default=0.02, metadata={"help": "muon: peak learning rate of the blocks' matrices"})
     matrix_lr: float = field(default=0.0, metadata={
@@ -171,10 +173,26 @@ class TrainConfig:
     muon_momentum_start: float = field(default=0.85, metadata={"help": "muon: the momentum at step 0 of the warm-up"})
     muon_weight_decay: float = field(default=0.01, metadata={"help": "muon: decoupled decay on its matrices"})
     grad_clip: float = field(default=1.0, metadata={"help": "global gradient-norm clip"})
-    seed: int = field(default=1337, metadata={"help": "init and data-order seed"})
-    zero_init_projections: bool = field(default=False, metadata={
-        "help": "start the attention and MLP output projections (c_proj) at zero (modded-nanogpt's 2024-10-14 record; "
-                "initialisation only: the architecture and the Hugging Face export are unchanged)"})
+
+    # --- the schedule: the whole run's steps and learning rates -----------------------------------------------------
+    max_steps: int = field(default=19073, metadata={"help": "optimizer steps for the whole run (all sessions)"})
+    warmup_steps: int = field(default=715, metadata={"help": "linear learning-rate warm-up steps"})
+    schedule: str = field(
+        default="cosine", metadata={"help": "cosine (warm-up, cosine to min_lr_ratio), or wsd (warm-up, constant, "
+                                  "linear decay to zero over the last cooldown_frac of the run)"}
+    )
+    min_lr_ratio: float = field(default=0.1, metadata={"help": "cosine floor as a fraction of the peak"})
+    cooldown_frac: float = field(default=0.4, metadata={"help": "wsd: the fraction of max_steps that decays"})
+    extend: bool = field(default=False, metadata={
+        "help": "wsd: lengthen a run to this --max-steps (a later decay): resume from its newest checkpoint that "
+                "the new schedule agrees with (the stable-phase one, once), setting aside the shorter schedule's "
+                "decayed checkpoints; every session of the longer run keeps the flag"})
+
+    # --- the step's structure: batch, precision, backend and how XLA compiles it ------------------------------------
+    total_batch_tokens: int = field(default=524288, metadata={"help": "tokens per optimizer step"})
+    micro_batch: int | str = field(default=16, metadata={
+        "help": "sequences per micro-step over all devices, or auto: the most that fits, from the TPU generation, "
+                "the attention kernel and the model (shared/tpu.py auto_micro_batch; docs/tpu-throughput.md)"})
     fsdp: bool = field(default=False, metadata={"help": "shard params, grads and AdamW state over the mesh"})
     bf16: bool = field(
         default=True, metadata={"help": "bf16 autocast, fp32 master weights (fp16 + loss scaling without bf16)"}
@@ -196,6 +214,16 @@ class TrainConfig:
         default="auto", metadata={"help": "XLA: compile one block for the whole stack (torch_xla scan; needs jax and "
                                   "torchax): on, off, or auto (on a TPU with SDPA attention, 24+ layers)"}
     )
+
+    # --- the session: where it writes, how long it runs, its checkpoints --------------------------------------------
+    out_dir: str = field(default="runs/demo", metadata={"help": "checkpoints, metrics.jsonl and plots go here"})
+    resume_from: str = field(
+        default="", metadata={"help": "checkpoint root to resume from if out_dir has none (e.g. a Kaggle input)"}
+    )
+    checkpoint_dir: str = field(
+        default="", metadata={"help": "where checkpoints are written ('': out_dir/checkpoints; on Kaggle, large "
+                              "models keep them in /kaggle/temp, outside the 20 GB output)"}
+    )
     time_budget: float = field(
         default=0.0,
         metadata={"help": "seconds this session may train before its final checkpoint (0: 9 h less a margin)"},
@@ -205,34 +233,25 @@ class TrainConfig:
         metadata={"help": "seconds from the session's start (the kernel process's) by which training and its final "
                   "checkpoint are done, however long start-up took (0: none; a chain sets its limit less publishing)"},
     )
+    stop_after_steps: int = field(
+        default=0, metadata={"help": "end this session after this many steps (0: only time/max_steps end it)"}
+    )
     checkpoint_every: int = field(default=1000, metadata={"help": "steps between periodic checkpoints (0: off)"})
     keep_checkpoints: int = field(default=2, metadata={"help": "how many checkpoints to keep"})
     keep_stable: bool = field(default=True, metadata={
         "help": "wsd: also keep the checkpoint where the stable phase ends (every full-LR update, none decayed) "
                 "in <checkpoints>/stable/, which --extend trains on from"})
-    extend: bool = field(default=False, metadata={
-        "help": "wsd: lengthen a run to this --max-steps (a later decay): resume from its newest checkpoint that "
-                "the new schedule agrees with (the stable-phase one, once), setting aside the shorter schedule's "
-                "decayed checkpoints; every session of the longer run keeps the flag"})
-    checkpoint_dir: str = field(
-        default="", metadata={"help": "where checkpoints are written ('': out_dir/checkpoints; on Kaggle, large "
-                              "models keep them in /kaggle/temp, outside the 20 GB output)"}
-    )
-    log_every: int = field(default=10, metadata={"help": "steps between metric log lines"})
-    on_data_change: str = field(
-        default="error",
-        metadata={"help": "when the training shards differ from the resumed checkpoint's (token parts added or "
-                  "removed): error, or new-epoch (go on with a new pass over the shards given)"},
-    )
+
+    # --- evals during training --------------------------------------------------------------------------------------
     eval_every: int = field(default=250, metadata={"help": "steps between validation-loss evals (0: off)"})
     eval_batches: int = field(default=20, metadata={"help": "micro-batches per validation-loss eval"})
     hellaswag_file: str = field(default="", metadata={"help": "HellaSwag jsonl scored at each eval ('': off)"})
     hellaswag_examples: int = field(default=1000, metadata={"help": "HellaSwag examples per eval (0: all)"})
     sample_prompt: str = field(default="", metadata={"help": "prompt sampled from at each eval ('': no samples)"})
     sample_tokens: int = field(default=32, metadata={"help": "tokens per sample at each eval"})
-    stop_after_steps: int = field(
-        default=0, metadata={"help": "end this session after this many steps (0: only time/max_steps end it)"}
-    )
+
+    # --- logging ----------------------------------------------------------------------------------------------------
+    log_every: int = field(default=10, metadata={"help": "steps between metric log lines"})
     wandb_project: str = field(
         default="gpt2-on-kaggle", metadata={"help": "W&B project, used when a key exists ('': W&B off)"}
     )

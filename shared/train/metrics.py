@@ -156,6 +156,12 @@ class BackgroundCalls:
             error, self._error = self._error, None
             raise error
 
+    def drain(self) -> None:
+        """Waits for the calls submitted so far, raising nothing: for a session ending on an error, whose process
+        must not exit while this thread is still inside a device read (torch_xla aborts the process then)."""
+        if self._queue is not None:
+            self._queue.join()
+
 
 GPT2_HELLASWAG = 0.2945  # OpenAI GPT-2 124M's HellaSwag acc_norm (the project's target)
 

@@ -139,6 +139,7 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
                                         compiled_at_start))
     finally:
         signal.signal(signal.SIGTERM, previous_handler)
+        background.drain()  # a session stopped by an error leaves no device read running as the process exits
         logger.close()
     metrics_path = out_dir / METRICS_FILE
     loss_png = plot_loss(metrics_path, out_dir / "loss.png") if runtime.is_main else None

@@ -1,6 +1,7 @@
 """The trainer's per-window step timing (issue 19): host trace, sync, device time and device-busy per step, from
 the runtime's running totals, against a direct computation."""
 
+import pytest
 import torch
 
 from shared.train import trainer
@@ -83,3 +84,29 @@ def test_each_log_line_reports_its_own_window_per_step(monkeypatch):
     assert (second["host_trace_ms"], second["sync_ms"], second["device_ms"]) == (150.0, 10.0, 750.0)
     assert (second["device_busy"], second["device_waits"]) == (0.25, 0.0)
     assert log.last_loss == 2.5
+
+
+def test_drain_waits_for_a_running_background_call_and_raises_nothing():
+    """A session ending on an error drains the logging thread before its process exits: the thread may be inside a
+    device read, and torch_xla aborts a process that exits meanwhile."""
+    import threading
+
+    from shared.train.metrics import BackgroundCalls
+
+    release, done = threading.Event(), []
+    calls = BackgroundCalls(threaded=True)
+
+    def slow_read():
+        release.wait(5)
+        done.append("read")
+
+    def failing():
+        raise RuntimeError("device read failed")
+
+    calls.submit(slow_read)
+    calls.submit(failing)
+    threading.Timer(0.2, release.set).start()
+    calls.drain()  # returns only after both ran, and does not raise the second's error
+    assert done == ["read"] and calls._queue.unfinished_tasks == 0
+    with pytest.raises(RuntimeError, match="device read failed"):
+        calls.flush()  # the error is still there for the loop's own flush
