@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import fnmatch
+import re
 from pathlib import Path
 
 SHARED = Path(__file__).resolve().parents[1] / "shared"
@@ -110,3 +112,26 @@ def test_the_training_loop_reads_in_at_most_100_lines():
     tree = ast.parse((SHARED / "train" / "trainer.py").read_text())
     train = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "train")
     assert train.end_lineno - train.lineno + 1 <= 100
+
+
+def readme_layout_paths() -> list[str]:
+    """The paths the README's layout table names: each row's first cell, one or more `path`s (a folder ends in /,
+    `bench_*.py` is a pattern)."""
+    readme = (SHARED.parent / "README.md").read_text()
+    table = readme.split("\n## Layout", 1)[1].split("\n## ", 1)[0]
+    paths = []
+    for line in table.splitlines():
+        cells = line.split("|")
+        if line.startswith("| `") and len(cells) > 2:
+            paths += re.findall(r"`([^`]+)`", cells[1])
+    return paths
+
+
+def test_the_readmes_layout_table_names_every_module_and_only_files_that_exist():
+    root = SHARED.parent
+    named = readme_layout_paths()
+    assert [p for p in named if not list(root.glob(p.rstrip("/")))] == []  # nothing named that is gone
+    modules = [p.relative_to(root).as_posix() for folder in ("shared", "scripts", "kernels")
+               for p in sorted((root / folder).rglob("*.py")) if p.name != "__init__.py"]
+    unnamed = [m for m in modules if not any(fnmatch.fnmatch(m, p) for p in named)]
+    assert unnamed == []

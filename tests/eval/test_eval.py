@@ -220,6 +220,7 @@ def test_eval_kernel_report_and_plots(evaluated, trained_run):
     assert read_metrics(out / "metrics.jsonl")[: len(history)] == history
 
 
+@pytest.mark.slow  # the eval kernel in a new process, on two training sessions (85 s of set-up)
 def test_eval_kernel_export_loads_in_transformers(evaluated, trained_run, demo_data):
     out, _ = evaluated
     hf = transformers.GPT2LMHeadModel.from_pretrained(out / "hf").eval()
