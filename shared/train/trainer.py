@@ -121,6 +121,7 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
             last_step_end = time.monotonic()
             if step == start_step + 1:
                 first_step_end = last_step_end
+                background.flush()  # step 1's line before the start-up record (and a too-short session's end)
                 clock.first_step_done(step, loop_start, first_step_end, runtime.compile_seconds() - compile_before,
                                       ckpt_timer.seconds, logger.write, log)
             evaluator.maybe_run(step)
