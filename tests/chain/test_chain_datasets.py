@@ -102,7 +102,6 @@ def session_output(saved_step: int, weights: bytes, **record) -> str:
     return SESSION_OUTPUT.format(step=saved_step, weights=weights, record={"dataset": CKPT, **record})
 
 
-@pytest.mark.slow  # chains on the local Kaggle (its sessions in new processes)
 def test_a_publish_that_reports_success_but_never_appears_is_caught(local_kaggle, tmp_path):
     lk = local_kaggle
     add_version(lk, tmp_path, CKPT, {"README.md": "no checkpoint yet"})
@@ -169,7 +168,6 @@ def test_an_extending_session_it_must_publish_goes_out_with_the_carried_stable_p
     assert (folder / "model.safetensors").read_bytes() == b"extended" * 10
 
 
-@pytest.mark.slow  # chains on the local Kaggle (its sessions in new processes)
 def test_train_extend_is_checked_against_the_dataset_before_any_session(local_kaggle, tmp_path):
     """The dataset holds a finished 4-step wsd run (step 4) and its stable-phase checkpoint (step 3): extended to 8
     steps, the next session will resume from 3 (said once); with a decay that would start before step 3, neither
@@ -388,7 +386,6 @@ def test_a_finished_wsd_chain_extends_from_its_stable_phase_checkpoint_carried_i
     assert lk.app.faults.datasets == {"stale_dataset_status": [], "stale_mount": [], "lost_publish": []}
 
 
-@pytest.mark.slow  # chains on the local Kaggle (its sessions in new processes)
 def test_a_checkpoint_kept_only_in_temp_deletes_older_versions_and_its_session_verifies_its_publish(local_kaggle,
                                                                                                       tmp_path):
     """gpt2-large/xl keep their checkpoint in /kaggle/temp (no copy in the output): their publishes delete older
@@ -425,7 +422,6 @@ def test_a_checkpoint_kept_only_in_temp_deletes_older_versions_and_its_session_v
     assert out["head"] == [3, 30] and live_numbers(lk, CKPT) == [1, 2, 3]  # the lost delete deleted nothing
 
 
-@pytest.mark.slow  # chains on the local Kaggle (its sessions in new processes)
 def test_the_hellaswag_file_becomes_a_dataset_the_train_kernel_reads(local_kaggle, tmp_path):
     out, log = probe(local_kaggle, tmp_path, """
         from scripts.chain.hellaswag import ensure_hellaswag_dataset

@@ -41,7 +41,6 @@ READ_INPUT_KERNEL = textwrap.dedent(
 )
 
 
-@pytest.mark.slow  # sessions run by the local Kaggle, in new processes
 def test_push_runs_kernel_with_dataset_input_and_output_downloads(local_kaggle, tmp_path):
     lk = local_kaggle
     out = lk.cli("datasets", "create", "-p", str(write_dataset(tmp_path / "ds", "alice/words-data",
@@ -189,7 +188,6 @@ SESSION_VERSIONS_DATASET = textwrap.dedent(
 )
 
 
-@pytest.mark.slow  # sessions run by the local Kaggle, in new processes
 def test_kernel_versions_a_dataset_from_inside_its_session(local_kaggle, tmp_path):
     """The train kernel's checkpoint path: the Kaggle API from inside a session, credentials from secrets."""
     lk = local_kaggle
@@ -250,7 +248,6 @@ def test_working_cap_stops_the_session(local_kaggle, tmp_path):
     assert status == "ERROR" and "over its 100000-byte limit" in message
 
 
-@pytest.mark.slow  # sessions run by the local Kaggle, in new processes
 def test_accelerator_quota_is_counted_and_enforced(local_kaggle, tmp_path):
     lk = local_kaggle
     lk.app.quota_s["tpu"] = 90.0
@@ -279,7 +276,6 @@ def test_accelerator_quota_is_counted_and_enforced(local_kaggle, tmp_path):
     assert lk.wait("alice/cpu-kernel") == ("COMPLETE", None)
 
 
-@pytest.mark.slow  # sessions run by the local Kaggle, in new processes
 def test_http_faults_reach_the_client(local_kaggle, tmp_path):
     lk = local_kaggle
     kdir = write_kernel(tmp_path / "k", "alice/faulty-calls", "print('ok')\n")
@@ -309,7 +305,6 @@ def test_http_faults_reach_the_client(local_kaggle, tmp_path):
     assert out.returncode == 1 and "blob store down" in out.stderr and not (tmp_path / "d2" / "x.txt").exists()
 
 
-@pytest.mark.slow  # sessions run by the local Kaggle, in new processes
 def test_session_error_and_kill_faults(local_kaggle, tmp_path):
     lk = local_kaggle
     kdir = write_kernel(tmp_path / "k", "alice/chaos-kernel",
@@ -342,7 +337,6 @@ def test_session_error_and_kill_faults(local_kaggle, tmp_path):
     assert lk.wait("alice/failing-kernel") == ("ERROR", "Kernel process exited with code 3")
 
 
-@pytest.mark.slow  # sessions run by the local Kaggle, in new processes
 def test_restart_keeps_datasets_kernels_and_outputs(local_kaggle, tmp_path):
     lk = local_kaggle
     lk.cli("datasets", "create", "-p", str(write_dataset(tmp_path / "ds", "alice/words-data",
@@ -370,7 +364,6 @@ def test_restart_keeps_datasets_kernels_and_outputs(local_kaggle, tmp_path):
     assert len(lk.app.state["kernels"]["alice/read-words"]["versions"]) == 2
 
 
-@pytest.mark.slow  # sessions run by the local Kaggle, in new processes
 def test_bad_input_gives_clear_errors_and_loses_nothing(local_kaggle, tmp_path):
     lk = local_kaggle
     no_creds = client_env(lk.app, tmp_path / "nocreds", user=None, key=None)
