@@ -67,7 +67,8 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
     # XLA starts with the compiled graphs of the previous session when the checkpoint has them.
     compile_cache = restore_compile_cache(resumed, out_dir) if cfg.xla_cache else None
     runtime = runtime or make_runtime(cfg.backend, compile_cache)
-    log_runtime_notices(runtime, resumed, compile_cache, log)
+    versions = runtime_versions()
+    log_runtime_notices(runtime, versions, resumed, compile_cache, log)
     if not runtime.is_main:  # under DDP one process speaks for all
         log = lambda *args, **kwargs: None  # noqa: E731
     compiled_at_start = runtime.compile_seconds(), runtime.compile_count()
@@ -80,7 +81,7 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
     if resumed and resumed.state.get("grad_scaler") and train_step.scaler.is_enabled():
         train_step.scaler.load_state_dict(resumed.state["grad_scaler"])
     ckpt_timer, clock = session_clock(cfg, resumed, model.num_params(), session_start, started, startup_parts)
-    logger = start_logging(cfg, runtime, model, resumed, clock, log, wandb_key)
+    logger = start_logging(cfg, runtime, versions, model, resumed, clock, log, wandb_key)
     log(train_step.plan.describe(runtime, cfg.grad_accum_steps))
 
     stop_requested = threading.Event()
@@ -151,11 +152,12 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
 
 # --- setting up a session ------------------------------------------------------------------------------------------
 
-def log_runtime_notices(runtime: Runtime, resumed: LoadedCheckpoint | None, compile_cache: Path | None, log) -> None:
+def log_runtime_notices(runtime: Runtime, versions: dict, resumed: LoadedCheckpoint | None, compile_cache: Path | None,
+                        log) -> None:
     """XLA's notices for this torch_xla, and whether its compile cache came back with the checkpoint."""
     if runtime.name == "xla":
         restored = bool(resumed and compile_cache and any(compile_cache.iterdir()))
-        for notice in runtime_notices(runtime.device_type, runtime_versions()["torch_xla"], restored):
+        for notice in runtime_notices(runtime.device_type, versions["torch_xla"], restored):
             log(notice)
 
 
@@ -204,7 +206,7 @@ def session_clock(cfg: TrainConfig, resumed: LoadedCheckpoint | None, num_params
     return ckpt_timer, clock
 
 
-def start_logging(cfg: TrainConfig, runtime: Runtime, model: GPT, resumed: LoadedCheckpoint | None,
+def start_logging(cfg: TrainConfig, runtime: Runtime, versions: dict, model: GPT, resumed: LoadedCheckpoint | None,
                   clock: SessionClock, log, wandb_key: str | None) -> MetricsLogger:
     """The metrics log, its history the checkpoint's copy (steps a killed session logged after its checkpoint are
     dropped); its session_start record, and the session's description in the log."""
@@ -218,7 +220,7 @@ def start_logging(cfg: TrainConfig, runtime: Runtime, model: GPT, resumed: Loade
     logger = MetricsLogger(out_dir, cfg.max_steps, start_step, cfg.to_dict(), cfg.wandb_project, cfg.run_name,
                            progress=cfg.progress, log=log, enabled=runtime.is_main, run_id=cfg.wandb_run_id,
                            wandb_key=wandb_key)
-    versions, tpu = runtime_versions(), runtime.tpu_generation
+    tpu = runtime.tpu_generation
     logger.write({"event": "session_start", "step": start_step, "tokens": start_step * cfg.total_batch_tokens,
                   "device": runtime.description, "versions": versions, "time_budget_s": round(clock.budget_s, 1),
                   "session_deadline_s": cfg.session_deadline or None,
