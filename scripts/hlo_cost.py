@@ -149,6 +149,24 @@ class StepCost:
     roofline_ops_s: float = 0.0  # sum over ops of max(FLOPs / peak, bytes / HBM bandwidth), times their runs
     collectives: list[Collective] = field(default_factory=list)
     loops: dict[str, int | None] = field(default_factory=dict)  # While body -> trip count
+    ops: list[OpCost] = field(default_factory=list)  # each op that moves bytes or runs FLOPs, runs applied
+    # Pallas (Mosaic) kernels: opaque to the HLO, so their FLOPs are unknown here; the bytes of their operands and
+    # results, runs applied, are in `kernel_bytes` (not in hbm_bytes or roofline_ops_s).
+    kernel_calls: int = 0
+    kernel_bytes: float = 0.0
+
+
+@dataclass
+class OpCost:
+    """One op's share of a step, its runs applied: where the roofline's time goes."""
+
+    name: str
+    op: str  # the HLO opcode (a fusion's is "fusion")
+    shape: str  # its result
+    runs: int
+    flops: float
+    hbm_bytes: float
+    roofline_s: float
 
 
 def _fused_flops(computations: dict[str, Computation], name: str) -> float:
@@ -203,14 +221,26 @@ def _walk(computations: dict[str, Computation], name: str, runs: int, in_loop: b
             size = operand if kind == "reduce-scatter" or i.op == "all-reduce-start" else shape_bytes(i.shape)
             cost.collectives.append(Collective(kind, size, in_loop, runs))
             continue
+        if i.op == "custom-call" and 'custom_call_target="tpu_custom_call"' in i.attrs:
+            cost.kernel_calls += runs
+            cost.kernel_bytes += (shape_bytes(i.shape) + sum(shape_bytes(comp.shapes.get(o, "")) for o in i.operands)
+                                  ) * runs
+            continue
         if i.op in _NO_BYTES:
             continue
         moved = _moved_bytes(computations, comp, i)
         flops = conv_flops(i, comp.shapes) if i.op in ("convolution", "dot") else \
             sum(_fused_flops(computations, c) for c in _called(i.attrs, "calls")) if i.op == "fusion" else 0.0
+        seconds = max(flops / peak_flops, moved / hbm_bytes_per_s) * runs
         cost.flops += flops * runs
         cost.hbm_bytes += moved * runs
-        cost.roofline_ops_s += max(flops / peak_flops, moved / hbm_bytes_per_s) * runs
+        cost.roofline_ops_s += seconds
+        cost.ops.append(OpCost(i.name, i.op, i.shape, runs, flops * runs, moved * runs, seconds))
+
+
+def top_ops(cost: StepCost, n: int = 20) -> list[OpCost]:
+    """The n ops that take the most of the roofline's time."""
+    return sorted(cost.ops, key=lambda o: o.roofline_s, reverse=True)[:n]
 
 
 def _moved_bytes(computations: dict[str, Computation], comp: Computation, i: Instruction) -> int:

@@ -10,8 +10,9 @@ a measurement.
 
 The step is traced with torch_xla on 8 CPU devices, never run (its state is placeholders), and compiled in the
 TPU compiler's virtualenv (.venv-tpu, made by scripts/setup.sh: jax and libtpu as Kaggle's TPU image pins them).
-Attention is SDPA, the session's fallback: the Pallas flash kernel is lowered by jax for a TPU backend only, so
-`micro_batch: auto` is resolved as a session resolves it with SDPA. Results are cached by settings and versions.
+Attention is the Pallas flash kernel where the TPU runs it (lowered by jax for the TPU platform here, without a
+TPU: shared/train/step_trace.py), so `micro_batch: auto` is resolved as a session whose flash probe passes resolves
+it; `--attention sdpa` compiles the step a failed probe falls back to. Results are cached by settings and versions.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -29,6 +31,9 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from shared.errors import UserError, run_cli  # noqa: E402
+from shared.train.mosaic_version import libtpu_build_date, version_for_libtpu  # noqa: E402
+from shared.train.mosaic_version import readable_version as readable_mosaic_version  # noqa: E402
+from shared.train.step_trace import MOSAIC_VERSION_ENV  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE_DIR = Path(os.environ.get("TPU_COMPILE_CACHE") or Path.home() / ".cache" / "gpt2-on-kaggle" / "tpu-compile")
@@ -75,9 +80,13 @@ def cache_key(settings: dict, tpu: str, compiler: str) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def compile_step(settings: dict, tpu: str, log=print, cache_dir: Path = CACHE_DIR) -> dict:
+def compile_step(settings: dict, tpu: str, log=print, cache_dir: Path = CACHE_DIR, keep: Path | None = None,
+                 attention: str = "flash") -> dict:
     """The compiler's report on the step of train `settings` (TrainConfig fields) on Kaggle's `tpu` ("v5e-8"),
-    cached. Raises UserError where the TPU compiler is not installed or the step does not compile."""
+    cached. `attention`: "flash", the step a session runs where its flash-attention probe passes (SDPA where the
+    TPU has no Pallas kernel), or "sdpa", the step it falls back to. With `keep`, compiled afresh and its trace
+    (the optimized HLO text among it) copied to keep/<tpu>.
+    Raises UserError where the TPU compiler is not installed or the step does not compile."""
     from shared.config import TrainConfig
 
     TrainConfig(**settings)  # bad settings are one line before anything is traced
@@ -86,26 +95,58 @@ def compile_step(settings: dict, tpu: str, log=print, cache_dir: Path = CACHE_DI
         raise UserError("the TPU compiler is not installed (.venv-tpu: jax and libtpu as Kaggle's image pins them); "
                         "run bash scripts/setup.sh")
     target = TPUS[tpu]
-    key = cache_key(settings, tpu, _versions(python))
+    key = cache_key({**settings, "attention": attention}, tpu, _versions(python))
     cached = cache_dir / key / "report.json"
-    if cached.exists():
+    if cached.exists() and keep is None:
         return {**json.loads(cached.read_text()), "cached": True}
     with tempfile.TemporaryDirectory(prefix="tpu-compile-") as tmp:
         work = Path(tmp)
         (work / "settings.json").write_text(json.dumps(settings))
         log(f"tracing the step for {tpu} (torch_xla, {chips(target)} CPU devices, nothing run) ...")
         env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(chips(target)),
-               "PYTHONPATH": str(REPO)}
-        _run([sys.executable, "-m", "shared.train.step_trace", str(work / "settings.json"), str(work / "trace"),
-              target["generation"]], env, "tracing the step")
-        log(f"compiling it with libtpu for {tpu} ({target['topology']}; gpt2's step takes minutes on 2 cores) ...")
+               "PYTHONPATH": str(REPO), "GPT2K_FLASH_ATTENTION": "1" if attention == "flash" else "0"}
+        trace = [sys.executable, "-m", "shared.train.step_trace", str(work / "settings.json"), str(work / "trace"),
+                 target["generation"]]
         bounds = ",".join(str(b) for b in target["chips_per_host"])
-        _run([str(python), str(REPO / "scripts" / "tpu_compile_libtpu.py"), str(work / "trace"), target["topology"],
-              bounds], {**os.environ, **COMPILER_ENV}, "compiling the step")
-        report = analyse(work / "trace", tpu)
+        compile_cmd = [str(python), str(REPO / "scripts" / "tpu_compile_libtpu.py"), str(work / "trace"),
+                       target["topology"], bounds]
+        # The version jax would serialize Pallas kernels at on a TPU with this libtpu (here it has no TPU to ask).
+        mosaic_version = compiler_mosaic_version(python, target) if attention == "flash" else None
+        if mosaic_version is not None:
+            env[MOSAIC_VERSION_ENV] = str(mosaic_version)
+        _run(trace, env, "tracing the step")
+        log(f"compiling it with libtpu for {tpu} ({target['topology']}; gpt2's step takes minutes on 2 cores) ...")
+        try:
+            _run(compile_cmd, {**os.environ, **COMPILER_ENV}, "compiling the step")
+        except UserError as err:
+            mosaic_version = readable_mosaic_version(str(err))
+            if mosaic_version is None:
+                raise
+            # jax serialized the Pallas kernel newer than this libtpu reads: as a session does after its first
+            # probe (shared/train/mosaic_version.py), lower it at the version libtpu names.
+            log(f"libtpu reads Pallas kernels up to Mosaic version {mosaic_version}: tracing again with the kernel "
+                f"lowered at {mosaic_version}, as a session does after its first flash probe ...")
+            _run(trace, {**env, MOSAIC_VERSION_ENV: str(mosaic_version)}, "tracing the step")
+            _run(compile_cmd, {**os.environ, **COMPILER_ENV}, "compiling the step")
+        report = {**analyse(work / "trace", tpu), "mosaic_version": mosaic_version}
+        if keep is not None:
+            shutil.copytree(work / "trace", keep / tpu, dirs_exist_ok=True)
     cached.parent.mkdir(parents=True, exist_ok=True)
     cached.write_text(json.dumps(report, indent=1))
     return {**report, "cached": False}
+
+
+def compiler_mosaic_version(python: Path, target: dict) -> int | None:
+    """The highest Mosaic version the TPU compiler's libtpu reads, from its build date (None: unknown or jax's
+    latest). A few seconds: libtpu starts its compile-only client."""
+    bounds = tuple(target["chips_per_host"])
+    code = ("from jax.experimental import topologies; print(topologies.get_topology_desc(platform='tpu', "
+            f"topology_name={target['topology']!r}, chips_per_host_bounds={bounds}).devices[0].client"
+            ".platform_version)")
+    proc = subprocess.run([str(python), "-c", code], env={**os.environ, **COMPILER_ENV}, capture_output=True,
+                          text=True)
+    built = libtpu_build_date(proc.stdout) if proc.returncode == 0 else None
+    return version_for_libtpu(built) if built else None
 
 
 def chips(target: dict) -> int:
@@ -158,12 +199,18 @@ def analyse(trace_dir: Path, tpu: str) -> dict:
         group["bytes"] += c.bytes
     collective_s = sum(collective_seconds(c, compiled["devices"], target["ici_bw"]) * c.runs for c in cost.collectives)
     model_flops = train.model.flops_per_token() * train.total_batch_tokens / compiled["devices"]
-    step_s = cost.roofline_ops_s + collective_s
+    # The Pallas kernels (flash attention) are opaque to the HLO: their FLOPs are taken as the model's FLOPs the
+    # HLO does not show (attention's 12LCT, less what the HLO holds of it), at peak, or their bytes at HBM bandwidth.
+    kernel_flops = max(model_flops - cost.flops, 0.0) if cost.kernel_calls else 0.0
+    kernel_s = max(kernel_flops / gen.peak_bf16_per_chip, cost.kernel_bytes / target["hbm_bw"])
+    step_s = cost.roofline_ops_s + kernel_s + collective_s
     return {**head, "memory": memory, "peak_bytes": peak,
             "hbm_bytes": hbm, "fits": True, "free_fraction": 1 - peak / hbm,  # the compiler refuses what overflows
             "flops": cost.flops, "model_flops": model_flops, "hbm_traffic": cost.hbm_bytes,
             "loops": list(cost.loops.values()), "collectives": list(groups.values()),
             "roofline_ops_s": cost.roofline_ops_s, "collective_s": collective_s, "step_s": step_s,
+            "kernel_calls": cost.kernel_calls, "kernel_flops": kernel_flops, "kernel_bytes": cost.kernel_bytes,
+            "kernel_s": kernel_s,
             "mfu_ceiling": model_flops / (gen.peak_bf16_per_chip * step_s) if step_s else 0.0}
 
 
@@ -199,8 +246,11 @@ def report_lines(r: dict) -> list[str]:
               f"{r['flops'] / 1e12:.2f} TFLOP ({r['model_flops'] / 1e12:.2f} TFLOP of model FLOPs, 6N + 12LCT); "
               f"HBM traffic {r['hbm_traffic'] / 1e9:.2f} GB",
               f"roofline lower bound (estimate): {r['step_s'] * 1e3:.1f} ms a step = ops "
-              f"{r['roofline_ops_s'] * 1e3:.1f} ms (each op at peak FLOP/s or HBM bandwidth) + collectives "
-              f"{r['collective_s'] * 1e3:.1f} ms (at ICI bandwidth)",
+              f"{r['roofline_ops_s'] * 1e3:.1f} ms (each op at peak FLOP/s or HBM bandwidth) + "
+              + (f"Pallas kernels {r['kernel_s'] * 1e3:.1f} ms ({r['kernel_calls']} calls, opaque to the HLO: the "
+                 f"model's {r['kernel_flops'] / 1e12:.2f} TFLOP it does not show, at peak) + "
+                 if r.get("kernel_calls") else "")
+              + f"collectives {r['collective_s'] * 1e3:.1f} ms (at ICI bandwidth)",
               f"MFU ceiling: {r['mfu_ceiling']:.1%}"]
     return lines
 
@@ -214,8 +264,13 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int)
     parser.add_argument("--fsdp", action="store_true")
     parser.add_argument("--activation-checkpointing", choices=("on", "off", "auto"))
+    parser.add_argument("--attention", default="flash", choices=("flash", "sdpa"),
+                        help="flash: the step a session runs where its flash-attention probe passes (the default); "
+                        "sdpa: the step it falls back to")
     parser.add_argument("--tpu", default="v5e-8", choices=(*TPUS, "all"), help="all: Kaggle's, v5e-8 and v6e-8")
     parser.add_argument("--json", action="store_true", help="print the reports as JSON")
+    parser.add_argument("--keep", type=Path, help="compile afresh and keep each TPU's trace and optimized HLO in "
+                        "KEEP/<tpu>/ (optimized.hlo.txt: read with scripts/hlo_cost.py)")
     args = parser.parse_args()
     if bool(args.config) == bool(args.preset):
         raise UserError("give --config CONFIG.json or --preset NAME")
@@ -235,7 +290,8 @@ def main() -> None:
     reports = []
     for tpu in (KAGGLE_TPUS if args.tpu == "all" else [args.tpu]):
         started = time.monotonic()
-        report = compile_step(settings, tpu, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+        report = compile_step(settings, tpu, log=lambda msg: print(msg, file=sys.stderr, flush=True),
+                              keep=args.keep, attention=args.attention)
         reports.append(report)
         if not args.json:
             print("\n".join(report_lines(report)))

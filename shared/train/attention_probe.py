@@ -7,6 +7,8 @@ from collections.abc import Callable
 
 import torch
 
+from shared.train.mosaic_version import refusal_line
+
 # How far a candidate attention kernel may be from SDPA: max |candidate - reference| over max |reference|, for the
 # output and each of dq, dk, dv. The candidate runs in bf16 (8 significant bits: one rounding is up to 2^-9, 0.2%),
 # the reference in fp32 from the same bf16 inputs (on a TPU its fp32 matmuls may themselves round through bf16,
@@ -58,7 +60,8 @@ def probe_attention_kernel(kernel: Callable, shape: tuple[int, int, int, int], d
         errors = errors.cpu().tolist()  # once, at the start of a session: a host read is fine here
     except Exception as err:  # a Mosaic/Pallas compile error, a jax/torch_xla mismatch, ...
         lines = str(err).strip().splitlines()
-        return f"{type(err).__name__}: {lines[0][:200] if lines else ''}"
+        # libtpu's refusal of the kernel's Mosaic version may sit deep in a long error: the caller acts on it.
+        return f"{type(err).__name__}: {refusal_line(str(err)) or (lines[0][:200] if lines else '')}"
     # `not error <= tolerance` also fails NaN and inf (a kernel whose gradients overflow).
     bad = [f"{name} by {error:.3g}" for name, error in zip(PROBE_RESULTS, errors, strict=True)
            if not error <= tolerance]

@@ -6,14 +6,16 @@ module (before optimization, shardings on its parameters) with what the compiler
 
 Run in a process whose torch_xla has as many CPU devices as the TPU has chips (`PJRT_DEVICE=CPU
 CPU_NUM_DEVICES=8`): `python -m shared.train.step_trace SETTINGS.json OUT_DIR TPU` (scripts/tpu_compile.py does).
-Attention is SDPA: torch_xla's Pallas flash-attention kernel is lowered by jax for a TPU backend, which this
-process does not have.
+Attention is what a session on that TPU runs when its probe passes: torch_xla's Pallas flash-attention kernel where
+the generation compiles it and jax is here (lowered by jax for the TPU platform, which this process does not have:
+`lower_pallas_for_tpu`), else SDPA; `GPT2K_FLASH_ATTENTION=0` traces the SDPA step a failed probe falls back to.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -21,9 +23,11 @@ import numpy as np
 import torch
 
 from shared.config import TrainConfig
+from shared.train.mosaic_version import pin_version as pin_mosaic_version
 from shared.train.xla_runtime import XlaRuntime
 
 HLO_FILE, SPEC_FILE = "step.hlo.pb", "step.json"
+MOSAIC_VERSION_ENV = "GPT2K_MOSAIC_VERSION"
 
 
 def hlo_sharding(spec: tuple, mesh_size: int) -> str:
@@ -48,10 +52,16 @@ class TraceRuntime(XlaRuntime):
         self._placeholders: set[int] = set()
 
     def select_attention(self, batch: int, n_head: int, seq_len: int, head_dim: int) -> None:
+        """Flash attention where a session on this TPU would try it, without its probe (which runs the kernel)."""
         from shared.train.model import set_attention_kernel
 
         set_attention_kernel(None)
         self.attention = "sdpa"
+        kernel = self._flash_attention_kernel()
+        if kernel is not None:
+            lower_pallas_for_tpu()
+            set_attention_kernel(kernel)
+            self.attention = "pallas-flash"
 
     def _record(self, tensor: torch.Tensor, spec: tuple) -> None:
         self.inputs.append({"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."),
@@ -94,6 +104,32 @@ class TraceRuntime(XlaRuntime):
                     module._parameters[name] = swapped[id(param)]
         model.vocab_padding = model.vocab_padding_mask(self.device)
         return super().prepare_model(model, fsdp, compile, activation_checkpointing, scan_layers)
+
+
+def lower_pallas_for_tpu() -> None:
+    """Make torch_xla lower its Pallas kernels for the TPU platform, here where jax's backend is the CPU.
+
+    torch_xla's `trace_pallas` (torch_xla/experimental/custom_kernel.py, 2.8.0 and 2.9.0) lowers a kernel with
+    `jax.jit(kernel).lower(...)` on jax's default backend, and the Mosaic lowering is registered for TPU only.
+    `jit(...).trace(...).lower(lowering_platforms=("tpu",))` gives the same Mosaic payload a TPU host would, which
+    the tpu_custom_call node carries to the TPU compiler. Only in this process, which never runs the step.
+    Here jax has no TPU backend to pick the Mosaic version from: its latest, unless MOSAIC_VERSION_ENV names the
+    one the target's libtpu reads (as a session pins it after its probe, shared/train/mosaic_version.py)."""
+    import torch_xla.experimental.custom_kernel as custom_kernel
+
+    if os.environ.get(MOSAIC_VERSION_ENV):  # the version the target's libtpu reads (scripts/tpu_compile.py)
+        pin_mosaic_version(int(os.environ[MOSAIC_VERSION_ENV]))
+
+    def trace_pallas(kernel, *args, static_argnums=None, static_argnames=None, use_cache=False, **kwargs):
+        import jax._src.pallas.mosaic.pallas_call_registration  # noqa: F401  (registers the Mosaic lowering)
+
+        jax_args = [custom_kernel.to_jax_shape_dtype_struct(a) if torch.is_tensor(a) else a for a in args]
+        traced = jax.jit(kernel, static_argnums=static_argnums, static_argnames=static_argnames).trace(
+            *jax_args, **kwargs)
+        ir = traced.lower(lowering_platforms=("tpu",)).compiler_ir()
+        return custom_kernel._extract_backend_config(ir), [a for a in args if torch.is_tensor(a)]
+
+    custom_kernel.trace_pallas = trace_pallas
 
 
 def trace_step(cfg: TrainConfig, generation: str) -> tuple[bytes, dict]:

@@ -14,6 +14,8 @@ import torch
 
 from shared.tpu import TPU_GENERATIONS, default_xla_env, detect_tpu_generation
 from shared.train.attention_probe import probe_attention_kernel
+from shared.train.mosaic_version import pin_version as pin_mosaic_version
+from shared.train.mosaic_version import readable_version as readable_mosaic_version
 from shared.train.runtime import Runtime
 from shared.train.xla_notices import quiet_known_messages
 
@@ -78,8 +80,15 @@ class XlaRuntime(Runtime):
         # 2.8.0 with jax 0.7.x, docs/kaggle-tpu.md), and Mosaic compiles the kernel per shape: run it forward and
         # backward at this session's own shapes, sharded as training shards them, and keep SDPA unless it runs
         # and agrees with SDPA, rather than dying (or training wrong) at the first step.
-        failure = probe_attention_kernel(kernel, (batch, n_head, seq_len, head_dim), self.device,
-                                         self.shard_batch, self.sync)
+        shape = (batch, n_head, seq_len, head_dim)
+        failure = probe_attention_kernel(kernel, shape, self.device, self.shard_batch, self.sync)
+        version = readable_mosaic_version(failure or "")
+        if version is not None and pin_mosaic_version(version):
+            # jax serialized the kernel for a newer libtpu than this one (Kaggle's image: jax 0.7.2, libtpu
+            # 0.0.17): lowered again at the version libtpu names, and probed again.
+            print(f"notice: this libtpu reads Pallas kernels up to Mosaic version {version}, older than jax "
+                  f"serializes them at; the flash-attention kernel is lowered at version {version}", flush=True)
+            failure = probe_attention_kernel(kernel, shape, self.device, self.shard_batch, self.sync)
         if failure:
             print(f"notice: the Pallas flash-attention kernel failed its probe at this session's shapes "
                   f"({batch // self.num_devices} sequences x {n_head} heads x {seq_len} tokens x {head_dim} per "

@@ -114,3 +114,41 @@ def test_collectives_are_told_apart_inside_and_outside_the_loop_with_their_bytes
     # A ring all-reduce moves 2(n-1)/n of its bytes through each chip; an all-gather (n-1)/n of the whole.
     assert collective_seconds(Collective("all-reduce", 800, True, 1), 8, 100.0) == pytest.approx(14.0)
     assert collective_seconds(Collective("all-gather", 800, False, 1), 8, 100.0) == pytest.approx(7.0)
+
+
+KERNEL_MODULE = """HloModule step, entry_computation_layout={()->()}
+
+%body (p: (s32[], bf16[8,4,128,64])) -> (s32[], bf16[8,4,128,64]) {
+  %p = (s32[], bf16[8,4,128,64]{3,2,1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %q = bf16[8,4,128,64]{3,2,1,0} get-tuple-element(%p), index=1
+  %custom-call.1 = (bf16[8,4,128,64]{3,2,1,0}, f32[8,4,128,128]{3,2,1,0}) custom-call(%q, %q, %q), custom_call_target="tpu_custom_call", backend_config={"custom_call_config": {"body": "TUxJUgA="}}
+  %o = bf16[8,4,128,64]{3,2,1,0} get-tuple-element(%custom-call.1), index=0
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %t = (s32[], bf16[8,4,128,64]{3,2,1,0}) tuple(%next, %o)
+}
+
+%cond (c: (s32[], bf16[8,4,128,64])) -> pred[] {
+  %c = (s32[], bf16[8,4,128,64]{3,2,1,0}) parameter(0)
+  %ci = s32[] get-tuple-element(%c), index=0
+  %limit = s32[] constant(3)
+  ROOT %lt = pred[] compare(%ci, %limit), direction=LT
+}
+
+ENTRY %main (x: bf16[8,4,128,64]) -> bf16[8,4,128,64] {
+  %x = bf16[8,4,128,64]{3,2,1,0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[8,4,128,64]{3,2,1,0}) tuple(%zero, %x)
+  %w = (s32[], bf16[8,4,128,64]{3,2,1,0}) while(%init), condition=%cond, body=%body
+  ROOT %out = bf16[8,4,128,64]{3,2,1,0} get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_a_pallas_kernel_is_counted_apart_its_calls_and_bytes_with_the_loops_trips():
+    cost = step_cost(KERNEL_MODULE, peak_flops=1e12, hbm_bytes_per_s=1e9)
+    qkv = 8 * 4 * 128 * 64 * 2
+    assert cost.kernel_calls == 3  # one a trip, 3 trips
+    assert cost.kernel_bytes == 3 * (3 * qkv + qkv + 8 * 4 * 128 * 128 * 4)  # q, k, v in; out and the f32 residual
+    assert cost.flops == 0 and cost.hbm_bytes < qkv  # opaque: none of it in the ops' FLOPs or bytes

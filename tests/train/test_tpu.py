@@ -427,3 +427,64 @@ def test_micro_batch_auto_follows_the_attention_kernel_that_passed(preset, gener
                      "attention)"]
     fixed = select_attention_and_micro_batch(TrainConfig(preset="gpt2", micro_batch=32), runtime, lines.append)
     assert fixed.micro_batch == 32 and runtime.probed[-1] == 32 and len(lines) == 1
+
+
+def test_a_kernel_libtpu_refuses_for_its_mosaic_version_is_lowered_at_the_version_it_names_and_probed_again(
+        xla_runtime, monkeypatch, capsys):
+    # Kaggle's TPU image: jax 0.7.2 serializes Pallas kernels at Mosaic version 7 for libtpu 0.0.17, which reads
+    # at most 4 (the TPU compiler's own refusal, docs/tpu-throughput.md). This kernel fails as libtpu does, deep
+    # in a long error, until jax's hook says 4.
+    import jax._src.tpu_custom_call as tpu_custom_call
+
+    import shared.train.model as model
+    from shared.train.attention_probe import sdpa_causal
+
+    monkeypatch.setattr(tpu_custom_call, "get_ir_version", lambda ctx: 7)  # restored after the test
+    calls = []
+
+    def kaggle_flash(q, k, v):
+        calls.append(tpu_custom_call.get_ir_version(None))
+        if calls[-1] != 4:
+            raise RuntimeError(f"Error while compiling the graph\nINTERNAL: Failed to deserialize the Mosaic module: "
+                               f"INTERNAL: Unsupported version: expected <= 4 but got {calls[-1]}\n(stack)")
+        return sdpa_causal(q, k, v)
+
+    monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", lambda: kaggle_flash)
+    xla_runtime.select_attention(*PROBE_SHAPE)
+    assert (xla_runtime.attention, model._attention_fn) == ("pallas-flash", kaggle_flash)
+    assert calls[0] == 7 and set(calls[1:]) == {4}  # refused once, then probed (forward and backward) at 4
+    assert capsys.readouterr().out == (
+        "notice: this libtpu reads Pallas kernels up to Mosaic version 4, older than jax serializes them at; the "
+        "flash-attention kernel is lowered at version 4\n")
+
+
+def test_a_kernel_that_fails_at_the_pinned_version_too_leaves_sdpa_with_libtpus_words(xla_runtime, monkeypatch,
+                                                                                      capsys):
+    import jax._src.tpu_custom_call as tpu_custom_call
+
+    monkeypatch.setattr(tpu_custom_call, "get_ir_version", lambda ctx: 8)
+
+    def refused(q, k, v):
+        raise RuntimeError("INTERNAL: Unsupported version: expected <= 3 but got 8")
+
+    monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", lambda: refused)
+    xla_runtime.select_attention(*PROBE_SHAPE)
+    assert xla_runtime.attention == "sdpa" and tpu_custom_call.get_ir_version(None) == 3
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and lines[1].startswith("notice: the Pallas flash-attention kernel failed its probe")
+    assert "RuntimeError: Unsupported version: expected <= 3 but got 8; using SDPA" in lines[1]
+
+
+def test_the_mosaic_version_a_libtpu_reads_follows_its_build_date():
+    import datetime
+
+    from shared.train.mosaic_version import libtpu_build_date, readable_version, version_for_libtpu
+
+    # libtpu 0.0.17's compile-only client, as Kaggle's image pins it.
+    built = libtpu_build_date("TFRT TPU v5 lite\nBuilt on Jun 12 2025 16:39:57 (1749771597) cl/769337304")
+    assert built == datetime.date(2025, 6, 12) and version_for_libtpu(built) == 4
+    assert [version_for_libtpu(datetime.date(2025, m, d)) for m, d in ((6, 19), (7, 26), (8, 13), (8, 14))] == [
+        5, 6, 7, None]
+    assert libtpu_build_date("PJRT C API\nno date here") is None
+    assert readable_version("x: Unsupported version: expected <= 4 but got 8") == 4
+    assert readable_version("Mosaic failed to compile TPU kernel") is None
