@@ -134,11 +134,14 @@ def default_xla_env() -> None:
 STATIC_BYTES_PER_PARAM = 22
 # per layer and token, in units of C: LayerNorm inputs (fp32) 8, matmul inputs (bf16) 14, attention 8, GELU 8
 ACTIVATION_BYTES_PER_LAYER_TOKEN_PER_C = 38
-HEAD_BYTES_PER_TOKEN_PER_VOCAB = 10  # bf16 logits 2 + their fp32 copy 4 + log-softmax 4 (its gradient reuses them)
-# Without flash attention, per head per T x T: what the TPU compiler keeps of the scores and probabilities. 6 (fp32
-# scores + bf16 probabilities) was the first guess; libtpu's own buffers for gpt2's SDPA step grow by 1.02 GiB (v5e)
-# and 1.27 GiB (v6e) a sequence, which 4 covers (docs/tpu-throughput.md section 10).
-SDPA_SCORE_BYTES = 4
+# The head per token per vocabulary entry, and without flash attention per head per T x T (the scores and
+# probabilities), set from the TPU compiler's own growth per sequence for gpt2's step (docs/tpu-throughput.md section
+# 10): SDPA 1.02 GiB (v5e) and 1.27 GiB (v6e), flash 0.535 GiB (v5e) and 0.62 GiB (v6e). With 6 and 5 the
+# arithmetic covers all four (1.32 and 0.62 GiB), and flash's next power of two is the one the compiler fits. The
+# first guesses, 10 (bf16 logits, their fp32 copy, the log-softmax) and 6 (fp32 scores, bf16 probabilities), held
+# flash's micro-batch at half of what fits.
+HEAD_BYTES_PER_TOKEN_PER_VOCAB = 6
+SDPA_SCORE_BYTES = 5
 HBM_USABLE_FRACTION = 0.85  # what XLA's buffers may take; the rest for its workspace, fragmentation, the runtime
 CPU_MICRO_BATCH_PER_DEVICE = 2  # no TPU (or an unknown one): the project's default 16 over 8 devices
 

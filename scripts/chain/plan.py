@@ -382,11 +382,18 @@ def compiled_fit(cfg: ChainConfig, log=print) -> tuple[dict | None, str]:
                         "train.micro_batch (or leave it auto), set train.activation_checkpointing \"on\", or set "
                         "train.fsdp true")
     in_loop = [g for g in report["collectives"] if g["where"] == "inside" and g["kind"] == "all-reduce"]
-    return report, (f"{tpu} by libtpu {report['versions']['libtpu']} (the SDPA step, micro-batch "
-                    f"{report['micro_batch']}): HBM per chip {hbm} ({report['free_fraction']:.0%} free); "
-                    f"all-reduce inside the loop {sum(g['count'] for g in in_loop)}, "
-                    f"{sum(g['bytes'] for g in in_loop) / 1e6:.1f} MB per micro-step; MFU ceiling "
-                    f"{report['mfu_ceiling']:.1%} (roofline estimate)")
+    line = (f"{tpu} by libtpu {report['versions']['libtpu']} (the {report['attention']} step, micro-batch "
+            f"{report['micro_batch']}): HBM per chip {hbm} ({report['free_fraction']:.0%} free); "
+            f"all-reduce inside the loop {sum(g['count'] for g in in_loop)}, "
+            f"{sum(g['bytes'] for g in in_loop) / 1e6:.1f} MB per micro-step; MFU ceiling "
+            f"{report['mfu_ceiling']:.1%} (roofline estimate)")
+    if report["attention"] != "sdpa":  # the step a session whose flash probe fails trains with instead
+        fallback = compile_step({**cfg.train, "max_steps": cfg.total_steps}, tpu, log, attention="sdpa")
+        line += (f"; if the flash probe fails, SDPA at micro-batch {fallback['micro_batch']}: "
+                 f"{fallback['peak_bytes'] / 2**30:.1f} GiB" + (
+                     f", MFU ceiling {fallback['mfu_ceiling']:.1%}" if fallback["fits"] else
+                     " - does not fit: such a session would stop at its first step (leave train.micro_batch auto)"))
+    return report, line
 
 
 def print_plan(cfg: ChainConfig, source: str = "", log=print, with_quota: bool = True,

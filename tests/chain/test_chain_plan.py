@@ -265,11 +265,12 @@ def test_micro_batch_auto_is_resolved_for_the_chains_tpu():
     cfg = load_config(REPO / "examples" / "chain-gpt2-124m.json")
     assert cfg.train["micro_batch"] == "auto"
     train, note = planned_train(cfg)
-    assert (train.micro_batch, train.grad_accum_steps) == (64, 8)  # docs/tpu-throughput.md's v5e-8 flash row
-    assert note == "auto: 64 on v5e with pallas-flash attention, 64 if it falls back to SDPA"
+    # docs/tpu-throughput.md's compiled v5e-8 rows: flash at 128 (11.4 GiB a chip), SDPA at 64 (9.9 GiB)
+    assert (train.micro_batch, train.grad_accum_steps) == (128, 4)
+    assert note == "auto: 128 on v5e with pallas-flash attention, 64 if it falls back to SDPA"
     v6e = config_from_dict({**{k: v for k, v in json.loads((REPO / "examples" / "chain-gpt2-124m.json").read_text())
                                .items() if not k.startswith("_")}, "accelerator": "TpuV6E8"})
-    assert planned_train(v6e)[0].micro_batch == 128
+    assert planned_train(v6e)[0].micro_batch == 256  # 22.7 GiB a chip (libtpu)
     small = TrainConfig(preset="gpt2", micro_batch="auto", total_batch_tokens=8 * 1024 * 3)
     assert micro_batch_for(small, "v6e", "pallas-flash", 8) == 8  # 24 sequences: only 1 a device divides them
     with pytest.raises(UserError, match="--micro-batch: expected a whole number or auto, got 'lots'"):
@@ -329,3 +330,38 @@ def test_plan_of_a_model_whose_checkpoints_live_in_temp_keeps_k_versions_and_say
     assert checkpoint.endswith("(at most 2 versions kept; with no copy in the output, a session waits up to 600 s "
                                "for its version and publishes again if it failed)")
     assert "1 kept in {temp}/checkpoints (not in the session's output, which holds 20 GB)" in checkpoint
+
+
+def _report(attention: str, micro_batch: int, peak_gib: float, fits: bool = True) -> dict:
+    return {"attention": attention, "micro_batch": micro_batch, "peak_bytes": peak_gib * 2**30, "hbm_bytes": 16 * 2**30,
+            "fits": fits, "free_fraction": 1 - peak_gib / 16, "versions": {"libtpu": "0.0.17"}, "preset": "gpt2",
+            "collectives": [{"kind": "all-reduce", "where": "inside", "count": 4, "bytes": 234.9e6}],
+            "mfu_ceiling": 0.543 if attention != "sdpa" else 0.33}
+
+
+@pytest.mark.parametrize("micro_batch, sdpa, says", [
+    ("auto", _report("sdpa", 64, 9.9), "if the flash probe fails, SDPA at micro-batch 64: 9.9 GiB, MFU ceiling 33.0%"),
+    (128, _report("sdpa", 128, 18.2, fits=False), "if the flash probe fails, SDPA at micro-batch 128: 18.2 GiB - does "
+     "not fit: such a session would stop at its first step (leave train.micro_batch auto)"),
+])
+def test_plan_compiles_the_flash_step_and_says_what_the_sdpa_fallback_needs(monkeypatch, micro_batch, sdpa, says):
+    import scripts.tpu_compile as tpu_compile
+    from scripts.chain.plan import compiled_fit
+
+    asked = []
+
+    def compile_step(settings, tpu, log, attention="flash"):
+        asked.append((settings["micro_batch"], tpu, attention))
+        return _report("pallas-flash", 128, 11.4) if attention == "flash" else sdpa
+
+    monkeypatch.setattr(tpu_compile, "compile_step", compile_step)
+    monkeypatch.setattr(tpu_compile, "compiler_python", lambda: Path("/venv-tpu/bin/python"))
+    raw = json.loads((REPO / "examples" / "chain-gpt2-124m.json").read_text())
+    cfg = config_from_dict({**{k: v for k, v in raw.items() if not k.startswith("_")},
+                            "train": {**raw["train"], "micro_batch": micro_batch}})
+    report, line = compiled_fit(cfg)
+    assert asked == [(micro_batch, "v5e-8", "flash"), (micro_batch, "v5e-8", "sdpa")]
+    assert report["attention"] == "pallas-flash"
+    assert line == ("v5e-8 by libtpu 0.0.17 (the pallas-flash step, micro-batch 128): HBM per chip 11.4 GiB of 16 GiB "
+                    "(29% free); all-reduce inside the loop 4, 234.9 MB per micro-step; MFU ceiling 54.3% (roofline "
+                    "estimate); " + says)

@@ -1,7 +1,7 @@
 """The train step compiled for Kaggle's TPUs by libtpu's compile-only client (scripts/tpu_compile.py, in .venv-tpu
-as scripts/setup.sh makes it): tiny's step, with the Pallas flash-attention kernel, fits v5e-8 and v6e-8 with the compiler's figures agreeing with what the
-step holds and computes; a micro-batch far too large for gpt2 does not fit v5e-8, and --plan refuses that chain in
-one line before anything is pushed."""
+as scripts/setup.sh makes it): tiny's step, with the Pallas flash-attention kernel, fits v5e-8 and v6e-8 with the
+compiler's figures agreeing with what the step holds and computes; a micro-batch far too large for gpt2 does not
+fit v5e-8, and --plan refuses that chain in one line before anything is pushed."""
 
 from __future__ import annotations
 
@@ -82,6 +82,7 @@ def test_a_micro_batch_far_too_large_for_gpt2_does_not_fit_v5e_8_and_plan_refuse
     assert plan.returncode == 2, plan.stdout[-2000:]
     assert error_lines(plan.stderr) == [
         f"error: the train step does not fit v5e-8's HBM: {report['peak_bytes'] / 2**30:.1f} GiB of 16 GiB per chip "
-        "(the TPU compiler's figure; gpt2, micro-batch 512, pallas-flash); lower train.micro_batch (or leave it auto), set "
+        "(the TPU compiler's figure; gpt2, micro-batch 512, pallas-flash); lower train.micro_batch (or leave it auto), "
+        "set "
         "train.activation_checkpointing \"on\", or set train.fsdp true"]
     assert "plan for chain" not in plan.stdout  # refused before the plan is printed
