@@ -71,12 +71,14 @@ def _versions(python: Path) -> str:
 
 
 def cache_key(settings: dict, tpu: str, compiler: str) -> str:
-    """The step's settings, the TPU, the compiler's versions, torch_xla's and the step's code (all of shared/:
-    `micro_batch: auto` is resolved by shared/tpu.py)."""
+    """The step's settings, the TPU, the compiler's versions and flags (LIBTPU_INIT_ARGS, which libtpu reads here
+    too), torch_xla's version and the step's code (all of shared/: `micro_batch: auto` is resolved by
+    shared/tpu.py)."""
     from importlib.metadata import version
 
     code = b"".join(p.read_bytes() for p in sorted((REPO / "shared").rglob("*.py")))
-    blob = json.dumps([settings, tpu, compiler, version("torch_xla")], sort_keys=True).encode() + code
+    flags = os.environ.get("LIBTPU_INIT_ARGS", "")
+    blob = json.dumps([settings, tpu, compiler, flags, version("torch_xla")], sort_keys=True).encode() + code
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
