@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from shared.config import GPT2_VOCAB_SIZE, ModelConfig
 from shared.errors import UserError
 from shared.train.checkpoint import different_shape_error
+from shared.train.loss_head import head_loss
 
 # The one place attention is chosen: SDPA everywhere, or a kernel installed by the device layer (the
 # torch_xla Pallas flash-attention kernel on a real TPU). It takes q, k, v of shape (B, H, T, D).
@@ -183,13 +184,12 @@ class GPT(nn.Module):
                 x = self.block_checkpoint(block, x) if recompute else block(x)
         # The padded vocabulary rows only speed up the matmul: logits and loss cover GPT-2's 50257 tokens,
         # so the model is exactly the exported Hugging Face one.
-        logits = self.lm_head(self.transformer.ln_f(x))
+        x = self.transformer.ln_f(x)
         if targets is None:
-            return logits[..., : min(self.config.vocab_size, GPT2_VOCAB_SIZE)], None
-        # With targets only the loss comes back: the logits are not kept alive as an output of the step.
-        logits = logits.float().masked_fill(self.vocab_padding, float("-inf"))
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1).long())
-        return None, loss
+            return self.lm_head(x)[..., : min(self.config.vocab_size, GPT2_VOCAB_SIZE)], None
+        # With targets only the loss comes back, made a chunk of positions at a time (shared/train/loss_head.py):
+        # no [tokens x vocab] logits are kept for the backward pass or as an output of the step.
+        return None, head_loss(x, self.lm_head.weight, targets, self.vocab_padding)
 
 
 # --- Hugging Face GPT-2 compatibility -------------------------------------------------------------------
