@@ -55,3 +55,29 @@ def test_under_bf16_autocast_it_is_as_close_to_the_exact_gradients_as_plain_pyto
         assert g.dtype == torch.float32  # the parameters' and hidden states' own dtype
         error, plain_error = ((g - e).abs().max() / e.abs().max()).item(), ((p - e).abs().max() / e.abs().max()).item()
         assert error <= 1.5 * plain_error and error < 0.02, (error, plain_error)  # bf16: 2^-8 a rounding
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_the_production_step_trains_as_with_plain_pytorchs_head(demo_data, tmp_path, monkeypatch, optimizer):
+    """Under XLA (8 CPU devices, the accumulation loop, bf16 autocast): 6 steps with the chunked head (4 chunks of 8
+    positions here) give the losses of the same run with the plain head, within bf16's rounding."""
+    from helpers import small_config, train_in_process
+
+    import shared.train.loss_head as loss_head
+    import shared.train.model as model
+    from shared.train.metrics import read_metrics
+
+    monkeypatch.setattr(loss_head, "CHUNK_POSITIONS", 8)
+    runs = {}
+    for head in ("chunked", "plain"):
+        if head == "plain":
+            monkeypatch.setattr(model, "head_loss", lambda h, w, t, p: plain_loss(h, w.to(h.dtype), t.long(), p))
+        cfg = small_config(demo_data, tmp_path / head, optimizer=optimizer, lr=3e-3, muon_lr=0.03)
+        assert cfg.grad_accum_steps == 2
+        train_in_process(cfg)
+        runs[head] = [r["loss"] for r in read_metrics(tmp_path / head / "metrics.jsonl") if "loss" in r]
+    chunked, plain = runs["chunked"], runs["plain"]
+    assert len(chunked) == len(plain) == 6 and chunked[-1] < chunked[0] - 0.3  # it trains
+    assert chunked[0] == pytest.approx(plain[0], rel=1e-4)  # the same weights: the same loss
+    assert chunked == pytest.approx(plain, rel=1e-2)
