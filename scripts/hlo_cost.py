@@ -264,3 +264,35 @@ def collective_seconds(collective: Collective, devices: int, ici_bytes_per_s: fl
     share = {"all-reduce": 2 * (devices - 1) / devices, "all-gather": (devices - 1) / devices,
              "reduce-scatter": (devices - 1) / devices}.get(collective.kind, 1.0)
     return share * collective.bytes / ici_bytes_per_s
+
+
+def main() -> None:
+    """`python scripts/hlo_cost.py DIR/v5e-8/optimized.hlo.txt --tpu v5e-8 [--top 20]`: a kept step's roofline
+    (scripts/tpu_compile.py --keep DIR) and the ops that take the most of it."""
+    import argparse
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from scripts.tpu_compile import TPUS
+    from shared.tpu import TPU_GENERATIONS
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("hlo", help="an optimized HLO module's text (optimized.hlo.txt)")
+    parser.add_argument("--tpu", default="v5e-8", choices=TPUS)
+    parser.add_argument("--top", type=int, default=20, help="how many ops to list")
+    args = parser.parse_args()
+    target = TPUS[args.tpu]
+    peak = TPU_GENERATIONS[target["generation"]].peak_bf16_per_chip
+    with open(args.hlo) as f:
+        cost = step_cost(f.read(), peak, target["hbm_bw"])
+    print(f"per chip a run: {cost.flops / 1e12:.2f} TFLOP in the HLO, HBM traffic {cost.hbm_bytes / 1e9:.1f} GB, "
+          f"ops {cost.roofline_ops_s * 1e3:.1f} ms at peak or HBM bandwidth; Pallas kernels: {cost.kernel_calls} "
+          f"calls, {cost.kernel_bytes / 1e9:.1f} GB")
+    for op in top_ops(cost, args.top):
+        print(f"{op.roofline_s * 1e3:8.1f} ms {op.hbm_bytes / 1e9:7.1f} GB {op.flops / 1e12:6.2f} TFLOP x{op.runs:<4d} "
+              f"{op.op:<12s} {op.name}  {op.shape[:80]}")
+
+
+if __name__ == "__main__":
+    main()

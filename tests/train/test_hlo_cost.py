@@ -152,3 +152,16 @@ def test_a_pallas_kernel_is_counted_apart_its_calls_and_bytes_with_the_loops_tri
     assert cost.kernel_calls == 3  # one a trip, 3 trips
     assert cost.kernel_bytes == 3 * (3 * qkv + qkv + 8 * 4 * 128 * 128 * 4)  # q, k, v in; out and the f32 residual
     assert cost.flops == 0 and cost.hbm_bytes < qkv  # opaque: none of it in the ops' FLOPs or bytes
+
+
+def test_the_ops_listed_add_up_to_the_roofline_and_come_longest_first():
+    from scripts.hlo_cost import top_ops
+
+    cost = step_cost(MODULE, peak_flops=1e12, hbm_bytes_per_s=1e9)
+    assert sum(o.roofline_s for o in cost.ops) == pytest.approx(cost.roofline_ops_s)
+    assert sum(o.hbm_bytes for o in cost.ops) == pytest.approx(cost.hbm_bytes)
+    listed = top_ops(cost, 3)
+    assert len(listed) == 3 and [o.roofline_s for o in listed] == sorted((o.roofline_s for o in cost.ops),
+                                                                          reverse=True)[:3]
+    loop_op = next(o for o in cost.ops if o.name == "fusion.1")
+    assert loop_op.runs == 4 and loop_op.flops == pytest.approx(4 * 2 * 64 * 128 * 256)  # the loop's 4 trips
