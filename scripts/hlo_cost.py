@@ -266,26 +266,21 @@ def collective_seconds(collective: Collective, devices: int, ici_bytes_per_s: fl
     return share * collective.bytes / ici_bytes_per_s
 
 
-def main() -> None:
-    """`python scripts/hlo_cost.py DIR/v5e-8/optimized.hlo.txt --tpu v5e-8 [--top 20]`: a kept step's roofline
-    (scripts/tpu_compile.py --keep DIR) and the ops that take the most of it."""
-    import argparse
-    import os
-    import sys
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from scripts.tpu_compile import TPUS
-    from shared.tpu import TPU_GENERATIONS
+def main() -> None:
+    """`python scripts/hlo_cost.py DIR/v5e-8/optimized.hlo.txt [--top 20]`: a kept step's roofline
+    (scripts/tpu_compile.py --keep DIR) and the ops that take the most of it. The chip's figures default to a v5e
+    chip's (scripts/tpu_compile.py TPUS); for a v6e chip: --peak-tflops 918 --hbm-gbps 1640."""
+    import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("hlo", help="an optimized HLO module's text (optimized.hlo.txt)")
-    parser.add_argument("--tpu", default="v5e-8", choices=TPUS)
+    parser.add_argument("--peak-tflops", type=float, default=197.0, help="bf16 peak a chip (v5e: 197)")
+    parser.add_argument("--hbm-gbps", type=float, default=819.0, help="HBM bandwidth a chip (v5e: 819)")
     parser.add_argument("--top", type=int, default=20, help="how many ops to list")
     args = parser.parse_args()
-    target = TPUS[args.tpu]
-    peak = TPU_GENERATIONS[target["generation"]].peak_bf16_per_chip
     with open(args.hlo) as f:
-        cost = step_cost(f.read(), peak, target["hbm_bw"])
+        cost = step_cost(f.read(), args.peak_tflops * 1e12, args.hbm_gbps * 1e9)
     print(f"per chip a run: {cost.flops / 1e12:.2f} TFLOP in the HLO, HBM traffic {cost.hbm_bytes / 1e9:.1f} GB, "
           f"ops {cost.roofline_ops_s * 1e3:.1f} ms at peak or HBM bandwidth; Pallas kernels: {cost.kernel_calls} "
           f"calls, {cost.kernel_bytes / 1e9:.1f} GB")
