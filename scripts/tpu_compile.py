@@ -18,6 +18,7 @@ it; `--attention sdpa` compiles the step a failed probe falls back to. Results a
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -113,7 +114,7 @@ def compile_step(settings: dict, tpu: str, log=print, cache_dir: Path = CACHE_DI
         compile_cmd = [str(python), str(REPO / "scripts" / "tpu_compile_libtpu.py"), str(work / "trace"),
                        target["topology"], bounds]
         # The version jax would serialize Pallas kernels at on a TPU with this libtpu (here it has no TPU to ask).
-        mosaic_version = compiler_mosaic_version(python, target) if attention == "flash" else None
+        mosaic_version = compiler_mosaic_version(python) if attention == "flash" else None
         if mosaic_version is not None:
             env[MOSAIC_VERSION_ENV] = str(mosaic_version)
         _run(trace, env, "tracing the step")
@@ -138,13 +139,13 @@ def compile_step(settings: dict, tpu: str, log=print, cache_dir: Path = CACHE_DI
     return {**report, "cached": False}
 
 
-def compiler_mosaic_version(python: Path, target: dict) -> int | None:
+@functools.cache
+def compiler_mosaic_version(python: Path) -> int | None:
     """The highest Mosaic version the TPU compiler's libtpu reads, from its build date (None: unknown or jax's
-    latest). A few seconds: libtpu starts its compile-only client."""
-    bounds = tuple(target["chips_per_host"])
+    latest). A few seconds (libtpu starts a compile-only client), once a process: the build date is libtpu's own,
+    whatever the topology asked for."""
     code = ("from jax.experimental import topologies; print(topologies.get_topology_desc(platform='tpu', "
-            f"topology_name={target['topology']!r}, chips_per_host_bounds={bounds}).devices[0].client"
-            ".platform_version)")
+            "topology_name='v5e:2x4', chips_per_host_bounds=(2, 4, 1)).devices[0].client.platform_version)")
     proc = subprocess.run([str(python), "-c", code], env={**os.environ, **COMPILER_ENV}, capture_output=True,
                           text=True)
     built = libtpu_build_date(proc.stdout) if proc.returncode == 0 else None
