@@ -25,14 +25,43 @@ from shared.kaggle.publish import (
     write_dataset_folder,
 )
 
+MANIFEST_404_TRIES = 4  # reads of a ready version's manifest that Kaggle answers 404 though the version lists it
+MANIFEST_404_WAIT_S = 30.0  # the first wait between them; doubled each time (30 + 60 + 120 s)
+
 
 def dataset_step(ctx: StageContext, ref: str, version: int = 0) -> int:
     """The step of the checkpoint that version `version` of the dataset holds (0: none), read from exactly that
-    version; without one, from whatever Kaggle serves as the newest (right after a publish, maybe the previous)."""
+    version; without one, from whatever Kaggle serves as the newest (right after a publish, maybe the previous).
+    A version believed ready whose manifest answers 404 is read as holding none only where its own file list
+    lacks the manifest; otherwise the download is tried again, and never read as "no checkpoint" (which would
+    train the run again from an older step)."""
     dest = ctx.workdir / "dataset-probe"
-    if not download_dataset_file(ctx, ref, version, MANIFEST, dest / MANIFEST):
-        return 0
-    return checkpoint_step(dest) or 0
+    wait = MANIFEST_404_WAIT_S
+    for attempt in range(MANIFEST_404_TRIES):
+        if download_dataset_file(ctx, ref, version, MANIFEST, dest / MANIFEST):
+            return checkpoint_step(dest) or 0
+        if not version or MANIFEST not in version_files(ctx, ref, version):
+            return 0
+        if attempt + 1 < MANIFEST_404_TRIES:
+            ctx.log(f"notice: version {version} of {ref} lists {MANIFEST}, but its download answered 404; "
+                    f"trying again in {wait:.0f} s")
+            ctx.client.sleep(wait)
+            wait *= 2
+    raise UserError(f"dataset {ref}: version {version} lists {MANIFEST}, but {MANIFEST_404_TRIES} downloads of it "
+                    "answered 404; not reading that as 'no checkpoint': run the chain again later")
+
+
+def version_files(ctx: StageContext, ref: str, version: int) -> set[str]:
+    """The names of version `version`'s files, as Kaggle lists them (every page)."""
+    names: set[str] = set()
+    token = None
+    while True:
+        reply = ctx.client.call(f"dataset {ref}/{version} files", ctx.client.api.dataset_list_files,
+                                f"{ref}/{version}", page_token=token, page_size=200)
+        names.update(f.name for f in (getattr(reply, "files", None) or []))
+        token = getattr(reply, "next_page_token", None)
+        if not token:
+            return names
 
 
 def download_dataset_file(ctx: StageContext, ref: str, version: int, name: str, dest_file: Path) -> bool:

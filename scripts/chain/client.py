@@ -133,7 +133,7 @@ class KaggleClient:
 
     def connect(self) -> None:
         """The API from the machine's credentials (unless one was given); the user from the config or them."""
-        from shared.kaggle.publish import kaggle_api
+        from shared.kaggle.credential import kaggle_api
 
         if self.api is None:
             self.api = kaggle_api(from_secrets=False)
@@ -189,8 +189,9 @@ class KaggleClient:
                                 "another user's private dataset, or the credentials are wrong") from None
             raise
 
-    def kernel_info(self, ref: str) -> tuple[int, str]:
-        """(current version number, source of that version) or (0, "") if the kernel does not exist."""
+    def kernel_info(self, ref: str, version: int = 0) -> tuple[int, str]:
+        """(current version number, source of that version, or of version `version` where given, asked for by its
+        label "v<N>" as kaggle 2.2.5 does) or (0, "") if the kernel (or that version) does not exist."""
         from kagglesdk.kernels.types.kernels_api_service import ApiGetKernelRequest
 
         owner, slug = ref.split("/")
@@ -199,6 +200,8 @@ class KaggleClient:
             with self.api.build_kaggle_client() as client:
                 req = ApiGetKernelRequest()
                 req.user_name, req.kernel_slug = owner, slug
+                if version:
+                    req.version_label = f"v{version}"  # kaggle 2.2.5 kaggle_api_extended.py `_kernel_version_label`
                 return client.kernels.kernels_api_client.get_kernel(req)
 
         try:
@@ -215,7 +218,11 @@ class KaggleClient:
     def quick_save(self, folder: Path) -> int:
         """Save the kernel built in `folder` as a new version without running it (kagglesdk's QUICK_SAVE
         execution type, which `kaggle kernels push` never sends): the notebook then exists, so secrets can be
-        attached on its page before its first session. Returns the version number."""
+        attached on its page before its first session. Returns the version number.
+
+        It is saved without an accelerator: a user who opens the notebook to attach secrets may start an editor
+        session on whatever machine the notebook names (not verified), which on a TPU would spend quota and may
+        hold the TPU slot. Each later push names the machine (kernel-metadata.json's `machine_shape`)."""
         from kagglesdk.kernels.types.kernels_api_service import ApiSaveKernelRequest
         from kagglesdk.kernels.types.kernels_enums import KernelExecutionType
 
@@ -229,9 +236,7 @@ class KaggleClient:
                 req.language, req.kernel_type = "python", meta["kernel_type"]
                 req.is_private = bool(meta.get("is_private", True))
                 req.enable_internet = bool(meta.get("enable_internet", True))
-                req.enable_tpu, req.enable_gpu = bool(meta.get("enable_tpu")), bool(meta.get("enable_gpu"))
-                if meta.get("machine_shape"):
-                    req.machine_shape = meta["machine_shape"]
+                req.enable_tpu = req.enable_gpu = False  # no machine_shape either: see above
                 req.dataset_data_sources = list(meta.get("dataset_sources") or [])
                 req.kernel_data_sources = list(meta.get("kernel_sources") or [])
                 req.kernel_execution_type = KernelExecutionType.QUICK_SAVE

@@ -81,12 +81,15 @@ class StageContext:
         return rec["version"]
 
     def _landed(self, rec: dict, ref: str) -> int:
-        """The version of `ref` that carries the push id of `rec`, recorded; 0 if its newest version does not."""
-        version, source = self.client.kernel_info(ref)
-        if version > rec["prev_version"] and rec["push_id"] in source:
-            rec.update(version=version, pushed=time.time())
-            self.state.save()
-            return version
+        """The version of `ref` that carries the push id of `rec`, recorded; 0 if none since `prev_version` does.
+        Each version is read by its own label, newest first: a push made after ours (the user's, from the UI)
+        does not hide ours."""
+        current, _ = self.client.kernel_info(ref)
+        for version in range(current, rec["prev_version"], -1):
+            if rec["push_id"] in self.client.kernel_info(ref, version)[1]:
+                rec.update(version=version, pushed=time.time())
+                self.state.save()
+                return version
         return 0
 
     def session_timeout(self, key: str = "", limit_s: float | None = None) -> str | None:

@@ -3,7 +3,8 @@
 On Kaggle a secret is attached to one notebook, on its page (Add-ons > Secrets), and only once that notebook
 exists; no API call attaches one (docs/kaggle-tpu.md, section 6). So the first time the chain meets a config, it
 saves the train notebook (and the eval notebook, when that reads secrets) without running it (kagglesdk's
-QUICK_SAVE), and names, a line each, the secrets to attach and the page to attach them on. It then waits for the
+QUICK_SAVE), on no accelerator, and names, a line each, the secrets to attach and the page to attach them on, and
+that an editor session opened meanwhile should be stopped. It then waits for the
 user (asked on a terminal; otherwise it stops and the same command continues), so that no session starts before
 its secrets can exist.
 """
@@ -68,6 +69,8 @@ class NotebooksStage:
             lines.append(f"attach the secret{'s' if len(names) > 1 else ''} {', '.join(names)} to the {kernel} "
                          f"notebook: {KAGGLE_CODE_URL}{ref} (Add-ons > Secrets)")
         if created:
+            lines.append("the notebooks are saved on no accelerator; if attaching opens an editor session, stop it "
+                         "(Run > Stop Session) before going on: each session the chain pushes names its own machine")
             for line in lines:
                 ctx.log(line)
             self.on_new(lines)

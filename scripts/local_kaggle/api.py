@@ -303,7 +303,9 @@ def _list_kernels(parts: ApiParts, user: str, req: KaggleObject) -> KaggleObject
 def _get_kernel(parts: ApiParts, user: str, req: KaggleObject) -> KaggleObject:
     with parts.store.lock:
         kernel = parts.kernels.visible(user, _kernel_ref(req))
-        blob = message(ApiKernelBlob, source=parts.kernels.source(kernel), language=kernel.get("language"),
+        labelled = _labelled_version(kernel, req.version_label)
+        source = parts.kernels.source(kernel, labelled["number"] if labelled else None)
+        blob = message(ApiKernelBlob, source=source, language=kernel.get("language"),
                        kernel_type=kernel.get("kernel_type"), slug=kernel["slug"])
         return message(ApiGetKernelResponse, metadata=kernel_reply(kernel), blob=blob)
 

@@ -45,6 +45,7 @@ class LocalKaggle:
     working_cap_bytes = _setting("working_cap_bytes")
     queue_delay_s = _setting("queue_delay_s")
     dataset_ready_delay_s = _setting("dataset_ready_delay_s")
+    notebook_token_writes = _setting("notebook_token_writes")
 
     def __init__(
         self,
@@ -72,7 +73,7 @@ class LocalKaggle:
         self.verbose = verbose
         self.store = Store(root)
         self.root = self.store.root
-        self.accounts = Accounts(self.root, self.store.lock)
+        self.accounts = Accounts(self.root, self.store.lock, lambda: self.settings.notebook_token_writes)
         self.faults = Faults()
         self.quota = Quota(self.store, tpu_quota_hours, gpu_quota_hours)
         self.uploads = Uploads(self.store)
@@ -80,7 +81,8 @@ class LocalKaggle:
         self.kernels = Kernels(self.store, self.settings, self.quota, self.datasets)
         self.scheduler = Scheduler(Runtime(
             store=self.store, settings=self.settings, kernels=self.kernels, datasets=self.datasets, quota=self.quota,
-            faults=self.faults, secrets_of=self.accounts.secrets_of, proxy_url=lambda: self.proxy_url))
+            faults=self.faults, secrets_of=self.accounts.secrets_of, proxy_url=lambda: self.proxy_url,
+            issue_token=self.accounts.issue_notebook_token, revoke_token=self.accounts.revoke_notebook_token))
         self.parts = ApiParts(store=self.store, kernels=self.kernels, scheduler=self.scheduler, datasets=self.datasets,
                               uploads=self.uploads, quota=self.quota, faults=self.faults)
         self._stop = threading.Event()
@@ -121,6 +123,7 @@ class LocalKaggle:
             verbose=self.verbose,
             admin_token=self.accounts.admin_token,
             authenticate=self.accounts.authenticate,
+            authorize=self.accounts.authorize,
             take_http_fault=self.faults.take_http,
             call_api=self.api,
             receive_upload=self.uploads.receive,

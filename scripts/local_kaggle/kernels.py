@@ -215,9 +215,10 @@ class Kernels:
             "invalid_competition_sources": sources["competition_sources"],  # no competitions exist locally
         }
 
-    def source(self, kernel: dict) -> str:
-        """The newest version's pushed text (.py, or the .ipynb JSON of a notebook)."""
-        return (self.store.kernel_dir(kernel, kernel["versions"][-1]["number"]) / "source.txt").read_text("utf-8")
+    def source(self, kernel: dict, number: int | None = None) -> str:
+        """Version `number`'s pushed text (.py, or the .ipynb JSON of a notebook); the newest's by default."""
+        number = kernel["versions"][-1]["number"] if number is None else number
+        return (self.store.kernel_dir(kernel, number) / "source.txt").read_text("utf-8")
 
     @staticmethod
     def output_version(kernel: dict) -> dict | None:

@@ -93,6 +93,9 @@ class Settings:
     dataset_ready_delay_s: float = 0.0  # how long a new dataset version is not yet ready
     concurrency: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_CONCURRENCY))
     pythons: dict[str, str] = field(default_factory=image_pythons)  # what runs a session, per kind of machine
+    # Whether a session's own access token (KAGGLE_API_V1_TOKEN) may write datasets. Kaggle's answer in a batch
+    # session is not verified (docs/kaggle-api.md, "Which credential publishes"), so both are modelled.
+    notebook_token_writes: bool = True
 
 
 # ----- names, time, access -----

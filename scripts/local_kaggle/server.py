@@ -66,6 +66,7 @@ class Backend:
     verbose: bool
     admin_token: str
     authenticate: Callable[[str | None], str]  # an Authorization header -> the user; 401 otherwise
+    authorize: Callable[[str | None, str], None]  # (Authorization header, API method): 403 where it may not
     take_http_fault: Callable[[set[str]], dict | None]  # an injected HTTP fault matching one of the names
     call_api: Callable[[str, str, str, Any], dict]  # (user, service, method, request JSON) -> reply JSON
     receive_upload: Callable[[str, str, Iterable[bytes]], tuple[int, dict, dict | None]]  # (token, range, body)
@@ -241,6 +242,7 @@ class Handler(HttpIO):
             body = self._read_body()
             self._fault({method, f"{service}/{method}", "api"})
             user = backend.authenticate(self.headers.get("Authorization"))
+            backend.authorize(self.headers.get("Authorization"), method)
             try:
                 req = json.loads(body or b"{}")
             except ValueError:

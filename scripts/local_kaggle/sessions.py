@@ -49,6 +49,8 @@ class Runtime:
     faults: Faults
     secrets_of: Callable[[str], dict[str, str]]
     proxy_url: Callable[[], str]
+    issue_token: Callable[[str], str]  # a notebook's owner -> a new access token for one session
+    revoke_token: Callable[[str], None]
 
 
 def dir_size(path: Path) -> int:
@@ -94,9 +96,13 @@ def _kill_group(proc: subprocess.Popen) -> None:
 PACKAGE_INDEX_HOSTS = "pypi.org,files.pythonhosted.org"
 
 
-def session_env(kernel: dict, v: dict, kroot: Path, secrets_file: Path, proxy_url: str) -> dict[str, str]:
+def session_env(kernel: dict, v: dict, kroot: Path, secrets_file: Path, proxy_url: str,
+                token_file: Path | None = None) -> dict[str, str]:
     """The kernel's environment: this process's, minus any Kaggle credentials, proxies and (internet off) pip
-    settings, plus what `shared.kaggle.env` reads to find the session's folders and secrets."""
+    settings, plus what `shared.kaggle.env` reads to find the session's folders and secrets, and, as in a Kaggle
+    notebook, the session's own access token (`token_file`) where kagglesdk's `get_access_token_from_env` finds it
+    (KAGGLE_KERNEL_RUN_TYPE and KAGGLE_DATA_PROXY_URL set, KAGGLE_API_V1_TOKEN naming the file: kagglesdk 0.1.38
+    kaggle_env.py L62-95)."""
     internet = bool(v.get("enable_internet"))
     env = {
         k: val for k, val in os.environ.items()
@@ -116,6 +122,9 @@ def session_env(kernel: dict, v: dict, kroot: Path, secrets_file: Path, proxy_ur
             **proxy_env(proxy_url),
         }
     )
+    if token_file is not None:
+        env.update(KAGGLE_KERNEL_RUN_TYPE="Batch", KAGGLE_DATA_PROXY_URL=proxy_url,
+                   KAGGLE_API_V1_TOKEN=str(token_file))
     if internet:
         env["KAGGLE_API_ENVIRONMENT"] = "LOCALHOST"
         env["NO_PROXY"] = env["no_proxy"] = PACKAGE_INDEX_HOSTS
@@ -171,6 +180,7 @@ class Session:
         self.kill_status = "ERROR"
         self.log_lock = threading.Lock()
         self.done = threading.Event()
+        self.token: str | None = None  # the session's own access token, revoked when it ends
 
     def kill(self, reason: str, status: str = "ERROR") -> None:
         if self.kill_reason is None:
@@ -194,7 +204,11 @@ class Session:
         script.write_text(text, encoding="utf-8")
         secrets_file = self.vdir / "secrets.json"
         atomic_write_json(secrets_file, self.rt.secrets_of(self.ref), mode=0o600)
-        return script, session_env(self.kernel, self.v, kroot, secrets_file, self.rt.proxy_url())
+        self.token = self.rt.issue_token(self.kernel["owner"])
+        token_file = self.vdir / "notebook-token"
+        token_file.write_text(self.token)
+        token_file.chmod(0o600)
+        return script, session_env(self.kernel, self.v, kroot, secrets_file, self.rt.proxy_url(), token_file)
 
     def run(self) -> None:
         """From start to end, in the session's own thread; whatever happens, the version ends with a status."""
@@ -301,6 +315,9 @@ class Session:
             make_writable(kroot / sub)
             shutil.rmtree(kroot / sub, ignore_errors=True)
         (self.vdir / "secrets.json").unlink(missing_ok=True)
+        if self.token is not None:
+            self.rt.revoke_token(self.token)
+        (self.vdir / "notebook-token").unlink(missing_ok=True)
         self.done.set()
 
 

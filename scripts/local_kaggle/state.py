@@ -18,6 +18,7 @@ import shutil
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -98,11 +99,20 @@ class Store:
             self.save()
 
 
-class Accounts:
-    """Users and their API keys, the secrets attached to each notebook, and the operator's admin token."""
+# What a session's own access token may not do while `Settings.notebook_token_writes` is off: every call this
+# server has that writes a dataset (StartBlobUpload too: the first call of any upload).
+NOTEBOOK_TOKEN_WRITES = ("StartBlobUpload", "CreateDataset", "CreateDatasetVersion", "CreateDatasetVersionById",
+                         "DeleteDataset")
 
-    def __init__(self, root: Path, lock: threading.RLock):
+
+class Accounts:
+    """Users and their API keys, the secrets attached to each notebook, the access token of each running session
+    (a notebook token, as a Kaggle notebook has one), and the operator's admin token."""
+
+    def __init__(self, root: Path, lock: threading.RLock, token_writes: Callable[[], bool] = lambda: True):
         self.lock = lock
+        self.token_writes = token_writes  # whether a notebook token may write datasets and models
+        self.notebook_tokens: dict[str, str] = {}  # a running session's token -> its notebook's owner
         self.users_path = root / "users.json"
         self.secrets_path = root / "secrets.json"
         admin_path = root / "admin_token"
@@ -132,8 +142,27 @@ class Accounts:
         """The secrets attached to the notebook `owner/slug` (none until some are attached)."""
         return read_json(self.secrets_path, {}).get(kernel_ref, {})
 
+    def issue_notebook_token(self, user: str) -> str:
+        """A new access token for a session of `user`'s notebook, valid until revoked (when the session ends)."""
+        token = "nb-" + secrets.token_hex(16)
+        with self.lock:
+            self.notebook_tokens[token] = user
+        return token
+
+    def revoke_notebook_token(self, token: str) -> None:
+        with self.lock:
+            self.notebook_tokens.pop(token, None)
+
+    def authorize(self, header: str | None, method: str) -> None:
+        """403 for a write with a session's own token while such tokens may not write (`notebook_token_writes`)."""
+        scheme, _, value = (header or "").partition(" ")
+        if (scheme.lower() == "bearer" and value in self.notebook_tokens and method in NOTEBOOK_TOKEN_WRITES
+                and not self.token_writes()):
+            raise ApiError(403, f"This notebook's access token may not call {method}: use an API key")
+
     def authenticate(self, header: str | None) -> str:
-        """The user an Authorization header names: basic auth (name:key), or a bearer token that is some key."""
+        """The user an Authorization header names: basic auth (name:key), or a bearer token that is some key or a
+        running session's notebook token."""
         users = self.users()
         if not header:
             raise ApiError(401, "Missing credentials: set KAGGLE_USERNAME and KAGGLE_KEY (or KAGGLE_API_TOKEN)")
@@ -149,6 +178,10 @@ class Accounts:
                 raise ApiError(401, f"Wrong API key for user {name!r}")
             return name
         if scheme.lower() == "bearer":
+            with self.lock:
+                owner = self.notebook_tokens.get(value)
+            if owner is not None:
+                return owner
             for name, key in users.items():
                 if secrets.compare_digest(key, value):
                     return name

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from shared.checkpoint_names import STABLE_DIR, checkpoint_name
 from shared.errors import UserError, describe_error
+from shared.kaggle.credential import choose_credential, secrets_to_env
 from shared.kaggle.publish import (
     MANIFEST,
     PLACEHOLDER_FILE,
@@ -31,9 +32,9 @@ from shared.kaggle.publish import (
     decode_name,
     manifest_step,
     publish_problem,
-    secrets_to_env,
 )
 
+CACHE_OFF_ENV = "DISABLE_KAGGLE_CACHE"  # kagglehub: download over HTTP instead of attaching
 FETCH_TIMEOUT_S = 3600.0  # fetching the expected checkpoint version (a gpt2-xl one is about 18.7 GB)
 
 
@@ -117,7 +118,8 @@ def resolve_build(build: dict, log=print) -> BuiltKernel:
     ckpt = build.get("checkpoint_dataset")
     if not ckpt:
         return BuiltKernel(settings)
-    problem = _check_publishing(settings, paths, log) if ckpt.get("publish") else None
+    problem, credential = _check_publishing(ckpt["dataset"], settings, paths, log) if ckpt.get("publish") \
+        else (None, None)
     input_step = _stage_resume(ckpt, settings, paths, log) if ckpt.get("resume_setting") else None
     if not ckpt.get("publish"):
         return BuiltKernel(settings)
@@ -125,14 +127,21 @@ def resolve_build(build: dict, log=print) -> BuiltKernel:
     plan = PublishPlan(dataset=ckpt["dataset"], title=ckpt.get("title") or "", input_step=floor or input_step,
                        problem=problem, delete_old_versions=bool(ckpt.get("delete_old_versions")),
                        resume_root=settings.get(ckpt.get("resume_setting") or "") if input_step else None,
-                       extend=bool(settings.get("extend")), verify_s=float(ckpt.get("verify_s") or 0))
+                       extend=bool(settings.get("extend")), verify_s=float(ckpt.get("verify_s") or 0),
+                       credential=credential)
     return BuiltKernel(settings, plan)
 
 
-def _check_publishing(settings: dict, paths, log) -> str | None:
-    """Why this train session could not publish its checkpoints (None if it can). Kept in /kaggle/temp they would
-    be lost: stop before training; in /kaggle/working the chain publishes them from the output: a notice."""
+def _check_publishing(dataset: str, settings: dict, paths, log) -> tuple[str | None, str | None]:
+    """(why this train session could not publish its checkpoints, None) or (None, the credential that proved it
+    can, in the first minute: shared/kaggle/credential.py). Kept in /kaggle/temp the checkpoints would be lost:
+    stop before training; in /kaggle/working the chain publishes them from the output: a notice."""
     problem = publish_problem(log)
+    credential = None
+    if not problem:
+        credential, problem = choose_credential(dataset, log)
+    if credential:
+        log(f"publishing to {dataset} with {credential}")
     if problem:
         in_temp = Path(settings.get("checkpoint_dir") or paths.working).resolve().is_relative_to(paths.temp.resolve())
         if in_temp:
@@ -140,7 +149,7 @@ def _check_publishing(settings: dict, paths, log) -> str | None:
                             f"{paths.temp}, which is gone when the session ends; stopping before training")
         log(f"notice: this session cannot publish its checkpoint ({problem}); the chain publishes it from the "
             "session's output")
-    return problem
+    return problem, credential
 
 
 def _stage_resume(ckpt: dict, settings: dict, paths, log) -> int | None:
@@ -191,24 +200,33 @@ def _fetch_expected(ckpt: dict, folder: Path | None, input_step: int | None, pat
 
 
 def fetch_dataset_version(dataset: str, version: int, dest: Path) -> Path:
-    """Version `version` of `dataset` (owner/slug) as a folder, through kagglehub (in Kaggle's images). In a Kaggle
-    notebook kagglehub attaches that exact version under /kaggle/input; elsewhere (the local Kaggle too, through
-    KAGGLE_API_ENVIRONMENT) it downloads it into `dest`. Errors are one line, with no secret in it."""
+    """Version `version` of `dataset` (owner/slug) downloaded over HTTP into `dest`, through kagglehub (in Kaggle's
+    images) with its Kaggle-cache resolver off (DISABLE_KAGGLE_CACHE: kagglehub 1.0.3 kaggle_cache_resolver.py
+    L104-112, config.py L28, L124). In a notebook that resolver would attach the version as a new datasource
+    (AttachDatasourceUsingJwt), which third-party reports say batch sessions cannot do; the download needs only the
+    credential in use (the notebook's token, else the attached key). Errors are one line, with no secret in it."""
     try:
         secrets_to_env()
     except UserError:
-        pass  # Kaggle's own attach needs none; a download without them fails below, in one line
+        pass  # the notebook's own token needs none; a download with no credential fails below, in one line
     try:
         import kagglehub
     except ImportError as err:
         raise UserError(f"kagglehub is not importable ({err})") from None
     handle = f"{dataset}/versions/{version}"
+    previous = os.environ.get(CACHE_OFF_ENV)
+    os.environ[CACHE_OFF_ENV] = "1"
     try:
         return Path(_within(FETCH_TIMEOUT_S, lambda: kagglehub.dataset_download(handle, output_dir=str(dest))))
     except UserError:
         raise
     except Exception as err:  # kagglehub's and requests' own types; masked, one line
         raise UserError(describe_error(err, [os.environ.get("KAGGLE_KEY", "")])) from None
+    finally:
+        if previous is None:
+            os.environ.pop(CACHE_OFF_ENV, None)
+        else:
+            os.environ[CACHE_OFF_ENV] = previous
 
 
 def _within(seconds: float, fn):

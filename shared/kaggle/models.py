@@ -1,5 +1,6 @@
 """Kaggle Models: the eval kernel's upload of its 🤗 export as a new version of a Kaggle Model instance, through
-the session's authenticated API (shared/kaggle/publish.py `kaggle_api`: the notebook's secrets)."""
+the session's authenticated API (shared/kaggle/publish.py `kaggle_api`), signed in as Kaggle's clients would: the
+notebook's own token where the session has one, else the attached key (shared/kaggle/credential.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 from shared.errors import UserError
-from shared.kaggle.publish import kaggle_api
+from shared.kaggle.credential import candidates, kaggle_api, use_credential
 
 
 def upload_kaggle_model(folder: Path, handle: str, notes: str, log=print) -> None:
@@ -19,7 +20,10 @@ def upload_kaggle_model(folder: Path, handle: str, notes: str, log=print) -> Non
     if len(parts) != 4 or not all(parts):
         raise UserError(f"--kaggle-model {handle!r}: expected owner/model/framework/variation")
     owner, model_slug, framework, variation = parts
-    api = kaggle_api()  # in a session, with the notebook's secrets; a UserError names what is missing
+    available = candidates()
+    if available:
+        use_credential(available[0])
+    api = kaggle_api(from_secrets=not available)  # with none, a UserError names what is missing
     try:
         api.model_instance_version_create(handle, str(folder), version_notes=notes, quiet=True)
         log(f"uploaded {folder} as a new version of Kaggle Model {handle}")

@@ -8,9 +8,10 @@ version, so that a chain can still extend the run (--extend) after its decay. St
 is the bootstrap's (shared/kaggle/bootstrap.py), which also decides what a train session publishes
 (`PublishPlan`).
 
-Publishing uses the Kaggle API from inside the session (`enable_internet` must be on), with KAGGLE_USERNAME and
-KAGGLE_KEY read from the user's Kaggle secrets. Their values are never printed: any message that leaves this
-module has them masked. A failed publish is one line; the checkpoint stays in /kaggle/working, where the chain
+Publishing uses the Kaggle API from inside the session (`enable_internet` must be on), with the credential the
+bootstrap proved (shared/kaggle/credential.py): the notebook's own token, or KAGGLE_USERNAME and KAGGLE_KEY read
+from the user's Kaggle secrets, whose values are never printed: any message that leaves this module has them
+masked. A failed publish is one line; the checkpoint stays in /kaggle/working, where the chain
 script (`scripts/chain_sessions.py`) finds it in the kernel's output and publishes it from outside.
 
 Only the standard library is imported at module level; `kaggle` is imported when publishing.
@@ -29,12 +30,19 @@ from shared.checkpoint_names import CHECKPOINT_PREFIX, STABLE_DIR
 from shared.checkpoint_names import MANIFEST_FILE as MANIFEST
 from shared.errors import UserError, describe_error
 from shared.fsutil import link_or_copy
+from shared.kaggle.credential import (
+    ATTACHED_KEY,
+    CREDENTIAL_NAMES,
+    candidates,
+    kaggle_api,
+    no_credential_problem,
+    refused,
+    use_credential,
+)
 
 PUBLISH_RECORD = "publish.json"  # written to /kaggle/working: what the session published (read by the chain)
 DATASET_METADATA = "dataset-metadata.json"
 PLACEHOLDER_FILE = "README.md"  # the only file of a checkpoint dataset that holds no checkpoint yet
-CREDENTIAL_NAMES = ("KAGGLE_USERNAME", "KAGGLE_KEY")
-
 
 
 # --- the checkpoint as a flat folder -------------------------------------------------------------------------
@@ -88,22 +96,12 @@ def stable_checkpoint(*roots: str | os.PathLike | None) -> Path | None:
 
 
 def publish_problem(log=print, purpose: str = "publishing checkpoints") -> str | None:
-    """Why this session could not publish to Kaggle (a checkpoint, or the eval's Kaggle Model): a secret not
-    attached, the kaggle package not to be had; None when it can. Secrets are read, never shown."""
+    """Why this session could not publish to Kaggle (a checkpoint, or the eval's Kaggle Model): no credential (the
+    notebook's own token, or the secrets KAGGLE_USERNAME and KAGGLE_KEY), the kaggle package not to be had; None
+    when it can. Secrets are read, never shown."""
     from shared.kaggle.packages import provide
-    from shared.kaggle.secrets import get_secret
 
-    missing = []
-    for name in CREDENTIAL_NAMES:
-        try:
-            get_secret(name)
-        except UserError:
-            missing.append(name)
-    if missing:
-        return (f"the secret{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
-                f"{'are' if len(missing) > 1 else 'is'} not attached to this notebook: attach "
-                f"{'them' if len(missing) > 1 else 'it'} on the notebook's page (Add-ons > Secrets)")
-    return provide("kaggle", purpose, log)
+    return no_credential_problem() or provide("kaggle", purpose, log)
 
 
 # --- publishing -----------------------------------------------------------------------------------------------
@@ -123,42 +121,7 @@ class PublishPlan:
     resume_root: str | None = None  # the staged checkpoints root the session resumed from (its stable/ travels on)
     extend: bool = False  # --extend: the session may resume below input_step (from the stable phase) and train on
     verify_s: float = 0.0  # > 0: wait that long for the new version and publish again if it failed (verify_publish)
-
-
-def kaggle_api(from_secrets: bool = True):
-    """An authenticated KaggleApi. In a session the credentials come from the user's secrets (set into this
-    process's environment, never printed). Raises UserError naming what is missing."""
-    if from_secrets:
-        secrets_to_env()
-    import contextlib
-    import io
-
-    quiet = io.StringIO()  # `import kaggle` authenticates and prints a page of help when that fails
-    try:
-        with contextlib.redirect_stdout(quiet):
-            from kaggle.api.kaggle_api_extended import KaggleApi
-    except ImportError as err:
-        raise UserError(f"the kaggle package is not installed ({err})") from None
-    api = KaggleApi()
-    try:
-        with contextlib.redirect_stdout(quiet):
-            api.authenticate()
-    except SystemExit:
-        raise UserError("Kaggle credentials not found: set KAGGLE_USERNAME and KAGGLE_KEY (or ~/.kaggle/kaggle.json; "
-                        "in a kernel: the Kaggle secrets KAGGLE_USERNAME and KAGGLE_KEY)") from None
-    return api
-
-
-def secrets_to_env() -> None:
-    """In a session, the user's Kaggle credentials from its secrets into this process's environment (where the
-    kaggle client and kagglehub read them; never printed)."""
-    from shared.kaggle.env import in_session
-    from shared.kaggle.secrets import get_secret
-
-    if in_session():
-        for name in CREDENTIAL_NAMES:
-            if not os.environ.get(name):
-                os.environ[name] = get_secret(name)
+    credential: str | None = None  # the one the bootstrap proved (shared/kaggle/credential.py); None: the clients'
 
 
 # The wait for a publish whose checkpoint has no other copy (kept in /kaggle/temp, not in the output): a version that
@@ -309,6 +272,41 @@ def _write_record(record: dict) -> None:
         pass
 
 
+def _publish(plan: PublishPlan, ckpt, step: int, record: dict, log) -> None:
+    """Publish checkpoint `ckpt` as `plan` says, with the credential it names; refused (401, 403) with the
+    notebook's token, once more with the attached key where there is one. Fills `record`."""
+    from shared.kaggle.env import kaggle_paths
+
+    dataset, delete_old = plan.dataset, plan.delete_old_versions
+    if plan.credential:
+        use_credential(plan.credential)
+    api = kaggle_api(from_secrets=plan.credential is None)  # None: a plan made without the bootstrap's proof
+    began = time.monotonic()
+    stable = stable_checkpoint(Path(ckpt).parent, plan.resume_root)
+    before = dataset_version(api, dataset)[0] if plan.verify_s else 0
+
+    def push(delete: bool) -> dict:
+        return publish_checkpoint(api, ckpt, dataset, kaggle_paths().temp, plan.title, delete_old_versions=delete,
+                                  stable=stable)
+
+    try:
+        out = push(delete_old)
+    except Exception as err:
+        if not (refused(err) and plan.credential != ATTACHED_KEY and ATTACHED_KEY in candidates()):
+            raise
+        log(f"notice: the notebook's token was refused publishing to {dataset} ({describe_error(err)}); "
+            "publishing with the attached key")
+        use_credential(ATTACHED_KEY)
+        api = kaggle_api(from_secrets=False)
+        out = push(delete_old)
+    record.update(published=True, action=out["action"], seconds=round(time.monotonic() - began, 1),
+                  delete_old_versions=delete_old, stable_step=out["stable_step"])
+    also = f" (with the stable phase's step {out['stable_step']})" if stable is not None else ""
+    log(f"publish: checkpoint step {step}{also} {out['action']} dataset {dataset} in {record['seconds']}s")
+    if plan.verify_s:
+        record.update(verify_publish(api, dataset, before, plan.verify_s, log=log, republish=lambda: push(False)))
+
+
 def after_training(result, plan: PublishPlan | None, log=print) -> dict | None:
     """Called by kernels/train.py after train(): publish the final checkpoint as `plan` (the build's, from the
     bootstrap) says; a no-op without one (local runs, or a kernel built without a checkpoint dataset). Never
@@ -334,34 +332,13 @@ def after_training(result, plan: PublishPlan | None, log=print) -> dict | None:
         record["reason"] = plan.problem
         log(f"publish: step {step} stays in the kernel output for the chain script to publish")
     else:
-        secrets: list[str] = []
         try:
-            from shared.kaggle.env import kaggle_paths
-
-            api = kaggle_api()
-            secrets = [os.environ.get(n, "") for n in CREDENTIAL_NAMES]
-            began = time.monotonic()
-            delete_old = plan.delete_old_versions
-            stable = stable_checkpoint(Path(ckpt).parent, plan.resume_root)
-            before = dataset_version(api, dataset)[0] if plan.verify_s else 0
-            out = publish_checkpoint(api, ckpt, dataset, kaggle_paths().temp, plan.title,
-                                     delete_old_versions=delete_old, stable=stable)
-            record.update(published=True, action=out["action"], seconds=round(time.monotonic() - began, 1),
-                          delete_old_versions=delete_old, stable_step=out["stable_step"])
-            also = f" (with the stable phase's step {out['stable_step']})" if stable is not None else ""
-            log(f"publish: checkpoint step {step}{also} {out['action']} dataset {dataset} "
-                f"in {record['seconds']}s")
-            if plan.verify_s:
-                record.update(verify_publish(
-                    api, dataset, before, plan.verify_s, log=log,
-                    republish=lambda: publish_checkpoint(api, ckpt, dataset, kaggle_paths().temp, plan.title,
-                                                         stable=stable)))
+            _publish(plan, ckpt, step, record, log)
         except UserError as err:
             record["reason"] = str(err)
             log(f"warning: could not publish step {step} to {dataset}: {err}; it stays in the kernel output")
         except Exception as err:  # the API's own errors: one line, secrets masked
-            secrets += [os.environ.get(n, "") for n in CREDENTIAL_NAMES]
-            record["reason"] = describe_error(err, secrets)
+            record["reason"] = describe_error(err, [os.environ.get(n, "") for n in CREDENTIAL_NAMES])
             log(f"warning: could not publish step {step} to {dataset} ({record['reason']}); "
                 "it stays in the kernel output for the chain script to publish")
     _write_record(record)

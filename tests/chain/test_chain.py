@@ -57,7 +57,9 @@ def first_contact(lk, config: Path, workdir: Path) -> None:
     proc = run_chain(lk, config, workdir)
     assert proc.returncode == 2 and error_lines(proc.stderr) == [NOTEBOOKS_STOP], proc.stdout + proc.stderr
     ref = f"{USER}/{json.loads(config.read_text())['name']}-train"
-    assert [v["quick_save"] for v in lk.app.state["kernels"][ref]["versions"]] == [True]
+    # Saved on no accelerator: a notebook opened to attach secrets starts no TPU session (the pushes name it).
+    assert [(v["quick_save"], v["machine_shape"], v["accelerator"]) for v in lk.app.state["kernels"][ref]["versions"]
+            ] == [(True, None, None)]
     lk.app.attach_secret(ref, "KAGGLE_USERNAME", USER)
     lk.app.attach_secret(ref, "KAGGLE_KEY", KEY)
 
@@ -115,6 +117,7 @@ def test_chain_end_to_end_resumes_bit_exactly_and_survives_a_kill(local_kaggle, 
     assert contact.returncode == 2, contact.stdout[-3000:] + contact.stderr[-3000:]
     assert ("attach the secrets KAGGLE_USERNAME, KAGGLE_KEY to the train notebook: "
             "https://www.kaggle.com/code/alice/gpt2-demo-train (Add-ons > Secrets)") in contact.stdout
+    assert "if attaching opens an editor session, stop it (Run > Stop Session) before going on" in contact.stdout
     assert error_lines(contact.stderr) == [NOTEBOOKS_STOP]
     kernels = lk.app.state["kernels"]
     assert sorted(kernels) == ["alice/gpt2-demo-train"]  # the eval notebook reads no secret here
@@ -306,7 +309,8 @@ class FakeApi:
 def fake_chain(tmp_path: Path, api: FakeApi) -> Chain:
     cfg = config_from_dict({"name": "unit-run", "token_datasets": ["alice/t"]})
     chain = Chain(cfg, tmp_path / "chain", api=api, log=lambda *_: None)
-    chain.client.kernel_info = lambda ref: (len(api.sources), api.sources[-1] if api.sources else "")
+    chain.client.kernel_info = lambda ref, version=0: (
+        len(api.sources), api.sources[version - 1] if version else api.sources[-1] if api.sources else "")
     return chain
 
 
@@ -332,6 +336,17 @@ def test_a_chain_killed_around_a_push_pushes_once(tmp_path, kill):
     assert restarted.ctx.push_once("train-1", "alice/unit-run-train", build_dummy(tmp_path)) == 1
     assert len(api.sources) == 1
     assert restarted.ctx.push_once("train-2", "alice/unit-run-train", build_dummy(tmp_path)) == 2
+
+
+def test_a_push_that_landed_before_a_kill_is_found_by_its_version_label_behind_a_newer_push(tmp_path):
+    api = FakeApi(kill_after_push=True)
+    with pytest.raises(Killed):
+        fake_chain(tmp_path, api).ctx.push_once("train-1", "alice/unit-run-train", build_dummy(tmp_path))
+    api.sources.append("print('pushed from the UI meanwhile')")  # version 2, not the chain's
+    api.kill_after_push = False
+    restarted = fake_chain(tmp_path, api)
+    assert restarted.ctx.push_once("train-1", "alice/unit-run-train", build_dummy(tmp_path)) == 1
+    assert len(api.sources) == 2  # found as version 1: not pushed again
 
 
 # --- bad input ------------------------------------------------------------------------------------------------

@@ -83,6 +83,33 @@ def test_a_stale_dataset_status_after_a_publish_is_waited_out_and_the_new_versio
     assert lk.app.faults.datasets["stale_dataset_status"] == []  # every stale answer was read
 
 
+def test_a_404_on_a_ready_versions_manifest_is_tried_again_and_never_read_as_no_checkpoint(local_kaggle, tmp_path):
+    lk = local_kaggle
+    add_version(lk, tmp_path, CKPT, {"README.md": "no checkpoint yet"})
+    add_version(lk, tmp_path, CKPT, {"checkpoint.json": manifest(20)})
+    lk.app.inject("http", match="DownloadDataset", status=404, count=2)  # two 404s on a manifest that is there
+    body = """
+        import scripts.chain.checkpoints as checkpoints
+        checkpoints.MANIFEST_404_WAIT_S = 0.01
+        out["v2"] = dataset_step(ctx, CKPT, 2)
+        out["v1"] = dataset_step(ctx, CKPT, 1)  # lists no manifest: none, at once
+    """
+    out, log = probe(lk, tmp_path, body)
+    assert out == {"v2": 20, "v1": 0}
+    assert log.count("lists checkpoint.json, but its download answered 404; trying again") == 2
+    lk.app.inject("http", match="DownloadDataset", status=404, count=100)
+    out, log = probe(lk, tmp_path, """
+        import scripts.chain.checkpoints as checkpoints
+        checkpoints.MANIFEST_404_WAIT_S = 0.01
+        try:
+            dataset_step(ctx, CKPT, 2)
+        except UserError as err:
+            out["error"] = str(err)
+    """)
+    assert out["error"] == (f"dataset {CKPT}: version 2 lists checkpoint.json, but 4 downloads of it answered 404; "
+                            "not reading that as 'no checkpoint': run the chain again later")
+
+
 SESSION_OUTPUT = """
 import hashlib, json
 from pathlib import Path

@@ -71,8 +71,9 @@ chain.state.pushes["train-2"] = {{"push_id": "x", "version": 2, "pushed": 0}}
 newest = chain.client.kernel_status("alice/unit-run-train")
 status = chain.ctx.wait("alice/unit-run-train", "train v2", "train-2")[:2]
 files = chain.client.download_output("alice/unit-run-train", Path({out!r}), version=1)
+sources = [chain.client.kernel_info("alice/unit-run-train", v) for v in (1, 2, 3)]
 print(json.dumps({{"newest": newest, "status": status, "files": sorted(Path(f).name for f in files),
-                  "v1": Path({out!r}, "which.txt").read_text()}}))
+                  "v1": Path({out!r}, "which.txt").read_text(), "sources": sources}}))
 """
 
 
@@ -92,6 +93,9 @@ def test_the_chain_reads_the_status_and_output_of_the_version_it_pushed(local_ka
     assert result["newest"] == ["COMPLETE", ""]  # unlabelled: version 1's, though version 2 runs
     assert result["status"] == ["ERROR", "Kernel process exited with code 3"]
     assert result["files"] == ["unit-run-train.log", "which.txt"] and result["v1"] == "v1"
+    # Each version's own source, by its label (how a push that landed before a restart is found).
+    (one, v1), (two, v2), (three, v3) = result["sources"]
+    assert one == two == 2 and "write('v1')" in v1 and "SystemExit(3)" in v2 and (three, v3) == (0, "")
     # A bare version number is not a label (404), as on Kaggle.
     from scripts.local_kaggle import ApiError
 

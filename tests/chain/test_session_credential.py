@@ -1,0 +1,153 @@
+"""Which credential a session publishes with: its own notebook token where that may write, else the attached key,
+proven in the bootstrap before any training; with neither, one line and exit 2 where the checkpoints would be
+lost. Each case runs a real session of the local Kaggle, which gives every session a notebook token as Kaggle does
+(KAGGLE_API_V1_TOKEN) and can be told that such tokens may not write datasets."""
+
+import json
+import threading
+
+import pytest
+from kaggle_fixtures import KEY, USER, save_without_running, wait_for, write_dataset, write_kernel
+
+from shared.kaggle.credential import ATTACHED_KEY, NOTEBOOK_TOKEN
+
+REF, DATASET = f"{USER}/cred-train", f"{USER}/cred-checkpoints"
+
+# A train kernel's bootstrap and publish, around a checkpoint made by hand instead of by training.
+SESSION = f"""
+import json, os, pathlib, sys, time
+from shared.errors import run_cli
+from shared.kaggle.bootstrap import resolve_build
+from shared.kaggle.publish import MANIFEST, after_training
+
+BUILD = {{"kernel": "train", "accelerator": "",
+         "settings": {{"out_dir": "{{working}}/train", "checkpoint_dir": "{{temp}}/checkpoints"}},
+         "checkpoint_dataset": {{"dataset": "{DATASET}", "publish": True, "expect_step": 0}}}}
+
+def main():
+    built = resolve_build(BUILD)
+    print("bootstrap done", flush=True)
+    gate = os.environ.get("CRED_TEST_GATE")  # the test's: wait for it before publishing
+    while gate and not os.path.exists(gate):
+        time.sleep(0.05)
+    ckpt = pathlib.Path(built.settings["checkpoint_dir"]) / "step_000040"
+    ckpt.mkdir(parents=True)
+    (ckpt / MANIFEST).write_text(json.dumps({{"step": 40, "files": {{}}}}))
+    (ckpt / "model.safetensors").write_bytes(b"weights-at-step-40")
+
+    class Result:
+        step, checkpoint, start_step = 40, ckpt, 0
+
+    record = after_training(Result(), built.publish)
+    print("RECORD " + json.dumps(record, default=str), flush=True)
+
+run_cli(main)
+"""
+
+
+def run_session(lk, tmp_path, secrets: bool, between=None) -> tuple[str, list[str], dict | None, list[int]]:
+    """Push the session (its key attached as secrets first where `secrets`) and wait, calling `between()` after
+    its bootstrap, before its publish; -> (status, its log lines, its publish record, the checkpoint dataset's
+    version numbers)."""
+    lk.cli("datasets", "create", "-p", str(write_dataset(tmp_path / "ds", DATASET, {"README.md": "no checkpoint"})))
+    folder = write_kernel(tmp_path / "k", REF, SESSION, enable_internet=True)
+    if secrets:
+        save_without_running(lk, folder)
+        lk.app.attach_secret(REF, "KAGGLE_USERNAME", USER)
+        lk.app.attach_secret(REF, "KAGGLE_KEY", KEY)
+    if between is not None:
+        gate = tmp_path / "gate"
+        threading.Thread(target=lambda: (wait_for(lambda: _logged(lk, "bootstrap done"), 60), between(),
+                                         gate.touch()), daemon=True).start()
+    lk.cli("kernels", "push", "-p", str(folder))
+    status, _ = lk.wait(REF, timeout=120)
+    log = (_version_dir(lk) / "log.jsonl").read_text()
+    text = "".join(json.loads(line)["data"] for line in log.splitlines()).splitlines()
+    record = next((json.loads(x[len("RECORD "):]) for x in text if x.startswith("RECORD ")), None)
+    with lk.app.store.lock:
+        versions = [v["number"] for v in lk.app.state["datasets"][DATASET]["versions"]]
+    assert KEY not in log  # the key is never printed
+    return status, text, record, versions
+
+
+def test_a_session_with_no_secrets_publishes_with_its_own_notebook_token(local_kaggle, tmp_path):
+    status, lines, record, versions = run_session(local_kaggle, tmp_path, secrets=False)
+    assert status == "COMPLETE", lines
+    assert f"publishing to {DATASET} with {NOTEBOOK_TOKEN}" in lines
+    assert record["published"] is True and record["action"] == "versioned" and record["step"] == 40
+    assert versions == [1, 2]
+    files = local_kaggle.root / "datasets" / USER / "cred-checkpoints" / "2"
+    assert (files / "model.safetensors").read_bytes() == b"weights-at-step-40"
+
+
+def test_a_token_that_may_not_write_and_no_secrets_stop_the_session_before_training_in_one_line(
+        local_kaggle, tmp_path):
+    local_kaggle.app.notebook_token_writes = False
+    status, lines, record, versions = run_session(local_kaggle, tmp_path, secrets=False)
+    assert status == "ERROR" and record is None and "bootstrap done" not in lines
+    assert [x for x in lines if x.startswith("error:")] == [(
+        f"error: this session cannot publish its checkpoints (no credential can publish to {DATASET} "
+        f"({NOTEBOOK_TOKEN}: HTTP 403)), and they would live in /kaggle/temp, which is gone when the session ends; "
+        "stopping before training").replace("/kaggle/temp", _temp_of(local_kaggle))]
+    assert versions == [1]
+
+
+def test_a_token_that_may_not_write_falls_back_to_the_attached_key_which_publishes(local_kaggle, tmp_path):
+    local_kaggle.app.notebook_token_writes = False
+    status, lines, record, versions = run_session(local_kaggle, tmp_path, secrets=True)
+    assert status == "COMPLETE", lines
+    assert f"notice: {NOTEBOOK_TOKEN} cannot publish to {DATASET} (HTTP 403)" in lines
+    assert f"publishing to {DATASET} with {ATTACHED_KEY}" in lines
+    assert record["published"] is True and versions == [1, 2]
+
+
+def test_a_token_refused_at_the_publish_itself_publishes_again_with_the_attached_key(local_kaggle, tmp_path,
+                                                                                      monkeypatch):
+    monkeypatch.setenv("CRED_TEST_GATE", str(tmp_path / "gate"))
+    status, lines, record, versions = run_session(
+        local_kaggle, tmp_path, secrets=True, between=lambda: setattr(local_kaggle.app, "notebook_token_writes", False))
+    assert status == "COMPLETE", lines
+    assert f"publishing to {DATASET} with {NOTEBOOK_TOKEN}" in lines
+    assert any(x.startswith(f"notice: the notebook's token was refused publishing to {DATASET} (HTTP 403")
+               and x.endswith("publishing with the attached key") for x in lines), lines
+    assert record["published"] is True and versions == [1, 2]
+
+
+@pytest.mark.parametrize("writes", [True, False])
+def test_the_local_kaggle_refuses_dataset_writes_with_a_notebook_token_only_when_told(local_kaggle, writes):
+    from scripts.local_kaggle import ApiError
+
+    accounts = local_kaggle.app.accounts
+    local_kaggle.app.notebook_token_writes = writes
+    token = accounts.issue_notebook_token(USER)
+    header = f"Bearer {token}"
+    assert accounts.authenticate(header) == USER
+    accounts.authorize(header, "GetDatasetStatus")  # reads always
+    accounts.authorize(f"Bearer {KEY}", "CreateDatasetVersion")  # a key always writes
+    if writes:
+        accounts.authorize(header, "CreateDatasetVersion")
+    else:
+        with pytest.raises(ApiError) as err:
+            accounts.authorize(header, "CreateDatasetVersion")
+        assert err.value.status == 403
+    accounts.revoke_notebook_token(token)
+    with pytest.raises(ApiError) as err:
+        accounts.authenticate(header)
+    assert err.value.status == 401
+
+
+def _logged(lk, text: str) -> bool:
+    try:
+        return text in (_version_dir(lk) / "log.jsonl").read_text()
+    except Exception:  # not pushed yet (the local Kaggle's 404), or no log yet
+        return False
+
+
+def _version_dir(lk):
+    with lk.app.store.lock:
+        kernel = lk.app.kernels.get(REF)
+        return lk.app.store.kernel_dir(kernel, kernel["versions"][-1]["number"])
+
+
+def _temp_of(lk) -> str:
+    return str(_version_dir(lk) / "kaggle" / "temp")
