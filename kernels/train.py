@@ -32,7 +32,10 @@ def main() -> None:
     installs = installed_seconds()
     result = train(cfg, wandb_key=wandb_key() if cfg.wandb_project else None, started=started,
                    startup_parts={"packages": installs} if installs else None)
-    after_training(result, BAKED_PUBLISH)  # publishes the final checkpoint where the build says so
+    # The session is killed publish_s after its deadline (the chain's publish margin): the publish gives up before.
+    publish_s = getattr(BAKED_PUBLISH, "publish_s", 0)
+    end = started + cfg.session_deadline + publish_s if cfg.session_deadline and publish_s else None
+    after_training(result, BAKED_PUBLISH, session_end=end)  # publishes the final checkpoint where the build says so
 
 
 if __name__ == "__main__":

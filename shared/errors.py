@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import sys
+import threading
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -44,3 +45,25 @@ def run_cli(main: Callable[[], T]) -> T:
     except UserError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+
+
+def within(seconds: float, fn: Callable[[], T]) -> T:
+    """fn(), or a UserError ("no answer within ...") once it has run `seconds`; it goes on in a daemon thread, gone
+    when the process ends. For calls that may hang a session until its kill (a fetch, an API call with no timeout
+    of its own, a device probe)."""
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            result["value"] = fn()
+        except BaseException as err:  # handed to the caller's thread
+            result["error"] = err
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        raise UserError(f"no answer within {f'{seconds:.3g} s' if seconds < 120 else f'{seconds / 60:.0f} minutes'}")
+    if "error" in result:
+        raise result["error"]
+    return result["value"]

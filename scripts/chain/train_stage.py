@@ -155,7 +155,8 @@ class TrainStage:
                             checkpoint_dataset={"dataset": ckpt, "resume_setting": "resume_from", "publish": True,
                                                 "title": f"{cfg.name} checkpoints", "expect_step": expect_step,
                                                 "expect_version": expect_version, "delete_old_versions": delete_old,
-                                                "verify_s": publish_verify_s(cfg.train)},
+                                                "verify_s": publish_verify_s(cfg.train),
+                                                "publish_s": cfg.publish_margin_s},
                             push_id=push_id)
 
     def wandb_run_id(self) -> str:

@@ -260,6 +260,9 @@ class Handler(HttpIO):
             self._serve_blob(parts[1:], query)
         elif parts[0] == "_admin":
             self._admin(parts[1:])
+        elif parts[0] == "kaggle-jwt-handler":  # kagglehub's attach in a notebook (KaggleJwtClient)
+            raise ApiError(403, f"{parts[-1]}: attaching a datasource is refused in a batch session (the local "
+                                "Kaggle models third-party reports; Kaggle's own answer is not verified)")
         else:
             raise ApiError(404, f"The local Kaggle has nothing at {self.command} {path}")
 

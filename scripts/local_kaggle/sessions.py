@@ -124,7 +124,10 @@ def session_env(kernel: dict, v: dict, kroot: Path, secrets_file: Path, proxy_ur
     )
     if token_file is not None:
         env.update(KAGGLE_KERNEL_RUN_TYPE="Batch", KAGGLE_DATA_PROXY_URL=proxy_url,
-                   KAGGLE_API_V1_TOKEN=str(token_file))
+                   KAGGLE_API_V1_TOKEN=str(token_file),
+                   # What kagglehub's attach (KaggleJwtClient, kagglehub 1.0.3 clients.py L331-362) sends; the
+                   # server refuses the attach itself, as batch sessions are reported to.
+                   KAGGLE_USER_SECRETS_TOKEN="local-jwt", KAGGLE_DATA_PROXY_TOKEN="local-data-proxy")
     if internet:
         env["KAGGLE_API_ENVIRONMENT"] = "LOCALHOST"
         env["NO_PROXY"] = env["no_proxy"] = PACKAGE_INDEX_HOSTS

@@ -17,12 +17,11 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from shared.checkpoint_names import STABLE_DIR, checkpoint_name
-from shared.errors import UserError, describe_error
+from shared.errors import UserError, describe_error, within
 from shared.kaggle.credential import choose_credential, secrets_to_env
 from shared.kaggle.publish import (
     MANIFEST,
@@ -128,7 +127,7 @@ def resolve_build(build: dict, log=print) -> BuiltKernel:
                        problem=problem, delete_old_versions=bool(ckpt.get("delete_old_versions")),
                        resume_root=settings.get(ckpt.get("resume_setting") or "") if input_step else None,
                        extend=bool(settings.get("extend")), verify_s=float(ckpt.get("verify_s") or 0),
-                       credential=credential)
+                       credential=credential, publish_s=float(ckpt.get("publish_s") or 0))
     return BuiltKernel(settings, plan)
 
 
@@ -217,7 +216,7 @@ def fetch_dataset_version(dataset: str, version: int, dest: Path) -> Path:
     previous = os.environ.get(CACHE_OFF_ENV)
     os.environ[CACHE_OFF_ENV] = "1"
     try:
-        return Path(_within(FETCH_TIMEOUT_S, lambda: kagglehub.dataset_download(handle, output_dir=str(dest))))
+        return Path(within(FETCH_TIMEOUT_S, lambda: kagglehub.dataset_download(handle, output_dir=str(dest))))
     except UserError:
         raise
     except Exception as err:  # kagglehub's and requests' own types; masked, one line
@@ -227,28 +226,6 @@ def fetch_dataset_version(dataset: str, version: int, dest: Path) -> Path:
             os.environ.pop(CACHE_OFF_ENV, None)
         else:
             os.environ[CACHE_OFF_ENV] = previous
-
-
-def _within(seconds: float, fn):
-    """fn(), or a UserError once it has run `seconds` (it goes on in a daemon thread, gone when the session stops):
-    kagglehub's attach in a Kaggle notebook waits for its mount with no limit, and a hung fetch would spend the
-    whole session."""
-    result: dict = {}
-
-    def run() -> None:
-        try:
-            result["value"] = fn()
-        except BaseException as err:  # handed to the caller's thread
-            result["error"] = err
-
-    worker = threading.Thread(target=run, daemon=True)
-    worker.start()
-    worker.join(seconds)
-    if worker.is_alive():
-        raise UserError(f"no answer within {f'{seconds:g} s' if seconds < 120 else f'{seconds / 60:.0f} minutes'}")
-    if "error" in result:
-        raise result["error"]
-    return result["value"]
 
 
 def kernel_needs(kernel: str, settings: dict) -> list[tuple[str, str]]:

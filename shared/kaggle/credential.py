@@ -18,13 +18,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from shared.errors import UserError, describe_error
+from shared.errors import UserError, describe_error, within
 
 NOTEBOOK_TOKEN = "the notebook's token"
 ATTACHED_KEY = "the attached key"
 TOKEN_ENV = "KAGGLE_API_V1_TOKEN"  # names the file holding the session's own token
 CREDENTIAL_NAMES = ("KAGGLE_USERNAME", "KAGGLE_KEY")
 _hidden_token: dict[str, str] = {}  # the token's variable while the key is in use
+PROVE_TIMEOUT_S = 120.0  # the proof's calls (sign-in, status, upload start): kagglesdk sets no timeout of its own
 
 
 def notebook_token_present() -> bool:
@@ -149,7 +150,7 @@ def choose_credential(dataset: str, log=print) -> tuple[str | None, str | None]:
     for credential in tried:
         use_credential(credential)
         try:
-            prove_dataset_write(kaggle_api(from_secrets=False), dataset)
+            within(PROVE_TIMEOUT_S, lambda: prove_dataset_write(kaggle_api(from_secrets=False), dataset))
         except Exception as err:  # the API's own types, or a UserError from sign-in: one line, secrets masked
             status = getattr(getattr(err, "response", None), "status_code", None)
             why = f"HTTP {status}" if status else describe_error(err, _secret_values())

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from shared.checkpoint_names import CHECKPOINT_PREFIX, STABLE_DIR
 from shared.checkpoint_names import MANIFEST_FILE as MANIFEST
-from shared.errors import UserError, describe_error
+from shared.errors import UserError, describe_error, within
 from shared.fsutil import link_or_copy
 from shared.kaggle.credential import (
     ATTACHED_KEY,
@@ -122,6 +122,7 @@ class PublishPlan:
     extend: bool = False  # --extend: the session may resume below input_step (from the stable phase) and train on
     verify_s: float = 0.0  # > 0: wait that long for the new version and publish again if it failed (verify_publish)
     credential: str | None = None  # the one the bootstrap proved (shared/kaggle/credential.py); None: the clients'
+    publish_s: float = 0.0  # the chain's publish margin: the session is killed that long after its deadline
 
 
 # The wait for a publish whose checkpoint has no other copy (kept in /kaggle/temp, not in the output): a version that
@@ -307,10 +308,16 @@ def _publish(plan: PublishPlan, ckpt, step: int, record: dict, log) -> None:
         record.update(verify_publish(api, dataset, before, plan.verify_s, log=log, republish=lambda: push(False)))
 
 
-def after_training(result, plan: PublishPlan | None, log=print) -> dict | None:
+# Left between a publish that gives up and the session's kill: writing the record and the process's exit, so that
+# Kaggle saves the output (a kill discards /kaggle/working, and with it the checkpoint the chain would publish).
+PUBLISH_EXIT_S = 60.0
+
+
+def after_training(result, plan: PublishPlan | None, log=print, session_end: float | None = None) -> dict | None:
     """Called by kernels/train.py after train(): publish the final checkpoint as `plan` (the build's, from the
-    bootstrap) says; a no-op without one (local runs, or a kernel built without a checkpoint dataset). Never
-    raises."""
+    bootstrap) says; a no-op without one (local runs, or a kernel built without a checkpoint dataset). With
+    `session_end` (the monotonic time the session is killed at), a publish still running PUBLISH_EXIT_S before
+    it is given up, in one line, so the session ends by itself and its output is kept. Never raises."""
     if plan is None:
         return None
     dataset = plan.dataset
@@ -333,7 +340,11 @@ def after_training(result, plan: PublishPlan | None, log=print) -> dict | None:
         log(f"publish: step {step} stays in the kernel output for the chain script to publish")
     else:
         try:
-            _publish(plan, ckpt, step, record, log)
+            if session_end is None:
+                _publish(plan, ckpt, step, record, log)
+            else:
+                within(max(session_end - time.monotonic() - PUBLISH_EXIT_S, 1.0),
+                       lambda: _publish(plan, ckpt, step, record, log))
         except UserError as err:
             record["reason"] = str(err)
             log(f"warning: could not publish step {step} to {dataset}: {err}; it stays in the kernel output")

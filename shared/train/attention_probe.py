@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import torch
 
+from shared.errors import UserError, within
 from shared.train.mosaic_version import refusal_line
 
 # How far a candidate attention kernel may be from SDPA: max |candidate - reference| over max |reference|, for the
@@ -20,6 +21,9 @@ from shared.train.mosaic_version import refusal_line
 # nothing) from failing a correct kernel.
 ATTENTION_PROBE_TOLERANCE = 3e-2
 PROBE_RESULTS = ("output", "dq", "dk", "dv")
+# The probe compiles and runs two small graphs (the kernel's and SDPA's, forward and backward): seconds to a couple
+# of minutes on a TPU. Ten minutes without an answer is a hang, and the session goes on with SDPA.
+PROBE_TIMEOUT_S = 600.0
 
 
 def sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -42,12 +46,22 @@ def _attention_and_grads(kernel: Callable, inputs: list[torch.Tensor], dtype: to
 def probe_attention_kernel(kernel: Callable, shape: tuple[int, int, int, int], device: torch.device | str = "cpu",
                            place: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
                            sync: Callable[[], None] = lambda: None,
-                           tolerance: float = ATTENTION_PROBE_TOLERANCE) -> str | None:
+                           tolerance: float = ATTENTION_PROBE_TOLERANCE,
+                           timeout_s: float | None = None) -> str | None:
     """Run `kernel` (q, k, v) -> causal attention forward and backward on random bf16 q, k, v of `shape` (B, H, T, D)
     on `device`, each laid out by `place` (the runtime's batch sharding), against SDPA in fp32 on the same inputs.
     None if the output and the gradients of q, k and v all agree within `tolerance`; else one line naming what
-    differs, or why the kernel failed."""
-    device = torch.device(device)
+    differs, why the kernel failed, or that it gave no answer within `timeout_s` (default PROBE_TIMEOUT_S: a
+    compile or run that hangs would otherwise hold the session until its kill; it is left in a daemon thread)."""
+    timeout_s = PROBE_TIMEOUT_S if timeout_s is None else timeout_s
+    try:
+        return within(timeout_s, lambda: _probe(kernel, shape, torch.device(device), place, sync, tolerance))
+    except UserError as err:
+        return f"the probe gave {err}"
+
+
+def _probe(kernel: Callable, shape: tuple[int, int, int, int], device: torch.device,
+           place: Callable[[torch.Tensor], torch.Tensor], sync: Callable[[], None], tolerance: float) -> str | None:
     try:
         gen = torch.Generator().manual_seed(0)
         inputs = [torch.randn(shape, generator=gen) for _ in range(4)]  # q, k, v and the output's gradient

@@ -259,6 +259,12 @@ def test_a_retired_accelerator_is_run_on_its_successor_and_the_chain_says_so(loc
     assert ("notice: TpuV38 is retired (not in Kaggle's Sep 2026 accelerator list): Kaggle runs these sessions on "
             "TpuV5E8 instead; set TpuV5E8 in the config to say so") in proc.stdout
     (version,) = lk.app.state["kernels"]["alice/old-tpu-train"]["versions"]
+    assert (version["machine_shape"], version["accelerator"]) == (None, None)  # quick-saved on no accelerator
+    # A push that names the retired shape runs on its successor (as the chain's pushes after the quick save).
+    lk.app.api(USER, "kernels.KernelsApiService", "SaveKernel", {
+        "slug": "alice/old-tpu-train", "newTitle": "old tpu train", "text": "print(1)", "language": "python",
+        "kernelType": "script", "machineShape": "TpuV38"})
+    version = lk.app.state["kernels"]["alice/old-tpu-train"]["versions"][-1]
     assert (version["machine_shape"], version["accelerator"]) == ("TpuV5E8", "tpu")
 
 

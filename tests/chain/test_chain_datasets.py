@@ -321,6 +321,26 @@ def test_a_session_mounting_an_older_version_fetches_the_expected_one_or_stops_i
                     f"version 7 could not be fetched (HTTP 404: Dataset '{CKPT}' has no version 7); not starting over")
     assert KEY not in log and "resuming from" not in log
 
+    # What kagglehub does in a notebook with its cache resolver on: attach, which a batch session is refused.
+    folder = write_kernel(tmp_path / "attach", "alice/unit-run-train", ATTACH_KERNEL % f"{CKPT}/versions/2",
+                          enable_internet=True)
+    lk.cli("kernels", "push", "-p", str(folder))
+    lk.wait("alice/unit-run-train", timeout=120)
+    versions = lk.app.state["kernels"]["alice/unit-run-train"]["versions"]
+    log = "".join(e["data"] for e in lk.app.kernels.log_events(lk.app.state["kernels"]["alice/unit-run-train"],
+                                                                 versions[-1]["number"]))
+    assert "ATTACH HTTPError 403" in log and "attaching a datasource is refused in a batch session" in log
+
+
+ATTACH_KERNEL = """
+import kagglehub
+try:
+    kagglehub.dataset_download(%r)
+except Exception as err:
+    print("ATTACH", type(err).__name__, getattr(getattr(err, "response", None), "status_code", None),
+          getattr(getattr(err, "response", None), "text", ""))
+"""
+
 
 def test_a_fetch_that_never_answers_stops_in_one_line(monkeypatch, tmp_path):
     """kagglehub's attach in a Kaggle notebook waits for its mount without a limit: the session stops instead of

@@ -449,3 +449,31 @@ def test_a_publish_with_no_other_copy_is_published_again_only_where_its_version_
                           sleep=lambda s: None) == result
     assert api.republished == republished
     assert lines[:1] == ([line] if line else [])
+
+
+def test_a_publish_still_running_a_minute_before_the_kill_gives_up_so_the_output_is_kept(session, monkeypatch):
+    import threading
+    import time
+
+    import shared.kaggle.publish as publish
+
+    released = threading.Event()
+    monkeypatch.setattr(publish, "_publish", lambda *args: released.wait(120))  # an upload that never ends
+    (session / "working").mkdir(parents=True, exist_ok=True)
+    ckpt = session / "temp" / "checkpoints" / "step_000040"
+
+    class Result:
+        step, checkpoint, start_step = 40, ckpt, 0
+
+    lines = []
+    began = time.monotonic()
+    try:
+        record = after_training(Result(), publish.PublishPlan(dataset="alice/run-checkpoints", publish_s=600),
+                                log=lines.append, session_end=began + publish.PUBLISH_EXIT_S + 2)
+    finally:
+        released.set()
+    assert time.monotonic() - began < 60  # given up about 2 s in, not at the kill
+    assert record["published"] is False and record["reason"] == "no answer within 2 s"
+    assert lines == ["warning: could not publish step 40 to alice/run-checkpoints: no answer within 2 s; "
+                     "it stays in the kernel output"]
+    assert json.loads((session / "working" / "publish.json").read_text())["reason"] == "no answer within 2 s"

@@ -251,6 +251,31 @@ def test_attention_probe_reports_a_failing_kernel_in_one_line():
         "RuntimeError: Mosaic failed to compile TPU kernel: Unsupported matmul")
 
 
+def test_a_probe_that_hangs_leaves_sdpa_with_one_line_instead_of_holding_the_session(xla_runtime, monkeypatch,
+                                                                                      capsys):
+    import threading
+
+    import shared.train.attention_probe as attention_probe
+    import shared.train.model as model
+
+    released = threading.Event()
+
+    def hanging(q, k, v):  # a compile or run that never comes back
+        released.wait(60)
+        raise RuntimeError("released")
+
+    monkeypatch.setattr(attention_probe, "PROBE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", lambda: hanging)
+    try:
+        xla_runtime.select_attention(*PROBE_SHAPE)
+    finally:
+        released.set()
+    assert (xla_runtime.attention, model._attention_fn) == ("sdpa", None)
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and out.endswith(
+        "per device): the probe gave no answer within 0.5 s; using SDPA\n"), out
+
+
 def test_the_runtime_keeps_sdpa_with_a_notice_when_the_kernel_is_wrong(xla_runtime, monkeypatch, capsys):
     import shared.train.model as model
 
