@@ -16,7 +16,7 @@ from pathlib import Path
 
 from scripts.chain.config import ClientConfig
 from shared.errors import UserError, describe_error
-from shared.kaggle.publish import parse_dataset_status, wait_for_new_version
+from shared.kaggle.publish import read_dataset_version, wait_for_new_version
 
 TRANSIENT_STATUS = {408, 425, 429, 500, 502, 503, 504}
 # KernelWorkerStatus (kagglesdk kernels_enums.py:31-38): CANCEL_REQUESTED is on the way to CANCEL_ACKNOWLEDGED.
@@ -313,7 +313,7 @@ class KaggleClient:
         """(current version number, status) of the dataset `ref`; (0, "") while Kaggle answers 404 (not created,
         or a create that never landed)."""
         try:
-            return parse_dataset_status(self.call(f"dataset {ref}", self.api.dataset_status, ref, format="json"))
+            return self.call(f"dataset {ref}", read_dataset_version, self.api, ref)
         except ApiFailure as err:
             if err.status == 404:
                 return 0, ""

@@ -137,10 +137,31 @@ def parse_dataset_status(reply: str) -> tuple[int, str]:
     return int(data.get("current_version_number") or 0), str(data.get("status") or "").lower()
 
 
+# `ApiDatasetVersion.status` is a free string whose values no source lists (docs/kaggle-api.md); these, in any case,
+# are read as a version's own status. Anything else falls back to GetDatasetStatus, which names no version.
+VERSION_STATUSES = ("ready", "failed", "deleted", "pending", "processing")
+
+
+def read_dataset_version(api, dataset: str) -> tuple[int, str]:
+    """(current version number, status) of `dataset`: that version's own status from GetDataset's versions[]
+    where it is one of VERSION_STATUSES, else GetDatasetStatus's. Raises the API's errors (a 404 too)."""
+    from kagglesdk.datasets.types.dataset_api_service import ApiGetDatasetRequest
+
+    request = ApiGetDatasetRequest()
+    request.owner_slug, request.dataset_slug = dataset.split("/", 1)
+    with api.build_kaggle_client() as kaggle:
+        reply = kaggle.datasets.dataset_api_client.get_dataset(request)
+    number = int(reply.current_version_number or 0)
+    own = [str(v.status or "").lower() for v in (reply.versions or []) if v.version_number == number]
+    if own and own[0] in VERSION_STATUSES:
+        return number, own[0]
+    return parse_dataset_status(api.dataset_status(dataset, format="json"))
+
+
 def dataset_version(api, dataset: str) -> tuple[int, str]:
-    """(current version number, status) of `dataset`; (0, "") while Kaggle answers 404."""
+    """(current version number, status) of `dataset` (`read_dataset_version`); (0, "") while Kaggle answers 404."""
     try:
-        return parse_dataset_status(api.dataset_status(dataset, format="json"))
+        return read_dataset_version(api, dataset)
     except Exception as err:
         if getattr(getattr(err, "response", None), "status_code", None) == 404:
             return 0, ""

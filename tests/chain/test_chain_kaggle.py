@@ -414,21 +414,50 @@ def test_the_train_kernel_finds_its_inputs_on_every_mount_layout(tmp_path, monke
                               f"{tmp_path}/input/notebooks/alice/not-attached)")
 
 
+class DatasetApi:
+    """GetDataset (current version 3, with `own` as each read's status of version 3 in versions[]) and
+    GetDatasetStatus (`status`, naming no version), counted."""
+
+    def __init__(self, own: list[str], status: list[str]):
+        self.own, self.status, self.reads, self.status_reads = own, status, 0, 0
+
+    def build_kaggle_client(self):
+        import contextlib
+        from types import SimpleNamespace
+
+        def get_dataset(request):
+            self.reads += 1
+            own = self.own[min(self.reads, len(self.own)) - 1]
+            versions = [SimpleNamespace(version_number=n, status="ready" if n < 3 else own) for n in (1, 2, 3)]
+            return SimpleNamespace(current_version_number=3, versions=versions)
+
+        client = SimpleNamespace(datasets=SimpleNamespace(dataset_api_client=SimpleNamespace(get_dataset=get_dataset)))
+        return contextlib.nullcontext(client)
+
+    def dataset_status(self, ref, format=None):
+        self.status_reads += 1
+        status = self.status[min(self.status_reads, len(self.status)) - 1]
+        return json.dumps({"current_version_number": 3, "status": status})
+
+
 def test_a_failed_dataset_version_ends_the_wait_at_once(tmp_path):
-    class Api:
-        reads = 0
-
-        def dataset_status(self, ref, format=None):  # version 3 processing, then failed
-            Api.reads += 1
-            status = "blobs_received" if Api.reads <= 2 else "failed"
-            return json.dumps({"current_version_number": 3, "status": status})
-
-    chain = Chain(config_from_dict(BASE), tmp_path / "c", api=Api(), log=lambda _: None, sleep=lambda s: None)
+    # Version 3's own entry names no status Kaggle's sources list: GetDatasetStatus decides (processing, then failed).
+    api = DatasetApi(own=[""], status=["blobs_received", "blobs_received", "failed"])
+    chain = Chain(config_from_dict(BASE), tmp_path / "c", api=api, log=lambda _: None, sleep=lambda s: None)
     with pytest.raises(UserError) as err:
         chain.client.wait_dataset_version("alice/unit-run-checkpoints", 2)
     assert str(err.value) == "dataset alice/unit-run-checkpoints: its version 3 is failed on Kaggle; see the " \
                              "dataset's page"
-    assert Api.reads == 3
+    assert api.status_reads == 3
+
+
+def test_a_versions_own_status_is_read_before_the_status_that_names_no_version(tmp_path):
+    # GetDatasetStatus still describes an older version ("ready"); version 3's own entry says it is processing.
+    api = DatasetApi(own=["Processing", "Processing", "Ready"], status=["ready"])
+    chain = Chain(config_from_dict(BASE), tmp_path / "c", api=api, log=lambda _: None, sleep=lambda s: None)
+    assert chain.client.dataset_version("alice/unit-run-checkpoints") == (3, "processing")
+    assert chain.client.wait_dataset_version("alice/unit-run-checkpoints", 2) == 3
+    assert api.reads == 3 and api.status_reads == 0  # GetDatasetStatus never asked: each read named its version
 
 
 def test_the_chain_names_each_shape_kaggle_may_run_on_another():

@@ -399,10 +399,18 @@ def test_a_session_publishes_what_it_trained_past_where_it_began_only_when_exten
 
 class ScriptedDatasetApi:
     """kaggle's dataset_status(format="json") answering from a script of (version number, status) reads (the last
-    repeats), recording each republish."""
+    repeats), recording each republish; GetDataset's versions name no status of their own, so that is what is read."""
 
     def __init__(self, reads):
         self.reads, self.republished = list(reads), 0
+
+    def build_kaggle_client(self):
+        import contextlib
+        from types import SimpleNamespace
+
+        reply = SimpleNamespace(current_version_number=0, versions=[])
+        datasets = SimpleNamespace(dataset_api_client=SimpleNamespace(get_dataset=lambda request: reply))
+        return contextlib.nullcontext(SimpleNamespace(datasets=datasets))
 
     def dataset_status(self, dataset, format=None):
         number, status = self.reads.pop(0) if len(self.reads) > 1 else self.reads[0]
