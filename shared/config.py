@@ -245,8 +245,12 @@ class TrainConfig:
     # --- evals during training --------------------------------------------------------------------------------------
     eval_every: int = field(default=250, metadata={"help": "steps between validation-loss evals (0: off)"})
     eval_batches: int = field(default=20, metadata={"help": "micro-batches per validation-loss eval"})
-    hellaswag_file: str = field(default="", metadata={"help": "HellaSwag jsonl scored at each eval ('': off)"})
-    hellaswag_examples: int = field(default=1000, metadata={"help": "HellaSwag examples per eval (0: all)"})
+    hellaswag_file: str = field(default="", metadata={"help": "HellaSwag jsonl scored during training ('': off)"})
+    hellaswag_examples: int = field(default=0, metadata={
+        "help": "HellaSwag examples scored: a seeded random sample of N, the same every time (0: all)"})
+    hellaswag_every: int = field(default=1000, metadata={
+        "help": "HellaSwag at the evals whose step is a multiple of this, at the stable phase's end and at the last "
+                "step (0: at every eval)"})
     sample_prompt: str = field(default="", metadata={"help": "prompt sampled from at each eval ('': no samples)"})
     sample_tokens: int = field(default=32, metadata={"help": "tokens per sample at each eval"})
 
@@ -291,7 +295,7 @@ class TrainConfig:
         self.model  # noqa: B018 - raises on a bad preset or sequence length
         _at_least(self, 0, "seq_len", "warmup_steps", "min_lr_ratio", "weight_decay", "muon_weight_decay",
                   "time_budget", "session_deadline", "checkpoint_every", "eval_every", "hellaswag_examples",
-                  "sample_tokens", "stop_after_steps")
+                  "hellaswag_every", "sample_tokens", "stop_after_steps")
         _positive(self, "total_batch_tokens", "max_steps", "lr", "muon_lr", "grad_clip", "keep_checkpoints",
                   "log_every", "eval_batches")
         if self.micro_batch != AUTO:

@@ -16,6 +16,7 @@ compiles one graph however many examples there are. Only one float per row comes
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 from dataclasses import dataclass, field
@@ -89,6 +90,18 @@ def read_jsonl(path: str | os.PathLike, limit: int = 0, warn=print) -> list[Exam
     if not examples:
         raise UserError(f"HellaSwag file {path}: no valid examples")
     return examples
+
+
+SAMPLE_SEED = 1234  # the in-training subset: the same examples in every eval, session and run
+
+
+def sample_examples(examples: list[Example], n: int, seed: int = SAMPLE_SEED) -> list[Example]:
+    """A seeded random `n` of `examples` (all where n is 0 or not below their count), in file order: HellaSwag's
+    lines are grouped by source and activity, so the first n would be no sample of the whole."""
+    if not n or n >= len(examples):
+        return examples
+    picked = np.sort(np.random.default_rng(seed).choice(len(examples), size=n, replace=False))
+    return [examples[i] for i in picked]
 
 
 def write_jsonl(path: str | os.PathLike, examples: list[Example]) -> Path:
@@ -232,8 +245,14 @@ class HellaSwagResult:
     pred: np.ndarray  # (n,) argmax of sum_logprob
     pred_norm: np.ndarray  # (n,) argmax of mean_logprob
 
+    @property
+    def acc_norm_se(self) -> float:
+        """acc_norm's standard error over the examples scored (binomial: sqrt(p(1-p)/n))."""
+        return math.sqrt(self.acc_norm * (1 - self.acc_norm) / self.examples) if self.examples else 0.0
+
     def to_record(self) -> dict:
-        return {"hellaswag_acc": self.acc, "hellaswag_acc_norm": self.acc_norm, "hellaswag_examples": self.examples}
+        return {"hellaswag_acc": self.acc, "hellaswag_acc_norm": self.acc_norm,
+                "hellaswag_acc_norm_se": round(self.acc_norm_se, 5), "hellaswag_examples": self.examples}
 
 
 def _row_logprobs(model, rows: torch.Tensor) -> torch.Tensor:

@@ -152,12 +152,16 @@ def make_plan(cfg: ChainConfig, quota: tuple[float, float, str] | None = None,
             "tokens_per_s_source": speed.source, "kind": kind, "devices": session_devices(
                 cfg.accelerator, train.backend), "time_budget_s": cfg.time_budget,
             "checkpoint_bytes": model.checkpoint_bytes(), "num_params": model.num_params()}
-    # Periodic evals (validation loss, and HellaSwag where a file is given) cost forward passes, a third of a
-    # training token's FLOPs each.
-    eval_tokens = train.eval_batches * train.micro_batch * model.block_size
-    if train.hellaswag_file or cfg.hellaswag:
-        eval_tokens += (train.hellaswag_examples * 4 or HELLASWAG_ROWS) * HELLASWAG_TOKENS_PER_ROW
-    eval_share = eval_tokens / 3 / (train.eval_every * train.total_batch_tokens) if train.eval_every else 0.0
+    # Periodic evals (validation loss every eval_every steps, HellaSwag where a file is given every
+    # hellaswag_every) cost forward passes, a third of a training token's FLOPs each.
+    eval_share = 0.0
+    if train.eval_every:
+        val_tokens = train.eval_batches * train.micro_batch * model.block_size
+        eval_share = val_tokens / 3 / (train.eval_every * train.total_batch_tokens)
+        if train.hellaswag_file or cfg.hellaswag:
+            hs_tokens = (train.hellaswag_examples * 4 or HELLASWAG_ROWS) * HELLASWAG_TOKENS_PER_ROW
+            hs_every = max(train.hellaswag_every, train.eval_every)
+            eval_share += hs_tokens / 3 / (hs_every * train.total_batch_tokens)
     plan["eval_share"] = eval_share
     if speed.tokens_per_s:
         train_s = train_tokens / speed.tokens_per_s * (1 + eval_share)
@@ -218,9 +222,13 @@ def plan_lines(cfg: ChainConfig, plan: dict, source: str = "") -> list[str]:
                  f"{train.micro_batch}{auto_note and f' ({auto_note})'} x {train.grad_accum_steps} accumulation; "
                  f"{train.optimizer} + {train.schedule}")
     if train.eval_every and (cfg.hellaswag or train.hellaswag_file):
-        lines.append(f"          every {train.eval_every} steps: validation loss and HellaSwag on "
-                     f"{train.hellaswag_examples or 'all'} examples ({cfg.hellaswag or train.hellaswag_file}), "
-                     "plotted beside the loss")
+        hs_every = max(train.hellaswag_every, train.eval_every)
+        examples = (f"a seeded sample of {train.hellaswag_examples}" if train.hellaswag_examples
+                    else f"all {HELLASWAG_VALIDATION_EXAMPLES:,}")
+        lines.append(f"          every {train.eval_every} steps: validation loss; every {hs_every}, at the stable "
+                     f"phase's end and at the last step: HellaSwag on {examples} examples "
+                     f"({cfg.hellaswag or train.hellaswag_file}), acc_norm with its standard error, plotted beside "
+                     "the loss")
     if train.extend:
         lines.append("          train.extend: a finished or decaying run trains on from the stable-phase checkpoint "
                      "its dataset carries (the chain names the step before pushing); the steps and hours here "
@@ -248,7 +256,7 @@ def plan_lines(cfg: ChainConfig, plan: dict, source: str = "") -> list[str]:
             else ""
         lines.append(f"            {_tokens(plan['train_tokens'])} tokens take {_hours(plan['train_seconds'])} of "
                      f"training ({_tokens(plan['session_tokens'])} a session): {plan['sessions']} session(s)"
-                     f"{capped}; validation evals add {plan['eval_share']:.1%}")
+                     f"{capped}; evals (validation, HellaSwag) add {plan['eval_share']:.1%}")
         kind = (plan["kind"] or "cpu").upper()
         lines.append(f"{kind} hours   ~{_hours(plan['quota_s'])}: training {_hours(plan['train_quota_s'])} with "
                      f"margins, eval ~{_hours(plan['eval_quota_s'])}")

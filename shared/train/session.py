@@ -169,28 +169,37 @@ class StepLog:
 
 
 class Evaluator:
-    """Decides when to evaluate and does it: every `eval_every` steps, where there are validation shards, and at
-    a session's start (its baseline, which also compiles the eval graphs before the first step). An eval is the
-    validation loss, and the HellaSwag subset and a sample where configured (shared/train/validation.py)."""
+    """Decides when to evaluate and does it: every `eval_every` steps, where there are validation shards, at the
+    run's last step and where a wsd run's stable phase ends (the checkpoints a decision reads), and at a session's
+    start (its baseline, which also compiles the eval graphs before the first step). An eval is the validation
+    loss, the HellaSwag subset (every `hellaswag_every` steps, and at those two steps) and a sample where
+    configured (shared/train/validation.py)."""
 
     def __init__(self, model: GPT, runtime: Runtime, cfg: TrainConfig, val_loader: TokenLoader | None,
                  logger: MetricsLogger, background: BackgroundCalls):
         self.model, self.runtime, self.cfg, self.val_loader = model, runtime, cfg, val_loader
         self.logger, self.background = logger, background
         self.active = val_loader is not None and cfg.eval_every > 0
+        self.key_steps = {cfg.max_steps, stable_phase_end(cfg)} - {None}
+        self.hellaswag_step = -1  # the last eval that scored HellaSwag
 
     def baseline(self, step: int) -> None:
         if self.active and step < self.cfg.max_steps:
-            self._run(step)
+            self._run(step, hellaswag=True)
 
     def maybe_run(self, step: int) -> None:
-        if self.active and step % self.cfg.eval_every == 0:
-            self._run(step)
+        if self.active and (step % self.cfg.eval_every == 0 or step in self.key_steps):
+            # HellaSwag at the first eval at or past each multiple of hellaswag_every (whatever eval_every is).
+            every = self.cfg.hellaswag_every
+            due = not every or step // every > self.hellaswag_step // every
+            self._run(step, hellaswag=due or step in self.key_steps)
 
-    def _run(self, step: int) -> None:
+    def _run(self, step: int, hellaswag: bool) -> None:
+        if hellaswag:
+            self.hellaswag_step = step
         self.background.flush()  # the logged steps before the eval's records
         periodic_eval(self.model, self.runtime, self.cfg, step, step * self.cfg.total_batch_tokens, self.val_loader,
-                      self.logger)
+                      self.logger, hellaswag)
 
 
 class Checkpointer:

@@ -50,14 +50,15 @@ def _warn_once(log):
 
 
 def _training_hellaswag(path: str, examples: int, block_size: int, log):
-    """The encoded HellaSwag subset for in-training evals, read once per process; None if it cannot be."""
+    """The encoded HellaSwag subset for in-training evals (a seeded random `examples` of the file, 0: all), read once
+    per process; None if it cannot be."""
     from shared.errors import UserError
-    from shared.hellaswag import encode, read_jsonl, truncation_warning
+    from shared.hellaswag import encode, read_jsonl, sample_examples, truncation_warning
 
     key = (path, examples, block_size)
     if key not in _hellaswag_cache:
         try:
-            data = encode(read_jsonl(path, examples, warn=log), block_size)
+            data = encode(sample_examples(read_jsonl(path, warn=log), examples), block_size)
             if data.truncated:
                 log(truncation_warning(data, block_size))
             _hellaswag_cache[key] = data
@@ -67,10 +68,11 @@ def _training_hellaswag(path: str, examples: int, block_size: int, log):
     return _hellaswag_cache[key]
 
 
-def periodic_eval(model, runtime, cfg, step: int, tokens: int, val_loader: TokenLoader | None, logger) -> dict:
+def periodic_eval(model, runtime, cfg, step: int, tokens: int, val_loader: TokenLoader | None, logger,
+                  hellaswag: bool = True) -> dict:
     """The evaluation every `cfg.eval_every` steps: validation loss (when there are validation shards), HellaSwag
-    on the first `cfg.hellaswag_examples` examples of `cfg.hellaswag_file` (when set), and one sample from
-    `cfg.sample_prompt` (when set). Each result is one record in the metrics JSONL (and W&B).
+    (with `hellaswag`) on `cfg.hellaswag_examples` seeded random examples of `cfg.hellaswag_file` (when set), and
+    one sample from `cfg.sample_prompt` (when set). Each result is one record in the metrics JSONL (and W&B).
 
     All of it runs with fixed shapes (the same batches, rows and cache every time), so after the first eval it
     compiles nothing new; the sample uses its own seeded generator and leaves the training RNG alone.
@@ -81,7 +83,7 @@ def periodic_eval(model, runtime, cfg, step: int, tokens: int, val_loader: Token
         results["val_loss"] = validation_loss(model, val_loader, runtime, cfg.eval_batches, cfg.bf16)
         logger.write({"step": step, "tokens": tokens, "val_loss": results["val_loss"]})
     block_size = model.config.block_size
-    if getattr(cfg, "hellaswag_file", ""):
+    if hellaswag and getattr(cfg, "hellaswag_file", ""):
         data = _training_hellaswag(cfg.hellaswag_file, cfg.hellaswag_examples, block_size, log)
         if data is not None:
             from shared.hellaswag import score

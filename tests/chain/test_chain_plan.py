@@ -154,14 +154,29 @@ def test_plan_of_the_gpt2_examples_fits_one_session_and_one_week(tmp_path):
         assert plan["quota_s"] <= plan["weekly_quota_s"]
         assert plan["checkpoint_bytes"] == 12 * 124_475_904
     # FineWeb-Edu's sample-10BT holds about 10B tokens: the AdamW run reads it once (and 1% again, as llm.c's does),
-    # the Muon run reads 5.1B of a 5.2B part, the stretch run makes three passes over the AdamW run's parts.
+    # the Muon run reads 7.0B of a 7.25B part, the stretch run makes three passes over the AdamW run's parts.
     passes = {}
     for name in ("chain-gpt2-124m.json", "chain-gpt2-124m-muon.json", "chain-gpt2-124m-stretch.json"):
         plan = make_plan(load_config(REPO / "examples" / name), measured_path=_no_measurement(tmp_path))
         passes[name] = plan["train_tokens"] / (plan["tokenized_tokens"] - plan["validation_tokens"])
     assert passes == pytest.approx({"chain-gpt2-124m.json": 10_000_000_000 / 9.9e9,
-                                    "chain-gpt2-124m-muon.json": 9537 * 524_288 / 5.1e9,
+                                    "chain-gpt2-124m-muon.json": 13_352 * 524_288 / 7.15e9,
                                     "chain-gpt2-124m-stretch.json": 57_221 * 524_288 / 9.9e9}, rel=1e-3)
+
+
+def test_the_muon_recipe_is_sized_for_hellaswag_7b_tokens_in_one_v5e_session_at_its_stated_rate(tmp_path):
+    cfg = load_config(REPO / "examples" / "chain-gpt2-124m-muon.json")
+    lines: list[str] = []
+    plan = print_plan(cfg, log=lines.append, with_quota=False, measured_path=_no_measurement(tmp_path))
+    assert cfg.accelerator == "TpuV5E8" and plan["sessions"] == 1
+    assert plan["train_tokens"] >= 6.5e9 and plan["train_tokens"] == 13_352 * 524_288
+    # The rate it needs for one session: its tokens (with the evals' share) over the session's training time.
+    needed = plan["train_tokens"] * (1 + plan["eval_share"]) / cfg.time_budget
+    assert needed == pytest.approx(229_000, rel=0.01) and needed < plan["tokens_per_s"]
+    (train_line,) = [line for line in lines if line.startswith("train     ")]
+    assert "13,352 steps x 524,288 tokens = 7.00B tokens" in train_line
+    assert any("every 1000, at the stable phase's end and at the last step: HellaSwag on all 10,042 examples"
+               in line for line in lines)
 
 
 def test_plan_counts_with_the_newest_smoke_measurement_on_that_machine(tmp_path):

@@ -150,7 +150,7 @@ def train_two_sessions(demo_data: Path, hellaswag_file: Path, out: Path) -> None
     cfg = TrainConfig(preset="tiny", seq_len=32, micro_batch=8, total_batch_tokens=512, warmup_steps=2, log_every=1,
                       eval_every=2, eval_batches=2, progress=False, wandb_project="", data_dir=str(demo_data),
                       out_dir=str(out), max_steps=6, checkpoint_every=0, hellaswag_file=str(hellaswag_file),
-                      hellaswag_examples=8, sample_prompt="The Python interpreter", sample_tokens=8)
+                      hellaswag_examples=8, hellaswag_every=4, sample_prompt="The Python interpreter", sample_tokens=8)
     runtime, lines = make_runtime("xla"), []
     assert train(replace(cfg, stop_after_steps=3), runtime, log=lines.append).step == 3
     assert train(cfg, runtime, log=lines.append).step == 6
@@ -160,11 +160,15 @@ def train_two_sessions(demo_data: Path, hellaswag_file: Path, out: Path) -> None
 def test_training_logs_val_loss_hellaswag_and_samples(trained_run):
     records = read_metrics(trained_run / "metrics.jsonl")
     hs = [r for r in records if "hellaswag_acc_norm" in r]
-    assert [r["step"] for r in hs] == sorted({r["step"] for r in hs}) and {2, 4, 6} <= {r["step"] for r in hs}
+    # Validation loss at every eval (each session's start, every 2 steps); HellaSwag at each session's start,
+    # every 4 steps and at the run's last step.
+    assert [r["step"] for r in records if "val_loss" in r] == [0, 2, 3, 4, 6]
+    assert [r["step"] for r in hs] == [0, 3, 4, 6]
     assert all(r["hellaswag_examples"] == 8 and 0 <= r["hellaswag_acc_norm"] <= 1 for r in hs)
+    p = hs[-1]["hellaswag_acc_norm"]
+    assert hs[-1]["hellaswag_acc_norm_se"] == pytest.approx((p * (1 - p) / 8) ** 0.5, abs=1e-5)
     samples = [r for r in records if "sample" in r]
     assert samples and all(r["sample"].startswith("The Python interpreter") for r in samples)
-    assert {2, 4, 6} <= {r["step"] for r in records if "val_loss" in r}
     steps = [r for r in records if "loss" in r]
     # The evals (and their graphs) inside training do not add compilations once the run is going.
     assert steps[-1]["compiles"] == next(r for r in steps if r["step"] == 5)["compiles"]

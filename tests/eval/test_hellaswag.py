@@ -171,3 +171,17 @@ def test_unreadable_or_empty_files_are_one_line_errors(tmp_path):
     (tmp_path / "junk.jsonl").write_text("not json\n")
     with pytest.raises(UserError, match=r"junk.jsonl: no valid examples"):
         hs.read_jsonl(tmp_path / "junk.jsonl", warn=lambda _: None)
+
+
+def test_the_in_training_subset_is_a_seeded_random_sample_in_file_order_the_same_every_time():
+    from shared.hellaswag import SAMPLE_SEED, demo_examples, sample_examples
+
+    examples = demo_examples(60, max_chars=200_000)
+    picked = sample_examples(examples, 20)
+    assert len(picked) == 20 and len({id(e) for e in picked}) == 20
+    lines = [examples.index(e) for e in picked]
+    assert lines == sorted(lines) and lines != list(range(20))  # in file order, and not the first 20
+    assert [examples.index(e) for e in sample_examples(examples, 20)] == lines  # the same every call
+    assert [examples.index(e) for e in sample_examples(examples, 20, seed=SAMPLE_SEED + 1)] != lines
+    assert sample_examples(examples, 0) == examples and sample_examples(examples, 60) == examples
+    assert sample_examples(examples, 500) == examples
