@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from scripts.chain.context import StageContext
 from shared.errors import UserError
-from shared.kaggle.publish import CREDENTIAL_NAMES
+from shared.kaggle.credential import CREDENTIAL_NAMES
 
 WANDB_SECRET = "WANDB_API_KEY"
 KAGGLE_CODE_URL = "https://www.kaggle.com/code/"

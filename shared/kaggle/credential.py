@@ -153,7 +153,7 @@ def choose_credential(dataset: str, log=print) -> tuple[str | None, str | None]:
             within(PROVE_TIMEOUT_S, lambda: prove_dataset_write(kaggle_api(from_secrets=False), dataset))
         except Exception as err:  # the API's own types, or a UserError from sign-in: one line, secrets masked
             status = getattr(getattr(err, "response", None), "status_code", None)
-            why = f"HTTP {status}" if status else describe_error(err, _secret_values())
+            why = f"HTTP {status}" if status else describe_error(err, secret_values())
             reasons.append(f"{credential}: {why}")
             log(f"notice: {credential} cannot publish to {dataset} ({why})")
             continue
@@ -161,5 +161,12 @@ def choose_credential(dataset: str, log=print) -> tuple[str | None, str | None]:
     return None, f"no credential can publish to {dataset} ({'; '.join(reasons)})"
 
 
-def _secret_values() -> list[str]:
-    return [os.environ.get(name, "") for name in CREDENTIAL_NAMES]
+def secret_values() -> list[str]:
+    """What an error message must never show: the key (where it is in the environment) and the notebook's token."""
+    values = [os.environ.get(name, "") for name in CREDENTIAL_NAMES]
+    path = os.environ.get(TOKEN_ENV) or _hidden_token.get(TOKEN_ENV)
+    try:
+        values.append(Path(path).read_text().strip() if path else "")
+    except OSError:
+        pass
+    return [v for v in values if v]

@@ -32,11 +32,11 @@ from shared.errors import UserError, describe_error, within
 from shared.fsutil import link_or_copy
 from shared.kaggle.credential import (
     ATTACHED_KEY,
-    CREDENTIAL_NAMES,
     candidates,
     kaggle_api,
     no_credential_problem,
     refused,
+    secret_values,
     use_credential,
 )
 
@@ -316,7 +316,8 @@ def _publish(plan: PublishPlan, ckpt, step: int, record: dict, log) -> None:
     except Exception as err:
         if not (refused(err) and plan.credential != ATTACHED_KEY and ATTACHED_KEY in candidates()):
             raise
-        log(f"notice: the notebook's token was refused publishing to {dataset} ({describe_error(err)}); "
+        why = describe_error(err, secret_values())
+        log(f"notice: the notebook's token was refused publishing to {dataset} ({why}); "
             "publishing with the attached key")
         use_credential(ATTACHED_KEY)
         api = kaggle_api(from_secrets=False)
@@ -370,7 +371,7 @@ def after_training(result, plan: PublishPlan | None, log=print, session_end: flo
             record["reason"] = str(err)
             log(f"warning: could not publish step {step} to {dataset}: {err}; it stays in the kernel output")
         except Exception as err:  # the API's own errors: one line, secrets masked
-            record["reason"] = describe_error(err, [os.environ.get(n, "") for n in CREDENTIAL_NAMES])
+            record["reason"] = describe_error(err, secret_values())
             log(f"warning: could not publish step {step} to {dataset} ({record['reason']}); "
                 "it stays in the kernel output for the chain script to publish")
     _write_record(record)

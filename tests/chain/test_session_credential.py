@@ -4,6 +4,7 @@ lost. Each case runs a real session of the local Kaggle, which gives every sessi
 (KAGGLE_API_V1_TOKEN) and can be told that such tokens may not write datasets."""
 
 import json
+import os
 import threading
 
 import pytest
@@ -151,3 +152,27 @@ def _version_dir(lk):
 
 def _temp_of(lk) -> str:
     return str(_version_dir(lk) / "kaggle" / "temp")
+
+
+def test_a_message_about_a_failed_call_never_shows_the_notebooks_token(tmp_path, monkeypatch):
+    from shared.errors import describe_error
+    from shared.kaggle.credential import notebook_token_present, secret_values, use_credential
+
+    token = tmp_path / "token"
+    token.write_text("nb-0123456789abcdef\n")
+    monkeypatch.setenv("KAGGLE_KERNEL_RUN_TYPE", "Batch")
+    monkeypatch.setenv("KAGGLE_DATA_PROXY_URL", "http://127.0.0.1:1")
+    monkeypatch.setenv("KAGGLE_API_V1_TOKEN", str(token))
+    monkeypatch.setenv("KAGGLE_USERNAME", USER)
+    monkeypatch.setenv("KAGGLE_KEY", KEY)
+    assert notebook_token_present()
+    line = describe_error(RuntimeError(f"401 for Bearer nb-0123456789abcdef (user {USER}, key {KEY})"),
+                          secret_values())
+    assert "nb-0123456789abcdef" not in line and KEY not in line and "401 for Bearer" in line
+    use_credential(ATTACHED_KEY)  # the token hidden from the clients, still masked
+    try:
+        assert "KAGGLE_API_V1_TOKEN" not in os.environ and notebook_token_present()
+        assert "nb-0123456789abcdef" in secret_values()
+    finally:
+        use_credential(NOTEBOOK_TOKEN)
+    assert os.environ["KAGGLE_API_V1_TOKEN"] == str(token)

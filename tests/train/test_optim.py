@@ -289,7 +289,7 @@ def test_muon_resume_in_new_process_is_bit_exact(demo_data, tmp_path):
     assert [h[0] for h in loss_history(tmp_path / "resumed")] == list(range(1, 7))
 
 
-def test_one_session_recipe_config_is_muon_over_five_billion_tokens():
+def test_one_session_recipe_config_is_muon_over_seven_billion_tokens_with_full_hellaswag():
     from helpers import REPO
 
     from scripts.chain.config import load_config
@@ -299,7 +299,8 @@ def test_one_session_recipe_config_is_muon_over_five_billion_tokens():
     cfg.validate(8)
     tokens = chain.total_steps * cfg.total_batch_tokens
     assert cfg.optimizer == "muon" and cfg.schedule == "wsd" and cfg.preset == "gpt2"
-    assert 5.0e9 <= tokens < 5.01e9 and tokens <= chain.tokenize["settings"]["tokens_per_part"]
+    assert 7.0e9 <= tokens < 7.01e9 and tokens <= chain.tokenize["settings"]["tokens_per_part"]
+    assert (cfg.hellaswag_examples, cfg.hellaswag_every, cfg.eval_every) == (0, 1000, 250)  # all 10,042
     assert chain.session_limit_s == 9 * 3600 and chain.accelerator == "TpuV5E8"
 
 
