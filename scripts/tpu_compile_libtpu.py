@@ -126,7 +126,8 @@ def compile_step(trace_dir: Path, topology: str, chips_per_host: tuple[int, int,
               "memory": {"arguments": stats.argument_size_in_bytes, "outputs": stats.output_size_in_bytes,
                          "aliased": stats.alias_size_in_bytes, "temps": stats.temp_size_in_bytes,
                          "code": stats.generated_code_size_in_bytes,
-                         "host_temps": getattr(stats, "host_temp_size_in_bytes", 0)}}
+                         "host_temps": getattr(stats, "host_temp_size_in_bytes", 0),
+                         "peak": getattr(stats, "peak_memory_in_bytes", 0)}}
     (trace_dir / RESULT_FILE).write_text(json.dumps(result, indent=1))
     return result
 

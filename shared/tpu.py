@@ -178,6 +178,20 @@ def auto_micro_batch(generation: str | None, attention: str, model, seq_len: int
     return per_device * num_devices
 
 
+def smallest_step_bytes(generation: str | None, attention: str, model, seq_len: int, num_devices: int,
+                        activation_checkpointing: bool = False, fsdp: bool = False) -> tuple[int, int] | None:
+    """(bytes a device needs for one sequence per micro-step, the bytes auto_micro_batch lets it use) on TPU
+    `generation` by the same arithmetic, or None off a TPU. Where the first exceeds the second no micro-batch
+    fits, as where gpt2-large's replicated state (22 bytes a parameter, 17 GB) meets a 16 GB v5e chip."""
+    gen = TPU_GENERATIONS.get(generation or "")
+    if gen is None:
+        return None
+    static = STATIC_BYTES_PER_PARAM * model.num_params() // (num_devices if fsdp else 1)
+    per_sequence = activation_bytes_per_sequence(model.n_layer, model.n_head, model.n_embd, model.vocab_size,
+                                                 seq_len, attention, activation_checkpointing)
+    return int(static + per_sequence), int(HBM_USABLE_FRACTION * gen.hbm_gib_per_device * 2**30)
+
+
 def activation_checkpointing_on(setting: str, n_layer: int, generation: str | None) -> bool:
     """--activation-checkpointing as the step runs it: on or off as set; auto turns it on where the TPU's memory
     needs it (24+ layers, gpt2-medium up, on 16 GB devices; 36+, gpt2-large up, on larger ones), never without a

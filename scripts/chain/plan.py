@@ -368,6 +368,25 @@ def check_builds(cfg: ChainConfig) -> int:
         return parts + 1 + int(cfg.eval.get("enabled", True))
 
 
+def arithmetic_fit(cfg: ChainConfig, generation: str, line: str) -> str:
+    """`line`, unless even one sequence per chip cannot fit by shared/tpu.py's arithmetic: then one UserError
+    naming the fix (the compiler, where installed, is the finer check)."""
+    from shared.tpu import activation_checkpointing_on, smallest_step_bytes
+
+    train, _ = planned_train(cfg)
+    model = train.model
+    checkpointing = activation_checkpointing_on(train.activation_checkpointing, model.n_layer, generation)
+    devices = session_devices(cfg.accelerator, train.backend)
+    need = smallest_step_bytes(generation, "pallas-flash", model, model.block_size, devices, checkpointing,
+                               train.fsdp)
+    if need is not None and need[0] > need[1]:
+        raise UserError(f"the train step cannot fit a {generation} chip's HBM: {need[0] / 2**30:.1f} GiB a chip at "
+                        f"one sequence per micro-step ({train.preset}{', fsdp' if train.fsdp else ''}), over the "
+                        f"{need[1] / 2**30:.1f} GiB its buffers may use (arithmetic: shared/tpu.py); set "
+                        "train.fsdp true" + ("" if checkpointing else ", or train.activation_checkpointing \"on\""))
+    return line
+
+
 def compiled_fit(cfg: ChainConfig, log=print) -> tuple[dict | None, str]:
     """The chain's train step compiled for its TPU board by libtpu (scripts/tpu_compile.py; cached by settings and
     versions), and one line on it: HBM per chip, the loop's all-reduces, the MFU ceiling. A step that does not fit
@@ -381,7 +400,7 @@ def compiled_fit(cfg: ChainConfig, log=print) -> tuple[dict | None, str]:
     if compiler_python() is None:
         why = ("is off (TPU_COMPILER_PYTHON=off)" if os.environ.get("TPU_COMPILER_PYTHON") == "off" else
                "is not installed (bash scripts/setup.sh makes .venv-tpu)")
-        return None, f"the TPU compiler {why}: HBM checked by arithmetic only"
+        return None, arithmetic_fit(cfg, generation, f"the TPU compiler {why}: HBM checked by arithmetic only")
     report = compile_step({**cfg.train, "max_steps": cfg.total_steps}, tpu, log)
     hbm = f"{report['peak_bytes'] / 2**30:.1f} GiB of {report['hbm_bytes'] / 2**30:.0f} GiB"
     if not report["fits"]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -380,3 +381,29 @@ def test_plan_compiles_the_flash_step_and_says_what_the_sdpa_fallback_needs(monk
     assert line == ("v5e-8 by libtpu 0.0.17 (the pallas-flash step, micro-batch 128): HBM per chip 11.4 GiB of 16 GiB "
                     "(29% free); all-reduce inside the loop 4, 234.9 MB per micro-step; MFU ceiling 54.3% (roofline "
                     "estimate); " + says)
+
+
+@pytest.mark.parametrize("preset, shape, fsdp, fits", [
+    ("gpt2-large", "TpuV5E8", False, False), ("gpt2-large", "TpuV5E8", True, True),
+    ("gpt2-large", "TpuV6E8", False, True), ("gpt2-xl", "TpuV6E8", False, False),
+    ("gpt2-medium", "TpuV5E8", False, True),
+])
+def test_without_the_compiler_a_step_that_cannot_fit_one_sequence_a_chip_is_refused_by_arithmetic(
+        monkeypatch, preset, shape, fsdp, fits):
+    from scripts.chain.plan import compiled_fit
+
+    monkeypatch.setenv("TPU_COMPILER_PYTHON", "off")
+    raw = json.loads((REPO / "examples" / "chain-gpt2-124m.json").read_text())
+    raw = {k: v for k, v in raw.items() if not k.startswith("_")}
+    cfg = config_from_dict({**raw, "accelerator": shape, "publish_margin_s": 0,
+                            "train": {**raw["train"], "preset": preset, "fsdp": fsdp}})
+    if fits:
+        assert compiled_fit(cfg) == (None, "the TPU compiler is off (TPU_COMPILER_PYTHON=off): HBM checked by "
+                                           "arithmetic only")
+        return
+    with pytest.raises(UserError) as err:
+        compiled_fit(cfg)
+    gen = "v5e" if shape == "TpuV5E8" else "v6e"
+    assert re.fullmatch(rf"the train step cannot fit a {gen} chip's HBM: \d+\.\d GiB a chip at one sequence per "
+                        rf"micro-step \({preset}\), over the \d+\.\d GiB its buffers may use \(arithmetic: "
+                        r"shared/tpu.py\); set train.fsdp true.*", str(err.value))
