@@ -332,14 +332,17 @@ def _publish(plan: PublishPlan, ckpt, step: int, record: dict, log) -> None:
 
 # Left between a publish that gives up and the session's kill: writing the record and the process's exit, so that
 # Kaggle saves the output (a kill discards /kaggle/working, and with it the checkpoint the chain would publish).
+# At most a quarter of the publish margin, which short local sessions keep to seconds.
 PUBLISH_EXIT_S = 60.0
+PUBLISH_EXIT_SHARE = 0.25
 
 
 def after_training(result, plan: PublishPlan | None, log=print, session_end: float | None = None) -> dict | None:
     """Called by kernels/train.py after train(): publish the final checkpoint as `plan` (the build's, from the
     bootstrap) says; a no-op without one (local runs, or a kernel built without a checkpoint dataset). With
-    `session_end` (the monotonic time the session is killed at), a publish still running PUBLISH_EXIT_S before
-    it is given up, in one line, so the session ends by itself and its output is kept. Never raises."""
+    `session_end` (the monotonic time the session is killed at), a publish still running PUBLISH_EXIT_S (at most
+    a quarter of the publish margin) before it is given up, in one line, so the session ends by itself and its
+    output is kept. Never raises."""
     if plan is None:
         return None
     dataset = plan.dataset
@@ -365,7 +368,8 @@ def after_training(result, plan: PublishPlan | None, log=print, session_end: flo
             if session_end is None:
                 _publish(plan, ckpt, step, record, log)
             else:
-                within(max(session_end - time.monotonic() - PUBLISH_EXIT_S, 1.0),
+                exit_s = min(PUBLISH_EXIT_S, PUBLISH_EXIT_SHARE * plan.publish_s)
+                within(max(session_end - time.monotonic() - exit_s, 1.0),
                        lambda: _publish(plan, ckpt, step, record, log))
         except UserError as err:
             record["reason"] = str(err)
