@@ -339,7 +339,7 @@ def test_plan_of_a_wsd_run_counts_the_stable_phase_checkpoint_and_says_what_exte
 def test_plan_of_a_model_whose_checkpoints_live_in_temp_keeps_k_versions_and_says_the_session_verifies(tmp_path):
     raw = json.loads((REPO / "examples" / "chain-gpt2-124m.json").read_text())
     raw = {k: v for k, v in raw.items() if not k.startswith("_")}
-    cfg = config_from_dict({**raw, "train": {**raw["train"], "preset": "gpt2-xl"}, "publish_margin_s": 0})
+    cfg = config_from_dict({**raw, "train": {**raw["train"], "preset": "gpt2-xl", "fsdp": True}, "publish_margin_s": 0})
     lines: list[str] = []
     print_plan(cfg, log=lines.append, with_quota=False, measured_path=_no_measurement(tmp_path))
     (checkpoint,) = [line for line in lines if line.startswith("checkpoint  ")]
