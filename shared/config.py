@@ -249,8 +249,8 @@ class TrainConfig:
     hellaswag_examples: int = field(default=0, metadata={
         "help": "HellaSwag examples scored: a seeded random sample of N, the same every time (0: all)"})
     hellaswag_every: int = field(default=1000, metadata={
-        "help": "HellaSwag at the evals whose step is a multiple of this, at the stable phase's end and at the last "
-                "step (0: at every eval)"})
+        "help": "HellaSwag at the first eval at or past each multiple of this step, at the stable phase's end and "
+                "at the last step (0: at every eval)"})
     sample_prompt: str = field(default="", metadata={"help": "prompt sampled from at each eval ('': no samples)"})
     sample_tokens: int = field(default=32, metadata={"help": "tokens per sample at each eval"})
 

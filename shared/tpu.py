@@ -168,10 +168,9 @@ def auto_micro_batch(generation: str | None, attention: str, model, seq_len: int
     gen = TPU_GENERATIONS.get(generation or "")
     if gen is None:
         return CPU_MICRO_BATCH_PER_DEVICE * num_devices
-    static = STATIC_BYTES_PER_PARAM * model.num_params() // (num_devices if fsdp else 1)
-    per_sequence = activation_bytes_per_sequence(model.n_layer, model.n_head, model.n_embd, model.vocab_size,
-                                                 seq_len, attention, activation_checkpointing)
-    room = HBM_USABLE_FRACTION * gen.hbm_gib_per_device * 2**30 - static
+    static, per_sequence, usable = _hbm_budget(gen, attention, model, seq_len, num_devices,
+                                               activation_checkpointing, fsdp)
+    room = usable - static
     per_device = 1
     while (2 * per_device) * per_sequence <= room:
         per_device *= 2
@@ -186,10 +185,19 @@ def smallest_step_bytes(generation: str | None, attention: str, model, seq_len: 
     gen = TPU_GENERATIONS.get(generation or "")
     if gen is None:
         return None
+    static, per_sequence, usable = _hbm_budget(gen, attention, model, seq_len, num_devices,
+                                               activation_checkpointing, fsdp)
+    return int(static + per_sequence), int(usable)
+
+
+def _hbm_budget(gen, attention: str, model, seq_len: int, num_devices: int, activation_checkpointing: bool,
+                fsdp: bool) -> tuple[float, float, float]:
+    """(a device's static bytes: parameters, gradients, AdamW state, sharded with fsdp; the activation bytes of one
+    sequence; the bytes its buffers may use) on TPU generation `gen`."""
     static = STATIC_BYTES_PER_PARAM * model.num_params() // (num_devices if fsdp else 1)
     per_sequence = activation_bytes_per_sequence(model.n_layer, model.n_head, model.n_embd, model.vocab_size,
                                                  seq_len, attention, activation_checkpointing)
-    return int(static + per_sequence), int(HBM_USABLE_FRACTION * gen.hbm_gib_per_device * 2**30)
+    return static, per_sequence, HBM_USABLE_FRACTION * gen.hbm_gib_per_device * 2**30
 
 
 def activation_checkpointing_on(setting: str, n_layer: int, generation: str | None) -> bool:

@@ -160,8 +160,7 @@ def make_plan(cfg: ChainConfig, quota: tuple[float, float, str] | None = None,
         eval_share = val_tokens / 3 / (train.eval_every * train.total_batch_tokens)
         if train.hellaswag_file or cfg.hellaswag:
             hs_tokens = (train.hellaswag_examples * 4 or HELLASWAG_ROWS) * HELLASWAG_TOKENS_PER_ROW
-            hs_every = max(train.hellaswag_every, train.eval_every)
-            eval_share += hs_tokens / 3 / (hs_every * train.total_batch_tokens)
+            eval_share += hs_tokens / 3 / (hellaswag_every_steps(train) * train.total_batch_tokens)
     plan["eval_share"] = eval_share
     if speed.tokens_per_s:
         train_s = train_tokens / speed.tokens_per_s * (1 + eval_share)
@@ -186,6 +185,12 @@ def make_plan(cfg: ChainConfig, quota: tuple[float, float, str] | None = None,
         later = max(0, plan["sessions"] - this_week)
         plan["weeks"] = (1 + math.ceil(later / per_week) if later else 1) if per_week else None
     return plan
+
+
+def hellaswag_every_steps(train: TrainConfig) -> int:
+    """About how often in-training HellaSwag runs: at the first eval past each multiple of hellaswag_every, so never
+    more often than the evals (0: at every eval)."""
+    return max(train.hellaswag_every, train.eval_every)
 
 
 def _eval_seconds(cfg: ChainConfig, train_tokens_per_s: float) -> float:
@@ -222,7 +227,7 @@ def plan_lines(cfg: ChainConfig, plan: dict, source: str = "") -> list[str]:
                  f"{train.micro_batch}{auto_note and f' ({auto_note})'} x {train.grad_accum_steps} accumulation; "
                  f"{train.optimizer} + {train.schedule}")
     if train.eval_every and (cfg.hellaswag or train.hellaswag_file):
-        hs_every = max(train.hellaswag_every, train.eval_every)
+        hs_every = hellaswag_every_steps(train)
         examples = (f"a seeded sample of {train.hellaswag_examples}" if train.hellaswag_examples
                     else f"all {HELLASWAG_VALIDATION_EXAMPLES:,}")
         lines.append(f"          every {train.eval_every} steps: validation loss; every {hs_every}, at the stable "
@@ -368,9 +373,9 @@ def check_builds(cfg: ChainConfig) -> int:
         return parts + 1 + int(cfg.eval.get("enabled", True))
 
 
-def arithmetic_fit(cfg: ChainConfig, generation: str, line: str) -> str:
-    """`line`, unless even one sequence per chip cannot fit by shared/tpu.py's arithmetic: then one UserError
-    naming the fix (the compiler, where installed, is the finer check)."""
+def check_arithmetic_fit(cfg: ChainConfig, generation: str) -> None:
+    """One UserError naming the fix where even one sequence per chip cannot fit by shared/tpu.py's arithmetic (the
+    compiler, where installed, is the finer check)."""
     from shared.tpu import activation_checkpointing_on, smallest_step_bytes
 
     train, _ = planned_train(cfg)
@@ -384,7 +389,6 @@ def arithmetic_fit(cfg: ChainConfig, generation: str, line: str) -> str:
                         f"one sequence per micro-step ({train.preset}{', fsdp' if train.fsdp else ''}), over the "
                         f"{need[1] / 2**30:.1f} GiB its buffers may use (arithmetic: shared/tpu.py); set "
                         "train.fsdp true" + ("" if checkpointing else ", or train.activation_checkpointing \"on\""))
-    return line
 
 
 def compiled_fit(cfg: ChainConfig, log=print) -> tuple[dict | None, str]:
@@ -400,7 +404,8 @@ def compiled_fit(cfg: ChainConfig, log=print) -> tuple[dict | None, str]:
     if compiler_python() is None:
         why = ("is off (TPU_COMPILER_PYTHON=off)" if os.environ.get("TPU_COMPILER_PYTHON") == "off" else
                "is not installed (bash scripts/setup.sh makes .venv-tpu)")
-        return None, arithmetic_fit(cfg, generation, f"the TPU compiler {why}: HBM checked by arithmetic only")
+        check_arithmetic_fit(cfg, generation)
+        return None, f"the TPU compiler {why}: HBM checked by arithmetic only"
     report = compile_step({**cfg.train, "max_steps": cfg.total_steps}, tpu, log)
     hbm = f"{report['peak_bytes'] / 2**30:.1f} GiB of {report['hbm_bytes'] / 2**30:.0f} GiB"
     if not report["fits"]:
