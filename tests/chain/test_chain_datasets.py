@@ -299,6 +299,7 @@ def resume_kernel(lk, folder: Path, expect_step: int, expect_version: int) -> st
     return "".join(e["data"] for e in lk.app.kernels.log_events(lk.app.state["kernels"][ref], versions[-1]["number"]))
 
 
+@pytest.mark.slow
 def test_a_session_mounting_an_older_version_fetches_the_expected_one_or_stops_in_one_line(local_kaggle, tmp_path):
     lk = local_kaggle
     for step in (10, 20):
@@ -469,6 +470,7 @@ def test_a_checkpoint_kept_only_in_temp_deletes_older_versions_and_its_session_v
     assert out["head"] == [3, 30] and live_numbers(lk, CKPT) == [1, 2, 3]  # the lost delete deleted nothing
 
 
+@pytest.mark.slow
 def test_the_hellaswag_file_becomes_a_dataset_the_train_kernel_reads(local_kaggle, tmp_path):
     out, log = probe(local_kaggle, tmp_path, """
         from scripts.chain.hellaswag import ensure_hellaswag_dataset

@@ -16,7 +16,7 @@ from shared.config import ModelConfig, TrainConfig
 from shared.data import TokenLoader, find_shards
 from shared.eval.hf import export_hf
 from shared.sampling import generate_tokens, sample_text
-from shared.train.checkpoint import list_checkpoints, load_checkpoint
+from shared.train.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from shared.train.device import make_runtime
 from shared.train.metrics import read_metrics
 from shared.train.model import GPT
@@ -187,6 +187,18 @@ def eval_kernel(*args, timeout=300):
 
 
 @pytest.fixture(scope="module")
+def saved_run(tmp_path_factory) -> Path:
+    """A run folder with two checkpoints (steps 3 and 6) of two different random models, saved as training saves
+    them: what the tests of bad checkpoints need, without training."""
+    run = tmp_path_factory.mktemp("saved_run")
+    for step, seed in ((3, 1), (6, 2)):
+        model = random_model(seed)
+        save_checkpoint(run / "checkpoints", step, model.checkpoint_tensors(), {"none": torch.zeros(1)},
+                        {"step": step, "config": {"model": model.config.to_dict()}})
+    return run
+
+
+@pytest.fixture(scope="module")
 def evaluated(trained_run, demo_data, hellaswag_file, tmp_path_factory):
     """The eval kernel's run on trained_run, made once for both workers: its folder, and its output."""
     def make(folder: Path) -> None:
@@ -239,18 +251,21 @@ def test_eval_kernel_export_loads_in_transformers(evaluated, trained_run, demo_d
     assert abs(val["val_loss"] - ref) < 3e-2  # the kernel ran in bf16, like training
 
 
-def test_corrupt_checkpoint_is_one_line_error_and_the_report_is_kept(evaluated, trained_run, tmp_path):
-    out, _ = evaluated
+def test_corrupt_checkpoint_is_one_line_error_and_the_report_is_kept(saved_run, tmp_path):
+    out = tmp_path / "eval"  # an earlier eval's folder: a checkpoint that fails must leave it as it was
+    out.mkdir()
+    (out / "report.md").write_text("# the earlier report\n")
+    (out / "metrics.jsonl").write_text('{"event": "session_start"}\n')
     bad = tmp_path / "step_000006"
-    shutil.copytree(list_checkpoints(trained_run / "checkpoints")[-1], bad)
+    shutil.copytree(list_checkpoints(saved_run / "checkpoints")[-1], bad)
     data = bytearray((bad / "model.safetensors").read_bytes())
     data[-1] ^= 0xFF
     (bad / "model.safetensors").write_bytes(bytes(data))
-    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
     proc = eval_kernel("--checkpoint", str(bad), "--data-dir", "off", "--hellaswag", "off", "--out-dir", str(out))
     assert proc.returncode == 2
     assert error_lines(proc.stderr) == [f"error: {bad}: model.safetensors fails its sha256 check"]
-    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
 @pytest.mark.slow
@@ -284,12 +299,11 @@ def test_a_second_eval_keeps_the_first_report_in_previous(evaluated, tmp_path):
     assert "no validation shards" not in (out / "report.md").read_text()  # --data-dir off is not a warning
 
 
-def test_damaged_hf_folder_is_a_one_line_error(evaluated, tmp_path):
+def test_damaged_hf_folder_is_a_one_line_error(tmp_path):
     from shared.errors import UserError
     from shared.eval.hf import load_hf
 
-    folder = tmp_path / "hf"
-    shutil.copytree(evaluated[0] / "hf", folder)
+    folder = export_hf(random_model(), tmp_path / "hf")
     weights = folder / "model.safetensors"
     whole = weights.read_bytes()
     weights.write_bytes(whole[: len(whole) // 2])
@@ -305,12 +319,12 @@ def test_damaged_hf_folder_is_a_one_line_error(evaluated, tmp_path):
         load_hf(folder)
 
 
-def test_export_uses_the_newest_checkpoint_that_verifies(trained_run, tmp_path):
+def test_export_uses_the_newest_checkpoint_that_verifies(saved_run, tmp_path):
     from shared.errors import UserError
     from shared.eval.hf import model_from_checkpoint
 
     run = tmp_path / "run"
-    shutil.copytree(trained_run / "checkpoints", run / "checkpoints")
+    shutil.copytree(saved_run / "checkpoints", run / "checkpoints")
     older, newest = list_checkpoints(run / "checkpoints")[-2:]
     data = bytearray((newest / "model.safetensors").read_bytes())
     data[-1] ^= 0xFF

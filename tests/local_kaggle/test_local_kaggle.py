@@ -188,6 +188,7 @@ SESSION_VERSIONS_DATASET = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_kernel_versions_a_dataset_from_inside_its_session(local_kaggle, tmp_path):
     """The train kernel's checkpoint path: the Kaggle API from inside a session, credentials from secrets."""
     lk = local_kaggle
@@ -214,6 +215,7 @@ def test_kernel_versions_a_dataset_from_inside_its_session(local_kaggle, tmp_pat
     assert len(lk.app.state["datasets"]["alice/run-ckpt"]["versions"]) == 2
 
 
+@pytest.mark.slow
 def test_session_limit_hard_kills_and_discards_output(local_kaggle, tmp_path):
     lk = local_kaggle
     lk.app.session_limit_s = 1.5
@@ -248,6 +250,7 @@ def test_working_cap_stops_the_session(local_kaggle, tmp_path):
     assert status == "ERROR" and "over its 100000-byte limit" in message
 
 
+@pytest.mark.slow
 def test_accelerator_quota_is_counted_and_enforced(local_kaggle, tmp_path):
     lk = local_kaggle
     lk.app.quota_s["tpu"] = 90.0
@@ -276,6 +279,7 @@ def test_accelerator_quota_is_counted_and_enforced(local_kaggle, tmp_path):
     assert lk.wait("alice/cpu-kernel") == ("COMPLETE", None)
 
 
+@pytest.mark.slow
 def test_http_faults_reach_the_client(local_kaggle, tmp_path):
     lk = local_kaggle
     kdir = write_kernel(tmp_path / "k", "alice/faulty-calls", "print('ok')\n")
@@ -305,6 +309,7 @@ def test_http_faults_reach_the_client(local_kaggle, tmp_path):
     assert out.returncode == 1 and "blob store down" in out.stderr and not (tmp_path / "d2" / "x.txt").exists()
 
 
+@pytest.mark.slow
 def test_session_error_and_kill_faults(local_kaggle, tmp_path):
     lk = local_kaggle
     kdir = write_kernel(tmp_path / "k", "alice/chaos-kernel",
@@ -337,6 +342,7 @@ def test_session_error_and_kill_faults(local_kaggle, tmp_path):
     assert lk.wait("alice/failing-kernel") == ("ERROR", "Kernel process exited with code 3")
 
 
+@pytest.mark.slow
 def test_restart_keeps_datasets_kernels_and_outputs(local_kaggle, tmp_path):
     lk = local_kaggle
     lk.cli("datasets", "create", "-p", str(write_dataset(tmp_path / "ds", "alice/words-data",

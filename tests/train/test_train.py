@@ -163,6 +163,7 @@ def test_bad_data_dirs_and_shards_are_named(demo_data, tmp_path):
         train_in_process(small_config(bad, tmp_path / "out"))
 
 
+@pytest.mark.slow
 def test_other_shape_checkpoint_is_refused_untouched(demo_data, straight_run):
     ckpt = list_checkpoints(straight_run / "checkpoints")[-1]
     snapshot = lambda: {str(p.relative_to(ckpt)): p.read_bytes() for p in ckpt.rglob("*") if p.is_file()}  # noqa: E731
@@ -187,6 +188,7 @@ def test_total_batch_must_divide(demo_data, tmp_path):
         small_config(demo_data, tmp_path, micro_batch=4, total_batch_tokens=128).validate(8)
 
 
+@pytest.mark.slow
 def test_metrics_are_jsonl_with_expected_fields(straight_run):
     records = read_metrics(straight_run / "metrics.jsonl")
     assert records[0]["event"] == "session_start" and records[0]["device"] == "xla:CPU x8 (SPMD)"
@@ -217,6 +219,7 @@ def test_compiled_graphs_travel_with_the_checkpoint(demo_data, tmp_path):
     assert stats["hits"] + stats["unloadable"] >= 2  # both training graphs were found in the restored cache
 
 
+@pytest.mark.slow
 def test_resume_over_other_token_parts_is_refused_or_a_new_epoch(demo_data, straight_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(straight_run / "checkpoints", run / "checkpoints")
@@ -284,6 +287,7 @@ def test_step_structures_train_the_same_model(demo_data, tmp_path):
         assert max(comparable(tensors[k] - ref_tensors[k], k).abs().max().item() for k in ref_tensors) < 2e-3, name
 
 
+@pytest.mark.slow
 def test_own_accumulation_loop_equals_torch_xlas_helper_and_is_traced_once():
     # The project's loop (traced on the first step, reused after, no device wait) against torch_xla's
     # gradient_accumulation (a device wait and a full re-trace every step): the same tokens give bit-identical
