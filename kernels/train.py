@@ -20,7 +20,7 @@ BAKED_PUBLISH = None  # a build with a checkpoint dataset: what to publish after
 
 
 def main() -> None:
-    from shared.train.clock import process_start
+    from shared.session_clock import process_start
 
     started = process_start()  # --session-deadline counts from here: the bootstrap's installs and fetch included
     cfg = parse_dataclass(TrainConfig, description=__doc__, defaults=BAKED_SETTINGS)

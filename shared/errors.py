@@ -47,6 +47,11 @@ def run_cli(main: Callable[[], T]) -> T:
         raise SystemExit(2) from None
 
 
+def duration_text(seconds: float) -> str:
+    """A wait as a person reads it: "0.2 s", "45 s", "12 minutes"."""
+    return f"{seconds:.3g} s" if seconds < 120 else f"{seconds / 60:.0f} minutes"
+
+
 def within(seconds: float, fn: Callable[[], T]) -> T:
     """fn(), or a UserError ("no answer within ...") once it has run `seconds`; it goes on in a daemon thread, gone
     when the process ends. For calls that may hang a session until its kill (a fetch, an API call with no timeout
@@ -63,7 +68,7 @@ def within(seconds: float, fn: Callable[[], T]) -> T:
     worker.start()
     worker.join(seconds)
     if worker.is_alive():
-        raise UserError(f"no answer within {f'{seconds:.3g} s' if seconds < 120 else f'{seconds / 60:.0f} minutes'}")
+        raise UserError(f"no answer within {duration_text(seconds)}")
     if "error" in result:
         raise result["error"]
     return result["value"]

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.checkpoint_names import STABLE_DIR, checkpoint_name
-from shared.errors import UserError, describe_error, within
+from shared.errors import UserError, describe_error, duration_text, within
 from shared.kaggle.credential import choose_credential, secrets_to_env
 from shared.kaggle.publish import (
     MANIFEST,
@@ -32,6 +32,7 @@ from shared.kaggle.publish import (
     manifest_step,
     publish_problem,
 )
+from shared.session_clock import seconds_left
 
 CACHE_OFF_ENV = "DISABLE_KAGGLE_CACHE"  # kagglehub: download over HTTP instead of attaching
 FETCH_TIMEOUT_S = 3600.0  # fetching the expected checkpoint version (a gpt2-xl one is about 18.7 GB)
@@ -160,7 +161,7 @@ def _stage_resume(ckpt: dict, settings: dict, paths, log) -> int | None:
     expect = int(ckpt.get("expect_step") or 0)  # the step the chain saw in the dataset before pushing
     # Starting from less than the chain saw would train again, then publish an older checkpoint over a newer one.
     if expect and (input_step or 0) < expect:
-        folder, input_step = _fetch_expected(ckpt, folder, input_step, paths, log)
+        folder, input_step = _fetch_expected(ckpt, folder, input_step, paths, log, settings.get("session_deadline"))
     root = stage_checkpoint(folder, paths.temp / "gpt2k-resume") if folder else None
     if root is not None:
         settings[ckpt["resume_setting"]] = str(root)
@@ -177,19 +178,30 @@ def _attached(dataset: str, paths, log) -> Path | None:
         return None
 
 
-def _fetch_expected(ckpt: dict, folder: Path | None, input_step: int | None, paths, log) -> tuple[Path, int]:
+def _fetch_expected(ckpt: dict, folder: Path | None, input_step: int | None, paths, log,
+                    session_deadline: float | None = None) -> tuple[Path, int]:
     """The chain's version of the checkpoint dataset (`expect_version`, holding `expect_step`), fetched where the
-    mount shows an older one; anything less is one line, never training from an older step."""
+    mount shows an older one; anything less is one line, never training from an older step. The fetch may take
+    what is left of the session's deadline (counted from the process's start, as the trainer counts it), at most
+    FETCH_TIMEOUT_S: a fetch still running there could not leave time to train and publish before the kill."""
     dataset, expect, version = ckpt["dataset"], int(ckpt["expect_step"]), int(ckpt.get("expect_version") or 0)
     seen = f"sees step {input_step}" if input_step else "finds no checkpoint"
     stale = f"checkpoint dataset {dataset} holds step {expect}, but this session {seen} in {folder or 'its inputs'}"
     if not version:
         raise UserError(f"{stale}; not starting over")
-    log(f"notice: {stale} (an older version); fetching version {version} with kagglehub")
+    left = seconds_left(session_deadline)
+    if left <= 0:
+        raise UserError(f"{stale}, and the session's deadline ({session_deadline:g} s from its start) has passed "
+                        "before the fetch; not starting over")
+    cap = min(FETCH_TIMEOUT_S, left)
+    until = " (what is left of the session's deadline)" if cap < FETCH_TIMEOUT_S else ""
+    log(f"notice: {stale} (an older version); fetching version {version} with kagglehub, for at most "
+        f"{duration_text(cap)}{until}")
     try:
-        fetched = fetch_dataset_version(dataset, version, paths.temp / f"gpt2k-fetch-v{version}")
+        fetched = fetch_dataset_version(dataset, version, paths.temp / f"gpt2k-fetch-v{version}", timeout_s=cap)
     except UserError as err:
-        raise UserError(f"{stale}, and version {version} could not be fetched ({err}); not starting over") from None
+        raise UserError(f"{stale}, and version {version} could not be fetched ({err}{until}); not starting over"
+                        ) from None
     step = checkpoint_step(fetched)
     if (step or 0) < expect:
         got = f"step {step}" if step else "no checkpoint"
@@ -198,12 +210,13 @@ def _fetch_expected(ckpt: dict, folder: Path | None, input_step: int | None, pat
     return fetched, step
 
 
-def fetch_dataset_version(dataset: str, version: int, dest: Path) -> Path:
+def fetch_dataset_version(dataset: str, version: int, dest: Path, timeout_s: float | None = None) -> Path:
     """Version `version` of `dataset` (owner/slug) downloaded over HTTP into `dest`, through kagglehub (in Kaggle's
     images) with its Kaggle-cache resolver off (DISABLE_KAGGLE_CACHE: kagglehub 1.0.3 kaggle_cache_resolver.py
     L104-112, config.py L28, L124). In a notebook that resolver would attach the version as a new datasource
     (AttachDatasourceUsingJwt), which third-party reports say batch sessions cannot do; the download needs only the
-    credential in use (the notebook's token, else the attached key). Errors are one line, with no secret in it."""
+    credential in use (the notebook's token, else the attached key). Errors are one line, with no secret in it;
+    one that has run `timeout_s` (default FETCH_TIMEOUT_S) stops as "no answer within ..."."""
     try:
         secrets_to_env()
     except UserError:
@@ -216,7 +229,8 @@ def fetch_dataset_version(dataset: str, version: int, dest: Path) -> Path:
     previous = os.environ.get(CACHE_OFF_ENV)
     os.environ[CACHE_OFF_ENV] = "1"
     try:
-        return Path(within(FETCH_TIMEOUT_S, lambda: kagglehub.dataset_download(handle, output_dir=str(dest))))
+        return Path(within(timeout_s or FETCH_TIMEOUT_S,
+                           lambda: kagglehub.dataset_download(handle, output_dir=str(dest))))
     except UserError:
         raise
     except Exception as err:  # kagglehub's and requests' own types; masked, one line

@@ -10,7 +10,6 @@ Two limits, whichever comes first:
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -27,23 +26,6 @@ def default_time_budget(checkpoint_seconds: float) -> float:
     """A Kaggle session's 9 h less start-up and publishing (10 min) and three checkpoint writes' worth: the
     loop also stops early enough for one more step and 1.5 checkpoints, so the kill never meets a half write."""
     return NINE_HOURS - (600 + 3 * checkpoint_seconds)
-
-
-MAX_PROCESS_AGE_S = 24 * 3600  # no session is this long: an age past it (or below 0) is a clock that disagrees
-
-
-def process_start() -> float:
-    """The `time.monotonic()` at which this process started (Linux: /proc/self/stat's start time against the
-    boot clock); elsewhere, or where the two clocks disagree (a sandboxed kernel), now. A kernel's session clock
-    starts no later than its process."""
-    try:
-        with open("/proc/self/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: start time, clock ticks after boot
-        age = time.clock_gettime(time.CLOCK_BOOTTIME) - started
-    except (OSError, ValueError, IndexError, AttributeError):
-        return time.monotonic()
-    return time.monotonic() - (age if 0.0 <= age <= MAX_PROCESS_AGE_S else 0.0)
 
 
 @dataclass

@@ -363,6 +363,51 @@ def test_a_fetch_that_never_answers_stops_in_one_line(monkeypatch, tmp_path):
     assert str(err.value) == "no answer within 0.2 s"
 
 
+
+def test_a_fetch_may_take_only_what_is_left_of_the_sessions_deadline(monkeypatch, tmp_path):
+    """The session's deadline counts from its process's start: a fetch that would run past it stops there in one
+    line (the chain pushes again) instead of leaving no time to train and publish before Kaggle's kill."""
+    import sys
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from shared.errors import UserError
+    from shared.kaggle import bootstrap
+    from shared.session_clock import process_start
+
+    hung, asked = threading.Event(), []
+    kagglehub = SimpleNamespace(dataset_download=lambda handle, output_dir: asked.append(handle) or hung.wait())
+    monkeypatch.setitem(sys.modules, "kagglehub", kagglehub)
+    paths, lines = SimpleNamespace(temp=tmp_path), []
+    ckpt = {"dataset": CKPT, "expect_step": 40, "expect_version": 3}
+    age = time.monotonic() - process_start()
+    stale = f"checkpoint dataset {CKPT} holds step 40, but this session finds no checkpoint in its inputs"
+    began = time.monotonic()
+    with pytest.raises(UserError) as err:
+        bootstrap._fetch_expected(ckpt, None, None, paths, lines.append, session_deadline=age + 1.0)
+    waited = time.monotonic() - began
+    hung.set()
+    assert asked == [f"{CKPT}/versions/3"] and 0.5 < waited < 30
+    (notice,) = lines
+    assert notice.startswith(f"notice: {stale} (an older version); fetching version 3 with kagglehub, for at most ")
+    assert notice.endswith(" s (what is left of the session's deadline)")
+    assert 0.5 < float(notice.split("for at most ")[1].split(" s ")[0]) <= 1.0
+    assert str(err.value).startswith(f"{stale}, and version 3 could not be fetched (no answer within ")
+    assert str(err.value).endswith(" s (what is left of the session's deadline)); not starting over")
+    # Past the deadline already: no fetch at all. With no deadline (a local run): FETCH_TIMEOUT_S, as before.
+    with pytest.raises(UserError, match=r"the session's deadline \(5 s from its start\) has passed before the fetch"):
+        bootstrap._fetch_expected(ckpt, None, None, paths, lines.append, session_deadline=5.0)
+    assert asked == [f"{CKPT}/versions/3"]
+    monkeypatch.setattr(bootstrap, "FETCH_TIMEOUT_S", 0.2)
+    hung_again = threading.Event()
+    monkeypatch.setitem(sys.modules, "kagglehub",
+                        SimpleNamespace(dataset_download=lambda handle, output_dir: hung_again.wait()))
+    with pytest.raises(UserError, match=r"could not be fetched \(no answer within 0.2 s\); not starting over"):
+        bootstrap._fetch_expected(ckpt, None, None, paths, lines.append)
+    hung_again.set()
+
+
 # --- a chain --------------------------------------------------------------------------------------------------
 
 def upload_tokens(lk, tmp_path: Path, ref: str, folder: Path) -> None:

@@ -37,7 +37,7 @@ def test_the_start_up_line_names_each_part():
 
 
 def test_process_start_is_when_the_process_began_not_when_it_is_asked():
-    code = ("import time; time.sleep(1.5); from shared.train.clock import process_start; "
+    code = ("import time; time.sleep(1.5); from shared.session_clock import process_start; "
             "print(time.monotonic() - process_start())")
     age = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                                cwd=REPO).stdout)
