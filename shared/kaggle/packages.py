@@ -9,7 +9,8 @@ over the copies pip puts beside ours; only where an older copy in the image brea
 importing it in a fresh interpreter) does it go first.
 
 With internet off pip fails within seconds: a required package is then one line and exit 2 (UserError), an
-optional one a one-line notice. Outside a Kaggle session nothing is installed: the laptop's setup has everything.
+optional one a one-line notice; an install that hangs is stopped at PIP_TIMEOUT_S, the same way. Outside a
+Kaggle session nothing is installed: the laptop's setup has everything.
 """
 
 from __future__ import annotations
@@ -24,10 +25,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.errors import UserError
+from shared.errors import UserError, duration_text
 from shared.kaggle.facts import record_fact
 
 TARGET_DIR = "gpt2k-packages"  # under the session's temp folder
+# One pip install, whole: pip's own --timeout is per socket read, so an index that trickles bytes (or a proxy that
+# accepts and never answers, retried) could hold a session's start-up well past its margin (420-600 s).
+PIP_TIMEOUT_S = 240.0
 _installs_s: list[float] = []  # this process's installs, for the trainer's start-up line
 
 
@@ -76,7 +80,10 @@ def pip_install(requirements: tuple[str, ...], target: Path, no_deps: bool = Fal
     cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-input",
            "--retries", "1", "--timeout", "15", "--target", str(target), *(["--no-deps"] if no_deps else []),
            *requirements]
-    proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"ERROR: pip install ran past {duration_text(PIP_TIMEOUT_S)} and was stopped"
     if proc.returncode == 0:
         return None
     lines = [line.strip() for line in (proc.stderr or proc.stdout).splitlines() if line.strip()]

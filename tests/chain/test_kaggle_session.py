@@ -184,6 +184,33 @@ def test_pip_with_no_way_to_the_index_fails_within_seconds_and_installs_nothing(
     assert not list((tmp_path / "t").glob("tiktoken*"))
 
 
+
+def test_pip_whose_index_never_answers_is_stopped_at_its_limit_and_installs_nothing(tmp_path):
+    """A proxy that accepts connections and never answers (pip's own --timeout 15 s is per read, and retried): the
+    install stops at PIP_TIMEOUT_S (3 s here), before pip's own timeout would, with one ERROR line."""
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)  # connections complete in the kernel's backlog; nothing is ever read or written
+    port = server.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env.update({"HTTPS_PROXY": f"http://127.0.0.1:{port}", "HTTP_PROXY": f"http://127.0.0.1:{port}",
+                "PIP_CONFIG_FILE": os.devnull, "PIP_NO_CACHE_DIR": "1"})
+    code = ("import sys, time; from pathlib import Path; from shared.kaggle import packages; "
+            "packages.PIP_TIMEOUT_S = 3.0; began = time.monotonic(); "
+            "print(packages.pip_install(('tiktoken==0.14.0',), Path(sys.argv[1]))); print(time.monotonic() - began)")
+    try:
+        proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "t")], env=env, capture_output=True,
+                              text=True, timeout=120, cwd=REPO)
+    finally:
+        server.close()
+    assert proc.returncode == 0, proc.stderr
+    message, seconds = proc.stdout.strip().splitlines()
+    assert message == "ERROR: pip install ran past 3 s and was stopped"
+    assert 3.0 <= float(seconds) < 14.0  # stopped at the limit, not by pip's own 15-s read timeout
+    assert not list((tmp_path / "t").glob("tiktoken*"))
+
 def test_the_pins_are_the_versions_the_project_is_set_up_with():
     """The session installs exactly what the laptop's setup tests with (pyproject.toml pulls these)."""
     from importlib.metadata import version
