@@ -61,6 +61,15 @@ def newton_schulz(update: torch.Tensor, steps: int = NS_STEPS, dtype: torch.dtyp
     return (x.mT if tall else x).float()
 
 
+def _assign(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    """targets[i] <- values[i], in place (the state and parameters stay the tensors the checkpoint and the model
+    hold). The optimizers compute out of place and assign once: under XLA, torch's in-place foreach ops (lerp_,
+    addcmul_, addcdiv_, sqrt_, ...) run a Python meta check per tensor (torch 2.9 torch/_meta_registrations.py
+    `_register_inplace_meta`), 10-20x the trace time of the out-of-place op and a copy_ (148 tensors of 768x768:
+    lerp_ 22 ms, lerp + copy_ 2 ms; docs/tpu-throughput.md). Same arithmetic, so the same bits."""
+    torch._foreach_copy_(targets, values)
+
+
 def muon_matrix_shape(name: str, param: torch.Tensor) -> tuple[int, ...] | None:
     """How Muon sees a parameter: None for AdamW's (embeddings, biases, gains), else the shape its update is
     orthogonalised in. The fused attention input c_attn (3C x C) is three matrices, Q, K and V, each
@@ -112,9 +121,10 @@ class MuonAdamW(torch.optim.Optimizer):
     def _muon_group(self, params: list[torch.Tensor], group: dict, lr: torch.Tensor, wd: float) -> None:
         momentum, shapes = group["momentum"], group["shapes"]
         updates = []
-        for p in params:
-            buf, grad = self.state[p]["momentum_buffer"], p.grad.float()
-            buf.lerp_(grad, 1 - momentum)
+        bufs, grads = [self.state[p]["momentum_buffer"] for p in params], [p.grad.float() for p in params]
+        # Per tensor: _foreach_lerp with a device-tensor weight runs a graph of its own under SPMD.
+        _assign(bufs, [buf.lerp(grad, 1 - momentum) for buf, grad in zip(bufs, grads, strict=True)])
+        for buf, grad in zip(bufs, grads, strict=True):
             updates.append(grad.lerp(buf, momentum))  # Nesterov: the gradient, looked ahead along the momentum
         buckets: dict[tuple, list[int]] = {}
         for i, p in enumerate(params):  # matrices of one shape share one batched Newton-Schulz
@@ -127,9 +137,8 @@ class MuonAdamW(torch.optim.Optimizer):
             step = lr * (ortho * max(1.0, shape[-2] / shape[-1]) ** 0.5)
             for i, one in zip(members, step.unbind(0), strict=True):
                 deltas[i] = one.view_as(params[i]).to(params[i].dtype)
-        if wd != 0:
-            torch._foreach_mul_(params, 1 - lr * wd)
-        torch._foreach_sub_(params, deltas)
+        decayed = torch._foreach_mul(params, 1 - lr * wd) if wd != 0 else params
+        _assign(params, torch._foreach_sub(decayed, deltas))
 
     def _adamw_group(self, params: list[torch.Tensor], lr: torch.Tensor, wd: float) -> None:
         """AdamW with the per-tensor arithmetic (torch's single-tensor order), in foreach calls. Every parameter's
@@ -138,20 +147,17 @@ class MuonAdamW(torch.optim.Optimizer):
         grads = [p.grad.float() for p in params]
         exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
         beta1, beta2 = ADAM_BETAS
-        torch._foreach_add_([s["step"] for s in states], 1)
-        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        steps = [s["step"] for s in states]
+        _assign(steps, torch._foreach_add(steps, 1))
+        _assign(exp_avgs, torch._foreach_lerp(exp_avgs, grads, 1 - beta1))
+        _assign(exp_avg_sqs, torch._foreach_addcmul(torch._foreach_mul(exp_avg_sqs, beta2), grads, grads,
+                                                    value=1 - beta2))
         step = states[0]["step"]
         bias1, bias2 = 1 - beta1**step, 1 - beta2**step
-        denom = torch._foreach_div(exp_avg_sqs, bias2)
-        torch._foreach_sqrt_(denom)
-        torch._foreach_add_(denom, ADAM_EPS)
-        if wd != 0:
-            torch._foreach_mul_(params, 1 - lr * wd)
-        moves = torch._foreach_mul(exp_avgs, lr / bias1)
-        torch._foreach_div_(moves, denom)
-        torch._foreach_sub_(params, moves)
+        denom = torch._foreach_add(torch._foreach_sqrt(torch._foreach_div(exp_avg_sqs, bias2)), ADAM_EPS)
+        decayed = torch._foreach_mul(params, 1 - lr * wd) if wd != 0 else params
+        moves = torch._foreach_div(torch._foreach_mul(exp_avgs, lr / bias1), denom)
+        _assign(params, torch._foreach_sub(decayed, moves))
 
 
 class ForeachAdamW(torch.optim.AdamW):
@@ -177,19 +183,17 @@ class ForeachAdamW(torch.optim.AdamW):
         steps = [s["step"] for s in states]
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         beta1, beta2 = group["betas"]
-        torch._foreach_add_(steps, 1)
-        if wd != 0:
-            torch._foreach_mul_(params, 1 - lr * wd)
-        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        _assign(steps, torch._foreach_add(steps, 1))
+        decayed = torch._foreach_mul(params, 1 - lr * wd) if wd != 0 else params
+        _assign(exp_avgs, torch._foreach_lerp(exp_avgs, grads, 1 - beta1))
+        _assign(exp_avg_sqs, torch._foreach_addcmul(torch._foreach_mul(exp_avg_sqs, beta2), grads, grads,
+                                                    value=1 - beta2))
         step = steps[0]
         step_size_neg = (lr / (1 - beta1**step)).neg()
-        denom = torch._foreach_sqrt(exp_avg_sqs)
-        torch._foreach_div_(denom, (1 - beta2**step).sqrt() * step_size_neg)
-        # The list overload: with a single 0-dim tensor, _foreach_add_ reads it to the host (a graph and a transfer).
-        torch._foreach_add_(denom, [eps / step_size_neg] * len(denom))
-        torch._foreach_addcdiv_(params, exp_avgs, denom)
+        denom = torch._foreach_div(torch._foreach_sqrt(exp_avg_sqs), (1 - beta2**step).sqrt() * step_size_neg)
+        # The list overload: with a single 0-dim tensor, _foreach_add reads it to the host (a graph and a transfer).
+        denom = torch._foreach_add(denom, [eps / step_size_neg] * len(denom))
+        _assign(params, torch._foreach_addcdiv(decayed, exp_avgs, denom))
 
 
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
@@ -198,7 +202,7 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     fallback traces two ops per gradient from Python. Returns the total norm before clipping."""
     grads = [p.grad for p in params if p.grad is not None]
     total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
-    torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    _assign(grads, torch._foreach_mul(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0)))
     return total
 
 
