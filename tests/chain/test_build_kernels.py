@@ -108,6 +108,7 @@ def test_built_train_kernel_matches_kernels_train(demo_data, straight_run, tmp_p
     assert_identical_runs(straight_run, root2 / "working" / "train", 6)
 
 
+@pytest.mark.slow
 def test_built_tokenize_kernel_matches_kernels_tokenize(tmp_path, gpt2_ranks):
     corpus = tmp_path / "corpus"
     corpus.mkdir()

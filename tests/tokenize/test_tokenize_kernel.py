@@ -39,6 +39,7 @@ def test_kernel_runs_as_a_script(corpus, ranks, tmp_path, reference):
             assert snapshot(out)[name] == data
 
 
+@pytest.mark.slow
 def test_restart_after_kill_is_byte_identical(corpus, ranks, tmp_path, reference):
     out = tmp_path / "out"
     # killed right after moving its 2nd shard in, before recording it in the manifest
