@@ -120,12 +120,12 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _muon_group(self, params: list[torch.Tensor], group: dict, lr: torch.Tensor, wd: float) -> None:
         momentum, shapes = group["momentum"], group["shapes"]
-        updates = []
         bufs, grads = [self.state[p]["momentum_buffer"] for p in params], [p.grad.float() for p in params]
         # Per tensor: _foreach_lerp with a device-tensor weight runs a graph of its own under SPMD.
-        _assign(bufs, [buf.lerp(grad, 1 - momentum) for buf, grad in zip(bufs, grads, strict=True)])
-        for buf, grad in zip(bufs, grads, strict=True):
-            updates.append(grad.lerp(buf, momentum))  # Nesterov: the gradient, looked ahead along the momentum
+        weight = 1 - momentum
+        _assign(bufs, [buf.lerp(grad, weight) for buf, grad in zip(bufs, grads, strict=True)])
+        # Nesterov: the gradient, looked ahead along the momentum
+        updates = [grad.lerp(buf, momentum) for buf, grad in zip(bufs, grads, strict=True)]
         buckets: dict[tuple, list[int]] = {}
         for i, p in enumerate(params):  # matrices of one shape share one batched Newton-Schulz
             buckets.setdefault((shapes[id(p)], tuple(p.shape)), []).append(i)
