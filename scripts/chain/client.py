@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from scripts.chain.config import ClientConfig
-from shared.errors import UserError, describe_error
+from shared.errors import UserError, describe_error, duration_text
 from shared.kaggle.publish import read_dataset_version, wait_for_new_version
 
 TRANSIENT_STATUS = {408, 425, 429, 500, 502, 503, 504}
@@ -111,9 +111,8 @@ class VersionMissing(UserError):
 
     def __init__(self, ref: str, above: int, number: int, status: str, timeout_s: float):
         newest = f"version {number}, {status or 'no status'}" if number else "no version at all: HTTP 404"
-        waited = f"{timeout_s:.0f} s" if timeout_s < 120 else f"{timeout_s / 60:.0f} minutes"
-        super().__init__(f"no version of {ref} after version {above} was ready within {waited} (Kaggle shows "
-                         f"{newest})")
+        super().__init__(f"no version of {ref} after version {above} was ready within {duration_text(timeout_s)} "
+                         f"(Kaggle shows {newest})")
         self.ref, self.above, self.number = ref, above, number
 
 
