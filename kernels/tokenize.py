@@ -22,7 +22,9 @@ for _var in ("USE_TORCH", "USE_TF", "USE_JAX"):
 
 from shared.config import TokenizeConfig, parse_dataclass  # noqa: E402
 from shared.errors import run_cli  # noqa: E402
+from shared.kaggle.secrets import hf_token_to_env  # noqa: E402
 from shared.tokenize.part import tokenize_part  # noqa: E402
+from shared.tokenize.source import hub_endpoint  # noqa: E402
 
 BAKED_SETTINGS: dict = {}  # filled in by the build (scripts/chain/build.py) for Kaggle
 
@@ -41,6 +43,11 @@ def print_summary(manifest: dict) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_dataclass(TokenizeConfig, argv, description=__doc__.splitlines()[0], defaults=BAKED_SETTINGS)
+    if not cfg.data_files:
+        print(f"{cfg.dataset}: read from {hub_endpoint()} "
+              + ("with the HF_TOKEN secret" if hf_token_to_env() else
+                 "anonymously (attach a Hugging Face token as the secret HF_TOKEN for per-account rate limits)"),
+              flush=True)
     manifest = tokenize_part(cfg)
     print_summary(manifest)
     return manifest

@@ -371,10 +371,15 @@ class TokenizeConfig:
         default="", metadata={"help": "local GPT-2 ranks file (gpt2.tiktoken); '': $GPT2_TIKTOKEN_RANKS or cache"}
     )
     progress: bool = field(default=True, metadata={"help": "show a progress bar"})
+    session_deadline: float = field(default=41_400.0, metadata={"help": "seconds after the session's start at which "
+                                    "the part ends cleanly (Kaggle stops a CPU session at 12 h); 0: none"})
+    retry_wait_s: float = field(default=5.0, metadata={"help": "first wait before reopening a stream the Hub broke "
+                                "off (doubling up to 5 minutes, or what a 429 asks)"})
+    retry_total_s: float = field(default=1800.0, metadata={"help": "most time a part waits on Hub faults in all"})
 
     def __post_init__(self) -> None:
         check_field_types(self)
-        _at_least(self, 0, "part", "processes", "max_output_gb")
+        _at_least(self, 0, "part", "processes", "max_output_gb", "session_deadline", "retry_wait_s", "retry_total_s")
         _positive(self, "tokens_per_part", "shard_size", "batch_docs")
         if self.shard_size >= 2**31:
             raise UserError(f"--shard-size {self.shard_size} does not fit a shard header (< 2^31 tokens)")

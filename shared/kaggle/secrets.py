@@ -69,3 +69,20 @@ def _read_secret(name: str) -> str:
     if value is None:
         raise UserError(f"secret {name!r} is not set (outside Kaggle, secrets come from the environment)")
     return value
+
+
+def hf_token_to_env() -> bool:
+    """In a session, the user's Hugging Face token (a secret named HF_TOKEN, optional) into the environment, where
+    huggingface_hub reads it: the Hub's per-account limits instead of the anonymous per-IP ones, which Kaggle's
+    shared outgoing addresses may spend. Whether a token is in use; its value is never printed."""
+    from shared.kaggle.env import in_session
+
+    if os.environ.get("HF_TOKEN"):
+        return True
+    if not in_session():
+        return False
+    try:
+        os.environ["HF_TOKEN"] = get_secret("HF_TOKEN")
+    except UserError:
+        return False
+    return True

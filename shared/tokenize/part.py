@@ -41,6 +41,7 @@ from shared.config import GB, MANIFEST_SLACK, TokenizeConfig
 from shared.data import write_shard
 from shared.errors import UserError
 from shared.fsutil import sha256_file
+from shared.session_clock import seconds_left
 from shared.tokenize.manifest import (
     DISK_SLACK,
     MANIFEST,
@@ -58,6 +59,7 @@ from shared.tokenize.manifest import (
     verify_shards,
     write_manifest,
 )
+from shared.tokenize.retry import Backoff
 from shared.tokenize.source import (
     describe_source,
     open_stream,
@@ -67,7 +69,7 @@ from shared.tokenize.source import (
     stream_batches,
 )
 from shared.tokenize.tokenizer import EOT_TOKEN, resolve_ranks_path
-from shared.tokenize.workers import encode_docs, init_worker, pool_context, shut_down
+from shared.tokenize.workers import encode_docs, result_of, shut_down, start_pool
 
 CRASH_ENV = "GPT2K_TOKENIZE_CRASH_AFTER_SHARDS"  # tests: die right after moving in the N-th new shard
 
@@ -103,7 +105,7 @@ def tokenize_part(cfg: TokenizeConfig, log: Callable[[str], None] | None = None)
         if (out_dir / MANIFEST).is_file():  # resuming: the snapshot the run started on, unless one is given
             source["revision"] = cfg.revision or read_manifest(out_dir / MANIFEST)["source"].get("revision", "")
         else:
-            source["revision"] = resolve_hub_revision(cfg.dataset, cfg.revision)
+            source["revision"] = resolve_hub_revision(cfg.dataset, cfg.revision, _backoff(cfg, 300.0), log)
 
     ranks = resolve_ranks_path(cfg.ranks_path or None)
     fresh = {
@@ -182,10 +184,10 @@ def _produce(cfg, manifest, out_dir, source, ranks, budget, manifest_len, resume
     t_run = time.time()
     try:
         state = _RunState(cfg, manifest, out_dir, tmp_root, budget, manifest_len, crash_after, log)
-        pool = pool_context().Pool(processes, initializer=init_worker, initargs=(str(ranks) if ranks else None,))
+        pool = start_pool(processes, str(ranks) if ranks else None)
         end = manifest["end"]
         batches = stream_batches(lambda: open_stream(source), source, end["checkpoint"], cfg.batch_docs,
-                                 first_doc=end["doc"], log=log)
+                                 first_doc=end["doc"], log=log, backoff=_backoff(cfg, cfg.retry_total_s))
         reason = state.run(pool, batches, processes)
     finally:
         if pool is not None:
@@ -197,6 +199,9 @@ def _produce(cfg, manifest, out_dir, source, ranks, budget, manifest_len, resume
         if reason == "output_budget":
             raise UserError(f"--max-output-gb {cfg.max_output_gb:g}: no room for part {cfg.part}'s first shard "
                             f"({shard_bytes(cfg.shard_size):,} bytes) next to its manifest")
+        if reason == "session_deadline":
+            raise UserError(f"part {cfg.part}: the session's deadline ({cfg.session_deadline:g} s from its start) "
+                            "passed before its first shard")
         if reason == "disk_full":
             raise UserError(f"part {cfg.part}: no disk room for its first shard ({shard_bytes(cfg.shard_size):,} "
                             f"bytes plus {format_bytes(DISK_SLACK)} kept free, on the output and temporary disks)")
@@ -209,6 +214,10 @@ def _produce(cfg, manifest, out_dir, source, ranks, budget, manifest_len, resume
     manifest["summary"] = _summary(manifest, out_dir, elapsed, state.new_tokens, resumed=resumed,
                                    total_seconds=time.time() - t_start)
     return manifest
+
+
+def _backoff(cfg: TokenizeConfig, total_s: float) -> Backoff:
+    return Backoff(first_s=cfg.retry_wait_s, max_s=300.0, total_s=min(total_s, cfg.retry_total_s))
 
 
 def docs_between(start: dict, end: dict) -> int:
@@ -278,20 +287,26 @@ class _RunState:
         if self.part_tokens >= self.cfg.tokens_per_part and not self.drop_offset:
             return "part_size"  # killed after the part's last shard was recorded, before it was marked complete
         try:
+            reason = "end_of_stream"
             for first_doc, texts, ckpt in batches:
                 pending.append((first_doc, ckpt, pool.apply_async(encode_docs, (texts,))))
                 while len(pending) >= max_pending:
                     self._consume(*pending.popleft())
+                if seconds_left(self.cfg.session_deadline) <= 0:
+                    self.log(f"stopping: the session's deadline ({self.cfg.session_deadline:g} s from its start) "
+                             "has come; the next part goes on from here")
+                    reason = "session_deadline"
+                    break
             while pending:
                 self._consume(*pending.popleft())
             if self.fill:
                 self._finish_shard(self._last_end, self._last_ckpt)
-            return "end_of_stream"
+            return reason
         except _Stop as stop:
             return stop.reason
 
     def _consume(self, first_doc: int, ckpt: dict, result) -> None:
-        tokens, lengths = result.get()
+        tokens, lengths = result_of(result)
         dropped = self.drop_offset  # resuming inside a document: its first tokens are in the previous shard
         if dropped:
             tokens, lengths = tokens[dropped:], lengths.copy()

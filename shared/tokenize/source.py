@@ -9,12 +9,12 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
-import sys
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from shared.data import natural_key
-from shared.errors import UserError, describe_error
+from shared.errors import UserError, describe_error, duration_text
+from shared.tokenize.retry import Backoff, http_status, is_transient
 
 if TYPE_CHECKING:  # annotations only: importing these for real would be circular (the config) or slow (datasets)
     import datasets
@@ -98,6 +98,18 @@ def _is_text_type(kind) -> bool:
         str(kind) == "string_view"
 
 
+# Set (where the user has not) before huggingface_hub is imported, which reads them then. Its 10 s default read
+# timeout can take a slow but live link for a dead one; a stalled one is still noticed within a minute.
+HUB_ENV_DEFAULTS = {"HF_HUB_DOWNLOAD_TIMEOUT": "60", "HF_HUB_ETAG_TIMEOUT": "60", "HF_HUB_DISABLE_TELEMETRY": "1"}
+
+
+def hub_endpoint() -> str:
+    """Where the Hub is read from (HF_ENDPOINT, as huggingface_hub reads it), with HUB_ENV_DEFAULTS set."""
+    for name, value in HUB_ENV_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+    return os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+
+
 def describe_source(cfg: TokenizeConfig) -> dict:
     """What the stream is made from, as recorded in the manifest (and compared between parts)."""
     if cfg.data_files:
@@ -120,16 +132,29 @@ def describe_source(cfg: TokenizeConfig) -> dict:
     }
 
 
-def resolve_hub_revision(dataset: str, revision: str) -> str:
-    """The commit sha behind `revision` (so every part reads the same snapshot); the name itself if offline."""
-    try:
-        from huggingface_hub import HfApi
+def resolve_hub_revision(dataset: str, revision: str, backoff: Backoff | None = None,
+                         log: Callable[[str], None] | None = None) -> str:
+    """The commit sha behind `revision`, so that every part reads the same snapshot. A Hub that cannot say (after
+    retries of what may pass) is an error: an unpinned part could read another snapshot than the parts after it."""
+    from huggingface_hub import HfApi
 
-        sha = HfApi().dataset_info(dataset, revision=revision or None).sha
-        return sha or revision
-    except Exception as err:  # noqa: BLE001 - pinning is best effort; the stream itself will report errors
-        print(f"warning: could not resolve the revision of {dataset} ({describe_error(err)})", file=sys.stderr)
-        return revision
+    backoff = backoff or Backoff(total_s=300.0)
+    while True:
+        try:
+            sha = HfApi().dataset_info(dataset, revision=revision or None).sha
+            break
+        except Exception as err:  # noqa: BLE001 - the library's own types: retried where they may pass, else one line
+            wait = backoff.next_wait(err) if is_transient(err) else None
+            if wait is None:
+                hint = "; attach a Hugging Face token as the secret HF_TOKEN" if http_status(err) in (401, 403) else ""
+                raise UserError(f"{dataset}: cannot pin the revision {revision or 'main'} to a commit "
+                                f"({describe_error(err)}){hint}") from None
+            if log:
+                log(f"retrying: {dataset}'s revision ({describe_error(err)}) in {duration_text(wait)}")
+            backoff.sleep(wait)
+    if not sha:
+        raise UserError(f"{dataset}: the Hub named no commit for revision {revision or 'main'}")
+    return sha
 
 
 def same_source(a: dict, b: dict) -> str | None:
@@ -157,13 +182,12 @@ def open_stream(source: dict) -> datasets.IterableDataset:
         else:
             ds = datasets.load_dataset(
                 source["dataset"], source["config"] or None, split=source["split"], streaming=True,
-                revision=source["revision"] or None,
+                revision=source["revision"] or None, columns=[source["text_column"]],  # the rest is not parsed
             )
     except UserError:
         raise
     except Exception as err:  # noqa: BLE001 - a missing dataset, config, split or network: one line
-        label = source.get("dataset") or source["paths"][0]
-        raise UserError(f"{label}: cannot open the dataset ({describe_error(err)})") from None
+        raise _read_error(source, err, "cannot open the dataset") from err
     col = source["text_column"]
     names = ds.column_names
     if names is not None:
@@ -189,37 +213,73 @@ def _no_column_message(source: dict, col: str, names) -> str:
 def _state_of(ds):
     try:
         return ds.state_dict()
-    except Exception:  # noqa: BLE001 - an old `datasets`: resume by skipping documents instead
+    except Exception:  # noqa: BLE001 - an old `datasets`: resume by reading from the start instead
         return None
+
+
+class StreamFault(UserError):
+    """A read or open of the stream failed in a way another try may not meet (a dropped connection, a 429 or 5xx
+    past the libraries' own retries): `stream_batches` reopens the stream and goes on."""
 
 
 class _ResumeMismatch(Exception):
     pass
 
 
+def _read_error(source: dict, err: BaseException, what: str) -> UserError:
+    cls = StreamFault if is_transient(err) else UserError
+    return cls(f"{source_label(source)}: {what} ({describe_error(err)})")
+
+
 def stream_batches(open_ds: Callable[[], datasets.IterableDataset], source: dict, checkpoint: dict, batch_docs: int,
-                   first_doc: int, log: Callable[[str], None] | None = None) -> Iterator[tuple[int, list[str], dict]]:
+                   first_doc: int, log: Callable[[str], None] | None = None,
+                   backoff: Backoff | None = None) -> Iterator[tuple[int, list[str], dict]]:
     """Yield (doc index of texts[0], texts, checkpoint) for the documents from `first_doc` on.
 
     `checkpoint` ({"doc", "state", "batch_docs", "text_sha"}) is where reading starts: a `datasets`
     state_dict taken at document `doc` while reading batches of `batch_docs` (the state is only valid for
-    that batch size, so it is read with it), or no state: skip `doc` documents. The text hash of document
-    `doc` proves the resume landed where it should; if a state does not (another `datasets` version), the
-    stream is read again with skip. Each batch carries the checkpoint of the boundary it was read from.
+    that batch size, so it is read with it), or no state: read from the start, dropping the first `doc` documents.
+    The text hash of document `doc` proves the resume landed where it should; a state that does not (another
+    `datasets` version), or fails to load at all, is read again from the start. Each batch carries the checkpoint of
+    the boundary it was read from.
+
+    A `StreamFault` (the Hub or the link failing past the libraries' retries) reopens the stream at the boundary
+    after the last batch yielded, after a wait from `backoff`, until its total is spent: the caller's pool and the
+    shard it is filling never see it.
     """
-    state = checkpoint.get("state")
-    if state:
+    log = log or (lambda msg: None)
+    backoff = backoff or Backoff()
+    at = dict(checkpoint)  # where the next open starts; moves to each boundary read past
+    while True:
         try:
-            yield from _batches(open_ds(), source, checkpoint, checkpoint.get("batch_docs") or batch_docs,
-                                first_doc, use_state=True)
+            for doc, texts, ckpt, after in _resumable(open_ds, source, at, batch_docs, first_doc, log):
+                backoff.progress()
+                at = after
+                first_doc = doc + len(texts)
+                yield doc, texts, ckpt
+            return
+        except StreamFault as fault:
+            wait = backoff.next_wait(fault.__cause__ or fault)
+            if wait is None:
+                raise UserError(f"{fault} (gave up after {backoff.retries} retries over "
+                                f"{duration_text(backoff.waited_s)} of waiting)") from None
+            log(f"retrying: {fault}; reopening the stream at document {at['doc']} in {duration_text(wait)} "
+                f"(retry {backoff.retries}, {duration_text(backoff.waited_s)} of {duration_text(backoff.total_s)} "
+                "waited)")
+            backoff.sleep(wait)
+
+
+def _resumable(open_ds, source: dict, checkpoint: dict, batch_docs: int, first_doc: int, log):
+    """_batches from `checkpoint`'s state, or from the start where it has none or it does not resume."""
+    if checkpoint.get("state"):
+        try:
+            yield from _batches(open_ds(), source, checkpoint, checkpoint.get("batch_docs") or batch_docs, first_doc)
             return
         except _ResumeMismatch:
-            if log:
-                log(f"warning: the saved stream state does not resume at document {checkpoint['doc']}; "
-                    "skipping documents from the start instead (slower)")
+            log(f"warning: the saved stream state does not resume at document {checkpoint['doc']}; "
+                "reading from the start instead (slower)")
     try:
-        yield from _batches(open_ds(), source, {**checkpoint, "state": None}, batch_docs, first_doc,
-                            use_state=not checkpoint["doc"])
+        yield from _batches(open_ds(), source, {**checkpoint, "state": None}, batch_docs, first_doc)
     except _ResumeMismatch:
         raise UserError(
             f"{source_label(source)}: document {checkpoint['doc']} is not the one the manifest recorded; "
@@ -227,25 +287,34 @@ def stream_batches(open_ds: Callable[[], datasets.IterableDataset], source: dict
         ) from None
 
 
-def _batches(ds, source: dict, checkpoint: dict, batch_docs: int, first_doc: int, use_state: bool):
+def _batches(ds, source: dict, checkpoint: dict, batch_docs: int, first_doc: int):
+    """Yield (doc, texts, checkpoint it was read from, checkpoint after it). With no state in `checkpoint`, reading
+    starts at document 0 (the documents before `checkpoint['doc']` are read and dropped), so that every boundary
+    still has a state for the next part (a skipped stream's states would not load into a plain one)."""
     col = source["text_column"]
-    doc = int(checkpoint["doc"])
     state = checkpoint.get("state")
-    expect_sha = checkpoint.get("text_sha")
+    check_doc, expect_sha = int(checkpoint["doc"]), checkpoint.get("text_sha")
+    doc = check_doc if state else 0
+    first_doc = max(first_doc, check_doc)
     if state:
-        ds.load_state_dict(state)
-    elif doc:
-        ds = ds.skip(doc)  # states of a skipped stream do not load into a plain one: use_state is False
+        try:
+            ds.load_state_dict(state)
+        except Exception:  # noqa: BLE001 - any state that will not load is one that does not resume
+            raise _ResumeMismatch() from None
     it = iter(ds.iter(batch_size=batch_docs))
     while True:
         try:
             table = next(it)
         except StopIteration:
+            if expect_sha is not None and check_doc:
+                raise _ResumeMismatch() from None  # the stream ends before the document the manifest recorded
             return
         except UserError:
             raise
-        except Exception as err:  # noqa: BLE001 - corrupt input found while reading
-            raise UserError(f"{source_label(source)}: cannot read input ({describe_error(err)})") from None
+        except Exception as err:  # noqa: BLE001 - the network, or corrupt input found while reading
+            if state and doc == check_doc and not is_transient(err):
+                raise _ResumeMismatch() from None  # the state's first read: the state may be what is wrong
+            raise _read_error(source, err, "cannot read input") from err
         if col not in table.column_names:
             raise UserError(_no_column_message(source, col, table.column_names))
         column = table.column(col)
@@ -257,15 +326,15 @@ def _batches(ds, source: dict, checkpoint: dict, batch_docs: int, first_doc: int
             texts = ["" if t is None else t for t in texts]
         if not texts:
             continue
-        if expect_sha is not None:
-            if _text_sha(texts[0]) != expect_sha:
+        end = doc + len(texts)
+        if expect_sha is not None and doc <= check_doc < end:
+            if _text_sha(texts[check_doc - doc]) != expect_sha:
                 raise _ResumeMismatch()
             expect_sha = None
-        ckpt = {"doc": doc, "state": state if use_state else None, "batch_docs": batch_docs,
-                "text_sha": _text_sha(texts[0])}
-        end = doc + len(texts)
+        ckpt = {"doc": doc, "state": state, "batch_docs": batch_docs, "text_sha": _text_sha(texts[0])}
+        state = _state_of(ds)
+        after = {"doc": end, "state": state, "batch_docs": batch_docs, "text_sha": None}
         if end > first_doc:
             skip = max(0, first_doc - doc)
-            yield doc + skip, texts[skip:], ckpt
+            yield doc + skip, texts[skip:], ckpt, after
         doc = end
-        state = _state_of(ds) if use_state else None

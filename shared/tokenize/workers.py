@@ -11,17 +11,49 @@ from collections.abc import Callable
 
 import numpy as np
 
+from shared.errors import UserError, describe_error
 from shared.tokenize.tokenizer import EOT_TOKEN
 
 _ENC = None
 
 
+# The longest a batch may take a worker: a few hundred documents take well under a second; a worker that was
+# killed (out of memory) loses its task for good, and the pool would wait for it until Kaggle ends the session.
+RESULT_TIMEOUT_S = 600.0
+
+
 def init_worker(ranks_path: str | None) -> None:
-    """The pool's initializer: load the encoding once per process rather than pickle it with every task."""
+    """Load the encoding once per process rather than pickle it with every task: in the parent before the pool
+    forks (its workers inherit it, so no worker downloads or fails on its own), or as the initializer where
+    processes are spawned."""
     global _ENC
     from shared.tokenize.tokenizer import gpt2_encoding
 
     _ENC = gpt2_encoding(ranks_path)
+
+
+def start_pool(processes: int, ranks_path: str | None):
+    """A pool of tokenizer processes with the encoding loaded: a ranks file that will not load is one error here,
+    not workers failing in their initializer, which the pool would respawn forever."""
+    context = pool_context()
+    try:
+        init_worker(ranks_path)
+    except UserError:
+        raise
+    except Exception as err:  # noqa: BLE001 - a damaged ranks file, or tiktoken's download failing: one line
+        raise UserError(f"GPT-2's tokenizer could not be loaded ({describe_error(err)})") from None
+    if context.get_start_method() == "fork":
+        return context.Pool(processes)
+    return context.Pool(processes, initializer=init_worker, initargs=(ranks_path,))
+
+
+def result_of(result, timeout_s: float = RESULT_TIMEOUT_S):
+    """A task's result, or one line once it has taken `timeout_s`."""
+    try:
+        return result.get(timeout_s)
+    except multiprocessing.TimeoutError:
+        raise UserError(f"a tokenizer process returned nothing within {timeout_s:g}s (killed, out of memory?); "
+                        "run the part again: its finished shards are kept") from None
 
 
 def encode_docs(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:

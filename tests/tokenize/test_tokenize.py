@@ -131,7 +131,7 @@ def test_hub_source_pins_its_revision_across_restarts_and_parts(monkeypatch, cor
         return real("parquet", data_files=sorted(glob.glob(corpus["parquet"])), split="train", streaming=True)
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    monkeypatch.setattr(tc, "resolve_hub_revision", lambda dataset, revision: revision or "abc123")
+    monkeypatch.setattr(tc, "resolve_hub_revision", lambda dataset, revision, *_: revision or "abc123")
     hub = dict(data_files="", dataset="org/corpus", config="sub", tokens_per_part=60_000)
     p0 = run_tokenize(corpus, ranks, tmp_path / "p0", **hub)
     assert p0["source"] == {"kind": "hub", "dataset": "org/corpus", "config": "sub", "split": "train",
