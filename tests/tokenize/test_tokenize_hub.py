@@ -1,0 +1,260 @@
+"""The tokenize kernel against a Hub: the local Hub (scripts/local_hub.py) that the real huggingface_hub and datasets
+read through HF_ENDPOINT, with its faults; the stream's own retries and resume fallbacks; the session's deadline; and
+the waits on the tokenizer processes (issue 31)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tokenize_fixtures import assert_same_shards, read_tokens, run_kernel, run_tokenize
+
+import shared.tokenize.part as part_module
+from scripts.local_hub import LocalHub, build_fineweb_like
+from shared.errors import UserError
+from shared.tokenize.manifest import MANIFEST
+from shared.tokenize.part import CRASH_ENV
+from shared.tokenize.retry import Backoff, is_transient, retry_after_s
+from shared.tokenize.workers import result_of, shut_down
+
+REPO = "HuggingFaceFW/fineweb-edu"
+
+
+@pytest.fixture(scope="session")
+def hub_root(tmp_path_factory, corpus) -> Path:
+    """The test corpus's documents, in order, in FineWeb-Edu's layout: 3 parquet files of 97-row row groups."""
+    root = tmp_path_factory.mktemp("hub")
+    build_fineweb_like(root, corpus["docs"], files=3, row_group_rows=97)
+    return root
+
+
+@pytest.fixture
+def hub(hub_root):
+    with LocalHub(hub_root) as server:
+        yield server
+
+
+def hub_kernel(hub: LocalHub, ranks: str, out: Path, *extra, env: dict | None = None):
+    """The kernel on the Hub's FineWeb-Edu sample-10BT (its defaults), as the reference run's shards are cut."""
+    hub_env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(out.parent / "hf-home"), "HF_UPDATE_DOWNLOAD_COUNTS": "0",
+               "HF_HUB_DOWNLOAD_TIMEOUT": "2", "HF_TOKEN": ""}
+    return run_kernel("--out-dir", out, "--shard-size", "20000", "--processes", "2", "--batch-docs", "64",
+                      "--ranks-path", ranks, "--no-progress", "--retry-wait-s", "0.2", *extra,
+                      env={**hub_env, **(env or {})})
+
+
+def test_a_part_read_through_the_local_hub_equals_the_local_files_run(hub, ranks, tmp_path, reference):
+    out = tmp_path / "out"
+    proc = hub_kernel(hub, ranks, out)
+    assert proc.returncode == 0, proc.stderr
+    assert_same_shards(out, reference[0])
+    source = json.loads((out / MANIFEST).read_text())["source"]
+    assert source == {"kind": "hub", "dataset": REPO, "config": "sample-10BT", "split": "train",
+                      "revision": hub.sha(REPO), "text_column": "text"}
+    ranges = [e for e in hub.log if e["path"].endswith(".parquet")]
+    assert ranges and all(e["status"] == 206 and e["range"] for e in ranges)  # read by HTTP Range, as on the Hub
+    assert "anonymously" in proc.stdout
+
+
+@pytest.mark.slow
+def test_each_hub_fault_is_retried_and_the_tokens_are_those_of_a_fault_free_run(hub, ranks, tmp_path, reference):
+    hub.add_fault("429", match="000_00000", retry_after=1)
+    hub.add_fault("reset", match="001_00000", after_bytes=1000)
+    hub.add_fault("503", match="001_00000", count=6, retry_after=0)  # past huggingface_hub's 5 retries: ours
+    hub.add_fault("stall", match="002_00000", after_bytes=500, stall_s=20)  # past the 2 s read timeout
+    out = tmp_path / "out"
+    proc = hub_kernel(hub, ranks, out)
+    assert proc.returncode == 0, proc.stderr
+    assert_same_shards(out, reference[0])
+    assert hub.faults_served() == {"429": 1, "503": 6, "reset": 1, "stall": 1, "slow": 0}
+    log = proc.stderr
+    assert "Rate limited" in log and "Connection reset" in log and "timed out" in log  # the libraries' retries
+    ours = [line for line in log.splitlines() if line.startswith("retrying:")]
+    assert len(ours) == 1 and "HTTP 503" in ours[0] and "reopening the stream at document" in ours[0]
+
+
+@pytest.mark.slow
+def test_a_kill_mid_part_then_the_same_part_again_through_the_hub_is_identical(hub, ranks, tmp_path, reference):
+    out = tmp_path / "out"
+    proc = hub_kernel(hub, ranks, out, env={CRASH_ENV: "3"})
+    assert proc.returncode == 137, proc.stderr
+    assert len(json.loads((out / MANIFEST).read_text())["shards"]) == 2
+    proc = hub_kernel(hub, ranks, out)
+    assert proc.returncode == 0, proc.stderr
+    assert "resuming part 0: 2 finished shards verified" in proc.stderr
+    assert_same_shards(out, reference[0])
+
+
+@pytest.mark.slow
+def test_a_revision_or_a_token_the_hub_refuses_is_one_line(hub_root, ranks, tmp_path):
+    token = "hf_local-test-token-7f3a"
+    with LocalHub(hub_root, token=token) as gated:
+        proc = hub_kernel(gated, ranks, tmp_path / "anon")
+        last = proc.stderr.strip().splitlines()[-1]
+        assert proc.returncode == 2 and last.startswith(f"error: {REPO}: cannot pin the revision main to a commit "
+                                                        "(HTTP 401: ")
+        assert last.endswith("; attach a Hugging Face token as the secret HF_TOKEN")
+        assert not (tmp_path / "anon").exists()  # nothing left behind
+        proc = hub_kernel(gated, ranks, tmp_path / "token", env={"HF_TOKEN": token})
+        assert proc.returncode == 0, proc.stderr
+        assert "with the HF_TOKEN secret" in proc.stdout and token not in proc.stdout + proc.stderr
+        proc = hub_kernel(gated, ranks, tmp_path / "other", "--dataset", "HuggingFaceFW/missing",
+                          env={"HF_TOKEN": token})
+        assert proc.returncode == 2 and "HuggingFaceFW/missing: cannot pin the revision main to a commit (HTTP 404" \
+            in proc.stderr.strip().splitlines()[-1]
+
+
+class FlakyStream:
+    """A stream that breaks off with a connection reset after `ok_batches` batches, as a dropped link does."""
+
+    def __init__(self, ds, ok_batches: int):
+        self.ds, self.ok_batches = ds, ok_batches
+
+    def load_state_dict(self, state) -> None:
+        self.ds.load_state_dict(state)
+
+    def state_dict(self):
+        return self.ds.state_dict()
+
+    def iter(self, batch_size: int):
+        for i, batch in enumerate(self.ds.iter(batch_size=batch_size)):
+            if i == self.ok_batches:
+                raise ConnectionResetError(104, "Connection reset by peer")
+            yield batch
+
+
+def flaky_opens(monkeypatch, *ok_batches: int) -> list:
+    """Each open of the stream breaks off after the next of `ok_batches` batches; later opens do not."""
+    real, opened = part_module.open_stream, []
+
+    def open_stream(source):
+        opened.append(1)
+        ds = real(source)
+        return FlakyStream(ds, ok_batches[len(opened) - 1]) if len(opened) <= len(ok_batches) else ds
+
+    monkeypatch.setattr(part_module, "open_stream", open_stream)
+    return opened
+
+
+def test_a_dropped_stream_reopens_at_its_last_boundary_with_the_same_tokens(monkeypatch, corpus, ranks, tmp_path,
+                                                                            reference):
+    opened = flaky_opens(monkeypatch, 5, 3)
+    lines: list[str] = []
+    out = tmp_path / "out"
+    part_module.tokenize_part(part_module.TokenizeConfig(
+        data_files=corpus["parquet"], out_dir=str(out), shard_size=20_000, processes=1, batch_docs=64,
+        ranks_path=ranks, progress=False, retry_wait_s=0.01), log=lines.append)
+    assert_same_shards(out, reference[0])
+    retries = [line for line in lines if line.startswith("retrying:")]
+    assert len(opened) == 3 and len(retries) == 2
+    assert "ConnectionResetError" in retries[0] and "reopening the stream at document 320 in 0.01 s" in retries[0]
+    assert "reopening the stream at document 512 in 0.01 s (retry 2" in retries[1]  # 320 + 3 x 64, after progress
+
+
+def test_a_fault_that_outlasts_the_retry_budget_is_one_line(monkeypatch, corpus, ranks, tmp_path):
+    flaky_opens(monkeypatch, *[0] * 50)  # no batch between faults: the waits double
+    with pytest.raises(UserError, match=r"cannot read input \(ConnectionResetError: .*\) \(gave up after 3 retries "
+                                        r"over 0.7 s of waiting\)"):
+        run_tokenize(corpus, ranks, tmp_path / "out", retry_wait_s=0.1, retry_total_s=1.0)
+
+
+class _Reply:
+    def __init__(self, status: int, headers: dict | None = None):
+        self.status_code, self.headers = status, headers or {}
+
+
+class _HTTPError(Exception):
+    def __init__(self, status: int, headers: dict | None = None):
+        super().__init__(f"HTTP {status}")
+        self.response = _Reply(status, headers)
+
+
+class ReadTimeout(Exception):  # as httpx/httpx2 name theirs
+    pass
+
+
+def test_which_errors_are_retried_and_how_long_each_wait_is():
+    assert all(is_transient(e) for e in (_HTTPError(429), _HTTPError(503), _HTTPError(504), ReadTimeout("x"),
+                                         ConnectionResetError(), TimeoutError(), ConnectionError("Disconnected")))
+    assert not any(is_transient(e) for e in (_HTTPError(401), _HTTPError(404), ValueError("bad parquet"),
+                                             FileNotFoundError("x")))
+    wrapped = UserError("cannot read")
+    wrapped.__cause__ = _HTTPError(502)
+    assert is_transient(wrapped)
+    assert retry_after_s(_HTTPError(429, {"Retry-After": "17"})) == 17.0
+    assert retry_after_s(_HTTPError(429, {"RateLimit": '"api";r=0;t=42'})) == 42.0
+    assert retry_after_s(_HTTPError(503)) is None
+    backoff = Backoff(first_s=5, max_s=60, total_s=200, sleep=lambda s: None)
+    waits = [backoff.next_wait(_HTTPError(503)) for _ in range(4)]
+    assert waits == [5, 10, 20, 40]
+    backoff.progress()  # a batch read: the doubling starts over, the total does not
+    assert backoff.next_wait(_HTTPError(429, {"Retry-After": "45"})) == 45  # the server asked for more than 5 s
+    assert [backoff.next_wait(_HTTPError(503)) for _ in range(4)] == [10, 20, 40, None]  # 60 more would pass 200
+    assert (backoff.waited_s, backoff.retries) == (190, 8)
+
+
+def test_a_state_that_will_not_load_is_read_from_the_start_and_later_boundaries_keep_states(corpus, ranks, tmp_path):
+    p0 = run_tokenize(corpus, ranks, tmp_path / "p0", tokens_per_part=60_000)
+    manifest = json.loads((tmp_path / "p0" / MANIFEST).read_text())
+    manifest["end"]["checkpoint"]["state"] = {"written by": "another datasets version"}
+    (tmp_path / "p0" / MANIFEST).write_text(json.dumps(manifest))
+    lines: list[str] = []
+    p1 = part_module.tokenize_part(part_module.TokenizeConfig(
+        data_files=corpus["parquet"], out_dir=str(tmp_path / "p1"), part=1, prev_dir=str(tmp_path / "p0"),
+        tokens_per_part=60_000, shard_size=20_000, processes=1, batch_docs=64, ranks_path=ranks, progress=False),
+        log=lines.append)
+    assert any("does not resume at document" in line and "reading from the start" in line for line in lines)
+    n = p0["num_tokens"] + p1["num_tokens"]
+    np.testing.assert_array_equal(read_tokens(tmp_path / "p0", tmp_path / "p1"), corpus["expected"][:n])
+    assert all(s["checkpoint"]["state"] for s in p1["shards"])  # part 2 resumes from a state, not from the start
+
+
+def test_the_session_deadline_ends_a_part_cleanly_and_the_next_part_continues(monkeypatch, corpus, ranks, tmp_path):
+    checks = []
+    monkeypatch.setattr(part_module, "seconds_left", lambda deadline: (checks.append(deadline), 100 - len(checks))[1])
+    p0 = run_tokenize(corpus, ranks, tmp_path / "p0", session_deadline=3600.0, batch_docs=10)
+    assert (p0["complete"], p0["stop_reason"], checks[0]) == (True, "session_deadline", 3600.0)
+    assert len(checks) == 100 and p0["end"]["doc"] == 1000  # stopped after the 100th batch read, at its end
+    monkeypatch.setattr(part_module, "seconds_left", lambda deadline: 1e9)
+    p1 = run_tokenize(corpus, ranks, tmp_path / "p1", part=1, prev_dir=str(tmp_path / "p0"), batch_docs=10)
+    assert p1["stop_reason"] == "end_of_stream"
+    np.testing.assert_array_equal(read_tokens(tmp_path / "p0", tmp_path / "p1"), corpus["expected"])
+
+
+def _hang(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def test_a_worker_that_never_answers_or_a_tokenizer_that_will_not_load_is_one_line(corpus, tmp_path):
+    pool = multiprocessing.get_context("fork").Pool(1)
+    try:
+        started = time.monotonic()
+        with pytest.raises(UserError, match=r"a tokenizer process returned nothing within 0.5s"):
+            result_of(pool.apply_async(_hang, (60,)), timeout_s=0.5)
+        assert time.monotonic() - started < 30
+    finally:
+        shut_down(pool, wait_s=10)
+    bad = tmp_path / "gpt2.tiktoken"
+    bad.write_text("not a ranks file\n")
+    with pytest.raises(UserError, match=r"^GPT-2's tokenizer could not be loaded \("):
+        run_tokenize(corpus, str(bad), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_hf_token_secret_goes_into_the_environment_in_a_session(monkeypatch, tmp_path):
+    from shared.kaggle.env import LOCAL_ROOT_ENV, LOCAL_SECRETS_ENV
+    from shared.kaggle.secrets import hf_token_to_env
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    assert not hf_token_to_env()  # outside a session, only the environment counts
+    secrets = tmp_path / "secrets.json"
+    secrets.write_text(json.dumps({"KAGGLE_KEY": "k"}))
+    monkeypatch.setenv(LOCAL_ROOT_ENV, str(tmp_path))
+    monkeypatch.setenv(LOCAL_SECRETS_ENV, str(secrets))
+    assert not hf_token_to_env() and "HF_TOKEN" not in __import__("os").environ  # not attached: anonymous
+    secrets.write_text(json.dumps({"HF_TOKEN": "hf_abc"}))
+    assert hf_token_to_env() and __import__("os").environ["HF_TOKEN"] == "hf_abc"
