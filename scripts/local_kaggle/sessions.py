@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,7 +131,10 @@ def session_env(kernel: dict, v: dict, kroot: Path, secrets_file: Path, proxy_ur
                    KAGGLE_USER_SECRETS_TOKEN="local-jwt", KAGGLE_DATA_PROXY_TOKEN="local-data-proxy")
     if internet:
         env["KAGGLE_API_ENVIRONMENT"] = "LOCALHOST"
-        env["NO_PROXY"] = env["no_proxy"] = PACKAGE_INDEX_HOSTS
+        # The internet a session reaches: the package index, and the Hugging Face Hub's stand-in where HF_ENDPOINT
+        # names one (scripts/local_hub.py); without internet the Hub goes to this server, which refuses it.
+        hub = urllib.parse.urlsplit(env.get("HF_ENDPOINT") or "").hostname
+        env["NO_PROXY"] = env["no_proxy"] = PACKAGE_INDEX_HOSTS + (f",{hub}" if hub else "")
     else:  # nor this machine's pip configuration, local wheels or pip's cache: nothing to install from
         env.update(PIP_CONFIG_FILE=os.devnull, PIP_NO_CACHE_DIR="1")
     return env

@@ -1,0 +1,76 @@
+"""The chain's tokenize stage reading FineWeb-Edu's layout from the local Hugging Face Hub (scripts/local_hub.py) inside
+local Kaggle sessions, which reach it as the internet (issue 31)."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import numpy as np
+import pytest
+from helpers import REPO
+from kaggle_fixtures import write_dataset
+
+from scripts.local_hub import LocalHub, build_fineweb_like
+from shared.data import read_shard
+from shared.tokenize.tokenizer import EOT_TOKEN, gpt2_encoding
+
+PROBE = """
+import json, sys
+sys.path.insert(0, {repo!r})
+from scripts.chain.chain import Chain
+from scripts.chain.config import config_from_dict
+chain = Chain(config_from_dict(json.loads({config!r})), {work!r})
+chain.connect()
+chain.tokenize.run()
+print("RESULT " + json.dumps(chain.state.data.get("tokenize")))
+"""
+
+
+def _documents() -> list[str]:
+    from pydoc_data.topics import topics
+
+    return [p for _, text in sorted(topics.items()) for p in text.split("\n\n") if p.strip()]
+
+
+@pytest.mark.slow
+def test_the_chain_tokenizes_two_parts_from_the_hub_through_a_503_outage(local_kaggle, tmp_path, gpt2_ranks,
+                                                                         image_pythons, monkeypatch):
+    lk = local_kaggle
+    docs = _documents()
+    build_fineweb_like(tmp_path / "hub", docs, files=3, row_group_rows=97)
+    lk.cli("datasets", "create", "-p", str(write_dataset(tmp_path / "ranks", "alice/gpt2-ranks",
+                                                         {"gpt2.tiktoken": gpt2_ranks.read_bytes()})))
+    with LocalHub(tmp_path / "hub") as hub:
+        # What the sessions inherit from the local Kaggle (this process): the Hub's address, a cache of their own.
+        for name, value in {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf-home"), "HF_TOKEN": "",
+                            "HF_UPDATE_DOWNLOAD_COUNTS": "0"}.items():
+            monkeypatch.setenv(name, value)
+        hub.add_fault("503", match="002_00000", count=6, retry_after=0)  # part 1's reads, past the library's retries
+        config = {"name": "hub-run", "poll_initial_s": 0.2, "poll_max_s": 1, "eval": {"enabled": False},
+                  "tokenize": {"parts": 2, "inputs": ["alice/gpt2-ranks"], "settings": {
+                      "ranks_path": "{input:alice/gpt2-ranks}/gpt2.tiktoken", "tokens_per_part": 70_000,
+                      "shard_size": 20_000, "processes": 1, "batch_docs": 64, "retry_wait_s": 0.2}}}
+        code = PROBE.format(repo=str(REPO), config=json.dumps(config), work=str(tmp_path / "chain"))
+        proc = lk.python(textwrap.dedent(code), timeout=600)
+        assert json.loads(proc.stdout.splitlines()[-1].removeprefix("RESULT ")) == {"0": "COMPLETE", "1": "COMPLETE"}
+        assert hub.faults_served()["503"] == 6
+    kernels = lk.app.state["kernels"]
+    tokens, logs = [], {}
+    for part in (0, 1):
+        ref = f"alice/hub-run-tokens-part-{part}"
+        (version,) = kernels[ref]["versions"]  # each part pushed once: the outage was ridden out in the session
+        out = lk.app.kernels.output_dir(ref, version["number"])
+        manifest = json.loads((out / "manifest.json").read_text())
+        assert manifest["source"]["dataset"] == "HuggingFaceFW/fineweb-edu" and manifest["complete"]
+        assert manifest["source"]["revision"] == hub.sha("HuggingFaceFW/fineweb-edu")
+        tokens += [np.asarray(read_shard(out / s["name"])) for s in manifest["shards"]]
+        logs[part] = "".join(e["data"] for e in lk.app.kernels.log_events(kernels[ref], version["number"]))
+    enc = gpt2_encoding(gpt2_ranks)
+    expected = np.array([t for d in docs for t in [EOT_TOKEN, *enc.encode_ordinary(d)]], dtype=np.uint16)
+    got = np.concatenate(tokens)
+    np.testing.assert_array_equal(got, expected[:got.size])
+    assert got.size == expected.size  # the two parts hold the whole stream, in order
+    assert "retrying:" not in logs[0] and "anonymously" in logs[0]
+    (retry,) = [line for line in logs[1].splitlines() if line.startswith("retrying:")]
+    assert "HTTP 503" in retry and "reopening the stream at document" in retry
