@@ -62,6 +62,7 @@ from shared.tokenize.manifest import (
 from shared.tokenize.retry import Backoff
 from shared.tokenize.source import (
     describe_source,
+    library_versions,
     open_stream,
     resolve_hub_revision,
     same_source,
@@ -114,6 +115,7 @@ def tokenize_part(cfg: TokenizeConfig, log: Callable[[str], None] | None = None)
         "complete": False,
         "stop_reason": None,
         "source": source,
+        "libraries": library_versions(),
         "tokenizer": {
             "name": "gpt2", "library": "tiktoken", "method": "encode_ordinary", "eot_token": EOT_TOKEN,
             "eot": "before each document", "ranks_sha256": sha256_file(ranks) if ranks else None,

@@ -110,6 +110,19 @@ def hub_endpoint() -> str:
     return os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
 
 
+def library_versions() -> dict:
+    """What reads the stream, for the manifest: which retries a run had depends on them (docs/tokenize.md)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in ("datasets", "huggingface_hub", "pyarrow", "fsspec"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return found
+
+
 def describe_source(cfg: TokenizeConfig) -> dict:
     """What the stream is made from, as recorded in the manifest (and compared between parts)."""
     if cfg.data_files:
