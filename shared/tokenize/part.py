@@ -59,7 +59,7 @@ from shared.tokenize.manifest import (
     verify_shards,
     write_manifest,
 )
-from shared.tokenize.retry import Backoff
+from shared.tokenize.retry import Backoff, DeadlineReached
 from shared.tokenize.source import (
     describe_source,
     library_versions,
@@ -106,7 +106,8 @@ def tokenize_part(cfg: TokenizeConfig, log: Callable[[str], None] | None = None)
         if (out_dir / MANIFEST).is_file():  # resuming: the snapshot the run started on, unless one is given
             source["revision"] = cfg.revision or read_manifest(out_dir / MANIFEST)["source"].get("revision", "")
         else:
-            source["revision"] = resolve_hub_revision(cfg.dataset, cfg.revision, _backoff(cfg, 300.0), log)
+            pin_backoff = Backoff(cfg.retry_wait_s, total_s=min(300.0, cfg.retry_total_s))
+            source["revision"] = resolve_hub_revision(cfg.dataset, cfg.revision, pin_backoff, log)
 
     ranks = resolve_ranks_path(cfg.ranks_path or None)
     fresh = {
@@ -189,7 +190,7 @@ def _produce(cfg, manifest, out_dir, source, ranks, budget, manifest_len, resume
         pool = start_pool(processes, str(ranks) if ranks else None)
         end = manifest["end"]
         batches = stream_batches(lambda: open_stream(source), source, end["checkpoint"], cfg.batch_docs,
-                                 first_doc=end["doc"], log=log, backoff=_backoff(cfg, cfg.retry_total_s))
+                                 first_doc=end["doc"], log=log, backoff=_stream_backoff(cfg))
         reason = state.run(pool, batches, processes)
     finally:
         if pool is not None:
@@ -218,8 +219,10 @@ def _produce(cfg, manifest, out_dir, source, ranks, budget, manifest_len, resume
     return manifest
 
 
-def _backoff(cfg: TokenizeConfig, total_s: float) -> Backoff:
-    return Backoff(first_s=cfg.retry_wait_s, max_s=300.0, total_s=min(total_s, cfg.retry_total_s))
+def _stream_backoff(cfg: TokenizeConfig) -> Backoff:
+    """The stream's waits on Hub faults: none that would run past the session's deadline."""
+    return Backoff(first_s=cfg.retry_wait_s, max_s=300.0, total_s=cfg.retry_total_s,
+                   time_left=lambda: seconds_left(cfg.session_deadline))
 
 
 def docs_between(start: dict, end: dict) -> int:
@@ -288,17 +291,21 @@ class _RunState:
         max_pending = 2 * processes + 2
         if self.part_tokens >= self.cfg.tokens_per_part and not self.drop_offset:
             return "part_size"  # killed after the part's last shard was recorded, before it was marked complete
+        deadline = f"the session's deadline ({self.cfg.session_deadline:g} s from its start)"
         try:
             reason = "end_of_stream"
-            for first_doc, texts, ckpt in batches:
-                pending.append((first_doc, ckpt, pool.apply_async(encode_docs, (texts,))))
-                while len(pending) >= max_pending:
-                    self._consume(*pending.popleft())
-                if seconds_left(self.cfg.session_deadline) <= 0:
-                    self.log(f"stopping: the session's deadline ({self.cfg.session_deadline:g} s from its start) "
-                             "has come; the next part goes on from here")
-                    reason = "session_deadline"
-                    break
+            try:
+                for first_doc, texts, ckpt in batches:
+                    pending.append((first_doc, ckpt, pool.apply_async(encode_docs, (texts,))))
+                    while len(pending) >= max_pending:
+                        self._consume(*pending.popleft())
+                    if seconds_left(self.cfg.session_deadline) <= 0:
+                        self.log(f"stopping: {deadline} has come; the next part goes on from here")
+                        reason = "session_deadline"
+                        break
+            except DeadlineReached as err:  # waiting out a Hub fault would run past it
+                self.log(f"stopping: {deadline} comes before the next try ({err}); the next part goes on from here")
+                reason = "session_deadline"
             while pending:
                 self._consume(*pending.popleft())
             if self.fill:

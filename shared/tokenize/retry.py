@@ -72,14 +72,20 @@ def retry_after_s(err: BaseException) -> float | None:
     return None
 
 
+class DeadlineReached(Exception):
+    """The next try would come after the session's deadline: the part ends there, cleanly, instead."""
+
+
 class Backoff:
     """Waits that double from `first_s` up to `max_s`, or what the server asked for where that is longer (up to
     `max_s`), until `total_s` of waiting is spent. A batch read between faults starts the doubling over; the total
-    does not reset."""
+    does not reset. `time_left`: seconds to the session's deadline; a wait that would reach it raises
+    DeadlineReached."""
 
     def __init__(self, first_s: float = 5.0, max_s: float = 300.0, total_s: float = 1800.0,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+                 sleep: Callable[[float], None] = time.sleep, time_left: Callable[[], float] | None = None) -> None:
         self.first_s, self.max_s, self.total_s, self.sleep = first_s, max_s, total_s, sleep
+        self.time_left = time_left
         self.waited_s = 0.0
         self.tries = 0  # faults in a row
         self.retries = 0  # faults in all
@@ -95,6 +101,8 @@ class Backoff:
             wait = max(wait, min(asked, self.max_s))
         if self.waited_s + wait > self.total_s:
             return None
+        if self.time_left is not None and wait >= self.time_left():
+            raise DeadlineReached(f"a wait of {wait:g} s after: {err}")
         self.tries += 1
         self.retries += 1
         self.waited_s += wait

@@ -155,6 +155,23 @@ def test_a_dropped_stream_reopens_at_its_last_boundary_with_the_same_tokens(monk
     assert "reopening the stream at document 512 in 0.01 s (retry 2" in retries[1]  # 320 + 3 x 64, after progress
 
 
+def test_a_fault_whose_wait_would_pass_the_session_deadline_ends_the_part_cleanly(monkeypatch, corpus, ranks,
+                                                                                 tmp_path):
+    flaky_opens(monkeypatch, 3)
+    monkeypatch.setattr(part_module, "seconds_left", lambda deadline: 0.05)  # less than the first wait, 0.1 s
+    lines: list[str] = []
+    p0 = part_module.tokenize_part(part_module.TokenizeConfig(
+        data_files=corpus["parquet"], out_dir=str(tmp_path / "p0"), shard_size=20_000, processes=1, batch_docs=64,
+        ranks_path=ranks, progress=False, retry_wait_s=0.1), log=lines.append)
+    assert (p0["complete"], p0["stop_reason"], p0["end"]) == (True, "session_deadline", {
+        "doc": 192, "offset": 0, "checkpoint": p0["end"]["checkpoint"]})  # the 3 batches read before the fault
+    assert any(line.startswith("stopping: the session's deadline") and "comes before the next try" in line
+               for line in lines)
+    monkeypatch.setattr(part_module, "seconds_left", lambda deadline: 1e9)
+    run_tokenize(corpus, ranks, tmp_path / "p1", part=1, prev_dir=str(tmp_path / "p0"))
+    np.testing.assert_array_equal(read_tokens(tmp_path / "p0", tmp_path / "p1"), corpus["expected"])
+
+
 def test_a_fault_that_outlasts_the_retry_budget_is_one_line(monkeypatch, corpus, ranks, tmp_path):
     flaky_opens(monkeypatch, *[0] * 50)  # no batch between faults: the waits double
     with pytest.raises(UserError, match=r"cannot read input \(ConnectionResetError: .*\) \(gave up after 3 retries "
