@@ -47,6 +47,7 @@ def hub_kernel(hub: LocalHub, ranks: str, out: Path, *extra, env: dict | None = 
                       env={**hub_env, **(env or {})})
 
 
+@pytest.mark.slow  # a kernel process (7 s): the quick loop keeps the in-process tests of the same code
 def test_a_part_read_through_the_local_hub_equals_the_local_files_run(hub, ranks, tmp_path, reference):
     out = tmp_path / "out"
     proc = hub_kernel(hub, ranks, out)
