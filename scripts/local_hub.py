@@ -188,8 +188,8 @@ def _make_handler(hub: LocalHub):
         def _serve(self, method: str) -> None:
             url = urllib.parse.urlsplit(self.path)
             path = urllib.parse.unquote(url.path)
-            if method == "POST":
-                self.body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            length = int(self.headers.get("Content-Length") or 0) if method == "POST" else 0
+            self.body = self.rfile.read(length) if length else b""
             if hub.token and self.headers.get("Authorization") != f"Bearer {hub.token}":
                 return self._error(method, path, 401, "Invalid credentials in Authorization header")
             fault = hub.take_fault(path) if method == "GET" else None

@@ -276,3 +276,29 @@ def test_the_hf_token_secret_goes_into_the_environment_in_a_session(monkeypatch,
     assert not hf_token_to_env() and "HF_TOKEN" not in __import__("os").environ  # not attached: anonymous
     secrets.write_text(json.dumps({"HF_TOKEN": "hf_abc"}))
     assert hf_token_to_env() and __import__("os").environ["HF_TOKEN"] == "hf_abc"
+
+
+def test_the_local_hub_answers_huggingface_hubs_own_client(tmp_path):
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    build_fineweb_like(tmp_path, ["one", "two", "three"] * 10, files=2, row_group_rows=4)
+    with LocalHub(tmp_path) as hub:
+        api, sha = HfApi(endpoint=hub.url, token=False), hub.sha(REPO)
+        assert api.dataset_info(REPO).sha == sha == api.dataset_info(REPO, revision=sha).sha
+        tree = api.list_repo_tree(REPO, "sample/10BT", repo_type="dataset", revision=sha)
+        files = {f.path: f for f in tree}
+        data = (tmp_path / REPO / "sample/10BT/001_00000.parquet").read_bytes()
+        assert sorted(files) == ["sample/10BT/000_00000.parquet", "sample/10BT/001_00000.parquet"]
+        assert files["sample/10BT/001_00000.parquet"].size == len(data)
+        info = api.get_paths_info(REPO, ["sample/10BT", "README.md", "absent"], repo_type="dataset", revision=sha)
+        assert [type(e).__name__ for e in info] == ["RepoFolder", "RepoFile"]
+        with pytest.raises(HfHubHTTPError):
+            api.dataset_info(REPO, revision="f" * 40)  # a commit the repo does not have
+        import urllib.request
+
+        request = urllib.request.Request(f"{hub.url}/datasets/{REPO}/resolve/{sha}/sample/10BT/001_00000.parquet",
+                                         headers={"Range": "bytes=10-99"})
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request) as reply:
+            assert reply.status == 206 and reply.read() == data[10:100]
+            assert reply.headers["Content-Range"] == f"bytes 10-99/{len(data)}"
