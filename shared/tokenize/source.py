@@ -193,10 +193,7 @@ def open_stream(source: dict) -> datasets.IterableDataset:
                 raise UserError(f"{source_label(source)}: no documents in the input")
             ds = datasets.load_dataset(source["format"], data_files=paths, split="train", streaming=True)
         else:
-            ds = datasets.load_dataset(
-                source["dataset"], source["config"] or None, split=source["split"], streaming=True,
-                revision=source["revision"] or None, columns=[source["text_column"]],  # the rest is not parsed
-            )
+            ds = _load_hub_dataset(datasets, source)
     except UserError:
         raise
     except Exception as err:  # noqa: BLE001 - a missing dataset, config, split or network: one line
@@ -208,6 +205,19 @@ def open_stream(source: dict) -> datasets.IterableDataset:
             raise UserError(_no_column_message(source, col, names))
         ds = ds.select_columns([col])
     return ds.with_format("arrow")
+
+
+def _load_hub_dataset(datasets, source: dict):
+    """The Hub dataset's stream, asking a parquet reader for the text column only (the rest is not parsed); a
+    builder without that option (json, csv) is asked again without it."""
+    args = dict(path=source["dataset"], name=source["config"] or None, split=source["split"], streaming=True,
+                revision=source["revision"] or None)
+    try:
+        return datasets.load_dataset(**args, columns=[source["text_column"]])
+    except ValueError as err:
+        if "'columns'" not in str(err):
+            raise
+        return datasets.load_dataset(**args)
 
 
 def source_label(source: dict) -> str:

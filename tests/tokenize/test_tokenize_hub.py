@@ -302,3 +302,26 @@ def test_the_local_hub_answers_huggingface_hubs_own_client(tmp_path):
         with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request) as reply:
             assert reply.status == 206 and reply.read() == data[10:100]
             assert reply.headers["Content-Range"] == f"bytes 10-99/{len(data)}"
+
+
+def test_a_hub_dataset_whose_reader_takes_no_column_list_is_opened_without_one(monkeypatch, corpus):
+    import glob
+
+    import datasets
+
+    from shared.tokenize.source import open_stream
+
+    real, calls = datasets.load_dataset, []
+
+    def load_dataset(path=None, name=None, **kw):
+        calls.append(sorted(kw))
+        if "columns" in kw:  # what datasets says for a json or csv repo
+            raise ValueError("BuilderConfig JsonConfig(name='default') doesn't have a 'columns' key.")
+        return real("parquet", data_files=sorted(glob.glob(corpus["parquet"])), split="train", streaming=True)
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    source = {"kind": "hub", "dataset": "org/jsonl-corpus", "config": "", "split": "train", "revision": "abc",
+              "text_column": "text"}
+    first = next(iter(open_stream(source).iter(batch_size=3)))
+    assert first.column("text").to_pylist() == corpus["docs"][:3]
+    assert calls == [["columns", "revision", "split", "streaming"], ["revision", "split", "streaming"]]
