@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import re
 import socket
 import struct
@@ -26,8 +25,10 @@ import threading
 import time
 import urllib.parse
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
+
+from scripts.local_kaggle.server import HttpIO
 
 FAULT_KINDS = ("429", "503", "reset", "stall", "slow")
 FINEWEB_README = """---
@@ -170,9 +171,7 @@ def _tree(repo: _Repo, base: str, recursive: bool) -> list[dict] | None:
 
 
 def _make_handler(hub: LocalHub):
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
+    class Handler(HttpIO):  # the local Kaggle's HTTP/1.1 plumbing: request bodies, JSON replies
         def log_message(self, *args) -> None:  # the hub's own log has every request
             pass
 
@@ -188,8 +187,7 @@ def _make_handler(hub: LocalHub):
         def _serve(self, method: str) -> None:
             url = urllib.parse.urlsplit(self.path)
             path = urllib.parse.unquote(url.path)
-            length = int(self.headers.get("Content-Length") or 0) if method == "POST" else 0
-            self.body = self.rfile.read(length) if length else b""
+            self.body = self._read_body() if method == "POST" else b""
             if hub.token and self.headers.get("Authorization") != f"Bearer {hub.token}":
                 return self._error(method, path, 401, "Invalid credentials in Authorization header")
             fault = hub.take_fault(path) if method == "GET" else None
@@ -292,15 +290,7 @@ def _make_handler(hub: LocalHub):
                 self.connection.close()  # with linger 0: a TCP reset, as a dropped link gives
 
         def _json(self, method: str, status: int, payload, headers: dict | None = None, log: bool = True) -> None:
-            body = json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            for name, value in (headers or {}).items():
-                self.send_header(name, value)
-            self.end_headers()
-            if method != "HEAD":
-                self.wfile.write(body)
+            self._send_json(status, payload, headers)
             if log:
                 hub.record(method=method, path=self.path, status=status, fault=None)
 
