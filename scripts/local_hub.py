@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.build_demo:
         from shared.tokenize.demo_corpus import demo_documents
 
-        build_fineweb_like(args.root, demo_documents())
+        build_fineweb_like(args.root, list(demo_documents()))
     with LocalHub(args.root, args.port) as hub:
         print(f"local hub at {hub.url} serving {', '.join(hub.repos)}; set HF_ENDPOINT={hub.url}", flush=True)
         try:
