@@ -64,6 +64,7 @@ class _Repo:
     root: Path
     sha: str
     files: dict[str, Path] = field(default_factory=dict)  # path in repo -> file
+    entries: dict[str, dict] = field(default_factory=dict)  # path in repo -> its tree entry (hashed once)
 
 
 def _git_blob_sha(data: bytes) -> str:
@@ -72,10 +73,11 @@ def _git_blob_sha(data: bytes) -> str:
 
 def _load_repo(folder: Path) -> _Repo:
     files = {p.relative_to(folder).as_posix(): p for p in sorted(folder.rglob("*")) if p.is_file()}
+    entries = {name: _file_entry(name, path.read_bytes()) for name, path in files.items()}
     digest = hashlib.sha1()
-    for name, path in files.items():
-        digest.update(name.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
-    return _Repo(folder, digest.hexdigest(), files)
+    for name, entry in entries.items():
+        digest.update(f"{name}\0{entry['oid']}\0".encode())
+    return _Repo(folder, digest.hexdigest(), files, entries)
 
 
 class LocalHub:
@@ -140,9 +142,8 @@ class LocalHub:
         self.stop()
 
 
-def _entry(repo: _Repo, path: str) -> dict:
+def _file_entry(path: str, data: bytes) -> dict:
     """A file's tree / paths-info entry, as `RepoFile` reads it (path, size, oid, lfs)."""
-    data = repo.files[path].read_bytes()
     entry = {"type": "file", "path": path, "size": len(data), "oid": _git_blob_sha(data)}
     if path.endswith(".parquet"):  # large files live in LFS on the Hub: the sha256 is their ETag
         entry["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
@@ -166,7 +167,7 @@ def _tree(repo: _Repo, base: str, recursive: bool) -> list[dict] | None:
     for path in repo.files:
         rest = path[len(prefix):]
         if path.startswith(prefix) and (recursive or "/" not in rest):
-            out.append(_entry(repo, path))
+            out.append(repo.entries[path])
     return out
 
 
@@ -224,7 +225,7 @@ def _make_handler(hub: LocalHub):
                 form = urllib.parse.parse_qs(self.body.decode())
                 asked = [p.strip("/") for p in form.get("paths", [])]
                 folders = _folders(repo)
-                found = [_entry(repo, p) if p in repo.files else {"type": "directory", "path": p, "oid": "0" * 40}
+                found = [repo.entries[p] if p in repo.files else {"type": "directory", "path": p, "oid": "0" * 40}
                          for p in asked if p in repo.files or p in folders]
                 return self._json(method, 200, found)
             m = re.fullmatch(r"/datasets/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
@@ -250,7 +251,7 @@ def _make_handler(hub: LocalHub):
 
         def _file(self, method: str, path: str, repo: _Repo, file_path: str, fault: Fault | None) -> None:
             data = repo.files[file_path].read_bytes()
-            entry = _entry(repo, file_path)
+            entry = repo.entries[file_path]
             etag = entry["lfs"]["oid"] if "lfs" in entry else entry["oid"]
             start, end = 0, len(data)
             status = 200
