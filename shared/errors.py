@@ -1,11 +1,12 @@
-"""One exception type for bad input: the kernels print its message as one line and exit non-zero."""
+"""One exception type for bad input: the kernels print its message as one line and exit non-zero. Also a library's
+error read: in one line (`describe_error`), its HTTP status, and whether another try may pass (`is_transient`)."""
 
 from __future__ import annotations
 
 import re
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -72,3 +73,43 @@ def within(seconds: float, fn: Callable[[], T]) -> T:
     if "error" in result:
         raise result["error"]
     return result["value"]
+
+
+# 408 timeout, 429 rate limit, and the server-side ones a retry can outlast. 401/403/404 are not: they stay.
+TRANSIENT_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
+# Network errors by class name, across the HTTP stacks our libraries use (httpx/httpx2, requests, aiohttp, urllib3).
+_TRANSIENT_NAMES = ("Timeout", "ConnectError", "ConnectionError", "NetworkError", "RemoteProtocolError", "ReadError",
+                    "ProtocolError", "ChunkedEncodingError", "IncompleteRead", "ServerDisconnected",
+                    "ClientPayloadError", "ClientConnectorError", "ClientOSError")
+
+
+def error_chain(err: BaseException) -> Iterator[BaseException]:
+    """`err`, then what caused it, and so on (each once)."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        yield err
+        err = err.__cause__ or err.__context__
+
+
+def http_status(err: BaseException) -> int | None:
+    """The HTTP status of the first reply in `err`'s chain, if any."""
+    for e in error_chain(err):
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        if isinstance(status, int):
+            return status
+    return None
+
+
+def is_transient(err: BaseException) -> bool:
+    """Whether `err` (or what caused it) is a fault another try may not meet: a retryable HTTP status, a dropped or
+    timed-out connection. Bad data, a missing file and refused credentials are not."""
+    status = http_status(err)
+    if status is not None:
+        return status in TRANSIENT_STATUS
+    for e in error_chain(err):
+        if isinstance(e, (ConnectionError, TimeoutError)):  # builtins: resets, and datasets' "Server Disconnected"
+            return True
+        if any(name in cls.__name__ for cls in type(e).__mro__ for name in _TRANSIENT_NAMES):
+            return True
+    return False

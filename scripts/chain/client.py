@@ -15,26 +15,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from scripts.chain.config import ClientConfig
-from shared.errors import UserError, describe_error, duration_text
+from shared.errors import UserError, describe_error, duration_text, http_status, is_transient
 from shared.kaggle.publish import read_dataset_version, wait_for_new_version
 
-TRANSIENT_STATUS = {408, 425, 429, 500, 502, 503, 504}
 # KernelWorkerStatus (kagglesdk kernels_enums.py:31-38): CANCEL_REQUESTED is on the way to CANCEL_ACKNOWLEDGED.
 TERMINAL = {"COMPLETE", "ERROR", "CANCEL_ACKNOWLEDGED"}
 ACTIVE = {"QUEUED", "RUNNING", "NEW_SCRIPT", "CANCEL_REQUESTED"}
-
-
-def http_status(err: BaseException) -> int | None:
-    return getattr(getattr(err, "response", None), "status_code", None)
-
-
-def is_transient(err: BaseException) -> bool:
-    status = http_status(err)
-    if status is not None:
-        return status in TRANSIENT_STATUS
-    name = type(err).__name__
-    return name in {"ConnectionError", "Timeout", "ReadTimeout", "ConnectTimeout", "ChunkedEncodingError",
-                    "ProtocolError", "RemoteDisconnected", "ConnectionResetError"}
 
 
 def status_name(status) -> str:

@@ -12,11 +12,11 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from scripts.chain.client import ACTIVE, TERMINAL, ApiFailure, KaggleClient, http_status, is_transient
+from scripts.chain.client import ACTIVE, TERMINAL, ApiFailure, KaggleClient
 from scripts.chain.config import ChainConfig, one_line
 from scripts.chain.limits import SESSION_MAX_S
 from scripts.chain.state import State
-from shared.errors import UserError
+from shared.errors import UserError, http_status, is_transient
 
 
 @dataclasses.dataclass

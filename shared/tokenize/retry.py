@@ -1,6 +1,7 @@
-"""Which stream errors are worth another try, and how long to wait before it: the tokenize stream's own retries,
-on top of the libraries' (huggingface_hub retries a request 5 times over about 23 s; datasets retries reads, and
-from 4.4.1 on 429 and 504 too), so that a Hub fault longer than theirs costs minutes, not the part.
+"""How long to wait before another try of the tokenize stream (which errors are worth one: `shared.errors.
+is_transient`): its own retries, on top of the libraries' (huggingface_hub retries a request 5 times over about 23 s;
+datasets retries reads, and from 4.4.1 on 429 and 504 too), so that a Hub fault longer than theirs costs minutes,
+not the part.
 
 Standard library only.
 """
@@ -9,50 +10,14 @@ from __future__ import annotations
 
 import email.utils
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
-# 408 timeout, 429 rate limit, and the server-side ones a retry can outlast. 401/403/404 are not: they stay.
-TRANSIENT_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
-# Network errors by class name, across the HTTP stacks `datasets` has used (httpx/httpx2, requests, aiohttp, urllib3).
-_TRANSIENT_NAMES = ("Timeout", "ConnectError", "ConnectionError", "NetworkError", "RemoteProtocolError", "ReadError",
-                    "ProtocolError", "ChunkedEncodingError", "IncompleteRead", "ServerDisconnected",
-                    "ClientPayloadError", "ClientConnectorError", "ClientOSError")
-
-
-def _chain(err: BaseException) -> Iterator[BaseException]:
-    seen: set[int] = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        yield err
-        err = err.__cause__ or err.__context__
-
-
-def http_status(err: BaseException) -> int | None:
-    """The HTTP status of the first reply in `err`'s chain, if any."""
-    for e in _chain(err):
-        status = getattr(getattr(e, "response", None), "status_code", None)
-        if isinstance(status, int):
-            return status
-    return None
-
-
-def is_transient(err: BaseException) -> bool:
-    """Whether `err` (or what caused it) is a fault another try may not meet: a retryable HTTP status, a dropped or
-    timed-out connection. Bad data, a missing file and refused credentials are not."""
-    status = http_status(err)
-    if status is not None:
-        return status in TRANSIENT_STATUS
-    for e in _chain(err):
-        if isinstance(e, (ConnectionError, TimeoutError)):  # builtins: resets, and datasets' "Server Disconnected"
-            return True
-        if any(name in cls.__name__ for cls in type(e).__mro__ for name in _TRANSIENT_NAMES):
-            return True
-    return False
+from shared.errors import error_chain
 
 
 def retry_after_s(err: BaseException) -> float | None:
     """Seconds the server asked us to wait (Retry-After as seconds or a date, or the RateLimit header's `t=`)."""
-    for e in _chain(err):
+    for e in error_chain(err):
         headers = getattr(getattr(e, "response", None), "headers", None)
         if not headers:
             continue

@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from shared.data import natural_key
-from shared.errors import UserError, describe_error, duration_text
-from shared.tokenize.retry import Backoff, http_status, is_transient
+from shared.errors import UserError, describe_error, duration_text, http_status, is_transient
+from shared.tokenize.retry import Backoff
 
 if TYPE_CHECKING:  # annotations only: importing these for real would be circular (the config) or slow (datasets)
     import datasets
