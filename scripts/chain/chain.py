@@ -3,6 +3,7 @@ each stage recorded in the state file so that a chain killed at any point contin
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -38,7 +39,9 @@ class Chain:
         self.client = KaggleClient(cfg.client, api=api, user=cfg.user, log=log, sleep=sleep)
         self.ctx = StageContext(cfg, self.client, self.state, self.workdir)
         self.tokenize, self.train, self.eval = TokenizeStage(self.ctx), TrainStage(self.ctx), EvalStage(self.ctx)
-        self.notebooks = NotebooksStage(self.ctx, {"train": self.train.build, "eval": self.eval.build},
+        parts = {f"tokenize-part-{n}": functools.partial(self.tokenize.build, n)
+                 for n in range(int(cfg.tokenize.get("parts") or 0))}
+        self.notebooks = NotebooksStage(self.ctx, {"train": self.train.build, "eval": self.eval.build, **parts},
                                         on_new_notebooks)
 
     def connect(self) -> None:

@@ -95,7 +95,7 @@ class ChainConfig:
     # and preset, else an estimate from the TPU's peak: scripts/chain/plan.py).
     plan_tokens_per_s: float = 0
     train: dict = dataclasses.field(default_factory=dict)  # TrainConfig settings (model, batch, lr, ...)
-    tokenize: dict = dataclasses.field(default_factory=dict)  # parts, settings, inputs, accelerator
+    tokenize: dict = dataclasses.field(default_factory=dict)  # parts, settings, inputs, accelerator, hf_token
     token_datasets: list = dataclasses.field(default_factory=list)  # existing datasets of shards (instead/as well)
     token_kernels: list = dataclasses.field(default_factory=list)  # existing kernels whose output holds shards
     # enabled, settings, inputs, accelerator, session_limit_s (the eval session's limit; default session_limit_s)
@@ -114,7 +114,10 @@ class ChainConfig:
     retry_base_s: float = 5.0
 
     def slug(self, what: str) -> str:
-        """The slug of a kernel (tokenize, train, eval) or of the checkpoint dataset."""
+        """The slug of a kernel (tokenize, train, eval; `tokenize-part-N`: part N's notebook) or of the checkpoint
+        dataset."""
+        if what.startswith("tokenize-part-"):
+            return f"{self.slug('tokenize')}-part-{what.removeprefix('tokenize-part-')}"
         default = {"tokenize": f"{self.name}-tokens", "train": f"{self.name}-train", "eval": f"{self.name}-eval",
                    "checkpoints": f"{self.name}-checkpoints"}[what]
         return self.slugs.get(what) or default
@@ -167,7 +170,7 @@ def check_hellaswag_source(source: str, where: str) -> None:
 
 
 
-_TOKENIZE_KEYS = {"parts", "settings", "inputs", "accelerator"}
+_TOKENIZE_KEYS = {"parts", "settings", "inputs", "accelerator", "hf_token"}
 _EVAL_KEYS = {"enabled", "settings", "inputs", "accelerator", "session_limit_s"}
 
 
@@ -253,6 +256,9 @@ def config_from_dict(raw: dict, where: str = "config") -> ChainConfig:
         TokenizeConfig(**{**cfg.tokenize.get("settings", {}), "part": 0}).check_parts(parts)
     except UserError as err:
         raise UserError(f"{where}: {err}") from None
+    if not isinstance(cfg.tokenize.get("hf_token", False), bool):
+        raise UserError(f"{where}: tokenize.hf_token must be true or false (the parts read the Hub with the "
+                        f"HF_TOKEN secret), got {cfg.tokenize['hf_token']!r}")
     shape = cfg.tokenize.get("accelerator", "")
     if shape and shape not in MACHINE_SHAPES:
         raise UserError(f"{where}: unknown tokenize.accelerator {shape!r}")

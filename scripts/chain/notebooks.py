@@ -19,6 +19,8 @@ from shared.errors import UserError
 from shared.kaggle.credential import CREDENTIAL_NAMES
 
 WANDB_SECRET = "WANDB_API_KEY"
+HF_SECRET = "HF_TOKEN"
+QUICK_SAVE_ID = "quick-save"  # the push id a notebook saved without running is built with
 KAGGLE_CODE_URL = "https://www.kaggle.com/code/"
 
 
@@ -34,6 +36,9 @@ def needed_secrets(cfg) -> dict[str, list[str]]:
             names.append(WANDB_SECRET)
         if names:
             needs["eval"] = names
+    if cfg.tokenize.get("hf_token"):  # each part is a notebook of its own
+        for part in range(int(cfg.tokenize.get("parts") or 0)):
+            needs[f"tokenize-part-{part}"] = [HF_SECRET]
     return needs
 
 
@@ -62,7 +67,7 @@ class NotebooksStage:
             ref = ctx.ref(ctx.cfg.slug(kernel))
             version, _ = ctx.client.kernel_info(ref)
             if version == 0:
-                folder = self.builders[kernel]("quick-save")
+                folder = self.builders[kernel](QUICK_SAVE_ID)
                 version = ctx.client.quick_save(folder)
                 created.append(ref)
                 ctx.log(f"created the {kernel} notebook {ref} (version {version}, saved without running)")

@@ -8,11 +8,12 @@ from pathlib import Path
 
 from scripts.chain.build import build_kernel
 from scripts.chain.context import StageContext
+from scripts.chain.notebooks import QUICK_SAVE_ID
 from shared.errors import UserError
 
 
 def token_part_ref(ctx: StageContext, part: int) -> str:
-    return ctx.ref(f"{ctx.cfg.slug('tokenize')}-part-{part}")
+    return ctx.ref(ctx.cfg.slug(f"tokenize-part-{part}"))
 
 
 def data_sources(ctx: StageContext) -> tuple[list[str], list[str], str]:
@@ -48,8 +49,9 @@ class TokenizeStage:
         for attempt in range(1, ctx.cfg.max_failed_sessions + 2):
             key = f"tokenize-{part}-{attempt}"
             if key not in ctx.state.pushes:
-                version, _ = ctx.client.kernel_info(ref)
-                if version and attempt == 1:
+                version, source = ctx.client.kernel_info(ref)
+                # A version saved without running (the notebook made for its HF_TOKEN secret) is no finished part.
+                if version and attempt == 1 and QUICK_SAVE_ID not in source:
                     status, _ = ctx.client.kernel_status(ref, version)
                     if status == "COMPLETE":
                         ctx.log(f"tokenize part {part}: {ref} already complete (version {version}); not pushed")

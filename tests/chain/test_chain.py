@@ -281,6 +281,12 @@ def test_the_notebooks_that_read_secrets_are_named_with_their_secrets():
                                      "eval": ["KAGGLE_USERNAME", "KAGGLE_KEY"]}
     off = config_from_dict({**base, "eval": {"enabled": False, "settings": {"kaggle_model": "alice/gpt2/pyTorch/a"}}})
     assert needed_secrets(off) == {"train": ["KAGGLE_USERNAME", "KAGGLE_KEY"]}
+    hub = config_from_dict({**base, "tokenize": {**base["tokenize"], "hf_token": True}})  # one notebook a part
+    assert needed_secrets(hub) == {"train": ["KAGGLE_USERNAME", "KAGGLE_KEY"], "tokenize-part-0": ["HF_TOKEN"],
+                                   "tokenize-part-1": ["HF_TOKEN"]}
+    assert hub.slug("tokenize-part-1") == "gpt2-demo-tokens-part-1"
+    with pytest.raises(UserError, match=r"^config: tokenize.hf_token must be true or false .*got 'yes'$"):
+        config_from_dict({**base, "tokenize": {**base["tokenize"], "hf_token": "yes"}})
 
 
 # --- restarts without a second push --------------------------------------------------------------------------

@@ -20,9 +20,10 @@ import json, sys
 sys.path.insert(0, {repo!r})
 from scripts.chain.chain import Chain
 from scripts.chain.config import config_from_dict
-chain = Chain(config_from_dict(json.loads({config!r})), {work!r})
+chain = Chain(config_from_dict(json.loads({config!r})), {work!r},
+              on_new_notebooks=lambda lines: print(*lines, sep="\\n"))
 chain.connect()
-chain.tokenize.run()
+{body}
 print("RESULT " + json.dumps(chain.state.data.get("tokenize")))
 """
 
@@ -34,32 +35,45 @@ def _documents() -> list[str]:
 
 
 @pytest.mark.slow
-def test_the_chain_tokenizes_two_parts_from_the_hub_through_a_503_outage(local_kaggle, tmp_path, gpt2_ranks,
-                                                                         image_pythons, monkeypatch):
+def test_the_chain_tokenizes_two_parts_from_a_gated_hub_with_the_token_secret_through_a_503_outage(
+        local_kaggle, tmp_path, gpt2_ranks, image_pythons, monkeypatch):
+    """tokenize.hf_token: the part notebooks are saved first, the user attaches HF_TOKEN to each, and the parts read
+    a Hub that refuses anonymous requests."""
     lk = local_kaggle
     docs = _documents()
     build_fineweb_like(tmp_path / "hub", docs, files=3, row_group_rows=97)
     lk.cli("datasets", "create", "-p", str(write_dataset(tmp_path / "ranks", "alice/gpt2-ranks",
                                                          {"gpt2.tiktoken": gpt2_ranks.read_bytes()})))
-    with LocalHub(tmp_path / "hub") as hub:
+    token = "hf_chain-test-token-51c2"
+    with LocalHub(tmp_path / "hub", token=token) as hub:
         # What the sessions inherit from the local Kaggle (this process): the Hub's address, a cache of their own.
         for name, value in {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf-home"), "HF_TOKEN": "",
                             "HF_UPDATE_DOWNLOAD_COUNTS": "0"}.items():
             monkeypatch.setenv(name, value)
         hub.add_fault("503", match="002_00000", count=6, retry_after=0)  # part 1's reads, past the library's retries
         config = {"name": "hub-run", "poll_initial_s": 0.2, "poll_max_s": 1, "eval": {"enabled": False},
-                  "tokenize": {"parts": 2, "inputs": ["alice/gpt2-ranks"], "settings": {
+                  "tokenize": {"parts": 2, "hf_token": True, "inputs": ["alice/gpt2-ranks"], "settings": {
                       "ranks_path": "{input:alice/gpt2-ranks}/gpt2.tiktoken", "tokens_per_part": 70_000,
                       "shard_size": 20_000, "processes": 1, "batch_docs": 64, "retry_wait_s": 0.2}}}
-        code = PROBE.format(repo=str(REPO), config=json.dumps(config), work=str(tmp_path / "chain"))
-        proc = lk.python(textwrap.dedent(code), timeout=600)
+        def probe(body: str):
+            code = PROBE.format(repo=str(REPO), config=json.dumps(config), work=str(tmp_path / "chain"), body=body)
+            return lk.python(textwrap.dedent(code), timeout=600)
+
+        contact = probe("chain.notebooks.run()")  # first contact: the notebooks that read secrets, saved
+        for part in (0, 1):
+            page = f"https://www.kaggle.com/code/alice/hub-run-tokens-part-{part}"
+            assert f"attach the secret HF_TOKEN to the tokenize-part-{part} notebook: {page} (Add-ons > Secrets)" \
+                in contact.stdout
+            lk.app.attach_secret(f"alice/hub-run-tokens-part-{part}", "HF_TOKEN", token)
+        proc = probe("chain.tokenize.run()")
         assert json.loads(proc.stdout.splitlines()[-1].removeprefix("RESULT ")) == {"0": "COMPLETE", "1": "COMPLETE"}
         assert hub.faults_served()["503"] == 6
     kernels = lk.app.state["kernels"]
     tokens, logs = [], {}
     for part in (0, 1):
         ref = f"alice/hub-run-tokens-part-{part}"
-        (version,) = kernels[ref]["versions"]  # each part pushed once: the outage was ridden out in the session
+        saved, version = kernels[ref]["versions"]  # saved for its secret, then pushed once: the outage was ridden
+        assert saved["quick_save"] and not version["quick_save"]  # out in the session, not by another push
         out = lk.app.kernels.output_dir(ref, version["number"])
         manifest = json.loads((out / "manifest.json").read_text())
         assert manifest["source"]["dataset"] == "HuggingFaceFW/fineweb-edu" and manifest["complete"]
@@ -71,6 +85,7 @@ def test_the_chain_tokenizes_two_parts_from_the_hub_through_a_503_outage(local_k
     got = np.concatenate(tokens)
     np.testing.assert_array_equal(got, expected[:got.size])
     assert got.size == expected.size  # the two parts hold the whole stream, in order
-    assert "retrying:" not in logs[0] and "anonymously" in logs[0]
+    assert "retrying:" not in logs[0] and all("with the HF_TOKEN secret" in log for log in logs.values())
+    assert all(token not in log for log in logs.values())
     (retry,) = [line for line in logs[1].splitlines() if line.startswith("retrying:")]
     assert "HTTP 503" in retry and "reopening the stream at document" in retry
