@@ -13,8 +13,9 @@ _KERNELS_DIR = os.path.dirname(os.path.realpath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.getcwd()) != _KERNELS_DIR]
 sys.path.insert(0, os.path.dirname(_KERNELS_DIR))
 
-from shared.config import EvalConfig, parse_dataclass  # noqa: E402
+from shared.config import EvalConfig  # noqa: E402
 from shared.errors import run_cli  # noqa: E402
+from shared.flags import parse_dataclass  # noqa: E402
 
 BAKED_SETTINGS: dict = {}  # filled in by the build (scripts/chain/build.py) for Kaggle
 

@@ -20,8 +20,9 @@ sys.path.insert(0, os.path.dirname(_KERNELS_DIR))
 for _var in ("USE_TORCH", "USE_TF", "USE_JAX"):
     os.environ.setdefault(_var, "0")
 
-from shared.config import TokenizeConfig, parse_dataclass  # noqa: E402
+from shared.config import TokenizeConfig  # noqa: E402
 from shared.errors import run_cli  # noqa: E402
+from shared.flags import parse_dataclass  # noqa: E402
 from shared.kaggle.secrets import hf_token_to_env  # noqa: E402
 from shared.tokenize.part import tokenize_part  # noqa: E402
 from shared.tokenize.source import hub_endpoint  # noqa: E402

@@ -1,5 +1,5 @@
 """The settings of every kernel, in one light module (standard library only): `TokenizeConfig`, `TrainConfig`
-(with `ModelConfig`) and `EvalConfig`, and a command line built from them.
+(with `ModelConfig`) and `EvalConfig`; shared/flags.py makes a command line of each.
 
 A kernel's flags are generated from its config's fields, so a new setting is one new field with a default and a
 help string. Each config checks itself in `__post_init__` (types and ranges), so every way of building one is
@@ -10,15 +10,14 @@ machine waits for it: `TrainConfig.validate(num_devices)`.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
 import re
-import typing
 from dataclasses import dataclass, field
 
 from shared.errors import UserError
+from shared.flags import at_least, check_field_types, flag, one_of, positive
 
 GPT2_VOCAB_SIZE = 50257  # the tokenizer's vocabulary
 # A checkpoint holds fp32 weights and AdamW's two fp32 moments (the XLA cache and JSON are small).
@@ -38,44 +37,6 @@ BACKENDS = ("auto", "xla", "cuda", "cpu")
 AUTO = "auto"
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def check_field_types(config, name=_flag) -> None:
-    """Each field holds its annotated type (bool, int, float, str): a JSON config's `"lr": "3e-4"` or
-    `"micro_batch": 32.5` is one line here, not a TypeError deep in a session. An int is accepted for a float.
-    `name(field)` is how the message names a field (a flag, by default)."""
-    hints = typing.get_type_hints(type(config))
-    for f in dataclasses.fields(config):
-        kind, value = hints[f.name], getattr(config, f.name)
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            object.__setattr__(config, f.name, float(value))  # frozen dataclasses too
-            continue
-        if kind in (bool, int, float, str) and not (isinstance(value, kind) and (kind is bool
-                                                                                 or not isinstance(value, bool))):
-            raise UserError(f"{name(f.name)}: expected {'a number' if kind is float else kind.__name__}, "
-                            f"got {value!r}")
-
-
-def _at_least(config, minimum: float, *names: str) -> None:
-    for name in names:
-        if getattr(config, name) < minimum:
-            raise UserError(f"{_flag(name)} must be >= {minimum:g}, got {getattr(config, name)}")
-
-
-def _positive(config, *names: str) -> None:
-    for name in names:
-        if getattr(config, name) <= 0:
-            raise UserError(f"{_flag(name)} must be positive, got {getattr(config, name)}")
-
-
-def _one_of(config, name: str, allowed: tuple[str, ...]) -> None:
-    if getattr(config, name) not in allowed:
-        raise UserError(f"{_flag(name)} must be {', '.join(allowed[:-1])} or {allowed[-1]}, "
-                        f"got {getattr(config, name)!r}")
-
-
 @dataclass(frozen=True)
 class ModelConfig:
     n_layer: int = 12
@@ -86,7 +47,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_field_types(self)
-        _positive(self, "n_layer", "n_head", "n_embd", "block_size", "vocab_size")
+        positive(self, "n_layer", "n_head", "n_embd", "block_size", "vocab_size")
         if self.n_embd % self.n_head:
             raise UserError(f"n_embd {self.n_embd} is not a multiple of n_head {self.n_head}")
 
@@ -163,6 +124,13 @@ class TrainConfig:
     lr: float = field(default=6e-4, metadata={"help": "peak learning rate (AdamW's, and Muon's AdamW part)"})
     weight_decay: float = field(default=0.1, metadata={"help": "AdamW decay on 2-D weights only"})
     muon_lr: float = field(default=0.02, metadata={"help": "muon: peak learning rate of the blocks' matrices"})
+    muon_scale: str = field(default="shape", metadata={
+        "help": "muon: how an orthogonalised update is scaled: shape (x sqrt(max(1, rows/cols)), KellerJordan/Muon "
+                "muon.py; muon_lr about 0.02), or max_dim (x sqrt(max(rows, cols)): every matrix moves by muon_lr "
+                "RMS per element, the speedrun's 2024-10-10 Muon record; muon_lr 0.00036 there)"})
+    aux_lr: float = field(default=0.0, metadata={
+        "help": "muon (or --matrix-lr): peak learning rate of the position embedding, biases and LayerNorm gains "
+                "(0: --lr, which the token embedding and tied head take)"})
     matrix_lr: float = field(default=0.0, metadata={
         "help": "adamw: peak learning rate of the blocks' matrices (the ones Muon would train; the rest keep --lr), "
                 "on the same schedule (0: --lr): scripts/bench_recipe.py's AdamW control, with Muon's groups"})
@@ -172,7 +140,7 @@ class TrainConfig:
                 "(modded-nanogpt's records: 0.85 -> 0.95 over 300; docs/recipe-sources.md); 0: constant"})
     muon_momentum_start: float = field(default=0.85, metadata={"help": "muon: the momentum at step 0 of the warm-up"})
     muon_weight_decay: float = field(default=0.01, metadata={"help": "muon: decoupled decay on its matrices"})
-    grad_clip: float = field(default=1.0, metadata={"help": "global gradient-norm clip"})
+    grad_clip: float = field(default=1.0, metadata={"help": "global gradient-norm clip (0: none; the norm is logged)"})
 
     # --- the schedule: the whole run's steps and learning rates -----------------------------------------------------
     max_steps: int = field(default=19073, metadata={"help": "optimizer steps for the whole run (all sessions)"})
@@ -183,6 +151,9 @@ class TrainConfig:
     )
     min_lr_ratio: float = field(default=0.1, metadata={"help": "cosine floor as a fraction of the peak"})
     cooldown_frac: float = field(default=0.4, metadata={"help": "wsd: the fraction of max_steps that decays"})
+    cooldown_shape: str = field(default="linear", metadata={
+        "help": "wsd: the decay's shape, linear or 1-sqrt (1 - sqrt(progress), epfml/schedules-and-scaling "
+                "src/optim/utils.py)"})
     extend: bool = field(default=False, metadata={
         "help": "wsd: lengthen a run to this --max-steps (a later decay): resume from its newest checkpoint that "
                 "the new schedule agrees with (the stable-phase one, once), setting aside the shorter schedule's "
@@ -293,33 +264,38 @@ class TrainConfig:
     def __post_init__(self) -> None:
         check_field_types(self)
         self.model  # noqa: B018 - raises on a bad preset or sequence length
-        _at_least(self, 0, "seq_len", "warmup_steps", "min_lr_ratio", "weight_decay", "muon_weight_decay",
+        at_least(self, 0, "seq_len", "warmup_steps", "min_lr_ratio", "weight_decay", "muon_weight_decay", "grad_clip",
                   "time_budget", "session_deadline", "checkpoint_every", "eval_every", "hellaswag_examples",
                   "hellaswag_every", "sample_tokens", "stop_after_steps")
-        _positive(self, "total_batch_tokens", "max_steps", "lr", "muon_lr", "grad_clip", "keep_checkpoints",
+        positive(self, "total_batch_tokens", "max_steps", "lr", "muon_lr", "keep_checkpoints",
                   "log_every", "eval_batches")
         if self.micro_batch != AUTO:
             if not isinstance(self.micro_batch, int) or isinstance(self.micro_batch, bool):
                 raise UserError(f"--micro-batch: expected a whole number or auto, got {self.micro_batch!r}")
-            _positive(self, "micro_batch")
+            positive(self, "micro_batch")
             self.grad_accum_steps  # noqa: B018 - raises unless the batch is a whole number of micro-batches
         for name in ("activation_checkpointing", "scan_layers"):
-            _one_of(self, name, ("auto", "on", "off"))
-        _one_of(self, "optimizer", OPTIMIZERS)
-        _one_of(self, "schedule", SCHEDULES)
-        _one_of(self, "backend", BACKENDS)
-        _one_of(self, "on_data_change", ("error", "new-epoch"))
+            one_of(self, name, ("auto", "on", "off"))
+        one_of(self, "optimizer", OPTIMIZERS)
+        one_of(self, "schedule", SCHEDULES)
+        one_of(self, "cooldown_shape", ("linear", "1-sqrt"))
+        one_of(self, "muon_scale", ("shape", "max_dim"))
+        one_of(self, "backend", BACKENDS)
+        one_of(self, "on_data_change", ("error", "new-epoch"))
         if self.min_lr_ratio > 1:
             raise UserError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
         if not 0.0 < self.cooldown_frac <= 1.0:
             raise UserError(f"--cooldown-frac must be in (0, 1], got {self.cooldown_frac}")
         for name in ("muon_momentum", "muon_momentum_start"):
             if not 0.0 <= getattr(self, name) < 1.0:
-                raise UserError(f"{_flag(name)} must be in [0, 1), got {getattr(self, name)}")
-        _at_least(self, 0, "muon_momentum_warmup_steps")
-        _at_least(self, 0, "matrix_lr")
+                raise UserError(f"{flag(name)} must be in [0, 1), got {getattr(self, name)}")
+        at_least(self, 0, "muon_momentum_warmup_steps")
+        at_least(self, 0, "matrix_lr")
         if self.matrix_lr and self.optimizer != "adamw":
             raise UserError("--matrix-lr is AdamW's; Muon's matrices take --muon-lr")
+        at_least(self, 0, "aux_lr")
+        if self.aux_lr and self.optimizer != "muon" and not self.matrix_lr:
+            raise UserError("--aux-lr sets Muon's AdamW part (or --matrix-lr's groups); plain AdamW takes --lr")
         if self.extend and self.schedule != "wsd":
             raise UserError("--extend needs --schedule wsd: a cosine schedule depends on --max-steps from the end of "
                             "its warm-up, so no later checkpoint agrees with a longer one")
@@ -379,8 +355,8 @@ class TokenizeConfig:
 
     def __post_init__(self) -> None:
         check_field_types(self)
-        _at_least(self, 0, "part", "processes", "max_output_gb", "session_deadline", "retry_wait_s", "retry_total_s")
-        _positive(self, "tokens_per_part", "shard_size", "batch_docs")
+        at_least(self, 0, "part", "processes", "max_output_gb", "session_deadline", "retry_wait_s", "retry_total_s")
+        positive(self, "tokens_per_part", "shard_size", "batch_docs")
         if self.shard_size >= 2**31:
             raise UserError(f"--shard-size {self.shard_size} does not fit a shard header (< 2^31 tokens)")
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9.-]*", self.prefix):
@@ -447,44 +423,13 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         check_field_types(self)
-        _at_least(self, 0, "val_tokens", "hellaswag_examples", "samples_per_prompt", "max_new_tokens", "temperature",
+        at_least(self, 0, "val_tokens", "hellaswag_examples", "samples_per_prompt", "max_new_tokens", "temperature",
                   "top_k")
-        _positive(self, "micro_batch", "hellaswag_batch")
-        _one_of(self, "backend", BACKENDS)
+        positive(self, "micro_batch", "hellaswag_batch")
+        one_of(self, "backend", BACKENDS)
         if self.kaggle_model and (len(self.kaggle_model.split("/")) != 4 or not all(self.kaggle_model.split("/"))):
             raise UserError(f"--kaggle-model {self.kaggle_model!r}: expected owner/model/framework/variation")
 
 
 # The settings class of each kernel (scripts/chain builds them from a config file to check it).
 KERNEL_SETTINGS: dict[str, type] = {"tokenize": TokenizeConfig, "train": TrainConfig, "eval": EvalConfig}
-
-
-def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
-    """One flag per dataclass field (`micro_batch` -> `--micro-batch`), typed from the annotation."""
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        kind = hints[f.name]
-        help_text = f"{f.metadata.get('help', '')} (default: {f.default!r})"
-        if kind is bool:
-            parser.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
-        elif kind == int | str:  # a number, or a word such as auto
-            parser.add_argument(_flag(f.name), type=_int_or_word, default=f.default, help=help_text)
-        else:
-            parser.add_argument(_flag(f.name), type=kind, default=f.default, help=help_text)
-
-
-def _int_or_word(text: str) -> int | str:
-    try:
-        return int(text)
-    except ValueError:
-        return text
-
-
-def parse_dataclass(cls: type, argv: list[str] | None = None, description: str = "", defaults: dict | None = None):
-    """Parse `argv` into an instance of `cls`; `defaults` (e.g. baked into a Kaggle build) override field defaults."""
-    parser = argparse.ArgumentParser(description=description)
-    add_dataclass_args(parser, cls)
-    if defaults:
-        parser.set_defaults(**defaults)
-    ns = parser.parse_args(argv)
-    return cls(**vars(ns))

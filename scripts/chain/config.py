@@ -18,8 +18,9 @@ from scripts.chain.limits import (
     SESSION_MAX_S,
     session_devices,
 )
-from shared.config import NINE_HOURS, TokenizeConfig, TrainConfig, check_field_types
+from shared.config import NINE_HOURS, TokenizeConfig, TrainConfig
 from shared.errors import UserError
+from shared.flags import check_field_types
 from shared.kaggle.publish import TEMP_PUBLISH_VERIFY_S
 
 # --smoke's sizes and limits; a config's `smoke` section may change any of them (scripts/chain/smoke.py)

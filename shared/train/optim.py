@@ -6,8 +6,8 @@ inside the step's graph, every state tensor exists before the first step (fixed 
   blocks, AdamW for the embeddings (and so the tied head), biases and LayerNorm gains (docs/recipe.md).
 
 Schedules: `cosine` (linear warm-up, cosine to min_lr_ratio of the peak) and `wsd` (warm-up, constant, then a
-linear decay to zero over the last `cooldown_frac` of the run). A wsd run's checkpoint at the end of its stable
-phase (`stable_phase_end`) is where a longer run with a later decay would be too, so --extend trains on from it.
+decay to zero over the last `cooldown_frac` of the run, linear or 1-sqrt). A wsd run's checkpoint at the end of its
+stable phase (`stable_phase_end`) is where a longer run with a later decay would be too, so --extend trains on from it.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ def lr_at(step: torch.Tensor, cfg: TrainConfig) -> torch.Tensor:
     step = step.float()
     warm = cfg.lr * (step + 1) / max(1, cfg.warmup_steps)
     if cfg.schedule == "wsd":
-        decayed = cfg.lr * ((cfg.max_steps - step) / max(1.0, cfg.cooldown_frac * cfg.max_steps)).clamp(0.0, 1.0)
+        left = ((cfg.max_steps - step) / max(1.0, cfg.cooldown_frac * cfg.max_steps)).clamp(0.0, 1.0)  # 1 -> 0
+        decayed = cfg.lr * (left if cfg.cooldown_shape == "linear" else 1.0 - torch.sqrt(1.0 - left))
         return torch.where(step < cfg.warmup_steps, torch.minimum(warm, decayed), decayed)  # short runs overlap
     min_lr = cfg.lr * cfg.min_lr_ratio
     progress = ((step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)).clamp(0.0, 1.0)
@@ -133,12 +134,19 @@ class MuonAdamW(torch.optim.Optimizer):
         for (shape, _), members in buckets.items():
             batch = torch.stack([self.replicate(updates[i]).view(shape) for i in members])
             ortho = newton_schulz(batch, dtype=self.ns_dtype)
-            # Scale so tall matrices (e.g. the MLP's c_fc, 4C x C) take steps of the same RMS per element.
-            step = lr * (ortho * max(1.0, shape[-2] / shape[-1]) ** 0.5)
+            step = lr * (ortho * self._update_scale(group["scale"], shape))
             for i, one in zip(members, step.unbind(0), strict=True):
                 deltas[i] = one.view_as(params[i]).to(params[i].dtype)
         decayed = torch._foreach_mul(params, 1 - lr * wd) if wd != 0 else params
         _assign(params, torch._foreach_sub(decayed, deltas))
+
+    @staticmethod
+    def _update_scale(convention: str, shape: tuple[int, ...]) -> float:
+        """The factor an orthogonalised update (RMS about 1/sqrt(max(rows, cols))) is multiplied by before the LR.
+        shape: tall matrices (the MLP's c_fc, 4C x C) take steps of the same RMS per element as square ones.
+        max_dim: every matrix's steps have RMS about the LR itself."""
+        rows, cols = shape[-2], shape[-1]
+        return max(1.0, rows / cols) ** 0.5 if convention == "shape" else max(rows, cols) ** 0.5
 
     def _adamw_group(self, params: list[torch.Tensor], lr: torch.Tensor, wd: float) -> None:
         """AdamW with the per-tensor arithmetic (torch's single-tensor order), in foreach calls. Every parameter's
@@ -199,9 +207,12 @@ class ForeachAdamW(torch.optim.AdamW):
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ (2-norm) with the same arithmetic as its per-tensor path (torch 2.8/2.9
     torch/nn/utils/clip_grad.py), in foreach calls: torch refuses foreach=True on XLA tensors, and its per-tensor
-    fallback traces two ops per gradient from Python. Returns the total norm before clipping."""
+    fallback traces two ops per gradient from Python. Returns the total norm before clipping; max_norm 0 only
+    measures it."""
     grads = [p.grad for p in params if p.grad is not None]
     total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+    if not max_norm:
+        return total
     _assign(grads, torch._foreach_mul(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0)))
     return total
 
@@ -217,7 +228,8 @@ def muon_momentum_at(step: torch.Tensor, cfg: TrainConfig) -> torch.Tensor:
 
 # The settings that decide a step's learning rates and Muon momentum (with the step itself).
 SCHEDULE_FIELDS = ("optimizer", "schedule", "lr", "min_lr_ratio", "warmup_steps", "max_steps", "cooldown_frac",
-                   "muon_lr", "matrix_lr", "muon_momentum", "muon_momentum_warmup_steps", "muon_momentum_start")
+                   "cooldown_shape", "muon_lr", "matrix_lr", "muon_momentum", "muon_momentum_warmup_steps",
+                   "muon_momentum_start")
 
 
 def schedule_table(cfg: TrainConfig, steps: int) -> torch.Tensor:
@@ -269,14 +281,18 @@ def make_optimizer(named: NamedParams, cfg: TrainConfig, runtime, lr: torch.Tens
         adam = [(n, p) for n, p in named if not shapes[n]]
         if cfg.optimizer == "muon":
             matrix_group = {"kind": "muon", "lr_ratio": cfg.muon_lr / cfg.lr, "weight_decay": cfg.muon_weight_decay,
-                            "momentum": cfg.muon_momentum if momentum is None else momentum,
+                            "momentum": cfg.muon_momentum if momentum is None else momentum, "scale": cfg.muon_scale,
                             "shapes": {id(p): shapes[n] for n, p in matrices}}
         else:  # AdamW with its own LR for the matrices: the same groups and AdamW code as Muon's AdamW part
             matrix_group = {"kind": "adam", "lr_ratio": cfg.matrix_lr / cfg.lr, "weight_decay": cfg.weight_decay}
+        aux = {"lr_ratio": cfg.aux_lr / cfg.lr} if cfg.aux_lr else {}  # positions, biases, gains
+        token_embedding = [p for n, p in adam if n.endswith("wte.weight")]
         groups = [
             {"params": [p for _, p in matrices], **matrix_group},
-            {"params": [p for _, p in adam if p.dim() >= 2], "kind": "adam", "weight_decay": cfg.weight_decay},
-            {"params": [p for _, p in adam if p.dim() < 2], "kind": "adam", "weight_decay": 0.0},
+            {"params": token_embedding, "kind": "adam", "weight_decay": cfg.weight_decay},
+            {"params": [p for n, p in adam if p.dim() >= 2 and not n.endswith("wte.weight")], "kind": "adam",
+             "weight_decay": cfg.weight_decay, **aux},
+            {"params": [p for _, p in adam if p.dim() < 2], "kind": "adam", "weight_decay": 0.0, **aux},
         ]
         opt = MuonAdamW(groups, lr, ns_dtype=torch.bfloat16 if on_accelerator else torch.float32,
                         replicate=runtime.replicate)

@@ -14,8 +14,9 @@ from helpers import REPO, error_lines, run_script
 from scripts.chain.config import config_from_dict, load_config
 from scripts.chain.limits import session_devices
 from scripts.chain.plan import PLAN_MFU, make_plan, plan_lines, print_plan
-from shared.config import EvalConfig, ModelConfig, TokenizeConfig, TrainConfig, parse_dataclass
+from shared.config import EvalConfig, ModelConfig, TokenizeConfig, TrainConfig
 from shared.errors import UserError
+from shared.flags import parse_dataclass
 
 ISSUE_BAD_CONFIG = {"train": {"preset": "gpt2", "micro_batch": 33, "total_batch_tokens": 1000, "lr": -1},
                     "tokenize": {"parts": 1}}
@@ -59,7 +60,7 @@ def test_the_micro_batch_is_split_over_the_target_machines_devices():
 @pytest.mark.parametrize("section, settings, message", [
     ("train", {"lr": "3e-4"}, "train: --lr: expected a number, got '3e-4'"),
     ("train", {"micro_batch": 32.5}, "train: --micro-batch: expected a whole number or auto, got 32.5"),
-    ("train", {"grad_clip": 0}, "train: --grad-clip must be positive, got 0.0"),
+    ("train", {"grad_clip": -1}, "train: --grad-clip must be >= 0, got -1.0"),
     ("train", {"schedule": "linear"}, "train: --schedule must be cosine or wsd, got 'linear'"),
     ("train", {"muon_momentum": 1.0}, r"train: --muon-momentum must be in \[0, 1\), got 1.0"),
     ("tokenize", {"shard_size": 0}, "tokenize.settings: --shard-size must be positive, got 0"),

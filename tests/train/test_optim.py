@@ -24,6 +24,7 @@ from shared.train.model import GPT
 from shared.train.optim import (
     NS_COEFFICIENTS,
     MuonAdamW,
+    clip_grad_norm,
     lr_at,
     make_optimizer,
     muon_matrix_shape,
@@ -49,17 +50,18 @@ def reference_orthogonalise(g: np.ndarray, steps: int = 5) -> np.ndarray:
 
 
 def reference_muon_steps(w0: np.ndarray, grads: list[np.ndarray], lrs: list[float], momentum: float, wd: float,
-                         blocks: int = 1) -> np.ndarray:
+                         blocks: int = 1, scale: str = "shape") -> np.ndarray:
     """Muon by its definition: m = mu m + (1 - mu) g; u = (1 - mu) g + mu m (Nesterov); each of `blocks` row
-    blocks orthogonalised, scaled by sqrt(max(1, rows/cols)); w = w (1 - lr wd) - lr u."""
+    blocks orthogonalised, scaled by sqrt(max(1, rows/cols)) (KellerJordan/Muon muon.py:40) or, as the speedrun's
+    2024-10-10 record does, sqrt(max(rows, cols)) (its train_gpt2.py:98-101); w = w (1 - lr wd) - lr u."""
     w, m = w0.astype(np.float64), np.zeros_like(w0, dtype=np.float64)
     for g, lr in zip(grads, lrs, strict=True):
         g = g.astype(np.float64)
         m = momentum * m + (1 - momentum) * g
         u = (1 - momentum) * g + momentum * m
         parts = np.split(u, blocks, axis=0)
-        ortho = np.concatenate([reference_orthogonalise(p) * max(1.0, p.shape[0] / p.shape[1]) ** 0.5
-                                for p in parts], axis=0)
+        factor = (lambda r, c: max(1.0, r / c) ** 0.5) if scale == "shape" else (lambda r, c: max(r, c) ** 0.5)
+        ortho = np.concatenate([reference_orthogonalise(p) * factor(*p.shape) for p in parts], axis=0)
         w = w * (1 - lr * wd) - lr * ortho
     return w
 
@@ -81,9 +83,10 @@ def test_newton_schulz_keeps_the_singular_vectors_and_flattens_the_spectrum():
     assert (bf16 - torch.from_numpy(reference_orthogonalise(g.numpy()))).abs().max() < 0.05
 
 
-def test_muon_update_matches_a_direct_computation():
-    cfg = TrainConfig(preset="tiny", optimizer="muon", lr=1e-3, muon_lr=0.05, muon_momentum=0.9,
-                      muon_weight_decay=0.1, weight_decay=0.0)
+@pytest.mark.parametrize("scale, muon_lr", [("shape", 0.05), ("max_dim", 0.004)])
+def test_muon_update_matches_a_direct_computation(scale, muon_lr):
+    cfg = TrainConfig(preset="tiny", optimizer="muon", lr=1e-3, muon_lr=muon_lr, muon_momentum=0.9,
+                      muon_weight_decay=0.1, weight_decay=0.0, muon_scale=scale)
     torch.manual_seed(0)
     model = GPT(cfg.model)
     named = list(model.named_parameters())
@@ -104,11 +107,17 @@ def test_muon_update_matches_a_direct_computation():
             grads[name].append(params[name].grad.numpy().copy())
         opt.step()
     for name, blocks in watched.items():
-        expected = reference_muon_steps(start[name], grads[name], [x * 50 for x in lrs], 0.9, 0.1, blocks)
+        expected = reference_muon_steps(start[name], grads[name], [x * muon_lr / cfg.lr for x in lrs], 0.9, 0.1,
+                                        blocks, scale)
         assert np.allclose(params[name].detach().numpy(), expected, atol=2e-5), name
+    if scale == "max_dim":  # every matrix, whatever its shape, moved by about muon_lr x the schedule RMS a step
+        for name in watched:
+            first = reference_muon_steps(start[name], grads[name][:1], [muon_lr], 0.9, 0.0, watched[name], scale)
+            assert 0.6 * muon_lr < np.sqrt(np.mean((first - start[name]) ** 2)) < 1.3 * muon_lr, name
     # c_attn is three matrices: orthogonalising it whole would give another update
     whole = reference_muon_steps(start["transformer.h.1.attn.c_attn.weight"],
-                                 grads["transformer.h.1.attn.c_attn.weight"], [x * 50 for x in lrs], 0.9, 0.1, 1)
+                                 grads["transformer.h.1.attn.c_attn.weight"], [x * muon_lr / cfg.lr for x in lrs],
+                                 0.9, 0.1, 1, scale)
     assert not np.allclose(params["transformer.h.1.attn.c_attn.weight"].detach().numpy(), whole, atol=1e-3)
     state = optimizer_tensors(opt, named)
     assert set(state) == {f"{n}.momentum_buffer" for n, p in named if muon_matrix_shape(n, p)} | {
@@ -134,8 +143,11 @@ def test_muon_orthogonalises_each_shape_of_matrix_once_a_step_as_a_batch(monkeyp
     assert sorted(batches) == sorted([(2, 3, c, c), (2, c, c), (2, 4 * c, c), (2, c, 4 * c)])
 
 
-def test_muon_leaves_embeddings_biases_and_gains_to_adamw_as_torch_computes_it():
-    cfg = TrainConfig(preset="tiny", optimizer="muon", lr=2e-3, weight_decay=0.1)
+@pytest.mark.parametrize("aux_lr", [0.0, 5e-4])
+def test_muon_leaves_embeddings_biases_and_gains_to_adamw_as_torch_computes_it(aux_lr):
+    """AdamW for the rest, at --lr; with --aux-lr the position embedding, biases and gains at that instead, the
+    token embedding (the tied head) still at --lr."""
+    cfg = TrainConfig(preset="tiny", optimizer="muon", lr=2e-3, weight_decay=0.1, aux_lr=aux_lr)
     torch.manual_seed(0)
     model, twin = GPT(cfg.model), GPT(cfg.model)
     twin.load_state_dict(model.state_dict())
@@ -145,9 +157,13 @@ def test_muon_leaves_embeddings_biases_and_gains_to_adamw_as_torch_computes_it()
     assert "transformer.wte.weight" in adam_names and "transformer.h.0.ln_1.weight" in adam_names
     assert "transformer.h.0.attn.c_attn.bias" in adam_names and "transformer.h.0.mlp.c_fc.weight" not in adam_names
     twin_params = dict(twin.named_parameters())
+    rest = aux_lr or cfg.lr
     reference = torch.optim.AdamW(
-        [{"params": [twin_params[n] for n in adam_names if twin_params[n].dim() >= 2], "weight_decay": 0.1},
-         {"params": [twin_params[n] for n in adam_names if twin_params[n].dim() < 2], "weight_decay": 0.0}],
+        [{"params": [twin_params["transformer.wte.weight"]], "weight_decay": 0.1},
+         {"params": [twin_params[n] for n in adam_names if twin_params[n].dim() >= 2 and "wte" not in n],
+          "weight_decay": 0.1, "lr": rest},
+         {"params": [twin_params[n] for n in adam_names if twin_params[n].dim() < 2], "weight_decay": 0.0,
+          "lr": rest}],
         lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
     gen = torch.Generator().manual_seed(2)
     for _ in range(4):
@@ -207,6 +223,38 @@ def test_wsd_schedule_warms_up_holds_then_decays_to_zero():
     assert all(a >= b for a, b in zip(lrs[10:], lrs[11:], strict=False))
     cosine = replace(cfg, schedule="cosine", min_lr_ratio=0.1)
     assert float(lr_at(torch.tensor(100.0), cosine)) == pytest.approx(1e-4)
+
+
+def test_a_one_minus_sqrt_cooldown_follows_epfls_sqrt_decay_and_ends_its_stable_phase_where_linear_does():
+    """epfml/schedules-and-scaling src/optim/utils.py (decay_type "sqrt"): 1 - sqrt((step - n_hold) / n_anneal)."""
+    cfg = TrainConfig(schedule="wsd", lr=1e-3, warmup_steps=10, max_steps=100, cooldown_frac=0.4,
+                      cooldown_shape="1-sqrt")
+    n_hold, n_anneal = 60, 40
+    for step in (60, 61, 70, 85, 99):
+        expected = 1e-3 * (1 - ((step - n_hold) / n_anneal) ** 0.5)
+        assert float(lr_at(torch.tensor(float(step)), cfg)) == pytest.approx(expected, rel=1e-5), step
+    assert float(lr_at(torch.tensor(70.0), cfg)) == pytest.approx(5e-4)  # a quarter of the way: half the LR
+    assert float(lr_at(torch.tensor(100.0), cfg)) == 0.0
+    assert float(lr_at(torch.tensor(9.0), cfg)) == pytest.approx(1e-3)
+    assert stable_phase_end(cfg) == stable_phase_end(replace(cfg, cooldown_shape="linear")) == 61
+    assert not same_schedule_until(cfg, replace(cfg, cooldown_shape="linear"), 62)
+    with pytest.raises(UserError, match="--cooldown-shape must be linear or 1-sqrt, got 'cosine'"):
+        replace(cfg, cooldown_shape="cosine")
+
+
+def test_a_zero_clip_measures_the_gradient_norm_and_leaves_the_gradients_alone():
+    params = [torch.nn.Parameter(torch.zeros(3, 4)), torch.nn.Parameter(torch.zeros(5))]
+    grads = [torch.full((3, 4), 2.0), torch.full((5,), -1.0)]
+    norm = (12 * 4.0 + 5 * 1.0) ** 0.5
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.clone()
+    assert float(clip_grad_norm(params, 0.0)) == pytest.approx(norm)
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, grads, strict=True))
+    assert float(clip_grad_norm(params, 1.0)) == pytest.approx(norm)
+    total = sum(float(p.grad.square().sum()) for p in params) ** 0.5
+    assert total == pytest.approx(1.0, rel=1e-4)
+    with pytest.raises(UserError, match="--grad-clip must be >= 0, got -1.0"):
+        TrainConfig(grad_clip=-1.0)
 
 
 def test_bad_optimizer_and_schedule_flags_are_one_line_errors():
@@ -352,7 +400,7 @@ def _two_muon_steps(momenta: list, as_tensor: bool) -> torch.Tensor:
     weight = torch.nn.Parameter(torch.randn(16, 8))
     momentum = torch.tensor(momenta[0]) if as_tensor else momenta[0]
     group = {"params": [weight], "kind": "muon", "lr_ratio": 1.0, "weight_decay": 0.01, "momentum": momentum,
-             "shapes": {id(weight): (16, 8)}}
+             "scale": "shape", "shapes": {id(weight): (16, 8)}}
     opt = MuonAdamW([group], torch.tensor(0.02), ns_dtype=torch.float32)
     opt.state[weight]["momentum_buffer"] = torch.zeros(16, 8)
     for m, seed in zip(momenta, (1, 2), strict=True):

@@ -1,0 +1,80 @@
+"""Settings classes as command lines and checked values: a flag per dataclass field (`micro_batch` ->
+`--micro-batch`), typed from its annotation, and the one-line checks every config's `__post_init__` runs
+(shared/config.py). Standard library only."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+from shared.errors import UserError
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_field_types(config, name=flag) -> None:
+    """Each field holds its annotated type (bool, int, float, str): a JSON config's `"lr": "3e-4"` or
+    `"micro_batch": 32.5` is one line here, not a TypeError deep in a session. An int is accepted for a float.
+    `name(field)` is how the message names a field (a flag, by default)."""
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        kind, value = hints[f.name], getattr(config, f.name)
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            object.__setattr__(config, f.name, float(value))  # frozen dataclasses too
+            continue
+        if kind in (bool, int, float, str) and not (isinstance(value, kind) and (kind is bool
+                                                                                 or not isinstance(value, bool))):
+            raise UserError(f"{name(f.name)}: expected {'a number' if kind is float else kind.__name__}, "
+                            f"got {value!r}")
+
+
+def at_least(config, minimum: float, *names: str) -> None:
+    for name in names:
+        if getattr(config, name) < minimum:
+            raise UserError(f"{flag(name)} must be >= {minimum:g}, got {getattr(config, name)}")
+
+
+def positive(config, *names: str) -> None:
+    for name in names:
+        if getattr(config, name) <= 0:
+            raise UserError(f"{flag(name)} must be positive, got {getattr(config, name)}")
+
+
+def one_of(config, name: str, allowed: tuple[str, ...]) -> None:
+    if getattr(config, name) not in allowed:
+        raise UserError(f"{flag(name)} must be {', '.join(allowed[:-1])} or {allowed[-1]}, "
+                        f"got {getattr(config, name)!r}")
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One flag per dataclass field (`micro_batch` -> `--micro-batch`), typed from the annotation."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        help_text = f"{f.metadata.get('help', '')} (default: {f.default!r})"
+        if kind is bool:
+            parser.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+        elif kind == int | str:  # a number, or a word such as auto
+            parser.add_argument(flag(f.name), type=_int_or_word, default=f.default, help=help_text)
+        else:
+            parser.add_argument(flag(f.name), type=kind, default=f.default, help=help_text)
+
+
+def _int_or_word(text: str) -> int | str:
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def parse_dataclass(cls: type, argv: list[str] | None = None, description: str = "", defaults: dict | None = None):
+    """Parse `argv` into an instance of `cls`; `defaults` (e.g. baked into a Kaggle build) override field defaults."""
+    parser = argparse.ArgumentParser(description=description)
+    add_dataclass_args(parser, cls)
+    if defaults:
+        parser.set_defaults(**defaults)
+    ns = parser.parse_args(argv)
+    return cls(**vars(ns))
