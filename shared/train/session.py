@@ -3,6 +3,7 @@ checkpoint, and the metric lines it logs. `shared.train.trainer.train` calls eac
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import time
 from collections.abc import Callable
@@ -25,7 +26,7 @@ from shared.train.checkpoint import (
     saved_state,
     set_aside_checkpoint,
 )
-from shared.train.metrics import BackgroundCalls, MetricsLogger
+from shared.train.metrics import BackgroundCalls, MetricsLogger, read_metrics
 from shared.train.model import GPT
 from shared.train.optim import (
     optimizer_of_state,
@@ -34,6 +35,7 @@ from shared.train.optim import (
     saved_schedule,
     stable_phase_end,
 )
+from shared.train.projection import project, projection_lines
 from shared.train.runtime import Runtime
 from shared.train.step import TrainStep
 from shared.train.validation import periodic_eval
@@ -200,6 +202,20 @@ class Evaluator:
         self.background.flush()  # the logged steps before the eval's records
         periodic_eval(self.model, self.runtime, self.cfg, step, step * self.cfg.total_batch_tokens, self.val_loader,
                       self.logger, hellaswag)
+        if step == stable_phase_end(self.cfg) and self.logger.enabled:
+            log_projection(self.cfg, self.logger, step, step)
+
+
+def log_projection(cfg: TrainConfig, logger: MetricsLogger, at_step: int, stable_end: int) -> None:
+    """Where the run will end (shared/train/projection.py), from its evals up to at_step: log lines and a record."""
+    found = project(read_metrics(logger.path), cfg, at_step, stable_end)
+    if found is None:
+        return
+    for line in projection_lines(found, cfg):
+        logger.log(line)
+    logger.write({"step": at_step, "event": "projection", "projected_val_loss": dataclasses.asdict(found.final_loss),
+                  "projected_hellaswag": found.hellaswag and dataclasses.asdict(found.hellaswag),
+                  "verdict": found.verdict, "steps_needed": found.steps_needed})
 
 
 class Checkpointer:

@@ -26,6 +26,7 @@ from shared.train.clock import SessionClock, default_time_budget, estimate_check
 from shared.train.device import make_runtime
 from shared.train.metrics import BackgroundCalls, MetricsLogger, plot_loss
 from shared.train.model import GPT
+from shared.train.optim import stable_phase_end
 from shared.train.runtime import Runtime, runtime_versions
 from shared.train.session import (
     Checkpointer,
@@ -33,6 +34,7 @@ from shared.train.session import (
     Evaluator,
     StepLog,
     check_resumable,
+    log_projection,
     restore_compile_cache,
     resume_point,
 )
@@ -232,6 +234,9 @@ def start_logging(cfg: TrainConfig, runtime: Runtime, versions: dict, model: GPT
     log(", ".join(f"{name} {version or '-'}" for name, version in versions.items())
         + (f"; TPU {tpu.name} from {runtime.tpu_generation_source}" if tpu
            else f"; {runtime.tpu_generation_source}" if runtime.tpu_generation_source else ""))
+    new_stable_end = stable_phase_end(cfg)
+    if cfg.extend and resumed and logger.enabled and new_stable_end and start_step < new_stable_end:
+        log_projection(cfg, logger, start_step, new_stable_end)  # the longer run's end, from the evals so far
     return logger
 
 
