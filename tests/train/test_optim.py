@@ -350,6 +350,10 @@ def test_one_session_recipe_config_is_muon_over_seven_billion_tokens_with_full_h
     assert 7.0e9 <= tokens < 7.01e9 and tokens <= chain.tokenize["settings"]["tokens_per_part"]
     assert (cfg.hellaswag_examples, cfg.hellaswag_every, cfg.eval_every) == (0, 1000, 250)  # all 10,042
     assert chain.session_limit_s == 9 * 3600 and chain.accelerator == "TpuV5E8"
+    # the 2024-10-10 Muon record's settings, one source for all (docs/recipe.md section 1)
+    assert (cfg.muon_scale, cfg.muon_lr, cfg.lr, cfg.aux_lr, cfg.muon_momentum, cfg.muon_momentum_warmup_steps,
+            cfg.muon_weight_decay, cfg.weight_decay, cfg.grad_clip, cfg.warmup_steps, cfg.cooldown_frac,
+            cfg.cooldown_shape) == ("max_dim", 0.00036, 0.0036, 0.0, 0.95, 0, 0.0, 0.0, 0.0, 0, 0.29, "linear")
 
 
 def test_bench_recipe_remaps_to_the_most_frequent_tokens_and_reads_tokens_needed(tmp_path):
