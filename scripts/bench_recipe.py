@@ -5,6 +5,7 @@ final validation loss, claimed only where the seeds' spreads do not overlap.
 
     python scripts/bench_recipe.py                # the corpus, then seeds x (controls + Muon budgets) runs
     python scripts/bench_recipe.py --text-dir DIR # any folder of .txt/.rst/.md/.html/.pod files instead
+    python scripts/bench_recipe.py --compare      # Muon's settings side by side (the recipe's against others)
 
 The corpus (about 26M GPT-2 tokens): the English documentation Debian ships in four packages fetched with
 `apt-get download` (no root, the package index only): the Linux kernel's Documentation (reStructuredText),
@@ -228,6 +229,65 @@ def spread(values: list[float]) -> str:
     return f"{statistics.mean(values):.4f} ± {sd:.4f} ({min(values):.4f}–{max(values):.4f})"
 
 
+def record_settings(adamw_lr: float) -> dict:
+    """The 2024-10-10 Muon record's optimizer settings (the recipe's, docs/recipe.md section 1) at this AdamW LR: every
+    matrix moving by 0.1 x the AdamW LR RMS per element, momentum 0.95, no Muon decay, no clip, no warm-up, a linear
+    decay over the last 0.29."""
+    return {"optimizer": "muon", "muon_scale": "max_dim", "muon_lr": 0.1 * adamw_lr, "muon_momentum": 0.95,
+            "muon_momentum_warmup_steps": 0, "muon_weight_decay": 0.0, "grad_clip": 0.0, "warmup_steps": 0,
+            "cooldown_frac": 0.29, "cooldown_shape": "linear"}
+
+
+def compared_settings(adamw_lr: float, n_embd: int, steps: int) -> dict[str, dict]:
+    """--compare's runs: the record's settings, its Muon LR halved and doubled (the sweep around it), its decay as
+    1-sqrt, and the recipe before issue 32 at the same ratios as at gpt2's width (its 0.02 in the Muon README's
+    convention moves 768-wide square matrices 2x the record's step: here 2x too; clip 1.0; 100 and 300 of 13,352
+    steps of LR and momentum warm-up; Muon decay 0.01; a 0.4 decay)."""
+    record = record_settings(adamw_lr)
+    previous = {**record, "muon_scale": "shape", "muon_lr": 2 * record["muon_lr"] * n_embd ** 0.5,
+                "muon_momentum_warmup_steps": max(1, round(steps * 300 / 13352)), "muon_weight_decay": 0.01,
+                "grad_clip": 1.0, "warmup_steps": max(1, round(steps * 100 / 13352)), "cooldown_frac": 0.4}
+    return {"record (the recipe)": record,
+            "record, Muon LR x0.5": {**record, "muon_lr": record["muon_lr"] / 2},
+            "record, Muon LR x2": {**record, "muon_lr": record["muon_lr"] * 2},
+            "record, 1-sqrt decay": {**record, "cooldown_shape": "1-sqrt"},
+            "before issue 32": previous}
+
+
+def compare(base, args, steps: int, out_root: Path) -> str:
+    """Every setting of compared_settings on the same seeds (paired): final val loss per run, each one's difference
+    from the record's seed by seed, and the record runs' decay gain (docs/recipe.md section 5)."""
+    from shared.train.metrics import read_metrics
+    from shared.train.optim import stable_phase_end
+
+    settings = compared_settings(args.adamw_lr, args.n_embd, steps)
+    finals: dict[str, list[float]] = {name: [] for name in settings}
+    gains = []
+    for index in range(args.seeds):
+        seed = base.seed + index
+        for slug, (name, changes) in enumerate(settings.items()):
+            cfg = replace(base, seed=seed, max_steps=steps, **changes)
+            curve = run(f"compare-{slug}-seed{seed}", cfg, out_root)
+            finals[name].append(curve[-1][1])
+            if slug == 0:
+                end = stable_phase_end(cfg)
+                stable = [r["val_loss"] for r in read_metrics(out_root / f"compare-0-seed{seed}" / "metrics.jsonl")
+                          if r.get("step") == end and "val_loss" in r]
+                gains.append((stable[0] - curve[-1][1]) / stable[0] / cfg.cooldown_frac)
+    record = finals["record (the recipe)"]
+    lines = [f"| settings | final val loss: mean ± sd (min–max), {args.seeds} seeds | minus the record's, per seed |",
+             "| --- | --- | --- |"]
+    for name, values in finals.items():
+        diffs = [v - r for v, r in zip(values, record, strict=True)]
+        lines.append(f"| {name} | {spread(values)} | "
+                     + ("—" if name == "record (the recipe)" else ", ".join(f"{d:+.4f}" for d in diffs)) + " |")
+    lines.append("")
+    lines.append(f"The record's decay: the val loss at the stable phase's end fell by {min(gains):.3f}–"
+                 f"{max(gains):.3f} of itself per unit of cooldown_frac (per seed: "
+                 + ", ".join(f"{g:.3f}" for g in gains) + "); published Muon runs: 0.137–0.172")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out-dir", default="runs/bench-recipe")
@@ -253,6 +313,10 @@ def main() -> None:
     parser.add_argument("--muon-fractions", default="1,0.5,0.25", help="Muon's budgets, as fractions of --tokens")
     parser.add_argument("--evals", type=int, default=4, help="validation evals per full-budget run")
     parser.add_argument("--eval-batches", type=int, default=20, help="micro-batches per validation eval")
+    parser.add_argument("--compare", action="store_true",
+                        help="Muon's settings side by side instead of Muon against AdamW: the 2024-10-10 record's "
+                             "(the recipe's), its Muon LR halved and doubled, a 1-sqrt decay, and the recipe before "
+                             "issue 32, on paired seeds (compared_settings)")
     args = parser.parse_args()
 
     from shared.config import MODEL_PRESETS, PADDED_VOCAB_SIZE, ModelConfig, TrainConfig
@@ -279,6 +343,11 @@ def main() -> None:
                        checkpoint_every=0, keep_checkpoints=1, keep_stable=False, progress=True, wandb_project="",
                        xla_cache=False, time_budget=1e9, log_every=10, schedule="wsd", lr=args.adamw_lr)
     out_root = Path(args.out_dir)
+    if args.compare:
+        report = compare(base, args, steps, out_root)
+        (out_root / "compare.md").write_text(report + "\n")
+        print(report)
+        return
     matrix_lrs = [float(lr) for lr in args.matrix_lrs.split(",")]
     control_names = {lr: f"AdamW + wsd (matrices {lr:g}, the rest {args.adamw_lr:g})" for lr in matrix_lrs}
     curves: dict[str, list] = {name: [] for name in control_names.values()}

@@ -265,10 +265,10 @@ class TrainConfig:
         check_field_types(self)
         self.model  # noqa: B018 - raises on a bad preset or sequence length
         at_least(self, 0, "seq_len", "warmup_steps", "min_lr_ratio", "weight_decay", "muon_weight_decay", "grad_clip",
-                  "time_budget", "session_deadline", "checkpoint_every", "eval_every", "hellaswag_examples",
-                  "hellaswag_every", "sample_tokens", "stop_after_steps")
-        positive(self, "total_batch_tokens", "max_steps", "lr", "muon_lr", "keep_checkpoints",
-                  "log_every", "eval_batches")
+                 "time_budget", "session_deadline", "checkpoint_every", "eval_every", "hellaswag_examples",
+                 "hellaswag_every", "sample_tokens", "stop_after_steps")
+        positive(self, "total_batch_tokens", "max_steps", "lr", "muon_lr", "keep_checkpoints", "log_every",
+                 "eval_batches")
         if self.micro_batch != AUTO:
             if not isinstance(self.micro_batch, int) or isinstance(self.micro_batch, bool):
                 raise UserError(f"--micro-batch: expected a whole number or auto, got {self.micro_batch!r}")
@@ -424,7 +424,7 @@ class EvalConfig:
     def __post_init__(self) -> None:
         check_field_types(self)
         at_least(self, 0, "val_tokens", "hellaswag_examples", "samples_per_prompt", "max_new_tokens", "temperature",
-                  "top_k")
+                 "top_k")
         positive(self, "micro_batch", "hellaswag_batch")
         one_of(self, "backend", BACKENDS)
         if self.kaggle_model and (len(self.kaggle_model.split("/")) != 4 or not all(self.kaggle_model.split("/"))):

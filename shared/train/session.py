@@ -182,7 +182,8 @@ class Evaluator:
         self.model, self.runtime, self.cfg, self.val_loader = model, runtime, cfg, val_loader
         self.logger, self.background = logger, background
         self.active = val_loader is not None and cfg.eval_every > 0
-        self.key_steps = {cfg.max_steps, stable_phase_end(cfg)} - {None}
+        self.stable_end = stable_phase_end(cfg)
+        self.key_steps = {cfg.max_steps, self.stable_end} - {None}
         self.hellaswag_step = -1  # the last eval that scored HellaSwag
 
     def baseline(self, step: int) -> None:
@@ -202,7 +203,7 @@ class Evaluator:
         self.background.flush()  # the logged steps before the eval's records
         periodic_eval(self.model, self.runtime, self.cfg, step, step * self.cfg.total_batch_tokens, self.val_loader,
                       self.logger, hellaswag)
-        if step == stable_phase_end(self.cfg) and self.logger.enabled:
+        if step == self.stable_end and self.logger.enabled:  # the decision point: where will the decay end?
             log_projection(self.cfg, self.logger, step, step)
 
 

@@ -337,12 +337,16 @@ def test_muon_resume_in_new_process_is_bit_exact(demo_data, tmp_path):
     assert [h[0] for h in loss_history(tmp_path / "resumed")] == list(range(1, 7))
 
 
-def test_one_session_recipe_config_is_muon_over_seven_billion_tokens_with_full_hellaswag():
+def load_recipe():
     from helpers import REPO
 
     from scripts.chain.config import load_config
 
-    chain = load_config(REPO / "examples" / "chain-gpt2-124m-muon.json")
+    return load_config(REPO / "examples" / "chain-gpt2-124m-muon.json")
+
+
+def test_one_session_recipe_config_is_muon_over_seven_billion_tokens_with_full_hellaswag():
+    chain = load_recipe()
     cfg = TrainConfig(**chain.train, max_steps=chain.total_steps)
     cfg.validate(8)
     tokens = chain.total_steps * cfg.total_batch_tokens
@@ -384,6 +388,15 @@ def test_bench_recipe_remaps_to_the_most_frequent_tokens_and_reads_tokens_needed
     seeds = [[(0, 5.0), (10, 4.0)], [(0, 5.2), (10, 3.0)], [(0, 4.8), (10, 3.5)]]
     assert bench.mean_curve(seeds) == [(0, pytest.approx(5.0), 4.8, 5.2), (10, pytest.approx(3.5), 3.0, 4.0)]
     assert bench.spread([3.0, 3.5, 4.0]) == "3.5000 ± 0.5000 (3.0000–4.0000)"
+    # --compare: the record's settings are the recipe's (at the recipe's AdamW LR), and "before issue 32" at gpt2's
+    # width and length is the recipe as it was (muon_lr 0.02 in the Muon README's convention, 100/300 warm-ups)
+    compared = bench.compared_settings(0.0036, 768, 13352)
+    chain = TrainConfig(**{k: v for k, v in load_recipe().train.items() if k in compared["record (the recipe)"]})
+    assert all(getattr(chain, k) == pytest.approx(v) for k, v in compared["record (the recipe)"].items())
+    before = compared["before issue 32"]
+    assert before["muon_lr"] == pytest.approx(0.02, rel=0.01) and before["muon_scale"] == "shape"
+    assert (before["warmup_steps"], before["muon_momentum_warmup_steps"], before["cooldown_frac"]) == (100, 300, 0.4)
+    assert compared["record, Muon LR x2"]["muon_lr"] == pytest.approx(0.00072)
 
 
 def test_muon_momentum_warms_up_linearly_then_holds():
