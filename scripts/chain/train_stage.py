@@ -245,6 +245,7 @@ class TrainStage:
     def report(self, sess: dict, before: int, after: int, status: str, message: str, secs: float) -> None:
         """A few lines per session: steps, loss, tokens/s, sessions and quota left, where the logs are."""
         from shared.train.metrics import read_metrics
+        from shared.train.projection import summary_line
 
         ctx, cfg = self.ctx, self.cfg
         metrics = ctx.workdir / "metrics.jsonl"
@@ -257,6 +258,9 @@ class TrainStage:
         extended = " (--extend: from where the stable phase ended)" if before < sess["step_before"] else ""
         ctx.log(f"  session {sess['n']} {status.lower()} in {secs:.0f}s: step {before}{extended} -> {after} of "
                 f"{cfg.total_steps}, {loss}, {speed}" + (f" ({message})" if message else ""))
+        for record in records:  # the trainer's projection where the stable phase ended (shared/train/projection.py)
+            if record.get("event") == "projection" and before <= record["step"] <= after:
+                ctx.log(f"  {summary_line(record)}")
         quota = None
         try:
             quota = self.quota_left_s()

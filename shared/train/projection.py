@@ -142,3 +142,13 @@ def projection_lines(p: Projection, cfg: TrainConfig) -> list[str]:
         lines.append(f"recommendation: {p.verdict}; the stable phase's trend is too short or flat to size a longer "
                      "run")
     return lines
+
+
+def summary_line(record: dict) -> str:
+    """A `projection` metrics record in one line (the chain's report of a session that passed the stable phase)."""
+    loss = Band(**record["projected_val_loss"])
+    hellaswag = Band(**record["projected_hellaswag"]) if record.get("projected_hellaswag") else None
+    advice = (f"; lengthen to about {record['steps_needed']:,} steps (total_steps, with train.extend)"
+              if record.get("steps_needed") else "")
+    return (f"projection at the stable phase's end (step {record['step']}): final val loss {loss}"
+            + (f", HellaSwag {hellaswag}" if hellaswag else "") + f": {record['verdict']}{advice}")

@@ -432,7 +432,9 @@ def test_a_finished_wsd_chain_extends_from_its_stable_phase_checkpoint_carried_i
     lk = local_kaggle
     upload_tokens(lk, tmp_path, "alice/ext-tokens", demo_data)
     ckpt, work = "alice/ext-run-checkpoints", tmp_path / "w"
-    train = {**DEMO["train"], "micro_batch": 8, "schedule": "wsd", "warmup_steps": 1, "cooldown_frac": 0.5}
+    # evals only at the key steps (each session's start, the stable phase's end, the last step): the projection
+    train = {**DEMO["train"], "micro_batch": 8, "schedule": "wsd", "warmup_steps": 1, "cooldown_frac": 0.5,
+             "eval_every": 1000, "eval_batches": 2}
     # 20 s to publish: two checkpoints of 82 MB at the assumed 10 MB/s (the demo's 12 s is one's).
     common = dict(name="ext-run", tokenize={}, eval={"enabled": False}, token_datasets=["alice/ext-tokens"],
                   session_limit_s=300, publish_margin_s=20)
@@ -451,6 +453,7 @@ def test_a_finished_wsd_chain_extends_from_its_stable_phase_checkpoint_carried_i
     proc = run_chain(lk, config, work, timeout=400)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert dataset_steps() == (4, 3)
+    assert "projection at the stable phase's end (step 3): final val loss " in proc.stdout  # a tiny model: trails
     assert lk.app.faults.datasets["stale_dataset_status"] == []  # all read, and not taken for a lost publish
 
     config = write_config(tmp_path / "ext.json", total_steps=8, train={**train, "extend": True, "stop_after_steps": 3},
@@ -461,6 +464,7 @@ def test_a_finished_wsd_chain_extends_from_its_stable_phase_checkpoint_carried_i
     assert ("chain ext-run finished at step 4; training on to total_steps 8 (train.extend: from where the stable "
             "phase ended)") in proc.stdout
     assert "step 3 (--extend: from where the stable phase ended) -> 6 of 8" in proc.stdout
+    assert "projection at the stable phase's end (step 5): final val loss " in proc.stdout  # the longer run's
     assert "stopping:" not in proc.stdout
     sessions = json.loads((work / "state.json").read_text())["train_sessions"]
     assert [(s["step_before"], s.get("start_step"), s["step_after"], s["ckpt_version"], s["delete_old"],

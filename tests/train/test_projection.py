@@ -20,6 +20,7 @@ from shared.train.projection import (
     project,
     project_final_loss,
     project_hellaswag,
+    summary_line,
 )
 
 RECIPE = TrainConfig(preset="gpt2", optimizer="muon", schedule="wsd", max_steps=10000, cooldown_frac=0.3)
@@ -73,6 +74,14 @@ def test_a_trailing_run_is_sized_from_its_stable_phase_trend():
     longer = replace(RECIPE, max_steps=expected)
     again = project(_records(losses), longer, end, stable_phase_end(longer))
     assert again.final_loss.mid == pytest.approx(TARGET_VAL_LOSS, abs=2e-3)
+
+
+def test_the_chain_reads_a_projection_record_in_one_line():
+    record = {"step": 9480, "event": "projection", "projected_val_loss": {"low": 3.3, "mid": 3.31, "high": 3.32},
+              "projected_hellaswag": None, "verdict": "trails", "steps_needed": 16250}
+    assert summary_line(record) == ("projection at the stable phase's end (step 9480): final val loss 3.3100 (3.3000 "
+                                    "to 3.3200): trails; lengthen to about 16,250 steps (total_steps, with "
+                                    "train.extend)")
 
 
 def test_no_evals_no_projection():
