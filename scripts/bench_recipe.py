@@ -239,19 +239,17 @@ def record_settings(adamw_lr: float) -> dict:
 
 
 def compared_settings(adamw_lr: float, n_embd: int, steps: int) -> dict[str, dict]:
-    """--compare's runs: the record's settings, its Muon LR halved and doubled (the sweep around it), its decay as
-    1-sqrt, and the recipe before issue 32 at the same ratios as at gpt2's width (its 0.02 in the Muon README's
+    """--compare's runs, keyed by the folder name each run's output takes: the record's settings, its Muon LR halved
+    and doubled (the sweep around it), and the recipe before issue 32 at the same ratios as at gpt2's width (its 0.02
+    in the Muon README's
     convention moves 768-wide square matrices 2x the record's step: here 2x too; clip 1.0; 100 and 300 of 13,352
     steps of LR and momentum warm-up; Muon decay 0.01; a 0.4 decay)."""
     record = record_settings(adamw_lr)
     previous = {**record, "muon_scale": "shape", "muon_lr": 2 * record["muon_lr"] * n_embd ** 0.5,
                 "muon_momentum_warmup_steps": max(1, round(steps * 300 / 13352)), "muon_weight_decay": 0.01,
                 "grad_clip": 1.0, "warmup_steps": max(1, round(steps * 100 / 13352)), "cooldown_frac": 0.4}
-    return {"record (the recipe)": record,
-            "record, Muon LR x0.5": {**record, "muon_lr": record["muon_lr"] / 2},
-            "record, Muon LR x2": {**record, "muon_lr": record["muon_lr"] * 2},
-            "record, 1-sqrt decay": {**record, "cooldown_shape": "1-sqrt"},
-            "before issue 32": previous}
+    return {"record": record, "record-lr-half": {**record, "muon_lr": record["muon_lr"] / 2},
+            "record-lr-double": {**record, "muon_lr": record["muon_lr"] * 2}, "before-issue-32": previous}
 
 
 def compare(base, args, steps: int, out_root: Path) -> str:
@@ -265,22 +263,22 @@ def compare(base, args, steps: int, out_root: Path) -> str:
     gains = []
     for index in range(args.seeds):
         seed = base.seed + index
-        for slug, (name, changes) in enumerate(settings.items()):
+        for name, changes in settings.items():
             cfg = replace(base, seed=seed, max_steps=steps, **changes)
-            curve = run(f"compare-{slug}-seed{seed}", cfg, out_root)
+            curve = run(f"compare-{name}-seed{seed}", cfg, out_root)
             finals[name].append(curve[-1][1])
-            if slug == 0:
+            if name == "record":
                 end = stable_phase_end(cfg)
-                stable = [r["val_loss"] for r in read_metrics(out_root / f"compare-0-seed{seed}" / "metrics.jsonl")
+                stable = [r["val_loss"] for r in read_metrics(out_root / f"compare-{name}-seed{seed}" / "metrics.jsonl")
                           if r.get("step") == end and "val_loss" in r]
                 gains.append((stable[0] - curve[-1][1]) / stable[0] / cfg.cooldown_frac)
-    record = finals["record (the recipe)"]
+    record = finals["record"]
     lines = [f"| settings | final val loss: mean ± sd (min–max), {args.seeds} seeds | minus the record's, per seed |",
              "| --- | --- | --- |"]
     for name, values in finals.items():
         diffs = [v - r for v, r in zip(values, record, strict=True)]
         lines.append(f"| {name} | {spread(values)} | "
-                     + ("—" if name == "record (the recipe)" else ", ".join(f"{d:+.4f}" for d in diffs)) + " |")
+                     + ("—" if name == "record" else ", ".join(f"{d:+.4f}" for d in diffs)) + " |")
     lines.append("")
     lines.append(f"The record's decay: the val loss at the stable phase's end fell by {min(gains):.3f}–"
                  f"{max(gains):.3f} of itself per unit of cooldown_frac (per seed: "
@@ -315,8 +313,8 @@ def main() -> None:
     parser.add_argument("--eval-batches", type=int, default=20, help="micro-batches per validation eval")
     parser.add_argument("--compare", action="store_true",
                         help="Muon's settings side by side instead of Muon against AdamW: the 2024-10-10 record's "
-                             "(the recipe's), its Muon LR halved and doubled, a 1-sqrt decay, and the recipe before "
-                             "issue 32, on paired seeds (compared_settings)")
+                             "(the recipe's), its Muon LR halved and doubled, and the recipe before issue 32, on "
+                             "paired seeds (compared_settings)")
     args = parser.parse_args()
 
     from shared.config import MODEL_PRESETS, PADDED_VOCAB_SIZE, ModelConfig, TrainConfig

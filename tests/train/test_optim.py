@@ -391,12 +391,12 @@ def test_bench_recipe_remaps_to_the_most_frequent_tokens_and_reads_tokens_needed
     # --compare: the record's settings are the recipe's (at the recipe's AdamW LR), and "before issue 32" at gpt2's
     # width and length is the recipe as it was (muon_lr 0.02 in the Muon README's convention, 100/300 warm-ups)
     compared = bench.compared_settings(0.0036, 768, 13352)
-    chain = TrainConfig(**{k: v for k, v in load_recipe().train.items() if k in compared["record (the recipe)"]})
-    assert all(getattr(chain, k) == pytest.approx(v) for k, v in compared["record (the recipe)"].items())
-    before = compared["before issue 32"]
+    chain = TrainConfig(**{k: v for k, v in load_recipe().train.items() if k in compared["record"]})
+    assert all(getattr(chain, k) == pytest.approx(v) for k, v in compared["record"].items())
+    before = compared["before-issue-32"]
     assert before["muon_lr"] == pytest.approx(0.02, rel=0.01) and before["muon_scale"] == "shape"
     assert (before["warmup_steps"], before["muon_momentum_warmup_steps"], before["cooldown_frac"]) == (100, 300, 0.4)
-    assert compared["record, Muon LR x2"]["muon_lr"] == pytest.approx(0.00072)
+    assert compared["record-lr-double"]["muon_lr"] == pytest.approx(0.00072)
 
 
 def test_muon_momentum_warms_up_linearly_then_holds():
