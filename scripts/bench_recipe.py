@@ -242,10 +242,9 @@ def record_settings(adamw_lr: float) -> dict:
 
 def compared_settings(adamw_lr: float, n_embd: int, steps: int) -> dict[str, dict]:
     """--compare's runs, keyed by the folder name each run's output takes: the record's settings, its Muon LR halved,
-    doubled and x4 (the sweep around it), and the recipe before issue 32 at the same ratios as at gpt2's width (its 0.02
-    in the Muon README's
-    convention moves 768-wide square matrices 2x the record's step: here 2x too; clip 1.0; 100 and 300 of 13,352
-    steps of LR and momentum warm-up; Muon decay 0.01; a 0.4 decay)."""
+    doubled and x4 (the sweep around it), and the recipe before issue 32 at the same ratios as at gpt2's width (its
+    0.02 in the Muon README's convention moves 768-wide square matrices 2x the record's step: here 2x too; clip 1.0;
+    100 and 300 of 13,352 steps of LR and momentum warm-up; Muon decay 0.01; a 0.4 decay)."""
     record = record_settings(adamw_lr)
     previous = {**record, "muon_scale": "shape", "muon_lr": 2 * record["muon_lr"] * n_embd ** 0.5,
                 "muon_momentum_warmup_steps": max(1, round(steps * 300 / 13352)), "muon_weight_decay": 0.01,
