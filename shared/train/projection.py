@@ -107,9 +107,10 @@ def project(records: list[dict], cfg: TrainConfig, at_step: int, stable_end: int
         loss += slope * math.log(stable_end / step)
     final = project_final_loss(loss, cfg.cooldown_frac)
     by_step = {s: v for s, v in evals}
-    pairs = [(by_step[r["step"]], r["hellaswag_acc_norm"]) for r in records
+    pairs = [(by_step[r["step"]], r["hellaswag_acc_norm"]) for r in sorted(records, key=lambda r: r["step"])
              if "hellaswag_acc_norm" in r and r["step"] in by_step and r["step"] > 0]
-    hellaswag = project_hellaswag(pairs, final)
+    # HellaSwag sits at chance until the loss is low enough: the line is drawn through the later evals (of 6 or more)
+    hellaswag = project_hellaswag(pairs[len(pairs) // 2:] if len(pairs) >= 6 else pairs, final)
     if final.high <= TARGET_VAL_LOSS and (hellaswag is None or hellaswag.low >= TARGET_HELLASWAG):
         verdict = "on track"
     elif final.low > TARGET_VAL_LOSS or (hellaswag is not None and hellaswag.high < TARGET_HELLASWAG):

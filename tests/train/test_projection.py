@@ -76,6 +76,17 @@ def test_a_trailing_run_is_sized_from_its_stable_phase_trend():
     assert again.final_loss.mid == pytest.approx(TARGET_VAL_LOSS, abs=2e-3)
 
 
+def test_hellaswag_at_chance_early_on_does_not_bend_the_line_through_the_later_evals():
+    """acc_norm at chance (0.25) while the loss is high, then acc = 0.66 - 0.12 loss: the projection follows the
+    later evals' line, not one flattened by the early ones."""
+    end = stable_phase_end(RECIPE)
+    steps = [1000, 2000, 3000, 4000, 5000, 6000, 7000]
+    losses = dict(zip(steps, [4.6, 4.0, 3.7, 3.6, 3.52, 3.46, 3.42], strict=True))
+    acc = {s: 0.25 if s <= 2000 else 0.66 - 0.12 * v for s, v in losses.items()}
+    found = project(_records(losses, acc), RECIPE, 7000, end)
+    assert found.hellaswag.mid == pytest.approx(0.66 - 0.12 * found.final_loss.mid, abs=1e-6)
+
+
 def test_the_chain_reads_a_projection_record_in_one_line():
     record = {"step": 9480, "event": "projection", "projected_val_loss": {"low": 3.3, "mid": 3.31, "high": 3.32},
               "projected_hellaswag": None, "verdict": "trails", "steps_needed": 16250}
