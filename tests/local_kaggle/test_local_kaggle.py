@@ -41,6 +41,7 @@ READ_INPUT_KERNEL = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a kernel session in a new process, and a dozen kaggle CLI processes (the marker's definition)
 def test_push_runs_kernel_with_dataset_input_and_output_downloads(local_kaggle, tmp_path):
     lk = local_kaggle
     out = lk.cli("datasets", "create", "-p", str(write_dataset(tmp_path / "ds", "alice/words-data",
