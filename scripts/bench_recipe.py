@@ -257,7 +257,6 @@ def compared_settings(adamw_lr: float, n_embd: int, steps: int) -> dict[str, dic
 def compare(base, args, steps: int, out_root: Path) -> str:
     """Every setting of compared_settings on the same seeds (paired): final val loss per run, each one's difference
     from the record's seed by seed, and the record runs' decay gain (docs/recipe.md section 5)."""
-    from shared.train.metrics import read_metrics
     from shared.train.optim import stable_phase_end
 
     settings = compared_settings(args.adamw_lr, args.n_embd, steps)
@@ -269,11 +268,9 @@ def compare(base, args, steps: int, out_root: Path) -> str:
             cfg = replace(base, seed=seed, max_steps=steps, **changes)
             curve = run(f"compare-{name}-seed{seed}", cfg, out_root)
             finals[name].append(curve[-1][1])
-            if name == "record":
-                end = stable_phase_end(cfg)
-                stable = [r["val_loss"] for r in read_metrics(out_root / f"compare-{name}-seed{seed}" / "metrics.jsonl")
-                          if r.get("step") == end and "val_loss" in r]
-                gains.append((stable[0] - curve[-1][1]) / stable[0] / cfg.cooldown_frac)
+            if name == "record":  # its loss where the stable phase ends (an eval's key step) and at the end
+                stable = dict(curve)[stable_phase_end(cfg) * cfg.total_batch_tokens]
+                gains.append((stable - curve[-1][1]) / stable / cfg.cooldown_frac)
     record = finals["record"]
     lines = [f"| settings | final val loss: mean ± sd (min–max), {args.seeds} seeds | minus the record's, per seed |",
              "| --- | --- | --- |"]

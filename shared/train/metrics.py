@@ -164,6 +164,7 @@ class BackgroundCalls:
 
 
 GPT2_HELLASWAG = 0.2945  # OpenAI GPT-2 124M's HellaSwag acc_norm (the project's target)
+GPT2_124M_VAL_LOSS = 3.2924  # OpenAI GPT-2 124M's loss on FineWeb-Edu's validation shard (build-nanogpt)
 
 
 def plot_series(records: list[dict]) -> dict[str, list[tuple[float, float]]]:

@@ -16,9 +16,7 @@ import math
 import statistics
 
 from shared.config import TrainConfig
-
-TARGET_VAL_LOSS = 3.2924  # OpenAI GPT-2 124M on FineWeb-Edu's validation shard (shared/eval/report.py)
-TARGET_HELLASWAG = 0.2945  # GPT-2 124M acc_norm, build-nanogpt's reference (shared/hellaswag.py)
+from shared.train.metrics import GPT2_124M_VAL_LOSS, GPT2_HELLASWAG
 
 # (source: modded-nanogpt @f411b3d records/<path>:<line of the stable-phase eval>,<line of the final eval>,
 #  cooldown_frac, val loss at the last eval at or before the decay's start, final val loss). All Muon for the
@@ -74,9 +72,8 @@ def project_hellaswag(pairs: list[tuple[float, float]], loss: Band) -> Band | No
     widened by the line's residual spread. None with fewer than 3 evals or no spread in their losses."""
     if len(pairs) < 3 or max(x for x, _ in pairs) - min(x for x, _ in pairs) < 1e-6:
         return None
-    mean_x, mean_y = statistics.fmean(x for x, _ in pairs), statistics.fmean(y for _, y in pairs)
-    slope = (sum((x - mean_x) * (y - mean_y) for x, y in pairs) / sum((x - mean_x) ** 2 for x, _ in pairs))
-    at = lambda x: mean_y + slope * (x - mean_x)  # noqa: E731
+    slope, intercept = statistics.linear_regression([x for x, _ in pairs], [y for _, y in pairs])
+    at = lambda x: intercept + slope * x  # noqa: E731
     spread = statistics.pstdev([y - at(x) for x, y in pairs])
     ends = sorted((at(loss.low), at(loss.high)))
     return Band(ends[0] - spread, at(loss.mid), ends[1] + spread)
@@ -88,10 +85,10 @@ def log_slope(points: list[tuple[int, float]]) -> float | None:
     points = points[len(points) // 2:]
     if len(points) < 3:
         return None
-    xs, ys = [math.log(s) for s, _ in points], [v for _, v in points]
-    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
-    var = sum((x - mean_x) ** 2 for x in xs)
-    return sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / var if var else None
+    xs = [math.log(s) for s, _ in points]
+    if len(set(xs)) < 2:
+        return None
+    return statistics.linear_regression(xs, [v for _, v in points]).slope
 
 
 def project(records: list[dict], cfg: TrainConfig, at_step: int, stable_end: int) -> Projection | None:
@@ -111,15 +108,15 @@ def project(records: list[dict], cfg: TrainConfig, at_step: int, stable_end: int
              if "hellaswag_acc_norm" in r and r["step"] in by_step and r["step"] > 0]
     # HellaSwag sits at chance until the loss is low enough: the line is drawn through the later evals (of 6 or more)
     hellaswag = project_hellaswag(pairs[len(pairs) // 2:] if len(pairs) >= 6 else pairs, final)
-    if final.high <= TARGET_VAL_LOSS and (hellaswag is None or hellaswag.low >= TARGET_HELLASWAG):
+    if final.high <= GPT2_124M_VAL_LOSS and (hellaswag is None or hellaswag.low >= GPT2_HELLASWAG):
         verdict = "on track"
-    elif final.low > TARGET_VAL_LOSS or (hellaswag is not None and hellaswag.high < TARGET_HELLASWAG):
+    elif final.low > GPT2_124M_VAL_LOSS or (hellaswag is not None and hellaswag.high < GPT2_HELLASWAG):
         verdict = "trails"
     else:
         verdict = "borderline"
     needed = None
-    if final.mid > TARGET_VAL_LOSS and slope is not None and slope < 0:
-        stable_needed = TARGET_VAL_LOSS / (final.mid / loss)  # the stable loss whose decay (mid) reaches the target
+    if final.mid > GPT2_124M_VAL_LOSS and slope is not None and slope < 0:
+        stable_needed = GPT2_124M_VAL_LOSS / (final.mid / loss)  # the stable loss whose decay (mid) reaches the target
         stable_steps = max(stable_end, step) * math.exp((stable_needed - loss) / slope)
         needed = math.ceil(stable_steps / (1 - cfg.cooldown_frac))
     return Projection(step, loss, final, hellaswag, verdict, needed)
@@ -130,14 +127,15 @@ def projection_lines(p: Projection, cfg: TrainConfig) -> list[str]:
     gains = decay_gains()
     lines = [f"projection from the stable phase (step {p.at_step}, val loss {p.stable_loss:.4f}): final val loss "
              f"{p.final_loss} after a {cfg.cooldown_frac:g} cooldown (published Muon decays: "
-             f"{min(gains):.3f}-{max(gains):.3f} of the loss per unit of cooldown_frac; GPT-2 124M: {TARGET_VAL_LOSS})"]
+             f"{min(gains):.3f}-{max(gains):.3f} of the loss per unit of cooldown_frac; "
+             f"GPT-2 124M: {GPT2_124M_VAL_LOSS})"]
     if p.hellaswag:
         lines.append(f"projection: HellaSwag acc_norm {p.hellaswag} at that loss, from this run's evals "
-                     f"(GPT-2 124M: {TARGET_HELLASWAG})")
+                     f"(GPT-2 124M: {GPT2_HELLASWAG})")
     if p.verdict == "on track":
         lines.append("recommendation: on track; let the decay run")
     elif p.steps_needed:
-        lines.append(f"recommendation: {p.verdict}; to reach {TARGET_VAL_LOSS} (mid projection) lengthen the run to "
+        lines.append(f"recommendation: {p.verdict}; to reach {GPT2_124M_VAL_LOSS} (mid projection) lengthen the run to "
                      f"about {p.steps_needed:,} steps: run again with that total_steps and extend on (--extend)")
     else:
         lines.append(f"recommendation: {p.verdict}; the stable phase's trend is too short or flat to size a longer "

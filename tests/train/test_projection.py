@@ -10,11 +10,10 @@ import pytest
 from helpers import small_config, train_in_process
 
 from shared.config import TrainConfig
-from shared.train.metrics import read_metrics
+from shared.train.metrics import GPT2_124M_VAL_LOSS, read_metrics
 from shared.train.optim import stable_phase_end
 from shared.train.projection import (
     PUBLISHED_DECAYS,
-    TARGET_VAL_LOSS,
     decay_gains,
     log_slope,
     project,
@@ -55,7 +54,7 @@ def test_a_stable_phase_loss_far_above_target_can_still_be_on_track():
     """3.40 at the stable phase's end is 0.11 above GPT-2's 3.29, and still on track: the decay takes ~4% off."""
     end = stable_phase_end(RECIPE)
     found = project(_records({1000: 3.9, 4000: 3.6, end: 3.40}), RECIPE, end, end)
-    assert found.final_loss.high < TARGET_VAL_LOSS and found.verdict == "on track" and found.steps_needed is None
+    assert found.final_loss.high < GPT2_124M_VAL_LOSS and found.verdict == "on track" and found.steps_needed is None
 
 
 def test_a_trailing_run_is_sized_from_its_stable_phase_trend():
@@ -65,15 +64,15 @@ def test_a_trailing_run_is_sized_from_its_stable_phase_trend():
     losses = {s: 6.2 - 0.3 * math.log(s) for s in (1000, 2000, 3000, 4000, 5000, 6000, end)}
     assert log_slope(sorted(losses.items())) == pytest.approx(-0.3)
     found = project(_records(losses), RECIPE, end, end)
-    assert found.final_loss.low > TARGET_VAL_LOSS and found.verdict == "trails"
+    assert found.final_loss.low > GPT2_124M_VAL_LOSS and found.verdict == "trails"
     median = sorted(decay_gains())[3]
-    stable_needed = TARGET_VAL_LOSS / (1 - median * 0.3)
+    stable_needed = GPT2_124M_VAL_LOSS / (1 - median * 0.3)
     expected = math.ceil(end * math.exp((stable_needed - losses[end]) / -0.3) / 0.7)
     assert found.steps_needed == expected
     # --extend to that length: the stable phase's loss carried on to the new stable end projects onto the target
     longer = replace(RECIPE, max_steps=expected)
     again = project(_records(losses), longer, end, stable_phase_end(longer))
-    assert again.final_loss.mid == pytest.approx(TARGET_VAL_LOSS, abs=2e-3)
+    assert again.final_loss.mid == pytest.approx(GPT2_124M_VAL_LOSS, abs=2e-3)
 
 
 def test_hellaswag_at_chance_early_on_does_not_bend_the_line_through_the_later_evals():
