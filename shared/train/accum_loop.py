@@ -13,12 +13,17 @@ Copyright the PyTorch/XLA authors; the same file in 2.8.0). What differs, and wh
 - The loop's counter and loss start from traced zeros, not `torch.tensor(0, device=...)`: no host-to-device
   transfer per step.
 
-The body (forward, loss / A, backward) is torch_xla's, so the loss and gradients are those of its helper.
+- The body is the micro-step's forward and backward of its own loss, and the loop divides the summed loss and
+  gradients by A once after it; torch_xla's divides each micro-step's loss by A before its backward. The same sums
+  (exactly, where A is a power of two), but with no multiply between a gradient's all-reduce and its accumulator,
+  XLA can move the gradients' all-reduces out of the loop: once a step instead of A times.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -39,9 +44,14 @@ class AccumulationLoop:
     (added to any there) and returns the mean loss. Built (traced, lowered) once per token shape."""
 
     def __init__(self, micro_step: Callable[[torch.Tensor], torch.Tensor], params: list[torch.Tensor],
-                 place_slice: Callable[[torch.Tensor], torch.Tensor] = lambda t: t):
-        self.micro_step, self.place_slice = micro_step, place_slice
+                 place_slice: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+                 grad_apart: Callable[[], AbstractContextManager[tuple[torch.Tensor, torch.Tensor]]] | None = None):
+        """grad_apart: a context manager (the model's `embedding_grad_apart`) inside which part of a parameter's
+        gradient goes to a leaf of its own, yielded as (parameter, leaf): the loop sums that part apart and adds
+        it to the parameter's after the loop."""
+        self.micro_step, self.place_slice, self.grad_apart = micro_step, place_slice, grad_apart
         self.params = [p for p in params if p.requires_grad]
+        self.grad_targets = list(self.params)  # the parameter each accumulated gradient goes to (set at build)
         self._built: dict[tuple, _BuiltLoop] = {}
         self.builds = 0  # how many times a body was traced and lowered (1 per token shape)
 
@@ -52,14 +62,20 @@ class AccumulationLoop:
             built = self._built[key] = self._build(tokens)
         return self._run(built, tokens)
 
-    def _body(self, batch: torch.Tensor, accum: int) -> list[torch.Tensor]:
-        """torch_xla's body_fn: the micro-step's loss / A and its gradients, leaving `.grad` as it was."""
+    def _body(self, batch: torch.Tensor) -> list[torch.Tensor]:
+        """The micro-step's loss and its gradients, leaving `.grad` as it was. Unscaled: the loop divides the sums
+        by A after it (below)."""
         saved = [p.grad for p in self.params]
         for p in self.params:
             p.grad = None
-        loss = self.micro_step(batch) / accum
-        loss.backward()
+        with self.grad_apart() if self.grad_apart else contextlib.nullcontext() as apart:
+            loss = self.micro_step(batch)
+            loss.backward()
         grads = [p.grad for p in self.params]
+        self.grad_targets = list(self.params)
+        if apart is not None:
+            grads.append(apart[1].grad)
+            self.grad_targets.append(apart[0])
         for p, grad in zip(self.params, saved, strict=True):
             p.grad = grad
         return [loss, *grads]
@@ -74,7 +90,7 @@ class AccumulationLoop:
             xlac._xla_sync_multi(self.params, devices=[], wait=False, sync_xla_data=False)
         placeholder = self.place_slice(torch.zeros(tokens.shape[1:], dtype=tokens.dtype).to(device))
         body_inputs = [placeholder, *self.params]
-        body_result = self._body(placeholder, accum)
+        body_result = self._body(placeholder)
         if any(xlac._check_tensor_need_materialization(body_inputs)):
             raise RuntimeError("the micro-step changed its inputs in place; the loop body must be pure")
         ids, values = xlac._get_tensors_xla_device_data_node(body_result, body_inputs)
@@ -85,7 +101,7 @@ class AccumulationLoop:
         graph_to_body = [index_of.get(tid) for tid in ids]
         hoisted = [None if index_of.get(tid) is not None else value for tid, value in zip(ids, values, strict=True)]
         seed_slots = {i for i, tid in enumerate(ids) if tid == seed_id}
-        num_grads = len(self.params)
+        num_grads = len(self.grad_targets)
 
         builder = xb.create_builder("grad_acc")
         example = self._loop_inputs(_BuiltLoop(None, graph_to_body, hoisted, seed_slots, num_grads), tokens)
@@ -110,7 +126,14 @@ class AccumulationLoop:
         def cond_fn(it, *args):
             return it < xb.Op.scalar(it.builder(), accum, dtype=xb.Type.S32)
 
-        computation = xb.Op.mkwhile(ops, cond_fn, body_fn).build("grad_acc_loop_torch_func")
+        # The sums are divided by A after the loop, not each micro-step's loss before its backward: a multiply
+        # between a gradient's all-reduce and its accumulator keeps XLA from moving the all-reduce out of the loop
+        # (WhileLoopAllReduceCodeMotion sinks one only through adds), so it would run A times a step, not once.
+        loop = xb.Op.mkwhile(ops, cond_fn, body_fn)
+        results = [loop.get_tuple_element(i) for i in range(len(example))]
+        for i in range(1, 2 + num_grads):  # the loss, then the gradients
+            results[i] = results[i] * results[i].scalar_like(1.0 / accum)
+        computation = xb.Op.tuple(results).build("grad_acc_loop_torch_func")
         self.builds += 1
         return _BuiltLoop(computation, graph_to_body, hoisted, seed_slots, num_grads)
 
@@ -120,7 +143,7 @@ class AccumulationLoop:
 
         device, accum = tokens.device, tokens.shape[0]
         grads = []
-        for p in self.params:
+        for p in self.grad_targets:
             grad = torch.zeros_like(p)
             sharding = torch_xla._XLAC._get_xla_op_sharding(p)
             if sharding:  # the gradient laid out as its parameter (as torch_xla's helper does)
@@ -140,7 +163,7 @@ class AccumulationLoop:
 
         _, loss, *outputs = torch_xla._XLAC._xla_user_computation(
             "xla::_op_grad_acc_loop", self._loop_inputs(built, tokens), built.computation)
-        for p, grad in zip(self.params, outputs[:built.num_grads], strict=True):
+        for p, grad in zip(self.grad_targets, outputs[:built.num_grads], strict=True):
             if p.grad is None:
                 p.grad = grad
             else:

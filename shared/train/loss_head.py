@@ -59,15 +59,20 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, padding):
         tokens = targets.numel()
+        # The mean's 1/tokens goes into each chunk before its sums, not onto the sums after: under SPMD those sums
+        # are partial over the sharded batch and all-reduced, and a multiply after an all-reduce keeps XLA from
+        # moving it out of the accumulation loop. In fp16 the scaled gradients would underflow: scaled at the end.
+        scale_early = hidden.dtype != torch.float16
+        inv_tokens = 1.0 / tokens
         loss_sum = hidden.new_zeros((), dtype=torch.float32)
         grad_hidden, grad_weight = [], None
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[1], CHUNK_POSITIONS):
                 losses, logits, lse, is_target = _chunk_terms(hidden, weight, targets, padding, start)
-                loss_sum = loss_sum + losses.sum()
-                # d(sum of losses)/d(logits) = softmax - one-hot, at most 1 in size: fine in bf16 (and in fp16,
-                # where the 1/tokens of the mean would underflow). The mean's 1/tokens is applied in fp32 below.
-                grad_logits = (torch.exp(logits - lse[..., None]) - is_target.float()).to(hidden.dtype)
+                loss_sum = loss_sum + (losses * inv_tokens).sum()
+                # d(sum of losses)/d(logits) = softmax - one-hot, made in fp32, then cast to the matmul's dtype.
+                grad_logits = torch.exp(logits - lse[..., None]) - is_target.float()
+                grad_logits = (grad_logits * inv_tokens if scale_early else grad_logits).to(hidden.dtype)
                 grad_hidden.append((grad_logits @ weight).float())
                 # Summed in the matmul's dtype: under SPMD each chunk's product is a partial sum over the sharded
                 # batch, and XLA reduces a plain sum of them across chips once (a cast between would make it
@@ -75,11 +80,11 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 chunk_grad = torch.einsum("btv,btc->vc", grad_logits, hidden[:, start:start + CHUNK_POSITIONS])
                 grad_weight = chunk_grad if grad_weight is None else grad_weight + chunk_grad
         ctx.save_for_backward(torch.cat(grad_hidden, dim=1), grad_weight.float())
-        ctx.tokens, ctx.dtypes = tokens, (hidden.dtype, weight.dtype)
-        return loss_sum / tokens
+        ctx.late_scale, ctx.dtypes = (1.0 if scale_early else inv_tokens), (hidden.dtype, weight.dtype)
+        return loss_sum
 
     @staticmethod
     def backward(ctx, grad_loss):
         grad_hidden, grad_weight = ctx.saved_tensors
-        scale = grad_loss.float() / ctx.tokens
+        scale = grad_loss.float() if ctx.late_scale == 1.0 else grad_loss.float() * ctx.late_scale
         return (grad_hidden * scale).to(ctx.dtypes[0]), (grad_weight * scale).to(ctx.dtypes[1]), None, None

@@ -5,7 +5,9 @@ The vocabulary is padded to 50304 for faster matmuls; `to_hf_state_dict` trims i
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
@@ -31,6 +33,32 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     if _attention_fn is not None:
         return _attention_fn(q, k, v)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def token_embedding(weight: torch.Tensor, idx: torch.Tensor, grad_apart: torch.Tensor | None = None) -> torch.Tensor:
+    """The rows of `weight` (V, C) at `idx`. With `grad_apart` (a leaf of weight's shape), the lookup's gradient
+    goes to grad_apart.grad instead of weight.grad (see GPT.embedding_grad_apart)."""
+    if grad_apart is None or not torch.is_grad_enabled():
+        return F.embedding(idx, weight)
+    return _EmbeddingGradApart.apply(weight, idx, grad_apart)
+
+
+class _EmbeddingGradApart(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight, idx, grad_apart):
+        ctx.save_for_backward(idx)
+        ctx.num_rows = weight.shape[0]
+        return F.embedding(idx, weight)
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        (idx,) = ctx.saved_tensors
+        width = grad_rows.shape[-1]
+        # The scatter-add runs into a (C, V) zeros, transposed after: XLA folds `accumulator + scatter(zeros, ..)`
+        # into `scatter(accumulator, ..)` (its all-reduce then carries the accumulator and cannot leave the
+        # loop), but not through a transpose.
+        columns = torch.zeros(width, ctx.num_rows, dtype=grad_rows.dtype, device=grad_rows.device)
+        return None, None, columns.index_add(1, idx.reshape(-1), grad_rows.reshape(-1, width).t()).t()
 
 
 class CausalSelfAttention(nn.Module):
@@ -93,9 +121,24 @@ class GPT(nn.Module):
         # (blocks, x) -> x for the whole stack (XLA's scan: one block compiled once). None: a plain loop.
         self.block_checkpoint = None
         self.block_stack = None
+        self._embedding_grad_apart: torch.Tensor | None = None  # set inside embedding_grad_apart() only
         # Padded vocabulary columns are masked out of the loss (not sliced off) so the head's matmul keeps its
         # 128-aligned width: -inf logits add nothing to the softmax and get zero gradient.
         self.register_buffer("vocab_padding", self.vocab_padding_mask(), persistent=False)
+
+    @contextlib.contextmanager
+    def embedding_grad_apart(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """While inside, the token lookup's gradient goes to a leaf of its own, yielded with wte's weight, instead
+        of into wte.weight.grad beside the tied head's. Under SPMD each of the two is all-reduced; XLA's
+        WhileLoopAllReduceCodeMotion moves an all-reduce out of the accumulation loop only when it reaches an
+        accumulator of its own through adds, so the loop keeps two sums for wte and adds them after it
+        (shared/train/accum_loop.py): its gradient is then all-reduced once a step, not every micro-step."""
+        weight = self.transformer.wte.weight
+        self._embedding_grad_apart = torch.empty_like(weight).requires_grad_()  # never read: only its .grad
+        try:
+            yield weight, self._embedding_grad_apart
+        finally:
+            self._embedding_grad_apart = None
 
     def vocab_padding_mask(self, device: torch.device | str | None = None) -> torch.Tensor:
         """True at the vocabulary's padded columns (past GPT-2's 50257 tokens)."""
@@ -173,9 +216,10 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """(logits (B, T, 50257), None), or with targets (None, the mean cross-entropy over all positions)."""
-        T = idx.shape[1]
-        pos = torch.arange(T, device=idx.device)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        # The positions are a slice, not a lookup of arange(T): its gradient is the batch's sum, which XLA can
+        # all-reduce once after the accumulation loop (a lookup's is a scatter it keeps inside).
+        x = (token_embedding(self.transformer.wte.weight, idx, self._embedding_grad_apart)
+             + self.transformer.wpe.weight[: idx.shape[1]])
         if self.block_stack is not None:
             x = self.block_stack(self.transformer.h, x)
         else:

@@ -157,7 +157,8 @@ class XlaRuntime(Runtime):
         if self._accum_loop is None or self._accum_loop[:2] != (model, bf16):
             from shared.train.accum_loop import AccumulationLoop
 
-            loop = AccumulationLoop(micro_step, list(model.parameters()), place_slice=self.shard_batch)
+            loop = AccumulationLoop(micro_step, list(model.parameters()), place_slice=self.shard_batch,
+                                    grad_apart=getattr(model, "embedding_grad_apart", None))
             self._accum_loop = (model, bf16, loop)
         return self._accum_loop[2](tokens_on_device)
 

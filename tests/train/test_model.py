@@ -1,5 +1,6 @@
 """The model: GPT-2 init, tied embeddings, and exact agreement with Hugging Face's GPT2LMHeadModel."""
 
+import copy
 import math
 
 import pytest
@@ -81,6 +82,36 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients():
     assert loss.item() == plain_loss.item()
     for name, p in model.named_parameters():
         assert torch.allclose(p.grad, plain_grads[name], atol=1e-7), name
+
+
+def test_the_token_lookups_gradient_kept_apart_adds_up_to_the_tied_weights_gradient():
+    # Inside embedding_grad_apart the token lookup's gradient goes to a leaf of its own, and wte.weight.grad
+    # keeps only the tied head's. Checked against the same model untied (the head a copy of wte, its own
+    # Parameter), where autograd itself gives the two parts apart; and the two add up to the tied gradient.
+    torch.manual_seed(0)
+    model = GPT(SMALL)
+    idx = torch.randint(0, 40, (3, 17))  # a small range of token ids: many repeats
+    _, plain_loss = model(idx[:, :-1], idx[:, 1:])
+    plain_loss.backward()
+    plain = {n: p.grad.clone() for n, p in model.named_parameters()}
+    untied = copy.deepcopy(model)
+    untied.lm_head.weight = torch.nn.Parameter(untied.transformer.wte.weight.detach().clone())
+    untied.zero_grad()
+    untied(idx[:, :-1], idx[:, 1:])[1].backward()
+    model.zero_grad()
+    with model.embedding_grad_apart() as (weight, apart):
+        assert weight is model.transformer.wte.weight and apart.shape == weight.shape
+        _, loss = model(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+    assert model._embedding_grad_apart is None  # outside, the plain lookup again
+    assert loss.item() == plain_loss.item()
+    assert torch.allclose(apart.grad, untied.transformer.wte.weight.grad, atol=1e-7)
+    assert apart.grad[40:].abs().max() == 0 and apart.grad[:40].abs().max() > 0  # only the tokens looked up
+    assert torch.allclose(weight.grad, untied.lm_head.weight.grad, atol=1e-7)
+    assert torch.allclose(weight.grad + apart.grad, plain["transformer.wte.weight"], atol=1e-7)
+    for name, p in model.named_parameters():
+        if name != "transformer.wte.weight":
+            assert torch.equal(p.grad, plain[name]), name
 
 
 def _random_tokens(n=3, t=20, seed=1):

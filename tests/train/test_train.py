@@ -291,7 +291,9 @@ def test_step_structures_train_the_same_model(demo_data, tmp_path):
 def test_own_accumulation_loop_equals_torch_xlas_helper_and_is_traced_once():
     # The project's loop (traced on the first step, reused after, no device wait) against torch_xla's
     # gradient_accumulation (a device wait and a full re-trace every step): the same tokens give bit-identical
-    # losses and parameters, and the body is built once.
+    # losses and parameters, and the body is built once. Except wte's last bits: the loop sums the token
+    # lookup's gradient apart from the tied head's and adds the two after it (so that XLA can all-reduce each
+    # once a step), torch_xla's helper adds them every micro-step: fp32 rounding, nothing more.
     from shared.train.device import make_runtime
     from shared.train.model import GPT
     from shared.train.xla_runtime import count_device_waits
@@ -319,7 +321,13 @@ def test_own_accumulation_loop_equals_torch_xlas_helper_and_is_traced_once():
     finally:
         runtime.accum_impl = "own"
     (ref_losses, ref_params, ref_waits), (losses, params, waits) = results["torch_xla"], results["own"]
-    assert losses == ref_losses and all(torch.equal(a, b) for a, b in zip(params, ref_params, strict=True))
+    names = [name for name, _ in GPT(cfg.model).named_parameters()]
+    assert losses == ref_losses
+    for name, a, b in zip(names, params, ref_params, strict=True):
+        if name == "transformer.wte.weight":
+            assert (a - b).abs().max().item() < 1e-7 * b.abs().max().item(), name
+        else:
+            assert torch.equal(a, b), name
     assert ref_waits == 3 and waits == 0  # torch_xla's helper waits for the device once per step
     assert runtime._accum_loop[2].builds == 1
 
