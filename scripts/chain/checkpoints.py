@@ -33,22 +33,27 @@ def dataset_step(ctx: StageContext, ref: str, version: int = 0) -> int:
     """The step of the checkpoint that version `version` of the dataset holds (0: none), read from exactly that
     version; without one, from whatever Kaggle serves as the newest (right after a publish, maybe the previous).
     A version believed ready whose manifest answers 404 is read as holding none only where its own file list
-    lacks the manifest; otherwise the download is tried again, and never read as "no checkpoint" (which would
+    names other files and not the manifest; where it lists the manifest, or nothing yet (a version is never
+    empty: a listing that lags), the download is tried again, and never read as "no checkpoint" (which would
     train the run again from an older step)."""
     dest = ctx.workdir / "dataset-probe"
     wait = MANIFEST_404_WAIT_S
     for attempt in range(MANIFEST_404_TRIES):
         if download_dataset_file(ctx, ref, version, MANIFEST, dest / MANIFEST):
             return checkpoint_step(dest) or 0
-        if not version or MANIFEST not in version_files(ctx, ref, version):
+        if not version:
             return 0
+        files = version_files(ctx, ref, version)
+        if files and MANIFEST not in files:
+            return 0
+        listed = f"lists {MANIFEST}" if files else "lists no files yet"
         if attempt + 1 < MANIFEST_404_TRIES:
-            ctx.log(f"notice: version {version} of {ref} lists {MANIFEST}, but its download answered 404; "
+            ctx.log(f"notice: version {version} of {ref} {listed}, but its download answered 404; "
                     f"trying again in {wait:.0f} s")
             ctx.client.sleep(wait)
             wait *= 2
-    raise UserError(f"dataset {ref}: version {version} lists {MANIFEST}, but {MANIFEST_404_TRIES} downloads of it "
-                    "answered 404; not reading that as 'no checkpoint': run the chain again later")
+    raise UserError(f"dataset {ref}: version {version} {listed}, but {MANIFEST_404_TRIES} downloads of its "
+                    f"{MANIFEST} answered 404; not reading that as 'no checkpoint': run the chain again later")
 
 
 def version_files(ctx: StageContext, ref: str, version: int) -> set[str]:

@@ -4,12 +4,14 @@ max_failed_sessions times in a row. Also where the train and eval kernels find t
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from scripts.chain.build import build_kernel
 from scripts.chain.context import StageContext
 from scripts.chain.notebooks import QUICK_SAVE_ID
 from shared.errors import UserError
+from shared.tokenize.manifest import MANIFEST
 
 
 def token_part_ref(ctx: StageContext, part: int) -> str:
@@ -37,8 +39,28 @@ class TokenizeStage:
             if done.get(str(part)) == "COMPLETE":
                 continue
             self.run_part(part, parts)
+            self.check_part_tokens(part, parts)
             done[str(part)] = "COMPLETE"
             ctx.state.save()
+
+    def check_part_tokens(self, part: int, parts: int) -> None:
+        """A part that reached its session's deadline ended cleanly with fewer tokens than tokens_per_part
+        (shared/tokenize/part.py): the next part continues the stream from where it stopped, so no document is
+        lost or read twice, but the run holds fewer tokens than planned. Say so once, with the shortfall."""
+        ctx = self.ctx
+        dest = ctx.workdir / "sessions" / f"tokenize-{part}"
+        ctx.client.download_output(token_part_ref(ctx, part), dest, pattern=f"^{MANIFEST}$")
+        if not (dest / MANIFEST).exists():
+            return
+        manifest = json.loads((dest / MANIFEST).read_text())
+        if manifest.get("stop_reason") != "session_deadline":
+            return
+        made, planned = int(manifest.get("num_tokens") or 0), int(manifest.get("tokens_per_part") or 0)
+        ctx.state.data.setdefault("tokenize_short", {})[str(part)] = planned - made
+        then = f"part {part + 1} continues the stream from there; " if part + 1 < parts else ""
+        ctx.log(f"notice: tokenize part {part} reached its session's deadline with {made:,} of its {planned:,} "
+                f"tokens: {then}the run holds {planned - made:,} tokens fewer than planned (training starts a new "
+                "epoch over the parts where it runs out)")
 
     def run_part(self, part: int, parts: int) -> None:
         """Push part `part` until a session of it completes (a part complete before the chain's state knew of

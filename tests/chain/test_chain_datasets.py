@@ -97,6 +97,23 @@ def test_a_404_on_a_ready_versions_manifest_is_tried_again_and_never_read_as_no_
     out, log = probe(lk, tmp_path, body)
     assert out == {"v2": 20, "v1": 0}
     assert log.count("lists checkpoint.json, but its download answered 404; trying again") == 2
+    # A listing that lags (no files yet: a version is never empty) is no "no checkpoint" either.
+    lk.app.inject("http", match="DownloadDataset", status=404, count=1)
+    out, log = probe(lk, tmp_path, """
+        import scripts.chain.checkpoints as checkpoints
+        checkpoints.MANIFEST_404_WAIT_S = 0.01
+        listed = checkpoints.version_files
+        calls = []
+
+        def lagging(ctx, ref, version):
+            calls.append(version)
+            return set() if len(calls) == 1 else listed(ctx, ref, version)
+
+        checkpoints.version_files = lagging
+        out["v2"] = dataset_step(ctx, CKPT, 2)
+    """)
+    assert out == {"v2": 20}
+    assert log.count("version 2 of " + CKPT + " lists no files yet, but its download answered 404; trying again") == 1
     lk.app.inject("http", match="DownloadDataset", status=404, count=100)
     out, log = probe(lk, tmp_path, """
         import scripts.chain.checkpoints as checkpoints
@@ -106,8 +123,8 @@ def test_a_404_on_a_ready_versions_manifest_is_tried_again_and_never_read_as_no_
         except UserError as err:
             out["error"] = str(err)
     """)
-    assert out["error"] == (f"dataset {CKPT}: version 2 lists checkpoint.json, but 4 downloads of it answered 404; "
-                            "not reading that as 'no checkpoint': run the chain again later")
+    assert out["error"] == (f"dataset {CKPT}: version 2 lists checkpoint.json, but 4 downloads of its checkpoint.json "
+                            "answered 404; not reading that as 'no checkpoint': run the chain again later")
 
 
 SESSION_OUTPUT = """
@@ -551,3 +568,33 @@ def test_the_eval_kernel_expects_the_version_the_last_session_left(local_kaggle,
         out["expects"] = '"expect_step": 20' in code and '"expect_version": 3' in code
     """)
     assert out == {"expects": True}
+
+
+PART_OUTPUT = """
+import json
+from pathlib import Path
+Path("manifest.json").write_text(json.dumps({manifest!r}))
+"""
+
+
+def test_a_tokenize_part_cut_short_by_its_sessions_deadline_is_told_with_its_shortfall(local_kaggle, tmp_path):
+    # Part 0 ended at its session's deadline (shared/tokenize/part.py writes stop_reason "session_deadline"),
+    # part 1 at its token count: the chain says how many tokens the run lacks, once, for part 0 only.
+    lk = local_kaggle
+    parts = {0: {"complete": True, "stop_reason": "session_deadline", "num_tokens": 61_000, "tokens_per_part": 100_000},
+             1: {"complete": True, "stop_reason": "tokens_per_part", "num_tokens": 100_000, "tokens_per_part": 100_000}}
+    for part, manifest in parts.items():
+        ref = f"alice/unit-run-tokens-part-{part}"
+        lk.cli("kernels", "push", "-p", str(write_kernel(tmp_path / f"part-{part}", ref,
+                                                          PART_OUTPUT.format(manifest=manifest))))
+        assert lk.wait(ref) == ("COMPLETE", None)
+    out, log = probe(lk, tmp_path, """
+        chain.tokenize.run()
+        out["short"] = chain.state.data.get("tokenize_short")
+        out["done"] = chain.state.data.get("tokenize")
+    """, token_datasets=[], tokenize={"parts": 2})
+    assert out == {"short": {"0": 39_000}, "done": {"0": "COMPLETE", "1": "COMPLETE"}}
+    assert ("notice: tokenize part 0 reached its session's deadline with 61,000 of its 100,000 tokens: part 1 "
+            "continues the stream from there; the run holds 39,000 tokens fewer than planned (training starts a new "
+            "epoch over the parts where it runs out)") in log
+    assert log.count("reached its session's deadline") == 1
