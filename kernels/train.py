@@ -25,18 +25,22 @@ def main() -> None:
 
     started = process_start()  # --session-deadline counts from here: the bootstrap's installs and fetch included
     cfg = parse_dataclass(TrainConfig, description=__doc__, defaults=BAKED_SETTINGS)
+    from shared.kaggle.env import kaggle_paths
     from shared.kaggle.packages import installed_seconds
-    from shared.kaggle.publish import after_training
+    from shared.kaggle.publish import MidwayPublish, after_training
     from shared.kaggle.secrets import wandb_key
     from shared.train.trainer import train
 
     installs = installed_seconds()
+    # A build whose sessions are long publishes one checkpoint midway through too (PublishPlan.midway_s).
+    midway = (MidwayPublish(BAKED_PUBLISH, started, kaggle_paths().temp / "gpt2k-midway")
+              if getattr(BAKED_PUBLISH, "midway_s", 0) else None)
     result = train(cfg, wandb_key=wandb_key() if cfg.wandb_project else None, started=started,
-                   startup_parts={"packages": installs} if installs else None)
+                   startup_parts={"packages": installs} if installs else None, on_checkpoint=midway)
     # The session is killed publish_s after its deadline (the chain's publish margin): the publish gives up before.
     publish_s = getattr(BAKED_PUBLISH, "publish_s", 0)
     end = started + cfg.session_deadline + publish_s if cfg.session_deadline and publish_s else None
-    after_training(result, BAKED_PUBLISH, session_end=end)  # publishes the final checkpoint where the build says so
+    after_training(result, BAKED_PUBLISH, session_end=end, midway=midway)  # the final checkpoint, where built so
 
 
 if __name__ == "__main__":

@@ -134,9 +134,12 @@ def delete_old_on_publish(ctx: StageContext, current: int) -> bool:
 
 
 def note_version(ctx: StageContext, number: int, deleted_old: bool) -> None:
-    """Record a new checkpoint version that verified (and whether its publish deleted the older ones)."""
-    known = known_versions(ctx, number - 1)
-    ctx.state.data["checkpoint_versions"] = [number] if deleted_old else [v for v in known if v < number] + [number]
+    """Record a new checkpoint version that verified (and whether its publish deleted the older ones). Without a
+    delete, every number since the last one known counts as live too: a session may have made more than one (its
+    midway publish, shared/kaggle/publish.py MidwayPublish), and deleting early beats filling the quota."""
+    older = [v for v in known_versions(ctx, number - 1) if v < number]
+    since = range((older[-1] if older else number - 1) + 1, number + 1)
+    ctx.state.data["checkpoint_versions"] = [number] if deleted_old else older + list(since)
     ctx.state.save()
 
 

@@ -14,6 +14,7 @@ from scripts.chain.build import check_settings
 from scripts.chain.limits import (
     ASSUMED_UPLOAD_BYTES_PER_S,
     MACHINE_SHAPES,
+    MIDWAY_PUBLISH_MIN_S,
     OUTPUT_LIMIT_BYTES,
     SESSION_MAX_S,
     session_devices,
@@ -128,6 +129,13 @@ class ChainConfig:
         """The training a session plans on: session_train_s where sessions are sized from measured start-up, else
         the limit less both margins."""
         return self.session_train_s or self.session_limit_s - self.startup_margin_s - self.publish_margin_s
+
+    def midway_publish_s(self, limit_s: float) -> float:
+        """When a train session of `limit_s` publishes a checkpoint midway too, in seconds from its start (0: it
+        does not): half its deadline, in sessions of MIDWAY_PUBLISH_MIN_S or more. Where Kaggle starts its clock is
+        not verified and a kill discards the output, so a long session that is killed early still leaves that
+        checkpoint (shared/kaggle/publish.py MidwayPublish); a short one has little to lose."""
+        return (limit_s - self.publish_margin_s) / 2 if limit_s >= MIDWAY_PUBLISH_MIN_S else 0.0
 
     def session_clock(self, limit_s: float) -> dict:
         """A train session's time settings, for a session of `limit_s`: training stops by the limit less the publish

@@ -49,6 +49,9 @@ SESSION_MAX_S = {"tpu": NINE_HOURS, "gpu": NINE_HOURS, "cpu": 12 * 3600}
 OUTPUT_LIMIT_BYTES = 20 * 10**9
 # Upload rate assumed for sizing the publish margin of large checkpoints (not measured on Kaggle).
 ASSUMED_UPLOAD_BYTES_PER_S = 10 * 10**6
+# Train sessions this long or longer also publish a checkpoint midway (ChainConfig.midway_publish_s): a kill before
+# their end would otherwise lose hours. Shorter ones (the demo's, a smoke) have little to lose and publish once.
+MIDWAY_PUBLISH_MIN_S = 3600.0
 
 
 

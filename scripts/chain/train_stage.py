@@ -156,7 +156,8 @@ class TrainStage:
                                                 "title": f"{cfg.name} checkpoints", "expect_step": expect_step,
                                                 "expect_version": expect_version, "delete_old_versions": delete_old,
                                                 "verify_s": publish_verify_s(cfg.train),
-                                                "publish_s": cfg.publish_margin_s},
+                                                "publish_s": cfg.publish_margin_s,
+                                                "midway_s": cfg.midway_publish_s(limit_s or cfg.session_limit_s)},
                             push_id=push_id)
 
     def wandb_run_id(self) -> str:

@@ -128,7 +128,8 @@ def resolve_build(build: dict, log=print) -> BuiltKernel:
                        problem=problem, delete_old_versions=bool(ckpt.get("delete_old_versions")),
                        resume_root=settings.get(ckpt.get("resume_setting") or "") if input_step else None,
                        extend=bool(settings.get("extend")), verify_s=float(ckpt.get("verify_s") or 0),
-                       credential=credential, publish_s=float(ckpt.get("publish_s") or 0))
+                       credential=credential, publish_s=float(ckpt.get("publish_s") or 0),
+                       midway_s=float(ckpt.get("midway_s") or 0))
     return BuiltKernel(settings, plan)
 
 

@@ -22,8 +22,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from shared.checkpoint_names import CHECKPOINT_PREFIX, STABLE_DIR
@@ -123,6 +124,9 @@ class PublishPlan:
     verify_s: float = 0.0  # > 0: wait that long for the new version and publish again if it failed (verify_publish)
     credential: str | None = None  # the one the bootstrap proved (shared/kaggle/credential.py); None: the clients'
     publish_s: float = 0.0  # the chain's publish margin: the session is killed that long after its deadline
+    # > 0: the first checkpoint written this long after the session's start is published too, while training goes
+    # on (MidwayPublish): where Kaggle starts its clock is not verified, and a kill discards the output.
+    midway_s: float = 0.0
 
 
 # The wait for a publish whose checkpoint has no other copy (kept in /kaggle/temp, not in the output): a version that
@@ -294,9 +298,12 @@ def _write_record(record: dict) -> None:
         pass
 
 
-def _publish(plan: PublishPlan, ckpt, step: int, record: dict, log) -> None:
+def _publish(plan: PublishPlan, ckpt, step: int, record: dict, log, work_dir: Path | None = None,
+             stable: Path | None = None) -> None:
     """Publish checkpoint `ckpt` as `plan` says, with the credential it names; refused (401, 403) with the
-    notebook's token, once more with the attached key where there is one. Fills `record`."""
+    notebook's token, once more with the attached key where there is one. Fills `record`. `work_dir`: where the
+    upload folder is made (default /kaggle/temp); `stable`: the stable-phase checkpoint to carry (default: the
+    one beside `ckpt` or in the checkpoints it resumed from)."""
     from shared.kaggle.env import kaggle_paths
 
     dataset, delete_old = plan.dataset, plan.delete_old_versions
@@ -304,11 +311,12 @@ def _publish(plan: PublishPlan, ckpt, step: int, record: dict, log) -> None:
         use_credential(plan.credential)
     api = kaggle_api(from_secrets=plan.credential is None)  # None: a plan made without the bootstrap's proof
     began = time.monotonic()
-    stable = stable_checkpoint(Path(ckpt).parent, plan.resume_root)
+    stable = stable or stable_checkpoint(Path(ckpt).parent, plan.resume_root)
     before = dataset_version(api, dataset)[0] if plan.verify_s else 0
+    work_dir = work_dir or kaggle_paths().temp
 
     def push(delete: bool) -> dict:
-        return publish_checkpoint(api, ckpt, dataset, kaggle_paths().temp, plan.title, delete_old_versions=delete,
+        return publish_checkpoint(api, ckpt, dataset, work_dir, plan.title, delete_old_versions=delete,
                                   stable=stable)
 
     try:
@@ -330,6 +338,60 @@ def _publish(plan: PublishPlan, ckpt, step: int, record: dict, log) -> None:
         record.update(verify_publish(api, dataset, before, plan.verify_s, log=log, republish=lambda: push(False)))
 
 
+class MidwayPublish:
+    """Called after each checkpoint the trainer writes (`train(on_checkpoint=...)`): the first one written at least
+    `plan.midway_s` after the session's start is published as a new version while training goes on, keeping every
+    older version; the final publish waits for it (`after_training(midway=...)`). Where Kaggle starts a session's
+    clock is not verified, and a kill discards /kaggle/working: a session killed before its final publish then
+    leaves this checkpoint, not the one it resumed from. The checkpoint is linked into a folder of its own first,
+    so the trainer's rotation may delete it while the upload runs. A publish that fails is one notice, no more."""
+
+    def __init__(self, plan: PublishPlan, started: float, work_dir: Path, log=print):
+        self.plan = replace(plan, delete_old_versions=False, verify_s=0.0)  # never deletes; the final one verifies
+        self.started, self.work_dir, self.log = started, Path(work_dir), log
+        self.thread: threading.Thread | None = None
+        self.step: int | None = None
+        self.record: dict = {}
+
+    def __call__(self, step: int, ckpt: Path) -> None:
+        due = self.plan.midway_s > 0 and time.monotonic() - self.started >= self.plan.midway_s
+        if self.thread is not None or not due or self.plan.problem:
+            return
+        snapshot = self.work_dir / "checkpoint"
+        shutil.rmtree(self.work_dir, ignore_errors=True)
+        snapshot.mkdir(parents=True)
+        for f, name in checkpoint_files(ckpt):
+            link_or_copy(f, snapshot / name)
+        stable = stable_checkpoint(Path(ckpt).parent, self.plan.resume_root)
+        if stable is not None:
+            (self.work_dir / "stable").mkdir()
+            for f, name in checkpoint_files(stable):
+                link_or_copy(f, self.work_dir / "stable" / name)
+            stable = self.work_dir / "stable"
+        self.step = step
+        self.log(f"publish: checkpoint step {step} midway through the session, while training goes on "
+                 f"(a kill before the session's end leaves it)")
+        self.thread = threading.Thread(target=self._run, args=(step, snapshot, stable), daemon=True,
+                                       name="midway-publish")
+        self.thread.start()
+
+    def _run(self, step: int, snapshot: Path, stable: Path | None) -> None:
+        try:
+            _publish(self.plan, snapshot, step, self.record, self.log, work_dir=self.work_dir / "upload",
+                     stable=stable)
+        except Exception as err:  # the final publish is what counts: one line, secrets masked
+            self.record["reason"] = describe_error(err, secret_values())
+            self.log(f"notice: the midway publish of step {step} failed ({self.record['reason']}); the session's "
+                     "final publish goes on as planned")
+        finally:
+            shutil.rmtree(self.work_dir, ignore_errors=True)  # its links or copies: gpt2-xl's are 18 GB
+
+    def wait(self) -> None:
+        """Until the midway publish (if any) is done: two uploads at once would share neither folder nor order."""
+        if self.thread is not None:
+            self.thread.join()
+
+
 # Left between a publish that gives up and the session's kill: writing the record and the process's exit, so that
 # Kaggle saves the output (a kill discards /kaggle/working, and with it the checkpoint the chain would publish).
 # At most a quarter of the publish margin, which short local sessions keep to seconds.
@@ -337,12 +399,14 @@ PUBLISH_EXIT_S = 60.0
 PUBLISH_EXIT_SHARE = 0.25
 
 
-def after_training(result, plan: PublishPlan | None, log=print, session_end: float | None = None) -> dict | None:
+def after_training(result, plan: PublishPlan | None, log=print, session_end: float | None = None,
+                   midway: MidwayPublish | None = None) -> dict | None:
     """Called by kernels/train.py after train(): publish the final checkpoint as `plan` (the build's, from the
     bootstrap) says; a no-op without one (local runs, or a kernel built without a checkpoint dataset). With
     `session_end` (the monotonic time the session is killed at), a publish still running PUBLISH_EXIT_S (at most
     a quarter of the publish margin) before it is given up, in one line, so the session ends by itself and its
-    output is kept. Never raises."""
+    output is kept. `midway`: a publish made during training, waited for (within the same limit) first. Never
+    raises."""
     if plan is None:
         return None
     dataset = plan.dataset
@@ -364,13 +428,17 @@ def after_training(result, plan: PublishPlan | None, log=print, session_end: flo
         record["reason"] = plan.problem
         log(f"publish: step {step} stays in the kernel output for the chain script to publish")
     else:
+        def publish() -> None:
+            if midway is not None:
+                midway.wait()
+            _publish(plan, ckpt, step, record, log)
+
         try:
             if session_end is None:
-                _publish(plan, ckpt, step, record, log)
+                publish()
             else:
                 exit_s = min(PUBLISH_EXIT_S, PUBLISH_EXIT_SHARE * plan.publish_s)
-                within(max(session_end - time.monotonic() - exit_s, 1.0),
-                       lambda: _publish(plan, ckpt, step, record, log))
+                within(max(session_end - time.monotonic() - exit_s, 1.0), publish)
         except UserError as err:
             record["reason"] = str(err)
             log(f"warning: could not publish step {step} to {dataset}: {err}; it stays in the kernel output")
@@ -378,5 +446,7 @@ def after_training(result, plan: PublishPlan | None, log=print, session_end: flo
             record["reason"] = describe_error(err, secret_values())
             log(f"warning: could not publish step {step} to {dataset} ({record['reason']}); "
                 "it stays in the kernel output for the chain script to publish")
+    if midway is not None and midway.thread is not None:
+        record["midway"] = {"step": midway.step, **midway.record}
     _write_record(record)
     return record

@@ -219,22 +219,30 @@ def log_projection(cfg: TrainConfig, logger: MetricsLogger, at_step: int, stable
                   "verdict": found.verdict, "steps_needed": found.steps_needed})
 
 
+# Called after each checkpoint of the rotation with (step, path); None: nothing.
+OnSave = Callable[[int, Path], None] | None
+
+
 class Checkpointer:
     """Decides when to write a checkpoint and times each write: every `checkpoint_every` steps, where a wsd
     run's stable phase ends (apart, in <root>/stable/, out of rotation: --extend trains on from it), and at the
     session's end. `write(root, step, keep)` is the trainer's: it gathers the tensors and saves them."""
 
     def __init__(self, cfg: TrainConfig, root: Path, step: int, timer: CheckpointTimer,
-                 write: Callable[[Path, int, int], Path]):
-        self.cfg, self.root, self.timer, self.write = cfg, root, timer, write
+                 write: Callable[[Path, int, int], Path], on_save: OnSave = None):
+        """on_save(step, path): called after each checkpoint of the rotation (not the stable phase's, not the
+        session's last), e.g. to publish one midway through a session (shared/kaggle/publish.py MidwayPublish)."""
+        self.cfg, self.root, self.timer, self.write, self.on_save = cfg, root, timer, write, on_save
         self.stable_end = stable_phase_end(cfg) if cfg.keep_stable else None
         self.saved_step = step
 
     def maybe_save(self, step: int) -> None:
         every = self.cfg.checkpoint_every
         if every and step % every == 0 and step < self.cfg.max_steps:
-            self.write(self.root, step, self.cfg.keep_checkpoints)
+            path = self.write(self.root, step, self.cfg.keep_checkpoints)
             self.saved_step = step
+            if self.on_save is not None:
+                self.on_save(step, path)
         if step == self.stable_end:
             self.write(self.root / STABLE_DIR, step, 1)
 

@@ -32,6 +32,7 @@ from shared.train.session import (
     Checkpointer,
     CheckpointWriter,
     Evaluator,
+    OnSave,
     StepLog,
     check_resumable,
     log_projection,
@@ -52,9 +53,9 @@ class TrainResult:
 
 
 def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key: str | None = None,
-          started: float | None = None, startup_parts: dict | None = None) -> TrainResult:
-    """One session. `started`: the monotonic time the session began (a kernel's process start), which
-    --session-deadline counts from (default: now); `startup_parts`: seconds spent before this call, by name."""
+          started: float | None = None, startup_parts: dict | None = None, on_checkpoint: OnSave = None) -> TrainResult:
+    """One session. `started`: the monotonic time the session began (a kernel's process start; --session-deadline
+    counts from it); `startup_parts`: seconds before this call, by name; `on_checkpoint`: see Checkpointer."""
     session_start = time.monotonic()
     cfg.validate()  # the flags; the device count is checked once the runtime is up
     out_dir = Path(cfg.out_dir)
@@ -94,7 +95,7 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
     background = BackgroundCalls(threaded=runtime.name == "xla" and not train_step.plan.scan_layers)
     write = CheckpointWriter(cfg, runtime, model, train_step, loader, ckpt_timer, compile_cache, logger, background,
                              ckpt_root, session_start)
-    checkpointer = Checkpointer(cfg, ckpt_root, start_step, ckpt_timer, write)
+    checkpointer = Checkpointer(cfg, ckpt_root, start_step, ckpt_timer, write, on_checkpoint)
     evaluator = Evaluator(model, runtime, cfg, val_loader, logger, background)
     step_log = StepLog(runtime, logger, background, start_step, cfg.total_batch_tokens, cfg.model.flops_per_token(),
                        session_start)

@@ -598,3 +598,37 @@ def test_a_tokenize_part_cut_short_by_its_sessions_deadline_is_told_with_its_sho
             "continues the stream from there; the run holds 39,000 tokens fewer than planned (training starts a new "
             "epoch over the parts where it runs out)") in log
     assert log.count("reached its session's deadline") == 1
+
+
+def test_a_session_killed_after_its_midway_publish_resumes_the_chain_from_that_checkpoint(local_kaggle, tmp_path):
+    # Killed before its end (a kill discards the output: no publish record), the session had published a checkpoint
+    # midway (shared/kaggle/publish.py MidwayPublish): the chain takes that version and step, and counts it live.
+    lk = local_kaggle
+    add_version(lk, tmp_path, CKPT, {"checkpoint.json": manifest(10)})
+    lk.cli("kernels", "push", "-p", str(write_kernel(tmp_path / "k", "alice/unit-run-train",
+                                                      "raise SystemExit('killed at the limit')")))
+    assert lk.wait("alice/unit-run-train")[0] == "ERROR"
+    add_version(lk, tmp_path, CKPT, {"checkpoint.json": manifest(25)})  # its midway publish
+    out, _ = probe(lk, tmp_path, """
+        ctx.state.data["checkpoint_versions"] = [1]
+        sess = {"n": 1, "key": "train-1", "version": 1, "ckpt_version": 1, "step_before": 10, "delete_old": False}
+        version, step, info = chain.train.after_session("alice/unit-run-train", sess, CKPT)
+        out["after"] = [version, step, info["ckpt_version_after"]]
+        out["live"] = ctx.state.data["checkpoint_versions"]
+    """)
+    assert out == {"after": [2, 25, 2], "live": [1, 2]}
+
+
+def test_a_session_that_made_two_versions_has_both_counted_live_unless_it_deleted_the_older(local_kaggle, tmp_path):
+    # Its midway publish (version 2) and its final one (3): both count against keep_dataset_versions.
+    out, _ = probe(local_kaggle, tmp_path, """
+        ctx.state.data["checkpoint_versions"] = [1]
+        note_version(ctx, 3, False)
+        out["kept"] = list(ctx.state.data["checkpoint_versions"])
+        note_version(ctx, 5, True)
+        out["deleted"] = list(ctx.state.data["checkpoint_versions"])
+        out["delete_next"] = delete_old_on_publish(ctx, 5)
+        note_version(ctx, 6, False)
+        out["after"] = list(ctx.state.data["checkpoint_versions"])
+    """, keep_dataset_versions=2)
+    assert out == {"kept": [1, 2, 3], "deleted": [5], "delete_next": False, "after": [5, 6]}

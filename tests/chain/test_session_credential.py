@@ -176,3 +176,77 @@ def test_a_message_about_a_failed_call_never_shows_the_notebooks_token(tmp_path,
     finally:
         use_credential(NOTEBOOK_TOKEN)
     assert os.environ["KAGGLE_API_V1_TOKEN"] == str(token)
+
+
+# A train session that publishes a checkpoint midway (PublishPlan.midway_s) while "training" goes on: the trainer's
+# rotation deletes that checkpoint right after, and the session then ends with its final one.
+MIDWAY_SESSION = f"""
+import json, pathlib, shutil, time
+from shared.errors import run_cli
+from shared.kaggle.bootstrap import resolve_build
+from shared.kaggle.env import kaggle_paths
+from shared.kaggle.publish import MANIFEST, MidwayPublish, after_training
+
+BUILD = {{"kernel": "train", "accelerator": "",
+         "settings": {{"out_dir": "{{working}}/train", "checkpoint_dir": "{{temp}}/checkpoints"}},
+         "checkpoint_dataset": {{"dataset": "{DATASET}", "publish": True, "expect_step": 0, "midway_s": 1800}}}}
+
+def checkpoint(step):
+    ckpt = pathlib.Path(built.settings["checkpoint_dir"]) / f"step_{{step:06d}}"
+    ckpt.mkdir(parents=True)
+    (ckpt / MANIFEST).write_text(json.dumps({{"step": step, "files": {{}}}}))
+    (ckpt / "model.safetensors").write_bytes(f"weights-at-step-{{step}}".encode())
+    return ckpt
+
+def main():
+    global built
+    built = resolve_build(BUILD)
+    midway = MidwayPublish(built.publish, time.monotonic(), kaggle_paths().temp / "gpt2k-midway")
+    midway(10, checkpoint(10))  # before midway_s: not published
+    midway.started -= 3600  # an hour later
+    midway(20, checkpoint(20))  # the first one past it: published, while "training" goes on
+    shutil.rmtree(pathlib.Path(built.settings["checkpoint_dir"]) / "step_000010")
+    shutil.rmtree(pathlib.Path(built.settings["checkpoint_dir"]) / "step_000020")  # the rotation
+    midway(30, checkpoint(30))  # one midway publish a session
+
+    class Result:
+        step, checkpoint, start_step = 40, checkpoint(40), 0
+
+    record = after_training(Result(), built.publish, midway=midway)
+    print("RECORD " + json.dumps(record, default=str), flush=True)
+
+run_cli(main)
+"""
+
+
+def test_a_long_session_publishes_a_checkpoint_midway_that_survives_the_rotation_then_its_final_one(local_kaggle,
+                                                                                                      tmp_path):
+    lk = local_kaggle
+    lk.cli("datasets", "create", "-p", str(write_dataset(tmp_path / "ds", DATASET, {"README.md": "no checkpoint"})))
+    lk.cli("kernels", "push", "-p", str(write_kernel(tmp_path / "k", REF, MIDWAY_SESSION, enable_internet=True)))
+    status, _ = lk.wait(REF, timeout=120)
+    log = (_version_dir(lk) / "log.jsonl").read_text()
+    lines = "".join(json.loads(line)["data"] for line in log.splitlines()).splitlines()
+    assert status == "COMPLETE", lines
+    record = next(json.loads(x[len("RECORD "):]) for x in lines if x.startswith("RECORD "))
+    assert record["published"] is True and record["step"] == 40
+    assert record["midway"]["step"] == 20 and record["midway"]["published"] is True
+    assert sum("midway through the session" in line for line in lines) == 1
+    with lk.app.store.lock:
+        versions = [(v["number"], v["notes"], bool(v.get("deleted")))
+                    for v in lk.app.state["datasets"][DATASET]["versions"]]
+    # The midway version deletes nothing and stays (the final one here keeps older versions, as built).
+    assert versions == [(1, "Initial release", False), (2, "checkpoint at step 20", False),
+                        (3, "checkpoint at step 40", False)]
+    folder = lk.root / "datasets" / USER / "cred-checkpoints"
+    assert (folder / "2" / "model.safetensors").read_bytes() == b"weights-at-step-20"  # though rotated away
+    assert json.loads((folder / "2" / "checkpoint.json").read_text())["step"] == 20
+    assert (folder / "3" / "model.safetensors").read_bytes() == b"weights-at-step-40"
+
+
+def test_only_sessions_of_an_hour_or_more_publish_midway_at_half_their_deadline():
+    from scripts.chain.config import config_from_dict
+
+    cfg = config_from_dict({"token_datasets": ["a/b"], "publish_margin_s": 1200})
+    assert cfg.midway_publish_s(32400) == (32400 - 1200) / 2
+    assert cfg.midway_publish_s(3600) == 1200.0 and cfg.midway_publish_s(3599) == 0.0
