@@ -72,10 +72,17 @@ def test_sigterm_ends_the_session_with_a_checkpoint(demo_data, tmp_path):
 
 def test_no_recompilation_after_step_two(demo_data, tmp_path):
     # Warm-up into cosine decay (the LR changes every step), evals and checkpoints inside the run.
+    from shared.checkpoint_names import MANIFEST_FILE
+    from shared.train.device import make_runtime
+    from shared.train.trainer import train
+
     cfg = small_config(demo_data, tmp_path, max_steps=9, warmup_steps=3, eval_every=2, eval_batches=2,
                        checkpoint_every=3)
-    result, _ = train_in_process(cfg)
+    saved = []  # on_checkpoint (a midway publish's hook): each periodic checkpoint once written, not the last
+    result = train(cfg, make_runtime("xla"), log=lambda *_: None,
+                   on_checkpoint=lambda step, path: saved.append((step, path.name, (path / MANIFEST_FILE).exists())))
     assert result.step == 9 and result.stop_reason == "max_steps"
+    assert saved == [(3, "step_000003", True), (6, "step_000006", True)]
     records = {r["step"]: r for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r}
     assert records[9]["compiles"] == records[2]["compiles"]  # nothing compiles after step 2
     lrs = [records[s]["lr"] for s in range(1, 10)]
