@@ -9,16 +9,29 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from shared.errors import UserError
+from shared.errors import UserError, within
 from shared.kaggle.credential import candidates, kaggle_api, use_credential
 
+# The upload's limit: the kaggle client sets no timeout of its own, and a hung upload would hold the eval session
+# (its evaluation comes after the export) until its kill. gpt2-xl's 6.2 GB take 10 min at an assumed 10 MB/s.
+UPLOAD_LIMIT_S = 1800.0
 
-def upload_kaggle_model(folder: Path, handle: str, notes: str, log=print) -> None:
+
+def upload_kaggle_model(folder: Path, handle: str, notes: str, log=print, limit_s: float = UPLOAD_LIMIT_S) -> None:
     """Upload `folder` as a new version of the Kaggle Model instance `handle` (owner/model/framework/variation),
-    creating the model and the instance on first use."""
+    creating the model and the instance on first use; a UserError after `limit_s` without an answer."""
     parts = handle.split("/")
     if len(parts) != 4 or not all(parts):
         raise UserError(f"--kaggle-model {handle!r}: expected owner/model/framework/variation")
+    try:
+        within(limit_s, lambda: _upload(folder, handle, parts, notes, log))
+    except UserError as err:
+        if str(err).startswith("no answer within"):
+            raise UserError(f"--kaggle-model {handle}: the upload gave {err}; the evaluation goes on") from None
+        raise
+
+
+def _upload(folder: Path, handle: str, parts: list[str], notes: str, log) -> None:
     owner, model_slug, framework, variation = parts
     available = candidates()
     if available:

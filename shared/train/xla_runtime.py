@@ -12,8 +12,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from shared.errors import UserError, within
 from shared.tpu import TPU_GENERATIONS, default_xla_env, detect_tpu_generation
-from shared.train.attention_probe import probe_attention_kernel
+from shared.train.attention_probe import PROBE_TIMEOUT_S, probe_attention_kernel
 from shared.train.mosaic_version import pin_version as pin_mosaic_version
 from shared.train.mosaic_version import readable_version as readable_mosaic_version
 from shared.train.runtime import Runtime
@@ -104,10 +105,18 @@ class XlaRuntime(Runtime):
         gen = self.tpu_generation
         if not gen or not gen.pallas_flash_attention or os.environ.get("GPT2K_FLASH_ATTENTION", "1") == "0":
             return None
-        try:
+        def import_kernel():
             import jax  # noqa: F401
             from torch_xla.experimental.custom_kernel import flash_attention
+
+            return flash_attention
+
+        try:  # importing jax may load libtpu's plugin: bounded like the probe, which it precedes
+            flash_attention = within(PROBE_TIMEOUT_S, import_kernel)
         except ImportError:
+            return None
+        except UserError as err:
+            print(f"notice: importing jax for the Pallas flash-attention kernel gave {err}; using SDPA", flush=True)
             return None
         mesh = self.mesh
 

@@ -512,3 +512,26 @@ def test_a_publish_still_running_a_minute_before_the_kill_gives_up_so_the_output
     assert lines == ["warning: could not publish step 40 to alice/run-checkpoints: no answer within 2 s; "
                      "it stays in the kernel output"]
     assert json.loads((session / "working" / "publish.json").read_text())["reason"] == "no answer within 2 s"
+
+
+def test_a_kaggle_model_upload_that_never_answers_is_one_line_and_the_eval_goes_on(session, monkeypatch):
+    import threading
+
+    from shared.kaggle import models
+
+    release = threading.Event()
+
+    class HangingApi:
+        def model_instance_version_create(self, *args, **kwargs):
+            release.wait(30)  # a connection that never answers (released when the test ends)
+
+    monkeypatch.setattr(models, "candidates", lambda: [])
+    monkeypatch.setattr(models, "kaggle_api", lambda from_secrets: HangingApi())
+    try:
+        with pytest.raises(UserError) as err:
+            models.upload_kaggle_model(session, "alice/gpt2/pyTorch/base", "step 10", log=lambda _: None,
+                                       limit_s=0.2)
+    finally:
+        release.set()
+    assert str(err.value) == ("--kaggle-model alice/gpt2/pyTorch/base: the upload gave no answer within 0.2 s; "
+                              "the evaluation goes on")

@@ -276,6 +276,35 @@ def test_a_probe_that_hangs_leaves_sdpa_with_one_line_instead_of_holding_the_ses
         "per device): the probe gave no answer within 0.5 s; using SDPA\n"), out
 
 
+def test_an_import_of_jax_that_hangs_leaves_sdpa_with_one_line(xla_runtime, monkeypatch, capsys):
+    # Importing jax may load libtpu's plugin, before the probe's own limit starts: bounded the same way.
+    import importlib.abc
+    import sys
+    import threading
+
+    import shared.train.xla_runtime as runtime_module
+
+    released = threading.Event()
+
+    class HangingJax(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "jax":
+                released.wait(60)
+                raise ImportError("released")
+            return None
+
+    monkeypatch.delitem(sys.modules, "jax", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [HangingJax(), *sys.meta_path])
+    monkeypatch.setattr(runtime_module, "PROBE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(xla_runtime, "tpu_generation", TPU_GENERATIONS["v5e"])
+    try:
+        assert xla_runtime._flash_attention_kernel() is None
+    finally:
+        released.set()
+    assert capsys.readouterr().out == ("notice: importing jax for the Pallas flash-attention kernel gave no answer "
+                                       "within 0.5 s; using SDPA\n")
+
+
 def test_the_runtime_keeps_sdpa_with_a_notice_when_the_kernel_is_wrong(xla_runtime, monkeypatch, capsys):
     import shared.train.model as model
 
