@@ -46,7 +46,13 @@ class XlaRuntime(Runtime):
         self._accum_loop: tuple | None = None  # (model, bf16, AccumulationLoop) of the last step
         self.accum_impl = "own"  # or "torch_xla": its gradient_accumulation helper (bench_mfu --torch-xla-accum)
         self.tpu_generation, self.tpu_generation_source = None, ""
-        if xr.device_type() == "TPU":
+        # The hardware the runtime's own client reports for its devices ("TPU", "CPU"): xr.device_type() only
+        # echoes the PJRT_DEVICE setting (torch_xla/runtime.py `device_type`), which a session's device check
+        # must not take on trust.
+        import torch_xla.core.xla_model as xm
+
+        self._hardware = xm.xla_device_hw(self.device)
+        if self._hardware == "TPU":
             self._detect_tpu_generation()
 
     @property
@@ -56,7 +62,7 @@ class XlaRuntime(Runtime):
 
     @property
     def device_type(self) -> str:
-        return self._xr.device_type()
+        return self._hardware
 
     def _detect_tpu_generation(self) -> None:
         from torch_xla._internal import tpu

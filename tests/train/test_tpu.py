@@ -209,6 +209,16 @@ def xla_runtime():
     runtime.attention = "sdpa"
 
 
+def test_the_runtimes_device_type_is_what_its_client_reports_not_the_pjrt_device_setting(xla_runtime, monkeypatch):
+    # torch_xla's runtime.device_type() echoes PJRT_DEVICE; the session's device check reads the hardware the
+    # runtime's client reports for its devices instead (here 8 CPU devices, whatever the setting now says).
+    import torch_xla.runtime as xr
+
+    monkeypatch.setenv("PJRT_DEVICE", "TPU")
+    assert xr.device_type() == "TPU"  # the echo
+    assert xla_runtime.device_type == "CPU" and xla_runtime.tpu_generation is None
+
+
 def test_attention_probe_accepts_exact_kernels_sharded_as_training_shards(xla_runtime):
     from shared.train.attention_probe import probe_attention_kernel, sdpa_causal
 
