@@ -355,25 +355,35 @@ class MidwayPublish:
 
     def __call__(self, step: int, ckpt: Path) -> None:
         due = self.plan.midway_s > 0 and time.monotonic() - self.started >= self.plan.midway_s
-        if self.thread is not None or not due or self.plan.problem:
+        if self.step is not None or not due or self.plan.problem:
             return
-        snapshot = self.work_dir / "checkpoint"
-        shutil.rmtree(self.work_dir, ignore_errors=True)
-        snapshot.mkdir(parents=True)
-        for f, name in checkpoint_files(ckpt):
-            link_or_copy(f, snapshot / name)
-        stable = stable_checkpoint(Path(ckpt).parent, self.plan.resume_root)
-        if stable is not None:
-            (self.work_dir / "stable").mkdir()
-            for f, name in checkpoint_files(stable):
-                link_or_copy(f, self.work_dir / "stable" / name)
-            stable = self.work_dir / "stable"
-        self.step = step
+        self.step = step  # one try a session
+        try:
+            snapshot, stable = self._stage(Path(ckpt))
+        except (OSError, UserError) as err:  # the training goes on: this publish is an extra
+            shutil.rmtree(self.work_dir, ignore_errors=True)
+            self.record["reason"] = f"could not stage it: {err}"
+            self.log(f"notice: the midway publish of step {step} could not stage its checkpoint ({err}); the "
+                     "session's final publish goes on as planned")
+            return
         self.log(f"publish: checkpoint step {step} midway through the session, while training goes on "
                  f"(a kill before the session's end leaves it)")
         self.thread = threading.Thread(target=self._run, args=(step, snapshot, stable), daemon=True,
                                        name="midway-publish")
         self.thread.start()
+
+    def _stage(self, ckpt: Path) -> tuple[Path, Path | None]:
+        """Links (copies across filesystems) of the checkpoint, and of the stable phase's beside it, in work_dir,
+        their subfolders (the XLA compile cache) kept."""
+        shutil.rmtree(self.work_dir, ignore_errors=True)
+        stable = stable_checkpoint(ckpt.parent, self.plan.resume_root)
+        copies = {"checkpoint": ckpt, **({"stable": stable} if stable is not None else {})}
+        for into, source in copies.items():
+            for f, name in checkpoint_files(source):
+                dest = self.work_dir / into / decode_name(name)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                link_or_copy(f, dest)
+        return self.work_dir / "checkpoint", (self.work_dir / "stable" if stable is not None else None)
 
     def _run(self, step: int, snapshot: Path, stable: Path | None) -> None:
         try:
@@ -446,7 +456,7 @@ def after_training(result, plan: PublishPlan | None, log=print, session_end: flo
             record["reason"] = describe_error(err, secret_values())
             log(f"warning: could not publish step {step} to {dataset} ({record['reason']}); "
                 "it stays in the kernel output for the chain script to publish")
-    if midway is not None and midway.thread is not None:
+    if midway is not None and midway.step is not None:
         record["midway"] = {"step": midway.step, **midway.record}
     _write_record(record)
     return record

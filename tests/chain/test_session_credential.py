@@ -196,6 +196,8 @@ def checkpoint(step):
     ckpt.mkdir(parents=True)
     (ckpt / MANIFEST).write_text(json.dumps({{"step": step, "files": {{}}}}))
     (ckpt / "model.safetensors").write_bytes(f"weights-at-step-{{step}}".encode())
+    (ckpt / "xla_cache").mkdir()  # a subfolder, as the compile cache is
+    (ckpt / "xla_cache" / "graph").write_bytes(f"graph-at-step-{{step}}".encode())
     return ckpt
 
 def main():
@@ -240,6 +242,7 @@ def test_a_long_session_publishes_a_checkpoint_midway_that_survives_the_rotation
                         (3, "checkpoint at step 40", False)]
     folder = lk.root / "datasets" / USER / "cred-checkpoints"
     assert (folder / "2" / "model.safetensors").read_bytes() == b"weights-at-step-20"  # though rotated away
+    assert (folder / "2" / "xla_cache__graph").read_bytes() == b"graph-at-step-20"
     assert json.loads((folder / "2" / "checkpoint.json").read_text())["step"] == 20
     assert (folder / "3" / "model.safetensors").read_bytes() == b"weights-at-step-40"
 
