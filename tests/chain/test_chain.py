@@ -385,6 +385,7 @@ def test_config_errors_are_one_line(tmp_path):
     assert load_config(toml).train == {"preset": "gpt2"}
 
 
+@pytest.mark.slow
 def test_bad_input_gives_one_line_errors_and_loses_nothing(local_kaggle, tmp_path):
     lk = local_kaggle
     upload(lk, tmp_path, "alice/some-tokens", {"x_train_000001.bin": b"\0" * 64})

@@ -146,6 +146,7 @@ def session_output(saved_step: int, weights: bytes, **record) -> str:
     return SESSION_OUTPUT.format(step=saved_step, weights=weights, record={"dataset": CKPT, **record})
 
 
+@pytest.mark.slow
 def test_a_publish_that_reports_success_but_never_appears_is_caught(local_kaggle, tmp_path):
     lk = local_kaggle
     add_version(lk, tmp_path, CKPT, {"README.md": "no checkpoint yet"})
@@ -577,6 +578,7 @@ Path("manifest.json").write_text(json.dumps({manifest!r}))
 """
 
 
+@pytest.mark.slow
 def test_a_tokenize_part_cut_short_by_its_sessions_deadline_is_told_with_its_shortfall(local_kaggle, tmp_path):
     # Part 0 ended at its session's deadline (shared/tokenize/part.py writes stop_reason "session_deadline"),
     # part 1 at its token count: the chain says how many tokens the run lacks, once, for part 0 only.
@@ -600,6 +602,7 @@ def test_a_tokenize_part_cut_short_by_its_sessions_deadline_is_told_with_its_sho
     assert log.count("reached its session's deadline") == 1
 
 
+@pytest.mark.slow
 def test_a_session_killed_after_its_midway_publish_resumes_the_chain_from_that_checkpoint(local_kaggle, tmp_path):
     # Killed before its end (a kill discards the output: no publish record), the session had published a checkpoint
     # midway (shared/kaggle/publish.py MidwayPublish): the chain takes that version and step, and counts it live.

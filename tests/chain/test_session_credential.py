@@ -221,6 +221,7 @@ run_cli(main)
 """
 
 
+@pytest.mark.slow
 def test_a_long_session_publishes_a_checkpoint_midway_that_survives_the_rotation_then_its_final_one(local_kaggle,
                                                                                                       tmp_path):
     lk = local_kaggle

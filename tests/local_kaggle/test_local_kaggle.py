@@ -371,6 +371,7 @@ def test_restart_keeps_datasets_kernels_and_outputs(local_kaggle, tmp_path):
     assert len(lk.app.state["kernels"]["alice/read-words"]["versions"]) == 2
 
 
+@pytest.mark.slow
 def test_bad_input_gives_clear_errors_and_loses_nothing(local_kaggle, tmp_path):
     lk = local_kaggle
     no_creds = client_env(lk.app, tmp_path / "nocreds", user=None, key=None)
