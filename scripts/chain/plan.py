@@ -283,6 +283,10 @@ def plan_lines(cfg: ChainConfig, plan: dict, source: str = "") -> list[str]:
     if checkpoints_in_temp(cfg.train):
         versions += (f"; with no copy in the output, a session waits up to {publish_verify_s(cfg.train):.0f} s for "
                      "its version and publishes again if it failed")
+    midway_s = cfg.midway_publish_s(cfg.session_limit_s)
+    if midway_s:
+        versions += (f"; each session also publishes its first checkpoint past {_hours(midway_s)} in, while it "
+                     "trains, for a kill before its end")
     stable = (", and from the end of the stable phase the checkpoint kept there beside it (train.extend trains on "
               f"from it): {_gb(2 * size)} a version") if keeps_stable(cfg.train) else ""
     room = (f"not in the session's output, which holds {OUTPUT_LIMIT_BYTES / 1e9:g} GB"
