@@ -4,14 +4,13 @@ max_failed_sessions times in a row. Also where the train and eval kernels find t
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from scripts.chain.build import build_kernel
 from scripts.chain.context import StageContext
 from scripts.chain.notebooks import QUICK_SAVE_ID
 from shared.errors import UserError
-from shared.tokenize.manifest import MANIFEST
+from shared.tokenize.manifest import MANIFEST, read_manifest
 
 
 def token_part_ref(ctx: StageContext, part: int) -> str:
@@ -50,10 +49,8 @@ class TokenizeStage:
         ctx = self.ctx
         dest = ctx.workdir / "sessions" / f"tokenize-{part}"
         ctx.client.download_output(token_part_ref(ctx, part), dest, pattern=f"^{MANIFEST}$")
-        if not (dest / MANIFEST).exists():
-            return
-        manifest = json.loads((dest / MANIFEST).read_text())
-        if manifest.get("stop_reason") != "session_deadline":
+        manifest = read_manifest(dest / MANIFEST, others="skip") if (dest / MANIFEST).exists() else None
+        if manifest is None or manifest.get("stop_reason") != "session_deadline":
             return
         made, planned = int(manifest.get("num_tokens") or 0), int(manifest.get("tokens_per_part") or 0)
         ctx.state.data.setdefault("tokenize_short", {})[str(part)] = planned - made

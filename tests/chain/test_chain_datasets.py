@@ -583,8 +583,12 @@ def test_a_tokenize_part_cut_short_by_its_sessions_deadline_is_told_with_its_sho
     # Part 0 ended at its session's deadline (shared/tokenize/part.py writes stop_reason "session_deadline"),
     # part 1 at its token count: the chain says how many tokens the run lacks, once, for part 0 only.
     lk = local_kaggle
-    parts = {0: {"complete": True, "stop_reason": "session_deadline", "num_tokens": 61_000, "tokens_per_part": 100_000},
-             1: {"complete": True, "stop_reason": "tokens_per_part", "num_tokens": 100_000, "tokens_per_part": 100_000}}
+    from shared.tokenize.manifest import MANIFEST_FORMAT
+
+    parts = {0: {"format": MANIFEST_FORMAT, "complete": True, "stop_reason": "session_deadline", "num_tokens": 61_000,
+                 "tokens_per_part": 100_000},
+             1: {"format": MANIFEST_FORMAT, "complete": True, "stop_reason": "tokens_per_part", "num_tokens": 100_000,
+                 "tokens_per_part": 100_000}}
     for part, manifest in parts.items():
         ref = f"alice/unit-run-tokens-part-{part}"
         lk.cli("kernels", "push", "-p", str(write_kernel(tmp_path / f"part-{part}", ref,
