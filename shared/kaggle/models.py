@@ -24,15 +24,15 @@ def upload_kaggle_model(folder: Path, handle: str, notes: str, log=print, limit_
     if len(parts) != 4 or not all(parts):
         raise UserError(f"--kaggle-model {handle!r}: expected owner/model/framework/variation")
     try:
-        within(limit_s, lambda: _upload(folder, handle, parts, notes, log))
+        within(limit_s, lambda: _upload(folder, handle, notes, log))
     except UserError as err:
         if str(err).startswith("no answer within"):
             raise UserError(f"--kaggle-model {handle}: the upload gave {err}; the evaluation goes on") from None
         raise
 
 
-def _upload(folder: Path, handle: str, parts: list[str], notes: str, log) -> None:
-    owner, model_slug, framework, variation = parts
+def _upload(folder: Path, handle: str, notes: str, log) -> None:
+    owner, model_slug, framework, variation = handle.split("/")
     available = candidates()
     if available:
         use_credential(available[0])
