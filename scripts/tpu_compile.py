@@ -73,11 +73,13 @@ def _versions(python: Path) -> str:
 
 def cache_key(settings: dict, tpu: str, compiler: str) -> str:
     """The step's settings, the TPU, the compiler's versions and flags (LIBTPU_INIT_ARGS, which libtpu reads here
-    too), torch_xla's version and the step's code (all of shared/: `micro_batch: auto` is resolved by
-    shared/tpu.py)."""
+    too), torch_xla's version, the step's code (all of shared/: `micro_batch: auto` is resolved by shared/tpu.py)
+    and this tool's own (what it reads from the compiler)."""
     from importlib.metadata import version
 
-    code = b"".join(p.read_bytes() for p in sorted((REPO / "shared").rglob("*.py")))
+    sources = [*sorted((REPO / "shared").rglob("*.py")), *sorted((REPO / "scripts").glob("tpu_compile*.py")),
+               REPO / "scripts" / "hlo_cost.py"]
+    code = b"".join(p.read_bytes() for p in sources)
     flags = os.environ.get("LIBTPU_INIT_ARGS", "")
     blob = json.dumps([settings, tpu, compiler, flags, version("torch_xla")], sort_keys=True).encode() + code
     return hashlib.sha256(blob).hexdigest()[:16]
@@ -192,11 +194,12 @@ def analyse(trace_dir: Path, tpu: str) -> dict:
     cost = step_cost((trace_dir / "optimized.hlo.txt").read_text(), gen.peak_bf16_per_chip, target["hbm_bw"],
                      default_trip=meta["grad_accum_steps"])
     memory = compiled["memory"]
-    # The compiler's own peak where libtpu gives one (live buffers at the worst point); else the sum of its
-    # buffers, an upper bound. It does not always refuse a step over the chip's HBM: compiled for v5e-8,
-    # gpt2-large at micro-batch 8 without fsdp summed 16.8 GiB of 15.75 and compiled.
-    peak = memory.get("peak") or (memory["arguments"] + memory["outputs"] - memory["aliased"] + memory["temps"]
-                                  + memory["code"])
+    # The compiler's own figure: its peak where libtpu gives one, else the total of its memory-usage report (the
+    # figure its out-of-memory refusal names); only where neither is there (a trace compiled before the report was
+    # read) the sum of get_compiled_memory_stats' buffers, which counts more than the compiler does: gpt2-xl with
+    # fsdp on v5e-8 summed 17.2 GiB, its report 14.9 GiB, and it compiled.
+    peak = memory.get("peak") or memory.get("compiler_total") or (
+        memory["arguments"] + memory["outputs"] - memory["aliased"] + memory["temps"] + memory["code"])
     hbm = gen.hbm_gib_per_device * 2**30
     groups: dict[str, dict] = {}
     for c in cost.collectives:
@@ -242,7 +245,9 @@ def report_lines(r: dict) -> list[str]:
     if "compiler_says" in r:
         return lines + [f"  the compiler refused the step: {r['compiler_says']}"]
     m = r["memory"]
-    peak = f"; its peak {_gib(m['peak'])}" if m.get("peak") else "; no peak reported: their sum stands for it"
+    peak = f"; its peak {_gib(m['peak'])}" if m.get("peak") else \
+        f"; its memory-usage report's total {_gib(m['compiler_total'])}" if m.get("compiler_total") else \
+        "; no peak reported: their sum stands for it"
     lines += [f"  compiler's buffers: arguments {_gib(m['arguments'])}, outputs {_gib(m['outputs'])} (aliased to "
               f"arguments {_gib(m['aliased'])}), temps {_gib(m['temps'])}, code {_gib(m['code'])}{peak}"]
     for where in ("inside", "outside"):

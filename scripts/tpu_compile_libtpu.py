@@ -118,6 +118,7 @@ def compile_step(trace_dir: Path, topology: str, chips_per_host: tuple[int, int,
             return result
         seconds = time.monotonic() - started
     stats = executable.get_compiled_memory_stats()
+    total = compiler_total_bytes(trace_dir / "dump")
     optimized = max((trace_dir / "dump").glob("*.after_optimizations.txt"), key=lambda p: p.stat().st_size)
     optimized.replace(trace_dir / OPTIMIZED_HLO_FILE)
     result = {"device_kind": devices[0].device_kind, "devices": len(devices), "topology": topology,
@@ -127,9 +128,23 @@ def compile_step(trace_dir: Path, topology: str, chips_per_host: tuple[int, int,
                          "aliased": stats.alias_size_in_bytes, "temps": stats.temp_size_in_bytes,
                          "code": stats.generated_code_size_in_bytes,
                          "host_temps": getattr(stats, "host_temp_size_in_bytes", 0),
-                         "peak": getattr(stats, "peak_memory_in_bytes", 0)}}
+                         "peak": getattr(stats, "peak_memory_in_bytes", 0), "compiler_total": total}}
     (trace_dir / RESULT_FILE).write_text(json.dumps(result, indent=1))
     return result
+
+
+_TOTAL = re.compile(r"^Total bytes used: (\d+)", re.M)
+
+
+def compiler_total_bytes(dump_dir: Path) -> int:
+    """The compiler's own total of a chip's memory for the step, from the memory-usage report its dump writes
+    (`Total bytes used: N`: the arguments, the temp block its buffer assignment packed, the code), 0 where there is
+    none. It is the figure the compiler's out-of-memory refusal names ("Used 15.82G of 15.75G hbm" for a report of
+    15.82 GiB); get_compiled_memory_stats' arguments + temps count more than it (libtpu 0.0.17: temp_size_in_bytes
+    is not the temp block alone)."""
+    reports = sorted(dump_dir.glob("*after_optimizations-memory-usage-report.txt"), key=lambda p: p.stat().st_size)
+    found = _TOTAL.search(reports[-1].read_text()) if reports else None
+    return int(found.group(1)) if found else 0
 
 
 _OOM = re.compile(r"Ran out of memory in memory space hbm\. Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm")
