@@ -7,6 +7,8 @@ a measurement.
     python scripts/tpu_compile.py --config examples/chain-gpt2-124m.json          # its train section, v5e-8
     python scripts/tpu_compile.py --preset gpt2 --micro-batch 64 --tpu all
     python scripts/tpu_compile.py --preset gpt2-large --fsdp --tpu v6e-8
+    python scripts/tpu_compile.py --preset gpt2-xl --fsdp --tpu all --trace-only DIR   # compiled on a larger machine
+    python scripts/tpu_compile.py --tpu all --analyse DIR                               # then read back here
 
 The step is traced with torch_xla on 8 CPU devices, never run (its state is placeholders), and compiled in the
 TPU compiler's virtualenv (.venv-tpu, made by scripts/setup.sh: jax and libtpu as Kaggle's TPU image pins them).
@@ -86,11 +88,13 @@ def cache_key(settings: dict, tpu: str, compiler: str) -> str:
 
 
 def compile_step(settings: dict, tpu: str, log=print, cache_dir: Path = CACHE_DIR, keep: Path | None = None,
-                 attention: str = "flash") -> dict:
+                 attention: str = "flash", trace_only: Path | None = None) -> dict:
     """The compiler's report on the step of train `settings` (TrainConfig fields) on Kaggle's `tpu` ("v5e-8"),
     cached. `attention`: "flash", the step a session runs where its flash-attention probe passes (SDPA where the
     TPU has no Pallas kernel), or "sdpa", the step it falls back to. With `keep`, compiled afresh and its trace
     (the optimized HLO text among it) copied to keep/<tpu>.
+    With `trace_only`, only traced, into trace_only/<tpu> (returns {}): a larger machine compiles it
+    (scripts/tpu_compile_libtpu.py) and `--analyse` reads it back.
     Raises UserError where the TPU compiler is not installed or the step does not compile."""
     from shared.config import TrainConfig
 
@@ -102,7 +106,7 @@ def compile_step(settings: dict, tpu: str, log=print, cache_dir: Path = CACHE_DI
     target = TPUS[tpu]
     key = cache_key({**settings, "attention": attention}, tpu, _versions(python))
     cached = cache_dir / key / "report.json"
-    if cached.exists() and keep is None:
+    if cached.exists() and keep is None and trace_only is None:
         return {**json.loads(cached.read_text()), "cached": True}
     with tempfile.TemporaryDirectory(prefix="tpu-compile-") as tmp:
         work = Path(tmp)
@@ -120,6 +124,11 @@ def compile_step(settings: dict, tpu: str, log=print, cache_dir: Path = CACHE_DI
         if mosaic_version is not None:
             env[MOSAIC_VERSION_ENV] = str(mosaic_version)
         _run(trace, env, "tracing the step")
+        if trace_only is not None:  # compiled elsewhere, read back with --analyse
+            shutil.copytree(work / "trace", trace_only / tpu, dirs_exist_ok=True)
+            log(f"traced into {trace_only / tpu}; compile it where memory allows with: python "
+                f"scripts/tpu_compile_libtpu.py {trace_only / tpu} {target['topology']} {bounds}")
+            return {}
         log(f"compiling it with libtpu for {tpu} ({target['topology']}; gpt2's step takes minutes on 2 cores) ...")
         try:
             _run(compile_cmd, {**os.environ, **COMPILER_ENV}, "compiling the step")
@@ -286,7 +295,20 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print the reports as JSON")
     parser.add_argument("--keep", type=Path, help="compile afresh and keep each TPU's trace and optimized HLO in "
                         "KEEP/<tpu>/ (optimized.hlo.txt: read with scripts/hlo_cost.py)")
+    parser.add_argument("--trace-only", type=Path, metavar="DIR", help="trace each TPU's step into DIR/<tpu>/ and "
+                        "stop: compile it where memory allows (scripts/tpu_compile_libtpu.py DIR/<tpu> TOPOLOGY "
+                        "BOUNDS, as printed), then read it with --analyse DIR")
+    parser.add_argument("--analyse", type=Path, metavar="DIR", help="report on steps traced with --trace-only and "
+                        "compiled elsewhere (DIR/<tpu>/ with the compiler's files beside the trace)")
     args = parser.parse_args()
+    if args.analyse:
+        tpus = KAGGLE_TPUS if args.tpu == "all" else [args.tpu]
+        reports = [analyse(args.analyse / tpu, tpu) for tpu in tpus if (args.analyse / tpu / "compiled.json").exists()]
+        if not reports:
+            raise UserError(f"no compiled step under {args.analyse}/<tpu>/ for {', '.join(tpus)}")
+        print(json.dumps(reports, indent=1) if args.json else "\n\n".join("\n".join(report_lines(r))
+                                                                             for r in reports))
+        return
     if bool(args.config) == bool(args.preset):
         raise UserError("give --config CONFIG.json or --preset NAME")
     if args.config:  # the settings a session of that chain trains with, as --plan compiles them
@@ -306,7 +328,9 @@ def main() -> None:
     for tpu in (KAGGLE_TPUS if args.tpu == "all" else [args.tpu]):
         started = time.monotonic()
         report = compile_step(settings, tpu, log=lambda msg: print(msg, file=sys.stderr, flush=True),
-                              keep=args.keep, attention=args.attention)
+                              keep=args.keep, attention=args.attention, trace_only=args.trace_only)
+        if not report:
+            continue
         reports.append(report)
         if not args.json:
             print("\n".join(report_lines(report)))
