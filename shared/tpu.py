@@ -135,26 +135,36 @@ STATIC_BYTES_PER_PARAM = 22
 # per layer and token, in units of C: LayerNorm inputs (fp32) 8, matmul inputs (bf16) 14, attention 8, GELU 8
 ACTIVATION_BYTES_PER_LAYER_TOKEN_PER_C = 38
 # The head per token per vocabulary entry, and without flash attention per head per T x T (the scores and
-# probabilities), set from the TPU compiler's own growth per sequence for gpt2's step (docs/tpu-throughput.md section
-# 10): SDPA 1.02 GiB (v5e) and 1.27 GiB (v6e), flash 0.535 GiB (v5e) and 0.62 GiB (v6e). With 6 and 5 the
-# arithmetic covers all four (1.32 and 0.62 GiB), and flash's next power of two is the one the compiler fits. The
-# first guesses, 10 (bf16 logits, their fp32 copy, the log-softmax) and 6 (fp32 scores, bf16 probabilities), held
-# flash's micro-batch at half of what fits.
-HEAD_BYTES_PER_TOKEN_PER_VOCAB = 6
-SDPA_SCORE_BYTES = 5
+# probabilities). The chunked loss head (shared/train/loss_head.py) keeps no [tokens x vocab] for the backward: 2
+# bytes cover a bf16 chunk of logits in flight. Checked against the TPU compiler's own totals (docs/tpu-throughput.md
+# section 10): gpt2's step grows 0.25 GiB (v5e) and 0.32 GiB (v6e) a sequence a chip with flash, under the 0.43 GiB
+# counted here; with activation checkpointing, gpt2-medium's and gpt2-large's picks rise a power of two (8 to 16 a
+# chip on v5e, 16 to 32 on v6e), where the compiler puts them at 11.1 and 22.6 GiB. The 6 it replaces predated the
+# chunked head and held those two at half of what fits. SDPA's scores and probabilities take 6 bytes (fp32 scores,
+# bf16 probabilities), which with the head's 2 still covers the 1.27 GiB a sequence the compiler measured for SDPA.
+HEAD_BYTES_PER_TOKEN_PER_VOCAB = 2
+SDPA_SCORE_BYTES = 6
+# With fsdp, each layer's activations count 1.5 times: the compiler's step keeps copies of the checkpointed block
+# inputs beside them (they lead its peak live buffers for gpt2-xl), and its totals at fsdp's picks stand at 92-94%
+# of HBM, with the next larger refused (gpt2-large on both TPUs, gpt2-xl on v6e). Set from those compiles; 1.5
+# keeps every fsdp pick the compiler accepted (docs/tpu-throughput.md section 10).
+FSDP_LAYER_ACTIVATION_FACTOR = 1.5
 HBM_USABLE_FRACTION = 0.85  # what XLA's buffers may take; the rest for its workspace, fragmentation, the runtime
 CPU_MICRO_BATCH_PER_DEVICE = 2  # no TPU (or an unknown one): the project's default 16 over 8 devices
 
 
 def activation_bytes_per_sequence(n_layer: int, n_head: int, n_embd: int, vocab_size: int, seq_len: int,
-                                  attention: str, activation_checkpointing: bool = False) -> int:
+                                  attention: str, activation_checkpointing: bool = False, fsdp: bool = False) -> int:
     """Bytes the backward pass keeps per sequence: each layer's activations (only the block input, 4C per token,
-    with activation checkpointing, plus one layer recomputed at a time), the head's logits, and without flash
-    attention the T x T scores and probabilities of every head."""
+    with activation checkpointing, plus one layer recomputed at a time; FSDP_LAYER_ACTIVATION_FACTOR times that with
+    fsdp), the head's chunk of logits, and without flash attention the T x T scores and probabilities of every
+    head."""
     per_layer = ACTIVATION_BYTES_PER_LAYER_TOKEN_PER_C * n_embd * seq_len
     if attention != "pallas-flash":
         per_layer += SDPA_SCORE_BYTES * n_head * seq_len * seq_len
     layers = (n_layer * 4 * n_embd * seq_len + per_layer) if activation_checkpointing else n_layer * per_layer
+    if fsdp:
+        layers = int(FSDP_LAYER_ACTIVATION_FACTOR * layers)
     return layers + HEAD_BYTES_PER_TOKEN_PER_VOCAB * vocab_size * seq_len
 
 
@@ -196,7 +206,7 @@ def _hbm_budget(gen, attention: str, model, seq_len: int, num_devices: int, acti
     sequence; the bytes its buffers may use) on TPU generation `gen`."""
     static = STATIC_BYTES_PER_PARAM * model.num_params() // (num_devices if fsdp else 1)
     per_sequence = activation_bytes_per_sequence(model.n_layer, model.n_head, model.n_embd, model.vocab_size,
-                                                 seq_len, attention, activation_checkpointing)
+                                                 seq_len, attention, activation_checkpointing, fsdp)
     return static, per_sequence, HBM_USABLE_FRACTION * gen.hbm_gib_per_device * 2**30
 
 
