@@ -139,7 +139,7 @@ ACTIVATION_BYTES_PER_LAYER_TOKEN_PER_C = 38
 # bytes cover a bf16 chunk of logits in flight. Checked against the TPU compiler's own totals (docs/tpu-throughput.md
 # section 10): gpt2's step grows 0.25 GiB (v5e) and 0.32 GiB (v6e) a sequence a chip with flash, under the 0.43 GiB
 # counted here; with activation checkpointing, gpt2-medium's and gpt2-large's picks rise a power of two (8 to 16 a
-# chip on v5e, 16 to 32 on v6e), where the compiler puts them at 11.1 and 22.6 GiB. The 6 it replaces predated the
+# chip on v5e, 16 to 32 on v6e), where the compiler puts them at 9.7 and 22.6 GiB. The 6 it replaces predated the
 # chunked head and held those two at half of what fits. SDPA's scores and probabilities take 6 bytes (fp32 scores,
 # bf16 probabilities), which with the head's 2 still covers the 1.27 GiB a sequence the compiler measured for SDPA.
 HEAD_BYTES_PER_TOKEN_PER_VOCAB = 2
