@@ -139,9 +139,9 @@ _TOTAL = re.compile(r"^Total bytes used: (\d+)", re.M)
 def compiler_total_bytes(dump_dir: Path) -> int:
     """The compiler's own total of a chip's memory for the step, from the memory-usage report its dump writes
     (`Total bytes used: N`: the arguments, the temp block its buffer assignment packed, the code), 0 where there is
-    none. It is the figure the compiler's out-of-memory refusal names ("Used 15.82G of 15.75G hbm" for a report of
-    15.82 GiB); get_compiled_memory_stats' arguments + temps count more than it (libtpu 0.0.17: temp_size_in_bytes
-    is not the temp block alone)."""
+    none. It is the figure the compiler's out-of-memory refusal names, within about 0.1 GiB ("Used 15.82G of
+    15.75G hbm" for a report of 15.82 GiB); get_compiled_memory_stats' arguments + temps count more than it
+    (libtpu 0.0.17: temp_size_in_bytes is not the temp block alone)."""
     reports = sorted(dump_dir.glob("*after_optimizations-memory-usage-report.txt"), key=lambda p: p.stat().st_size)
     found = _TOTAL.search(reports[-1].read_text()) if reports else None
     return int(found.group(1)) if found else 0

@@ -145,7 +145,7 @@ ACTIVATION_BYTES_PER_LAYER_TOKEN_PER_C = 38
 HEAD_BYTES_PER_TOKEN_PER_VOCAB = 2
 SDPA_SCORE_BYTES = 6
 # With fsdp, each layer's activations count 1.5 times: the compiler's step keeps copies of the checkpointed block
-# inputs beside them (they lead its peak live buffers for gpt2-xl), and its totals at fsdp's picks stand at 92-94%
+# inputs beside them (they lead its peak live buffers for gpt2-xl), and its totals at fsdp's picks stand at 93-95%
 # of HBM, with the next larger refused (gpt2-large on both TPUs, gpt2-xl on v6e). Set from those compiles; 1.5
 # keeps every fsdp pick the compiler accepted (docs/tpu-throughput.md section 10).
 FSDP_LAYER_ACTIVATION_FACTOR = 1.5
