@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not (REPO / ".venv-tpu" / "bi
 COMPILER = {"TPU_COMPILER_PYTHON": ""}  # the suite turns it off (conftest.py); these tests use .venv-tpu's
 
 
-def test_tinys_step_compiles_for_v5e_8_and_v6e_8_with_the_compilers_figures_in_line_with_the_step(tmp_path):
+def test_tinys_step_compiles_for_v5e_8_and_v6e_8_in_line_with_the_step_and_the_same_when_compiled_elsewhere(tmp_path):
     env = {**COMPILER, "TPU_COMPILE_CACHE": str(tmp_path / "cache")}
     args = ("--preset", "tiny", "--micro-batch", "16", "--total-batch-tokens", "8192", "--tpu", "all")
     proc = run_script("scripts/tpu_compile.py", *args, "--json", env=env, timeout=900)
@@ -66,6 +66,25 @@ def test_tinys_step_compiles_for_v5e_8_and_v6e_8_with_the_compilers_figures_in_l
     assert len(re.findall(r"^all-reduce inside the loop: \d+, \d+\.\d MB per micro-step$", again.stdout, re.M)) == 2
     assert len(re.findall(r"^MFU ceiling: \d+\.\d%$", again.stdout, re.M)) == 2
     assert again.stdout.count("(cached)") == 2 and "compiling" not in again.stderr
+    # Traced here with --trace-only, compiled "elsewhere" by the command it prints (the same .venv-tpu here), read
+    # back with --analyse: the figures of the direct compile (how gpt2-xl's steps were compiled on a larger machine).
+    traced = run_script("scripts/tpu_compile.py", *args[:-1], "v5e-8", "--trace-only", str(tmp_path / "t"), env=env,
+                        timeout=600)
+    assert traced.returncode == 0 and traced.stdout == "", traced.stderr[-3000:]
+    command = re.search(r"compile it where memory allows with: python (scripts/tpu_compile_libtpu.py .+)$",
+                        traced.stderr, re.M).group(1).split()
+    assert command[1:] == [str(tmp_path / "t" / "v5e-8"), "v5e:2x4", "2,4,1"]
+    compiled = run_script(command[0], *command[1:], python=str(REPO / ".venv-tpu" / "bin" / "python"), timeout=600)
+    assert compiled.returncode == 0, compiled.stderr[-3000:]
+    read = run_script("scripts/tpu_compile.py", "--tpu", "all", "--analyse", str(tmp_path / "t"), "--json", env=env)
+    assert read.returncode == 0, read.stderr[-3000:]
+    (elsewhere,) = json.loads(read.stdout)
+    assert (elsewhere["tpu"], elsewhere["micro_batch"]) == ("v5e-8", 16)
+    for key in ("peak_bytes", "fits", "flops", "hbm_traffic", "collectives", "kernel_calls"):
+        assert elsewhere[key] == reports[0][key], key
+    missing = run_script("scripts/tpu_compile.py", "--analyse", str(tmp_path / "none"), env=env)
+    assert missing.returncode == 2 and error_lines(missing.stderr) == [
+        f"error: no compiled step under {tmp_path / 'none'}/<tpu>/ for v5e-8"]
 
 
 def test_a_micro_batch_far_too_large_does_not_fit_v5e_8_and_plan_refuses_it_in_one_line(tmp_path):
@@ -90,27 +109,3 @@ def test_a_micro_batch_far_too_large_does_not_fit_v5e_8_and_plan_refuses_it_in_o
         "lower train.micro_batch (or leave it auto), set train.activation_checkpointing \"on\", or set train.fsdp true"]
     assert "plan for chain" not in plan.stdout  # refused before the plan is printed
 
-
-def test_a_step_traced_here_and_compiled_elsewhere_reads_back_as_the_same_report(tmp_path):
-    """--trace-only, the compile on another machine (here the same .venv-tpu, by the command it prints), then
-    --analyse: the figures a direct compile gives (how gpt2-xl's steps were compiled on a machine with more RAM)."""
-    env = {**COMPILER, "TPU_COMPILE_CACHE": str(tmp_path / "cache")}
-    args = ("--preset", "tiny", "--micro-batch", "16", "--total-batch-tokens", "8192", "--tpu", "v5e-8")
-    traced = run_script("scripts/tpu_compile.py", *args, "--trace-only", str(tmp_path / "t"), env=env, timeout=600)
-    assert traced.returncode == 0 and traced.stdout == "", traced.stderr[-3000:]
-    command = re.search(r"compile it where memory allows with: python (scripts/tpu_compile_libtpu.py .+)$",
-                        traced.stderr, re.M).group(1).split()
-    assert command[1:] == [str(tmp_path / "t" / "v5e-8"), "v5e:2x4", "2,4,1"]
-    compiled = run_script(command[0], *command[1:], python=str(REPO / ".venv-tpu" / "bin" / "python"), timeout=600)
-    assert compiled.returncode == 0, compiled.stderr[-3000:]
-    read = run_script("scripts/tpu_compile.py", "--tpu", "all", "--analyse", str(tmp_path / "t"), "--json", env=env)
-    direct = run_script("scripts/tpu_compile.py", *args, "--json", env=env, timeout=600)
-    assert read.returncode == 0 and direct.returncode == 0, read.stderr[-2000:] + direct.stderr[-2000:]
-    (elsewhere,), (here,) = json.loads(read.stdout), json.loads(direct.stdout)
-    assert elsewhere["tpu"] == "v5e-8" and elsewhere["micro_batch"] == 16
-    for key in ("peak_bytes", "fits", "flops", "hbm_traffic", "collectives", "kernel_calls"):
-        assert elsewhere[key] == here[key], key
-    assert elsewhere["memory"]["compiler_total"] > 0
-    missing = run_script("scripts/tpu_compile.py", "--analyse", str(tmp_path / "none"), env=env)
-    assert missing.returncode == 2 and error_lines(missing.stderr) == [
-        f"error: no compiled step under {tmp_path / 'none'}/<tpu>/ for v5e-8"]
