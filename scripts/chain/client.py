@@ -335,3 +335,18 @@ class KaggleClient:
         total = quota.total_time_allowed.total_seconds()
         reset = getattr(resp, "quota_refresh_time", None)
         return total - used, total, str(reset) if reset else "next Saturday"
+
+
+def log_error_line(log_file: Path) -> str | None:
+    """The last `error: ...` line a session printed, from its log as download_output writes it (Kaggle's log is a
+    JSON list of {stream_name, time, data}; plain text is read as it is), or None."""
+    try:
+        text = log_file.read_text()
+    except OSError:
+        return None
+    try:
+        text = "".join(str(entry.get("data", "")) for entry in json.loads(text) if isinstance(entry, dict))
+    except ValueError:
+        pass
+    errors = [line.strip() for line in text.splitlines() if line.startswith("error:")]
+    return errors[-1] if errors else None

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from scripts.chain.build import KERNEL_SOURCES, REPO, build_kernel
-from scripts.chain.client import ApiFailure
+from scripts.chain.client import ApiFailure, log_error_line
 from scripts.chain.context import StageContext
 from scripts.chain.tokenize_stage import data_sources
 
@@ -39,7 +39,9 @@ class EvalStage:
         if status == "COMPLETE":
             ctx.log(f"  eval done in {secs:.0f}s: report in {dest}")
         else:
-            ctx.log(f"  warning: the eval kernel ended {status.lower()} ({message}); its log is in {dest}")
+            error = log_error_line(dest / f"{ref.split('/')[1]}.log")
+            ctx.log(f"  warning: the eval kernel ended {status.lower()} ({message})"
+                    + (f"; its last line: {error}" if error else "") + f"; its log is in {dest}")
 
     def expected_checkpoint(self) -> dict:
         """The step and dataset version the last train session left: a session mounting an older version fetches

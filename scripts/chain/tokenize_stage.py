@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from scripts.chain.build import build_kernel
+from scripts.chain.client import log_error_line
 from scripts.chain.context import StageContext
 from scripts.chain.notebooks import QUICK_SAVE_ID
 from shared.errors import UserError
@@ -85,10 +86,12 @@ class TokenizeStage:
             failures += 1
             logs = ctx.workdir / "sessions" / f"tokenize-{part}-{attempt}"
             ctx.client.download_output(ref, logs, pattern=r"^$", version=version)
-            ctx.log(f"  part {part} failed: {message or status}; log in {logs}")
+            error = log_error_line(logs / f"{ref.split('/')[1]}.log")
+            ctx.log(f"  part {part} failed: {message or status}" + (f"; its last line: {error}" if error else "")
+                    + f"; log in {logs}")
             if failures >= ctx.cfg.max_failed_sessions:
-                raise UserError(f"tokenize part {part} failed {failures} times in a row "
-                                f"(last: {message or status}); see {logs}")
+                raise UserError(f"tokenize part {part} failed {failures} time{'s' if failures > 1 else ''} in a row "
+                                f"(last: {error or message or status}); see {logs}")
 
     def build(self, part: int, push_id: str) -> Path:
         ctx, t = self.ctx, self.ctx.cfg.tokenize

@@ -23,15 +23,17 @@ from scripts.chain.checkpoints import (
     note_version,
     publish_from_output,
 )
-from scripts.chain.client import ApiFailure, VersionMissing
+from scripts.chain.client import ApiFailure, VersionMissing, log_error_line
 from scripts.chain.config import ChainConfig, publish_verify_s
 from scripts.chain.context import StageContext
 from scripts.chain.hellaswag import ensure_hellaswag_dataset, hellaswag_settings
 from scripts.chain.limits import MACHINE_SHAPES
+from scripts.chain.notebooks import KAGGLE_CODE_URL
 from scripts.chain.sizing import session_length, session_measurements
 from scripts.chain.tokenize_stage import data_sources
 from shared.checkpoint_names import STATE_FILE
 from shared.errors import UserError
+from shared.kaggle.credential import CANNOT_PUBLISH, CREDENTIAL_NAMES
 from shared.kaggle.facts import FACTS_FILE
 from shared.kaggle.publish import PUBLISH_RECORD, STABLE_PREFIX
 
@@ -94,9 +96,10 @@ class TrainStage:
             ctx.state.save()
             self.report(sess, start_of(sess), new_step, status, message, secs)
             step = new_step
+            self.stop_if_bound_to_repeat(sess, ref, step)
             if failures >= cfg.max_failed_sessions:
                 raise UserError(f"stopping: {failures} train sessions in a row made no progress (last: "
-                                f"{message or status}); logs in {ctx.workdir / 'sessions'}")
+                                f"{sess.get('error') or message or status}); logs in {ctx.workdir / 'sessions'}")
 
     def new_session(self, n: int, step: int, version: int) -> None:
         """Record session `n` before its push: the checkpoint version and step it must resume from, whether its
@@ -132,6 +135,18 @@ class TrainStage:
                             f"{startup:.0f} s to the end of the first step, in a session of {limit:g} s with "
                             f"publish_margin_s {cfg.publish_margin_s:g}; raise {setting}")
         return 1
+
+    def stop_if_bound_to_repeat(self, sess: dict, ref: str, step: int) -> None:
+        """One line at once for a session that stopped before training because no credential of its own could
+        publish its checkpoints (kept in /kaggle/temp, they would be lost): every later session would stop the same
+        way until the user attaches the key, so none is pushed meanwhile."""
+        line = sess.get("error") or ""
+        if sess.get("status") != "ERROR" or not line.startswith(f"error: {CANNOT_PUBLISH}"):
+            return
+        raise UserError(f"stopping: train session {sess['n']} stopped before training, as every later one would: "
+                        f"{line.removeprefix('error: ')}. Attach the secrets {', '.join(CREDENTIAL_NAMES)} to the "
+                        f"train notebook ({KAGGLE_CODE_URL}{ref}, Add-ons > Secrets), then run the same command "
+                        f"again (it goes on at step {step})")
 
     def build(self, push_id: str, expect_step: int = 0, expect_version: int = 0, delete_old: bool = False,
               limit_s: float | None = None, stop_after_steps: int = 0) -> Path:
@@ -224,7 +239,9 @@ class TrainStage:
                 shutil.copyfile(dest / "train" / name, ctx.workdir / name)
         record = json.loads((dest / PUBLISH_RECORD).read_text()) if (dest / PUBLISH_RECORD).exists() else {}
         metrics = dest / "train" / "metrics.jsonl"
-        return record, {"logs": str(dest), **(session_measurements(metrics) if metrics.exists() else {})}
+        error = log_error_line(dest / f"{ref.split('/')[1]}.log")
+        return record, {"logs": str(dest), **(session_measurements(metrics) if metrics.exists() else {}),
+                        **({"error": error} if error else {})}
 
     def session_version(self, ckpt_ref: str, before: int, record: dict) -> int:
         """The checkpoint version after the session: the newer one it made, once ready, else `before`. Right after
@@ -259,6 +276,8 @@ class TrainStage:
         extended = " (--extend: from where the stable phase ended)" if before < sess["step_before"] else ""
         ctx.log(f"  session {sess['n']} {status.lower()} in {secs:.0f}s: step {before}{extended} -> {after} of "
                 f"{cfg.total_steps}, {loss}, {speed}" + (f" ({message})" if message else ""))
+        if sess.get("error"):
+            ctx.log(f"  its last line: {sess['error']}")
         for record in records:  # the trainer's projection where the stable phase ended (shared/train/projection.py)
             if record.get("event") == "projection" and before <= record["step"] <= after:
                 ctx.log(f"  {summary_line(record)}")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from shared.checkpoint_names import STABLE_DIR, checkpoint_name
 from shared.errors import UserError, describe_error, duration_text, within
-from shared.kaggle.credential import choose_credential, secrets_to_env
+from shared.kaggle.credential import CANNOT_PUBLISH, choose_credential, secrets_to_env
 from shared.kaggle.publish import (
     MANIFEST,
     PLACEHOLDER_FILE,
@@ -146,7 +146,7 @@ def _check_publishing(dataset: str, settings: dict, paths, log) -> tuple[str | N
     if problem:
         in_temp = Path(settings.get("checkpoint_dir") or paths.working).resolve().is_relative_to(paths.temp.resolve())
         if in_temp:
-            raise UserError(f"this session cannot publish its checkpoints ({problem}), and they would live in "
+            raise UserError(f"{CANNOT_PUBLISH} ({problem}), and they would live in "
                             f"{paths.temp}, which is gone when the session ends; stopping before training")
         log(f"notice: this session cannot publish its checkpoint ({problem}); the chain publishes it from the "
             "session's output")

@@ -25,6 +25,9 @@ ATTACHED_KEY = "the attached key"
 TOKEN_ENV = "KAGGLE_API_V1_TOKEN"  # names the file holding the session's own token
 CREDENTIAL_NAMES = ("KAGGLE_USERNAME", "KAGGLE_KEY")
 _hidden_token: dict[str, str] = {}  # the token's variable while the key is in use
+# How a train session that cannot publish, and whose checkpoints would be lost, starts its one error line (the chain
+# reads it back from the log: no later session would do better until the user attaches the key).
+CANNOT_PUBLISH = "this session cannot publish its checkpoints"
 PROVE_TIMEOUT_S = 120.0  # the proof's calls (sign-in, status, upload start): kagglesdk sets no timeout of its own
 
 

@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from scripts.chain.chain import Chain
 from scripts.chain.config import config_from_dict, load_config
 from shared.errors import UserError
+from shared.kaggle.credential import ATTACHED_KEY, NOTEBOOK_TOKEN
 from shared.train.metrics import read_metrics
 
 DEMO = json.loads((REPO / "examples" / "chain-demo.json").read_text())
@@ -51,17 +52,18 @@ def run_chain(lk, config: Path, workdir: Path, *extra: str, env: dict | None = N
 NOTEBOOKS_STOP = "error: attach the secrets named above, then run the same command again; no session has started"
 
 
-def first_contact(lk, config: Path, workdir: Path) -> None:
+def first_contact(lk, config: Path, workdir: Path, attach: bool = True) -> None:
     """A new chain's first run: it saves the train notebook without running it, names the secrets to attach and
-    stops; the user attaches them (as on the notebook's page)."""
+    stops; the user attaches them (as on the notebook's page), or (`attach` False) goes on without."""
     proc = run_chain(lk, config, workdir)
     assert proc.returncode == 2 and error_lines(proc.stderr) == [NOTEBOOKS_STOP], proc.stdout + proc.stderr
     ref = f"{USER}/{json.loads(config.read_text())['name']}-train"
     # Saved on no accelerator: a notebook opened to attach secrets starts no TPU session (the pushes name it).
     assert [(v["quick_save"], v["machine_shape"], v["accelerator"]) for v in lk.app.state["kernels"][ref]["versions"]
             ] == [(True, None, None)]
-    lk.app.attach_secret(ref, "KAGGLE_USERNAME", USER)
-    lk.app.attach_secret(ref, "KAGGLE_KEY", KEY)
+    if attach:
+        lk.app.attach_secret(ref, "KAGGLE_USERNAME", USER)
+        lk.app.attach_secret(ref, "KAGGLE_KEY", KEY)
 
 
 def upload(lk, tmp_path: Path, ref: str, files: dict) -> None:
@@ -148,7 +150,9 @@ def test_chain_end_to_end_resumes_bit_exactly_and_survives_a_kill(local_kaggle, 
     first.send_signal(signal.SIGKILL)  # mid-run: session 2 is queued or running
     first.wait()
     out_log.close()
-    # The restarted chain meets transient API errors: a failed push and a flaky status call are retried.
+    # The restarted chain meets transient API errors: a failed push and a flaky status call are retried. From now
+    # on the sessions' own notebook tokens may not write datasets: they publish with the attached key instead.
+    lk.app.notebook_token_writes = False
     lk.app.inject("http", match="SaveKernel", status=500, message="Injected server error", count=1)
     lk.app.inject("http", match="GetKernelSessionStatus", status=503, count=2)
     second = run_chain(lk, config, workdir, timeout=1200)  # two sessions and the eval's (at most 600 s)
@@ -194,8 +198,12 @@ def test_chain_end_to_end_resumes_bit_exactly_and_survives_a_kill(local_kaggle, 
         assert ("(stop_after_steps)" if n == 1 else "(time_budget)") in log and KEY not in log
         if n == 1:
             assert "warning: could not publish step" in log and "Injected refusal" in log
+            assert f"publishing to alice/gpt2-demo-checkpoints with {NOTEBOOK_TOKEN}" in log
         else:
             assert "publish: checkpoint step" in log
+        if n == 3:  # session 2 may have proven its credential before the token lost its right to write
+            assert f"notice: {NOTEBOOK_TOKEN} cannot publish to alice/gpt2-demo-checkpoints (HTTP 403)" in log
+            assert f"publishing to alice/gpt2-demo-checkpoints with {ATTACHED_KEY}" in log
         if n > 1:
             assert f"resuming from alice/gpt2-demo-checkpoints (step {steps[-1]})" in log
         steps.append(state["train_sessions"][n - 1]["step_after"])
@@ -431,6 +439,21 @@ def test_bad_input_gives_one_line_errors_and_loses_nothing(local_kaggle, tmp_pat
     assert len(lk.app.state["kernels"]["alice/failing-run-train"]["versions"]) == 3  # the quick save, two sessions
     assert [v["notes"] for v in lk.app.state["datasets"]["alice/failing-run-checkpoints"]["versions"]] == [
         "Initial release"]
+
+    # A tokenize part that stops on its own error: the chain names the part's last line, not only its exit code.
+    tokenize = {"parts": 1, "inputs": ["alice/some-tokens"],
+                "settings": {"data_files": "{input:alice/some-tokens}/*.jsonl", "tokens_per_part": 1000}}
+    config = write_config(tmp_path / "t.json", **{**base, "token_datasets": [], "tokenize": tokenize},
+                          name="bad-tokens", max_failed_sessions=1)
+    first_contact(lk, config, tmp_path / "w7")
+    proc = run_chain(lk, config, tmp_path / "w7")
+    assert proc.returncode == 2
+    mount = lk.root / "kernels" / "alice" / "bad-tokens-tokens-part-0" / "1" / "kaggle" / "input" / "some-tokens"
+    logs = tmp_path / "w7" / "sessions" / "tokenize-0-1"
+    assert error_lines(proc.stderr) == [f"error: tokenize part 0 failed 1 time in a row (last: error: --data-files: "
+                                        f"no file matches {mount}/*.jsonl); see {logs}"]
+    assert (f"  part 0 failed: Kernel process exited with code 2; its last line: error: --data-files: no file "
+            f"matches {mount}/*.jsonl; log in {logs}") in proc.stdout
 
     # Too little weekly TPU quota left for one more session: stop before pushing.
     lk.app.quota_s["tpu"] = 30.0

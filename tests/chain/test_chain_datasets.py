@@ -444,7 +444,7 @@ def test_a_finished_wsd_chain_extends_from_its_stable_phase_checkpoint_carried_i
     Each session resumes from the version the chain expects, whatever the dataset answers: after session 1's
     publish the dataset's status still shows version 1 for a while (no second publish, no false "no progress");
     session 2 mounts the placeholder version (a stale mount) and fetches version 2; its publish deletes the older
-    versions (keep_dataset_versions 2)."""
+    versions (keep_dataset_versions 2). No secret is attached: each session publishes with its own notebook token."""
     from test_chain import DEMO, first_contact, run_chain, session_log, write_config
 
     lk = local_kaggle
@@ -466,7 +466,7 @@ def test_a_finished_wsd_chain_extends_from_its_stable_phase_checkpoint_carried_i
                 json.loads(stable.read_text())["step"] if stable.exists() else None)
 
     config = write_config(tmp_path / "ext.json", total_steps=4, train=train, **common)
-    first_contact(lk, config, work)
+    first_contact(lk, config, work, attach=False)  # the sessions publish with their own notebook tokens
     lk.app.inject("stale_dataset_status", dataset=ckpt, count=6)  # the calls right after session 1's publish
     proc = run_chain(lk, config, work, timeout=400)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -490,6 +490,9 @@ def test_a_finished_wsd_chain_extends_from_its_stable_phase_checkpoint_carried_i
         (0, None, 4, 1, False, "session"), (4, 3, 6, 2, True, "session"), (6, None, 8, 3, False, "session")]
     log = session_log(work / "sessions" / "train-02")
     assert "(an older version); fetching version 2 with kagglehub" in log
+    assert lk.app.accounts.secrets_of("alice/ext-run-train") == {}
+    for n in (1, 2, 3):
+        assert f"publishing to {ckpt} with the notebook's token" in session_log(work / "sessions" / f"train-{n:02d}")
     assert f"resuming from {ckpt} (step 4)" in log and "--extend: training on from step 3" in log
     assert f"resuming from {ckpt} (step 6)" in session_log(work / "sessions" / "train-03")
     assert dataset_steps() == (8, 5)

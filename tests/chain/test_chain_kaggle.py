@@ -470,3 +470,20 @@ def test_the_chain_names_each_shape_kaggle_may_run_on_another():
         "(session_start) names the device it got",
         "notice: TpuV38 is retired (not in Kaggle's Sep 2026 accelerator list): Kaggle runs these sessions on "
         "TpuV5E8 instead; set TpuV5E8 in the config to say so"]
+
+
+def test_a_sessions_last_error_line_is_read_from_its_log_as_kaggle_or_as_plain_text_writes_it(tmp_path):
+    from scripts.chain.client import log_error_line
+
+    entries = [{"stream_name": "stdout", "time": 0.1, "data": "train kernel, build x\nerror: not this one\n"},
+               {"stream_name": "stderr", "time": 0.2, "data": "warning: noise\nerror: the session's own line\n"},
+               {"stream_name": "stdout", "time": 0.3, "data": "  not an error: indented\n"}]
+    kaggle_log = tmp_path / "k.log"
+    kaggle_log.write_text(json.dumps(entries))
+    assert log_error_line(kaggle_log) == "error: the session's own line"
+    plain = tmp_path / "p.log"
+    plain.write_text("starting\nerror: a plain log's line\ndone\n")
+    assert log_error_line(plain) == "error: a plain log's line"
+    clean = tmp_path / "c.log"
+    clean.write_text(json.dumps([{"data": "all went well\n"}]))
+    assert log_error_line(clean) is None and log_error_line(tmp_path / "missing.log") is None

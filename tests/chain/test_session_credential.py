@@ -114,6 +114,48 @@ def test_a_token_refused_at_the_publish_itself_publishes_again_with_the_attached
     assert record["published"] is True and versions == [1, 2]
 
 
+@pytest.mark.slow
+def test_a_chain_whose_session_cannot_publish_stops_after_that_session_in_one_line_naming_the_secrets(
+        local_kaggle, tmp_path, demo_data, image_pythons):
+    """The user went on without attaching the key, and the notebook's token may not write: the first train session
+    stops in its first minute (its checkpoints would live in /kaggle/temp), and the chain stops after it, naming
+    what to attach, instead of pushing sessions that would stop the same way."""
+    from helpers import error_lines
+    from test_chain import DEMO, NOTEBOOKS_STOP, run_chain, session_log, write_config
+    from test_chain_datasets import upload_tokens
+
+    lk = local_kaggle
+    upload_tokens(lk, tmp_path, "alice/cred-tokens", demo_data)
+    # Kept in /kaggle/temp, a checkpoint's publish includes the session's 600-s wait for its version.
+    config = write_config(tmp_path / "cred.json", name="cred-run", tokenize={}, eval={"enabled": False},
+                          token_datasets=["alice/cred-tokens"], session_limit_s=900, publish_margin_s=620,
+                          train={**DEMO["train"], "checkpoint_dir": "{temp}/checkpoints"})
+    work, ref, ckpt = tmp_path / "w", f"{USER}/cred-run-train", f"{USER}/cred-run-checkpoints"
+    contact = run_chain(lk, config, work)
+    assert contact.returncode == 2 and error_lines(contact.stderr) == [NOTEBOOKS_STOP]
+    lk.app.notebook_token_writes = False
+    proc = run_chain(lk, config, work, timeout=300)  # run again, nothing attached
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (line,) = error_lines(proc.stderr)
+    with lk.app.store.lock:
+        kernel = lk.app.kernels.get(ref)
+        versions = [(v["status"], v["quick_save"]) for v in kernel["versions"]]
+        temp = lk.app.store.kernel_dir(kernel, 2) / "kaggle" / "temp"
+    assert versions == [("COMPLETE", True), ("ERROR", False)]  # one session pushed, none after it
+    assert line == (
+        "error: stopping: train session 1 stopped before training, as every later one would: this session cannot "
+        f"publish its checkpoints (no credential can publish to {ckpt} ({NOTEBOOK_TOKEN}: HTTP 403)), and they "
+        f"would live in {temp}, which is gone when the session ends; stopping before training. Attach the secrets "
+        f"KAGGLE_USERNAME, KAGGLE_KEY to the train notebook (https://www.kaggle.com/code/{ref}, Add-ons > Secrets), "
+        "then run the same command again (it goes on at step 0)")
+    assert "  its last line: error: this session cannot publish its checkpoints" in proc.stdout
+    log = session_log(work / "sessions" / "train-01")
+    assert not (work / "sessions" / "train-01" / "train" / "metrics.jsonl").exists()  # no step trained
+    assert "resuming from" not in log and KEY not in log + proc.stdout + proc.stderr
+    state = json.loads((work / "state.json").read_text())
+    assert [(s["status"], s["step_after"]) for s in state["train_sessions"]] == [("ERROR", 0)]
+
+
 @pytest.mark.parametrize("writes", [True, False])
 def test_the_local_kaggle_refuses_dataset_writes_with_a_notebook_token_only_when_told(local_kaggle, writes):
     from scripts.local_kaggle import ApiError
