@@ -337,11 +337,11 @@ class KaggleClient:
         return total - used, total, str(reset) if reset else "next Saturday"
 
 
-def log_error_line(log_file: Path) -> str | None:
-    """The last `error: ...` line a session printed, from its log as download_output writes it (Kaggle's log is a
-    JSON list of {stream_name, time, data}; plain text is read as it is), or None."""
+def log_error_line(folder: Path, ref: str) -> str | None:
+    """The last `error: ...` line `ref`'s session printed, from the log download_output wrote into `folder`
+    (Kaggle's log is a JSON list of {stream_name, time, data}; plain text is read as it is), or None."""
     try:
-        text = log_file.read_text()
+        text = (Path(folder) / f"{ref.split('/')[-1]}.log").read_text()
     except OSError:
         return None
     try:

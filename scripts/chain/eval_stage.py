@@ -39,7 +39,7 @@ class EvalStage:
         if status == "COMPLETE":
             ctx.log(f"  eval done in {secs:.0f}s: report in {dest}")
         else:
-            error = log_error_line(dest / f"{ref.split('/')[1]}.log")
+            error = log_error_line(dest, ref)
             ctx.log(f"  warning: the eval kernel ended {status.lower()} ({message})"
                     + (f"; its last line: {error}" if error else "") + f"; its log is in {dest}")
 

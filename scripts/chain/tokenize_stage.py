@@ -86,7 +86,7 @@ class TokenizeStage:
             failures += 1
             logs = ctx.workdir / "sessions" / f"tokenize-{part}-{attempt}"
             ctx.client.download_output(ref, logs, pattern=r"^$", version=version)
-            error = log_error_line(logs / f"{ref.split('/')[1]}.log")
+            error = log_error_line(logs, ref)
             ctx.log(f"  part {part} failed: {message or status}" + (f"; its last line: {error}" if error else "")
                     + f"; log in {logs}")
             if failures >= ctx.cfg.max_failed_sessions:

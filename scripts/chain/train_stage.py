@@ -239,7 +239,7 @@ class TrainStage:
                 shutil.copyfile(dest / "train" / name, ctx.workdir / name)
         record = json.loads((dest / PUBLISH_RECORD).read_text()) if (dest / PUBLISH_RECORD).exists() else {}
         metrics = dest / "train" / "metrics.jsonl"
-        error = log_error_line(dest / f"{ref.split('/')[1]}.log")
+        error = log_error_line(dest, ref)
         return record, {"logs": str(dest), **(session_measurements(metrics) if metrics.exists() else {}),
                         **({"error": error} if error else {})}
 

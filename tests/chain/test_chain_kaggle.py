@@ -478,12 +478,12 @@ def test_a_sessions_last_error_line_is_read_from_its_log_as_kaggle_or_as_plain_t
     entries = [{"stream_name": "stdout", "time": 0.1, "data": "train kernel, build x\nerror: not this one\n"},
                {"stream_name": "stderr", "time": 0.2, "data": "warning: noise\nerror: the session's own line\n"},
                {"stream_name": "stdout", "time": 0.3, "data": "  not an error: indented\n"}]
-    kaggle_log = tmp_path / "k.log"
-    kaggle_log.write_text(json.dumps(entries))
-    assert log_error_line(kaggle_log) == "error: the session's own line"
-    plain = tmp_path / "p.log"
-    plain.write_text("starting\nerror: a plain log's line\ndone\n")
-    assert log_error_line(plain) == "error: a plain log's line"
-    clean = tmp_path / "c.log"
-    clean.write_text(json.dumps([{"data": "all went well\n"}]))
-    assert log_error_line(clean) is None and log_error_line(tmp_path / "missing.log") is None
+    (tmp_path / "k").mkdir()
+    (tmp_path / "k" / "run-train.log").write_text(json.dumps(entries))  # as download_output names it
+    assert log_error_line(tmp_path / "k", "alice/run-train") == "error: the session's own line"
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "run-train.log").write_text("starting\nerror: a plain log's line\ndone\n")
+    assert log_error_line(tmp_path / "p", "alice/run-train") == "error: a plain log's line"
+    (tmp_path / "k" / "run-eval.log").write_text(json.dumps([{"data": "all went well\n"}]))
+    assert log_error_line(tmp_path / "k", "alice/run-eval") is None
+    assert log_error_line(tmp_path / "k", "alice/no-such-run") is None
