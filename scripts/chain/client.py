@@ -345,8 +345,10 @@ def log_error_line(folder: Path, ref: str) -> str | None:
     except OSError:
         return None
     try:
-        text = "".join(str(entry.get("data", "")) for entry in json.loads(text) if isinstance(entry, dict))
+        entries = json.loads(text)
     except ValueError:
-        pass
+        entries = None
+    if isinstance(entries, list):
+        text = "".join(str(entry.get("data", "")) for entry in entries if isinstance(entry, dict))
     errors = [line.strip() for line in text.splitlines() if line.startswith("error:")]
     return errors[-1] if errors else None

@@ -487,3 +487,5 @@ def test_a_sessions_last_error_line_is_read_from_its_log_as_kaggle_or_as_plain_t
     (tmp_path / "k" / "run-eval.log").write_text(json.dumps([{"data": "all went well\n"}]))
     assert log_error_line(tmp_path / "k", "alice/run-eval") is None
     assert log_error_line(tmp_path / "k", "alice/no-such-run") is None
+    (tmp_path / "k" / "run-odd.log").write_text("404\n")  # plain text that parses as JSON, but is no log of entries
+    assert log_error_line(tmp_path / "k", "alice/run-odd") is None
