@@ -349,6 +349,7 @@ def log_error_line(folder: Path, ref: str) -> str | None:
     except ValueError:
         entries = None
     if isinstance(entries, list):
-        text = "".join(str(entry.get("data", "")) for entry in entries if isinstance(entry, dict))
+        # Entry by entry: a chunk of one stream that ends mid-line must not run into the other's next line.
+        text = "\n".join(str(entry.get("data", "")) for entry in entries if isinstance(entry, dict))
     errors = [line.strip() for line in text.splitlines() if line.startswith("error:")]
     return errors[-1] if errors else None

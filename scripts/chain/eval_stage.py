@@ -41,7 +41,7 @@ class EvalStage:
         else:
             error = log_error_line(dest, ref)
             ctx.log(f"  warning: the eval kernel ended {status.lower()} ({message})"
-                    + (f"; its last line: {error}" if error else "") + f"; its log is in {dest}")
+                    + (f"; its last error line: {error}" if error else "") + f"; its log is in {dest}")
 
     def expected_checkpoint(self) -> dict:
         """The step and dataset version the last train session left: a session mounting an older version fetches

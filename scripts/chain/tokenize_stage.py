@@ -87,7 +87,7 @@ class TokenizeStage:
             logs = ctx.workdir / "sessions" / f"tokenize-{part}-{attempt}"
             ctx.client.download_output(ref, logs, pattern=r"^$", version=version)
             error = log_error_line(logs, ref)
-            ctx.log(f"  part {part} failed: {message or status}" + (f"; its last line: {error}" if error else "")
+            ctx.log(f"  part {part} failed: {message or status}" + (f"; its last error line: {error}" if error else "")
                     + f"; log in {logs}")
             if failures >= ctx.cfg.max_failed_sessions:
                 raise UserError(f"tokenize part {part} failed {failures} time{'s' if failures > 1 else ''} in a row "

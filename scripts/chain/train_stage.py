@@ -143,6 +143,8 @@ class TrainStage:
         line = sess.get("error") or ""
         if sess.get("status") != "ERROR" or not line.startswith(f"error: {CANNOT_PUBLISH}"):
             return
+        sess["bound_to_repeat"] = True  # not a failure in a row once the user has attached the key (_trailing_failures)
+        self.ctx.state.save()
         raise UserError(f"stopping: train session {sess['n']} stopped before training, as every later one would: "
                         f"{line.removeprefix('error: ')}. Attach the secrets {', '.join(CREDENTIAL_NAMES)} to the "
                         f"train notebook ({KAGGLE_CODE_URL}{ref}, Add-ons > Secrets), then run the same command "
@@ -277,7 +279,7 @@ class TrainStage:
         ctx.log(f"  session {sess['n']} {status.lower()} in {secs:.0f}s: step {before}{extended} -> {after} of "
                 f"{cfg.total_steps}, {loss}, {speed}" + (f" ({message})" if message else ""))
         if sess.get("error"):
-            ctx.log(f"  its last line: {sess['error']}")
+            ctx.log(f"  its last error line: {sess['error']}")
         for record in records:  # the trainer's projection where the stable phase ended (shared/train/projection.py)
             if record.get("event") == "projection" and before <= record["step"] <= after:
                 ctx.log(f"  {summary_line(record)}")
@@ -344,7 +346,7 @@ def sessions_left(cfg: ChainConfig, step: int, sessions: list) -> int:
 
 def _trailing_failures(sessions: list):
     for s in reversed(sessions):
-        if not s.get("ended") or s.get("lengthened"):
+        if not s.get("ended") or s.get("lengthened") or s.get("bound_to_repeat"):
             continue
         if s.get("step_after", 0) > start_of(s):
             return

@@ -455,7 +455,7 @@ def test_bad_input_gives_one_line_errors_and_loses_nothing(local_kaggle, tmp_pat
     logs = tmp_path / "w7" / "sessions" / "tokenize-0-1"
     assert error_lines(proc.stderr) == [f"error: tokenize part 0 failed 1 time in a row (last: error: --data-files: "
                                         f"no file matches {mount}/*.jsonl); see {logs}"]
-    assert (f"  part 0 failed: Kernel process exited with code 2; its last line: error: --data-files: no file "
+    assert (f"  part 0 failed: Kernel process exited with code 2; its last error line: error: --data-files: no file "
             f"matches {mount}/*.jsonl; log in {logs}") in proc.stdout
 
     # Too little weekly TPU quota left for one more session: stop before pushing.

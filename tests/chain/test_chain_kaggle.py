@@ -476,8 +476,10 @@ def test_a_sessions_last_error_line_is_read_from_its_log_as_kaggle_or_as_plain_t
     from scripts.chain.client import log_error_line
 
     entries = [{"stream_name": "stdout", "time": 0.1, "data": "train kernel, build x\nerror: not this one\n"},
-               {"stream_name": "stderr", "time": 0.2, "data": "warning: noise\nerror: the session's own line\n"},
-               {"stream_name": "stdout", "time": 0.3, "data": "  not an error: indented\n"}]
+               {"stream_name": "stderr", "time": 0.2, "data": "warning: noise\nerror: an earlier line\n"},
+               {"stream_name": "stdout", "time": 0.3, "data": "a chunk that ends mid-line"},
+               {"stream_name": "stderr", "time": 0.4, "data": "error: the session's own line\n"},
+               {"stream_name": "stdout", "time": 0.5, "data": "  not an error: indented\n"}]
     (tmp_path / "k").mkdir()
     (tmp_path / "k" / "run-train.log").write_text(json.dumps(entries))  # as download_output names it
     assert log_error_line(tmp_path / "k", "alice/run-train") == "error: the session's own line"

@@ -148,12 +148,23 @@ def test_a_chain_whose_session_cannot_publish_stops_after_that_session_in_one_li
         f"would live in {temp}, which is gone when the session ends; stopping before training. Attach the secrets "
         f"KAGGLE_USERNAME, KAGGLE_KEY to the train notebook (https://www.kaggle.com/code/{ref}, Add-ons > Secrets), "
         "then run the same command again (it goes on at step 0)")
-    assert "  its last line: error: this session cannot publish its checkpoints" in proc.stdout
+    assert "  its last error line: error: this session cannot publish its checkpoints" in proc.stdout
     log = session_log(work / "sessions" / "train-01")
     assert not (work / "sessions" / "train-01" / "train" / "metrics.jsonl").exists()  # no step trained
     assert "resuming from" not in log and KEY not in log + proc.stdout + proc.stderr
     state = json.loads((work / "state.json").read_text())
-    assert [(s["status"], s["step_after"]) for s in state["train_sessions"]] == [("ERROR", 0)]
+    assert [(s["status"], s["step_after"], s["bound_to_repeat"]) for s in state["train_sessions"]] == [
+        ("ERROR", 0, True)]
+
+
+def test_a_session_stopped_for_want_of_a_credential_is_no_failure_in_a_row_once_the_key_is_attached():
+    from scripts.chain.train_stage import _trailing_failures
+
+    stopped = {"n": 1, "ended": 1.0, "status": "ERROR", "step_before": 0, "step_after": 0, "bound_to_repeat": True}
+    assert list(_trailing_failures([stopped])) == []
+    failed = {**stopped, "n": 2, "bound_to_repeat": False}
+    assert [s["n"] for s in _trailing_failures([stopped, failed])] == [2]
+    assert [s["n"] for s in _trailing_failures([{**stopped, "bound_to_repeat": False}, failed])] == [2, 1]
 
 
 @pytest.mark.parametrize("writes", [True, False])
