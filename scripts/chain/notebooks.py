@@ -42,6 +42,12 @@ def needed_secrets(cfg) -> dict[str, list[str]]:
     return needs
 
 
+def attach_line(kernel: str, ref: str, names: list[str] | tuple[str, ...]) -> str:
+    """What the user does for notebook `ref`: which secrets to attach, and on which page."""
+    return (f"attach the secret{'s' if len(names) > 1 else ''} {', '.join(names)} to the {kernel} notebook: "
+            f"{KAGGLE_CODE_URL}{ref} (Add-ons > Secrets)")
+
+
 def ask_on_terminal(lines: list[str]) -> None:
     """The default for new notebooks: on a terminal, wait for Enter; otherwise stop (the same command goes on)."""
     if sys.stdin is not None and sys.stdin.isatty():
@@ -71,8 +77,7 @@ class NotebooksStage:
                 version = ctx.client.quick_save(folder)
                 created.append(ref)
                 ctx.log(f"created the {kernel} notebook {ref} (version {version}, saved without running)")
-            lines.append(f"attach the secret{'s' if len(names) > 1 else ''} {', '.join(names)} to the {kernel} "
-                         f"notebook: {KAGGLE_CODE_URL}{ref} (Add-ons > Secrets)")
+            lines.append(attach_line(kernel, ref, names))
         if created:
             lines.append("the notebooks are saved on no accelerator; if attaching opens an editor session, stop it "
                          "(Run > Stop Session) before going on: each session the chain pushes names its own machine")

@@ -28,7 +28,7 @@ from scripts.chain.config import ChainConfig, publish_verify_s
 from scripts.chain.context import StageContext
 from scripts.chain.hellaswag import ensure_hellaswag_dataset, hellaswag_settings
 from scripts.chain.limits import MACHINE_SHAPES
-from scripts.chain.notebooks import KAGGLE_CODE_URL
+from scripts.chain.notebooks import attach_line
 from scripts.chain.sizing import session_length, session_measurements
 from scripts.chain.tokenize_stage import data_sources
 from shared.checkpoint_names import STATE_FILE
@@ -145,9 +145,9 @@ class TrainStage:
             return
         sess["bound_to_repeat"] = True  # not a failure in a row once the user has attached the key (_trailing_failures)
         self.ctx.state.save()
+        attach = attach_line("train", ref, CREDENTIAL_NAMES)
         raise UserError(f"stopping: train session {sess['n']} stopped before training, as every later one would: "
-                        f"{line.removeprefix('error: ')}. Attach the secrets {', '.join(CREDENTIAL_NAMES)} to the "
-                        f"train notebook ({KAGGLE_CODE_URL}{ref}, Add-ons > Secrets), then run the same command "
+                        f"{line.removeprefix('error: ')}. {attach[0].upper()}{attach[1:]}, then run the same command "
                         f"again (it goes on at step {step})")
 
     def build(self, push_id: str, expect_step: int = 0, expect_version: int = 0, delete_old: bool = False,

@@ -146,7 +146,7 @@ def test_a_chain_whose_session_cannot_publish_stops_after_that_session_in_one_li
         "error: stopping: train session 1 stopped before training, as every later one would: this session cannot "
         f"publish its checkpoints (no credential can publish to {ckpt} ({NOTEBOOK_TOKEN}: HTTP 403)), and they "
         f"would live in {temp}, which is gone when the session ends; stopping before training. Attach the secrets "
-        f"KAGGLE_USERNAME, KAGGLE_KEY to the train notebook (https://www.kaggle.com/code/{ref}, Add-ons > Secrets), "
+        f"KAGGLE_USERNAME, KAGGLE_KEY to the train notebook: https://www.kaggle.com/code/{ref} (Add-ons > Secrets), "
         "then run the same command again (it goes on at step 0)")
     assert "  its last error line: error: this session cannot publish its checkpoints" in proc.stdout
     log = session_log(work / "sessions" / "train-01")
