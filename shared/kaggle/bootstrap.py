@@ -97,7 +97,7 @@ def resolve_build(build: dict, log=print) -> BuiltKernel:
     packages it needs that the image lacks installed, publishing checked and planned, and the checkpoint dataset
     staged for resuming. Called by the bootstrap of every built kernel; every check here comes before any work."""
     from shared.kaggle.env import check_tpu_present, in_session, kaggle_paths
-    from shared.kaggle.packages import require
+    from shared.kaggle.packages import require, upgrade
 
     settings = dict(build.get("settings") or {})
     if not in_session():
@@ -110,6 +110,10 @@ def resolve_build(build: dict, log=print) -> BuiltKernel:
     settings = {k: resolve_placeholders(v, paths) if isinstance(v, str) else v for k, v in settings.items()}
     for name, reason in kernel_needs(build.get("kernel", ""), settings):
         require(name, reason, log)
+    for name in kernel_upgrades(build.get("kernel", ""), settings):
+        problem = upgrade(name, log)
+        if problem:
+            log(f"notice: {problem}")
     if build.get("kernel") == "eval" and settings.get("kaggle_model"):
         problem = publish_problem(log, "the Kaggle Model upload")
         if problem:
@@ -254,3 +258,7 @@ def kernel_needs(kernel: str, settings: dict) -> list[tuple[str, str]]:
     return needs
 
 
+def kernel_upgrades(kernel: str, settings: dict) -> list[str]:
+    """The packages (shared.kaggle.packages.UPGRADES) a kernel with these settings is better off with newer than
+    an image may have: `datasets` where the tokenize kernel streams from the Hub."""
+    return ["datasets"] if kernel == "tokenize" and not settings.get("data_files") else []

@@ -11,6 +11,11 @@ importing it in a fresh interpreter) does it go first.
 With internet off pip fails within seconds: a required package is then one line and exit 2 (UserError), an
 optional one a one-line notice; an install that hangs is stopped at PIP_TIMEOUT_S, the same way. Outside a
 Kaggle session nothing is installed: the laptop's setup has everything.
+
+A package an image has, but may have too old for what a kernel relies on, is an `Upgrade`: where the image's copy is
+older, a newer pinned version is installed alone (pip --no-deps) into a folder of its own and put first on the import
+path, and only if the image's packages meet every requirement it declares and it imports. Otherwise the image's
+copy stays, with a one-line notice: an upgrade never stops a session.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import importlib
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -63,6 +69,28 @@ PACKAGES = {
                             "webencodings==0.6.1", "python-dotenv==1.2.4", "python-slugify==9.2.0",
                             "text-unidecode==1.3", "python-dateutil==4.0.0", "tzdata==2026.6")),
     "wandb": Package("wandb", ("wandb==0.31.0",), "W&B logging"),
+}
+
+
+@dataclass(frozen=True)
+class Upgrade:
+    """A package a Kaggle image has that may be older than what a kernel relies on, and the newer pinned versions
+    that may replace it for the session."""
+
+    module: str  # the import name (and distribution name)
+    at_least: str  # the oldest version that does what the kernel relies on
+    candidates: tuple[str, ...]  # pinned requirements, newest first: the first the image's packages can run is kept
+    purpose: str  # what the newer version is for, in the notices
+    fallback: str  # what covers for an older copy kept, in the notice
+
+
+UPGRADES = {
+    # Streaming reads retry the Hub's 429 and 504 from datasets 4.4.1 on (docs/tokenize.md). 5.2.0 (the version the
+    # project's setup tests with) needs huggingface_hub >= 1.31 and pyarrow >= 24; 4.8.5, the newest 4.x,
+    # huggingface_hub < 2 and pyarrow >= 21: between them they cover the huggingface_hub 1.x an image may have.
+    "datasets": Upgrade("datasets", "4.4.1", ("datasets==5.2.0", "datasets==4.8.5"),
+                        "retrying the Hub's 429 and 504 while streaming",
+                        "the tokenize kernel's own retries cover the Hub's 429 and 504 (docs/tokenize.md)"),
 }
 
 
@@ -173,6 +201,79 @@ def provide(name: str, reason: str = "", log=print, installer=None) -> str | Non
         problem = (f"the {pkg.module} package is not in this Kaggle image and could not be installed ({error}); it "
                    f"is needed for {why}: turn on the notebook's internet (Settings > Internet)")
     record_fact("packages", name, {"from": "missing", "problem": problem})
+    return problem
+
+
+def _runs_with_image(module: str, version: str) -> str:
+    """The check (for `_imports_with`) that `module` `version`, first on the path, finds every requirement it
+    declares (extras aside) met by the packages after it, and imports."""
+    return (f"""
+from importlib import metadata
+from packaging.requirements import Requirement
+have = metadata.version({module!r})
+if have != {version!r}:
+    sys.exit(f"found {module} {{have}} first on the path, not {version}")
+for line in metadata.requires({module!r}) or []:
+    req = Requirement(line)
+    if req.marker is not None and not req.marker.evaluate({{"extra": ""}}):
+        continue
+    try:
+        found = metadata.version(req.name)
+    except metadata.PackageNotFoundError:
+        sys.exit(f"it needs {{req}}, and the image has no {{req.name}}")
+    if not req.specifier.contains(found, prereleases=True):
+        sys.exit(f"it needs {{req}}, and the image has {{req.name}} {{found}}")
+import {module}
+""")
+
+
+def upgrade(name: str, log=print, installer=None) -> str | None:
+    """Where the image's UPGRADES[name] is older than its `at_least`, install the first candidate the image's
+    packages can run, first on the import path (before anything imports it). None when the copy in use is new
+    enough, else one line saying why the image's older copy stays: a notice for the caller, never fatal."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.version import Version
+
+    up = UPGRADES[name]
+    try:
+        have = version(up.module)
+    except PackageNotFoundError:
+        have = None
+    if have is not None and Version(have) >= Version(up.at_least):
+        record_fact("packages", name, {"from": "image", "version": have})
+        return None
+    target = install_dir()
+    if target is None:  # the laptop: its setup decides what is installed
+        return None
+    image = f"the image's {up.module} {have}" if have else f"no {up.module} in the image"
+    if up.module in sys.modules:
+        return f"kept {image}: it was imported before it could be replaced"
+    start, reasons = time.monotonic(), []
+    for requirement in up.candidates:
+        folder = target / requirement.replace("==", "-")
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        problem = (installer or pip_install)((requirement,), folder, no_deps=True) or _imports_with(
+            [str(folder)] + [p for p in sys.path if p != str(folder)],
+            _runs_with_image(up.module, requirement.split("==")[1]))
+        if problem is None:
+            sys.path.insert(0, str(folder))
+            importlib.invalidate_caches()
+            seconds = time.monotonic() - start
+            _installs_s.append(seconds)
+            record_fact("packages", name, {"from": "upgraded", "image": have, "requirements": [requirement],
+                                           "seconds": round(seconds, 1)})
+            log(f"installed {requirement} for {up.purpose} in {seconds:.1f}s: {image} is older than "
+                f"{up.at_least} (alone, ahead of the image's copy, on the image's packages; gone with the session)")
+            return None
+        shutil.rmtree(folder, ignore_errors=True)
+        reasons.append(f"{requirement}: {problem}")
+        if "ran past" in problem:  # a hung index: the next candidate would wait as long
+            break
+    problem = f"kept {image}, older than {up.at_least}, for want of a newer one ({'; '.join(reasons)}); "
+    problem += up.fallback
+    record_fact("packages", name, {"from": "image", "version": have, "problem": problem})
     return problem
 
 

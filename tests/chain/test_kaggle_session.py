@@ -15,19 +15,7 @@ from kaggle_fixtures import write_kernel
 from shared.errors import UserError, run_cli
 from shared.kaggle import packages
 from shared.kaggle.bootstrap import resolve_build
-from shared.kaggle.env import LOCAL_ROOT_ENV, LOCAL_SECRETS_ENV
 from shared.kaggle.publish import MANIFEST, after_training
-
-
-@pytest.fixture
-def session(tmp_path, monkeypatch):
-    """This process inside a local Kaggle session (its folders under tmp_path, no secrets attached), with
-    sys.path restored afterwards."""
-    monkeypatch.setenv(LOCAL_ROOT_ENV, str(tmp_path / "kaggle"))
-    monkeypatch.setenv(LOCAL_SECRETS_ENV, str(tmp_path / "secrets.json"))
-    (tmp_path / "secrets.json").write_text("{}")
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    return tmp_path / "kaggle"
 
 
 def fake_installer(module: str):
