@@ -103,6 +103,16 @@ def _is_text_type(kind) -> bool:
 HUB_ENV_DEFAULTS = {"HF_HUB_DOWNLOAD_TIMEOUT": "60", "HF_HUB_ETAG_TIMEOUT": "60", "HF_HUB_DISABLE_TELEMETRY": "1"}
 
 
+# datasets' own retries of a streaming read (datasets/config.py, 5.2.0 lines 256-261; the 429 and 503/504 waits from
+# 4.4.1 on), set whichever version reads: its defaults allow 20 tries, up to 20 min of 60-s waits on 429s that
+# nothing logs and no session deadline bounds. Five tries leave a brief fault to it (25 s on resets, 5 min on 429s);
+# a longer one reaches our own layer, which logs each wait, honours Retry-After and stops at the deadline.
+STREAMING_RETRIES = {"STREAMING_READ_MAX_RETRIES": 5, "STREAMING_READ_RETRY_INTERVAL": 5,
+                     "STREAMING_READ_SERVER_UNAVAILABLE_RETRY_INTERVAL": 20,
+                     "STREAMING_READ_RATE_LIMIT_RETRY_INTERVAL": 60,
+                     "STREAMING_OPEN_MAX_RETRIES": 5, "STREAMING_OPEN_RETRY_INTERVAL": 5}
+
+
 def hub_endpoint() -> str:
     """Where the Hub is read from (HF_ENDPOINT, as huggingface_hub reads it), with HUB_ENV_DEFAULTS set."""
     for name, value in HUB_ENV_DEFAULTS.items():
@@ -185,6 +195,8 @@ def open_stream(source: dict) -> datasets.IterableDataset:
     import datasets
 
     datasets.disable_progress_bars()
+    for name, value in STREAMING_RETRIES.items():
+        setattr(datasets.config, name, value)
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # read errors become our own one-line error
     try:
         if source["kind"] == "local":

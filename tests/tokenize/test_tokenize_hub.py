@@ -325,3 +325,21 @@ def test_a_hub_dataset_whose_reader_takes_no_column_list_is_opened_without_one(m
     first = next(iter(open_stream(source).iter(batch_size=3)))
     assert first.column("text").to_pylist() == corpus["docs"][:3]
     assert calls == [["columns", "revision", "split", "streaming"], ["revision", "split", "streaming"]]
+
+
+def test_datasets_own_streaming_retries_are_capped_at_five_tries_so_a_longer_fault_reaches_ours(monkeypatch, corpus):
+    import glob
+
+    import datasets
+
+    from shared.tokenize.source import STREAMING_RETRIES, open_stream
+
+    for name in STREAMING_RETRIES:  # as datasets ships them (5.2.0: 20 tries), restored after the test
+        monkeypatch.setattr(datasets.config, name, 20, raising=False)
+    source = {"kind": "local", "format": "parquet", "paths": sorted(glob.glob(corpus["parquet"])),
+              "text_column": "text"}
+    next(iter(open_stream(source).iter(batch_size=3)))
+    assert {name: getattr(datasets.config, name) for name in STREAMING_RETRIES} == {
+        "STREAMING_READ_MAX_RETRIES": 5, "STREAMING_READ_RETRY_INTERVAL": 5,
+        "STREAMING_READ_SERVER_UNAVAILABLE_RETRY_INTERVAL": 20, "STREAMING_READ_RATE_LIMIT_RETRY_INTERVAL": 60,
+        "STREAMING_OPEN_MAX_RETRIES": 5, "STREAMING_OPEN_RETRY_INTERVAL": 5}
