@@ -31,13 +31,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.errors import UserError, duration_text
+from shared.errors import UserError, describe_error, duration_text
 from shared.kaggle.facts import record_fact
 
 TARGET_DIR = "gpt2k-packages"  # under the session's temp folder
 # One pip install, whole: pip's own --timeout is per socket read, so an index that trickles bytes (or a proxy that
 # accepts and never answers, retried) could hold a session's start-up well past its margin (420-600 s).
 PIP_TIMEOUT_S = 240.0
+IMPORT_CHECK_TIMEOUT_S = 120.0  # a fresh interpreter importing a package (datasets: 1-2 s)
 _installs_s: list[float] = []  # this process's installs, for the trainer's start-up line
 
 
@@ -86,8 +87,9 @@ class Upgrade:
 
 UPGRADES = {
     # Streaming reads retry the Hub's 429 and 504 from datasets 4.4.1 on (docs/tokenize.md). 5.2.0 (the version the
-    # project's setup tests with) needs huggingface_hub >= 1.31 and pyarrow >= 24; 4.8.5, the newest 4.x,
-    # huggingface_hub < 2 and pyarrow >= 21: between them they cover the huggingface_hub 1.x an image may have.
+    # project's setup tests with) needs huggingface_hub >= 1.31, pyarrow >= 24 and fsspec <= 2026.9.0; 4.8.5, the
+    # newest 4.x, huggingface_hub < 2, httpx < 1, pyarrow >= 21 and fsspec <= 2026.2.0 (their wheels' METADATA).
+    # An image that meets neither keeps its own copy.
     "datasets": Upgrade("datasets", "4.4.1", ("datasets==5.2.0", "datasets==4.8.5"),
                         "retrying the Hub's 429 and 504 while streaming",
                         "the tokenize kernel's own retries cover the Hub's 429 and 504 (docs/tokenize.md)"),
@@ -124,8 +126,11 @@ def _imports_with(path: list[str], check: str) -> str | None:
     (A fresh process: a failed import here would leave half-imported modules behind.)"""
     code = f"import sys, json; sys.path[:] = json.loads(sys.argv[1]); {check}"
     env = {**os.environ, "KAGGLE_USERNAME": "import-check", "KAGGLE_KEY": "import-check"}
-    proc = subprocess.run([sys.executable, "-c", code, json.dumps(path)], capture_output=True, text=True, env=env,
-                          stdin=subprocess.DEVNULL)
+    try:
+        proc = subprocess.run([sys.executable, "-c", code, json.dumps(path)], capture_output=True, text=True,
+                              env=env, stdin=subprocess.DEVNULL, timeout=IMPORT_CHECK_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"the import check ran past {duration_text(IMPORT_CHECK_TIMEOUT_S)} and was stopped"
     if proc.returncode == 0:
         return None
     lines = [line for line in proc.stderr.splitlines() if line.strip()] or [f"exit {proc.returncode}"]
@@ -230,12 +235,21 @@ import {module}
 def upgrade(name: str, log=print, installer=None) -> str | None:
     """Where the image's UPGRADES[name] is older than its `at_least`, install the first candidate the image's
     packages can run, first on the import path (before anything imports it). None when the copy in use is new
-    enough, else one line saying why the image's older copy stays: a notice for the caller, never fatal."""
+    enough, else one line saying why the image's copy stays: a notice for the caller, never fatal."""
+    up = UPGRADES[name]
+    try:
+        return _upgrade(name, up, log, installer or pip_install)
+    except Exception as err:  # noqa: BLE001 - an upgrade is a bonus: whatever goes wrong, the image's copy stays
+        problem = f"kept the image's {up.module}: replacing it failed ({describe_error(err)}); {up.fallback}"
+        record_fact("packages", name, {"from": "image", "problem": problem})
+        return problem
+
+
+def _upgrade(name: str, up: Upgrade, log, installer) -> str | None:
     from importlib.metadata import PackageNotFoundError, version
 
     from packaging.version import Version
 
-    up = UPGRADES[name]
     try:
         have = version(up.module)
     except PackageNotFoundError:
@@ -246,16 +260,21 @@ def upgrade(name: str, log=print, installer=None) -> str | None:
     target = install_dir()
     if target is None:  # the laptop: its setup decides what is installed
         return None
-    image = f"the image's {up.module} {have}" if have else f"no {up.module} in the image"
+    image = f"the image's {up.module} {have}, older than {up.at_least}," if have else f"the image without {up.module}"
     if up.module in sys.modules:
-        return f"kept {image}: it was imported before it could be replaced"
+        problem = f"kept {image} as it was imported before it could be replaced; {up.fallback}"
+        record_fact("packages", name, {"from": "image", "version": have, "problem": problem})
+        return problem
     start, reasons = time.monotonic(), []
     for requirement in up.candidates:
+        if reasons and time.monotonic() - start > PIP_TIMEOUT_S:  # a slow index: the session's start-up comes first
+            reasons.append(f"{requirement}: not tried, {duration_text(PIP_TIMEOUT_S)} spent")
+            break
         folder = target / requirement.replace("==", "-")
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
-        problem = (installer or pip_install)((requirement,), folder, no_deps=True) or _imports_with(
-            [str(folder)] + [p for p in sys.path if p != str(folder)],
+        problem = installer((requirement,), folder, no_deps=True) or _imports_with(
+            [str(folder)] + [str(p) for p in sys.path if p != str(folder)],
             _runs_with_image(up.module, requirement.split("==")[1]))
         if problem is None:
             sys.path.insert(0, str(folder))
@@ -264,15 +283,12 @@ def upgrade(name: str, log=print, installer=None) -> str | None:
             _installs_s.append(seconds)
             record_fact("packages", name, {"from": "upgraded", "image": have, "requirements": [requirement],
                                            "seconds": round(seconds, 1)})
-            log(f"installed {requirement} for {up.purpose} in {seconds:.1f}s: {image} is older than "
-                f"{up.at_least} (alone, ahead of the image's copy, on the image's packages; gone with the session)")
+            log(f"installed {requirement} for {up.purpose} in {seconds:.1f}s over {image.removesuffix(',')} "
+                "(alone, ahead of the image's copy, on the image's packages; gone with the session)")
             return None
         shutil.rmtree(folder, ignore_errors=True)
         reasons.append(f"{requirement}: {problem}")
-        if "ran past" in problem:  # a hung index: the next candidate would wait as long
-            break
-    problem = f"kept {image}, older than {up.at_least}, for want of a newer one ({'; '.join(reasons)}); "
-    problem += up.fallback
+    problem = f"kept {image} for want of a newer one ({'; '.join(reasons)}); {up.fallback}"
     record_fact("packages", name, {"from": "image", "version": have, "problem": problem})
     return problem
 

@@ -103,7 +103,7 @@ def _is_text_type(kind) -> bool:
 HUB_ENV_DEFAULTS = {"HF_HUB_DOWNLOAD_TIMEOUT": "60", "HF_HUB_ETAG_TIMEOUT": "60", "HF_HUB_DISABLE_TELEMETRY": "1"}
 
 
-# datasets' own retries of a streaming read (datasets/config.py, 5.2.0 lines 256-261; the 429 and 503/504 waits from
+# datasets' own retries of a streaming read (datasets/config.py, 5.2.0 lines 256-261; the 429 and 504 waits from
 # 4.4.1 on), set whichever version reads: its defaults allow 20 tries, up to 20 min of 60-s waits on 429s that
 # nothing logs and no session deadline bounds. Five tries leave a brief fault to it (25 s on resets, 5 min on 429s);
 # a longer one reaches our own layer, which logs each wait, honours Retry-After and stops at the deadline.

@@ -15,6 +15,7 @@ from kaggle_fixtures import write_dataset
 
 from scripts.local_hub import LocalHub, build_fineweb_like
 from shared.data import read_shard
+from shared.kaggle.facts import FACTS_FILE
 from shared.tokenize.tokenizer import EOT_TOKEN, gpt2_encoding
 
 PROBE = """
@@ -39,8 +40,9 @@ def _documents() -> list[str]:
 def older_datasets(folder) -> str:
     """datasets 4.0.0 alone (its requirements are the image's), as an image older than 4.4.1 holds it: put ahead of
     the image's packages through PYTHONPATH, the bootstrap finds it and installs a newer one (issue 31)."""
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps",
-                    "--target", str(folder), "datasets==4.0.0"], check=True, capture_output=True)
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                           "--no-deps", "--target", str(folder), "datasets==4.0.0"], capture_output=True, text=True)
+    assert proc.returncode == 0, f"pip could not fetch datasets 4.0.0: {(proc.stderr or proc.stdout).strip()[-300:]}"
     return str(folder)
 
 
@@ -91,6 +93,8 @@ def test_the_chain_tokenizes_two_parts_from_a_gated_hub_with_the_token_secret_th
         assert manifest["source"]["dataset"] == "HuggingFaceFW/fineweb-edu" and manifest["complete"]
         assert manifest["source"]["revision"] == hub.sha("HuggingFaceFW/fineweb-edu")
         assert manifest["libraries"]["datasets"] == "5.2.0"  # read with the copy installed over the image's 4.0.0
+        facts = json.loads((out / FACTS_FILE).read_text())["packages"]["datasets"]
+        assert (facts["from"], facts["image"], facts["requirements"]) == ("upgraded", "4.0.0", ["datasets==5.2.0"])
         tokens += [np.asarray(read_shard(out / s["name"])) for s in manifest["shards"]]
         logs[part] = "".join(e["data"] for e in lk.app.kernels.log_events(kernels[ref], version["number"]))
     enc = gpt2_encoding(gpt2_ranks)
@@ -103,7 +107,7 @@ def test_the_chain_tokenizes_two_parts_from_a_gated_hub_with_the_token_secret_th
     for log in logs.values():
         (line,) = [line for line in log.splitlines() if line.startswith("installed datasets")]
         assert line.startswith("installed datasets==5.2.0 for retrying the Hub's 429 and 504 while streaming in ")
-        assert line.endswith("s: the image's datasets 4.0.0 is older than 4.4.1 (alone, ahead of the image's copy, "
+        assert line.endswith("s over the image's datasets 4.0.0, older than 4.4.1 (alone, ahead of the image's copy, "
                              "on the image's packages; gone with the session)")
     (retry,) = [line for line in logs[1].splitlines() if line.startswith("retrying:")]
     assert "HTTP 503" in retry and "reopening the stream at document" in retry

@@ -5,6 +5,7 @@ copy stays with one line (issue 31: datasets retries the Hub's 429 and 504 from 
 import importlib
 import importlib.metadata
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -62,7 +63,7 @@ def test_an_older_copy_is_replaced_by_the_newest_candidate_the_images_packages_m
     assert importlib.import_module(FAKE).VERSION == "2.5"
     (line,) = lines
     assert line.startswith(f"installed {FAKE}==2.5 for retrying in ")
-    assert line.endswith(f"s: the image's {FAKE} 1.0 is older than 2.0 (alone, ahead of the image's copy, on the "
+    assert line.endswith(f"s over the image's {FAKE} 1.0, older than 2.0 (alone, ahead of the image's copy, on the "
                          "image's packages; gone with the session)")
 
 
@@ -79,7 +80,7 @@ def test_an_older_copy_stays_with_one_line_when_no_candidate_runs_on_the_image(i
     assert importlib.import_module(FAKE).VERSION == "1.0"  # the session goes on with the image's copy
 
 
-def test_a_missing_requirement_and_a_hung_index_end_the_candidates_with_the_image_copy(image_with_old_copy):
+def test_a_missing_requirement_a_hung_index_or_any_failure_leaves_the_image_copy(image_with_old_copy, monkeypatch):
     calls = []
     install = installer_of({"3.0": ("gpt2k-nowhere>=1",)}, calls)
     problem = packages.upgrade("datasets", installer=install)
@@ -88,11 +89,20 @@ def test_a_missing_requirement_and_a_hung_index_end_the_candidates_with_the_imag
 
     def hung(requirements, target, no_deps=False):
         calls.append(requirements)
+        time.sleep(0.01)
         return "ERROR: pip install ran past 4 min and was stopped"
+    monkeypatch.setattr(packages, "PIP_TIMEOUT_S", 0.001)  # one install's limit spent: the session's start comes first
     problem = packages.upgrade("datasets", installer=hung)
-    assert calls == [(f"{FAKE}==3.0",)]  # the next candidate would wait as long
-    assert problem.startswith(f"kept the image's {FAKE} 1.0, older than 2.0, for want of a newer one ({FAKE}==3.0: "
-                              "ERROR: pip install ran past 4 min and was stopped)")
+    assert calls == [(f"{FAKE}==3.0",)]
+    assert problem == (f"kept the image's {FAKE} 1.0, older than 2.0, for want of a newer one ({FAKE}==3.0: ERROR: pip "
+                       f"install ran past 4 min and was stopped; {FAKE}==2.5: not tried, "
+                       f"{packages.duration_text(0.001)} spent); our own retries cover it")
+
+    def broken(requirements, target, no_deps=False):
+        raise OSError(28, "No space left on device")
+    assert packages.upgrade("datasets", installer=broken) == (
+        f"kept the image's {FAKE}: replacing it failed (OSError: [Errno 28] No space left on device); "
+        "our own retries cover it")
 
 
 def test_a_copy_new_enough_or_a_laptop_installs_nothing(session, tmp_path, monkeypatch):
@@ -100,7 +110,7 @@ def test_a_copy_new_enough_or_a_laptop_installs_nothing(session, tmp_path, monke
         raise AssertionError("nothing is installed")
     monkeypatch.setitem(packages.UPGRADES, "datasets", packages.Upgrade(
         FAKE, "2.0", (f"{FAKE}==3.0",), "retrying", "our own retries cover it"))
-    sys.path.append(str(write_distribution(tmp_path / "image-site", "2.0")))
+    sys.path.append(str(write_distribution(tmp_path / "image-site", "10.0")))  # newer by version, not by string
     importlib.invalidate_caches()
     assert packages.upgrade("datasets", installer=refuse) is None
     sys.path.pop()
