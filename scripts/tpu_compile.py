@@ -14,7 +14,9 @@ The step is traced with torch_xla on 8 CPU devices, never run (its state is plac
 TPU compiler's virtualenv (.venv-tpu, made by scripts/setup.sh: jax and libtpu as Kaggle's TPU image pins them).
 Attention is the Pallas flash kernel where the TPU runs it (lowered by jax for the TPU platform here, without a
 TPU: shared/train/step_trace.py), so `micro_batch: auto` is resolved as a session whose flash probe passes resolves
-it; `--attention sdpa` compiles the step a failed probe falls back to. Results are cached by settings and versions.
+it; `--attention splash` compiles the step a session tries first (jax's splash attention: less HBM than flash's,
+so flash's is the fit `--plan` checks), `--attention sdpa` the step a failed probe falls back to. Results are
+cached by settings and versions.
 """
 
 from __future__ import annotations
@@ -91,7 +93,8 @@ def compile_step(settings: dict, tpu: str, log=print, cache_dir: Path = CACHE_DI
                  attention: str = "flash", trace_only: Path | None = None) -> dict:
     """The compiler's report on the step of train `settings` (TrainConfig fields) on Kaggle's `tpu` ("v5e-8"),
     cached. `attention`: "flash", the step a session runs where its flash-attention probe passes (SDPA where the
-    TPU has no Pallas kernel), or "sdpa", the step it falls back to. With `keep`, compiled afresh and its trace
+    TPU has no Pallas kernel), "splash", where its splash probe passes (it is tried first), or "sdpa", the step
+    both fall back to. With `keep`, compiled afresh and its trace
     (the optimized HLO text among it) copied to keep/<tpu>.
     With `trace_only`, only traced, into trace_only/<tpu> (returns {}): a larger machine compiles it
     (scripts/tpu_compile_libtpu.py) and `--analyse` reads it back.
@@ -113,14 +116,15 @@ def compile_step(settings: dict, tpu: str, log=print, cache_dir: Path = CACHE_DI
         (work / "settings.json").write_text(json.dumps(settings))
         log(f"tracing the step for {tpu} (torch_xla, {chips(target)} CPU devices, nothing run) ...")
         env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(chips(target)),
-               "PYTHONPATH": str(REPO), "GPT2K_FLASH_ATTENTION": "1" if attention == "flash" else "0"}
+               "PYTHONPATH": str(REPO), "GPT2K_FLASH_ATTENTION": "0" if attention == "sdpa" else "1",
+               "GPT2K_SPLASH_ATTENTION": "1" if attention == "splash" else "0"}
         trace = [sys.executable, "-m", "shared.train.step_trace", str(work / "settings.json"), str(work / "trace"),
                  target["generation"]]
         bounds = ",".join(str(b) for b in target["chips_per_host"])
         compile_cmd = [str(python), str(REPO / "scripts" / "tpu_compile_libtpu.py"), str(work / "trace"),
                        target["topology"], bounds]
         # The version jax would serialize Pallas kernels at on a TPU with this libtpu (here it has no TPU to ask).
-        mosaic_version = compiler_mosaic_version(python) if attention == "flash" else None
+        mosaic_version = compiler_mosaic_version(python) if attention != "sdpa" else None
         if mosaic_version is not None:
             env[MOSAIC_VERSION_ENV] = str(mosaic_version)
         _run(trace, env, "tracing the step")
@@ -288,9 +292,9 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int)
     parser.add_argument("--fsdp", action="store_true")
     parser.add_argument("--activation-checkpointing", choices=("on", "off", "auto"))
-    parser.add_argument("--attention", default="flash", choices=("flash", "sdpa"),
+    parser.add_argument("--attention", default="flash", choices=("flash", "splash", "sdpa"),
                         help="flash: the step a session runs where its flash-attention probe passes (the default); "
-                        "sdpa: the step it falls back to")
+                        "splash: where its splash probe passes (tried first); sdpa: the step both fall back to")
     parser.add_argument("--tpu", default="v5e-8", choices=(*TPUS, "all"), help="all: Kaggle's, v5e-8 and v6e-8")
     parser.add_argument("--json", action="store_true", help="print the reports as JSON")
     parser.add_argument("--keep", type=Path, help="compile afresh and keep each TPU's trace and optimized HLO in "

@@ -160,7 +160,7 @@ def activation_bytes_per_sequence(n_layer: int, n_head: int, n_embd: int, vocab_
     fsdp), the head's chunk of logits, and without flash attention the T x T scores and probabilities of every
     head."""
     per_layer = ACTIVATION_BYTES_PER_LAYER_TOKEN_PER_C * n_embd * seq_len
-    if attention != "pallas-flash":
+    if attention == "sdpa":  # a Pallas kernel (flash, splash) keeps no T x T in HBM
         per_layer += SDPA_SCORE_BYTES * n_head * seq_len * seq_len
     layers = (n_layer * 4 * n_embd * seq_len + per_layer) if activation_checkpointing else n_layer * per_layer
     if fsdp:
@@ -172,8 +172,9 @@ def auto_micro_batch(generation: str | None, attention: str, model, seq_len: int
                      activation_checkpointing: bool = False, fsdp: bool = False) -> int:
     """Sequences per micro-step over all `num_devices` (the config's micro_batch) for `model` (a ModelConfig: n_layer,
     n_head, n_embd, vocab_size, num_params()) at `seq_len` on TPU `generation` ("v5e", "v6e", ...; None: no TPU)
-    with `attention` ("sdpa" or "pallas-flash"): the largest power of two per device whose parameters, gradients,
-    AdamW state (sharded over the devices with fsdp) and activations fit HBM_USABLE_FRACTION of the device's HBM
+    with `attention` ("sdpa", "pallas-flash" or "pallas-splash"): the largest power of two per device whose
+    parameters, gradients, AdamW state (sharded over the devices with fsdp) and activations fit
+    HBM_USABLE_FRACTION of the device's HBM
     (TPU_GENERATIONS, Google Cloud's per-chip figures), at least 1 per device."""
     gen = TPU_GENERATIONS.get(generation or "")
     if gen is None:

@@ -62,7 +62,7 @@ class Runtime:
 
     tpu_generation: TpuGeneration | None = None  # set on a TPU whose generation is known
     tpu_generation_source = ""  # where the generation was read, or what was seen instead
-    attention = "sdpa"  # or "pallas-flash" where the device layer installed TPU flash attention
+    attention = "sdpa"  # or "pallas-splash" / "pallas-flash" where the device layer installed a TPU kernel
 
     def select_attention(self, batch: int, n_head: int, seq_len: int, head_dim: int) -> None:
         """Choose the attention kernel for a model of these shapes, `batch` sequences per micro-step over all

@@ -6,9 +6,11 @@ module (before optimization, shardings on its parameters) with what the compiler
 
 Run in a process whose torch_xla has as many CPU devices as the TPU has chips (`PJRT_DEVICE=CPU
 CPU_NUM_DEVICES=8`): `python -m shared.train.step_trace SETTINGS.json OUT_DIR TPU` (scripts/tpu_compile.py does).
-Attention is what a session on that TPU runs when its probe passes: torch_xla's Pallas flash-attention kernel where
-the generation compiles it and jax is here (lowered by jax for the TPU platform, which this process does not have:
-`lower_pallas_for_tpu`), else SDPA; `GPT2K_FLASH_ATTENTION=0` traces the SDPA step a failed probe falls back to.
+Attention is what a session on that TPU runs when its probe passes: jax's splash attention (through call_jax, with
+torchax), else torch_xla's Pallas flash-attention kernel, where the generation compiles them and jax is here
+(lowered by jax for the TPU platform, which this process does not have: `lower_pallas_for_tpu`), else SDPA;
+`GPT2K_SPLASH_ATTENTION=0` traces the flash step, and `GPT2K_FLASH_ATTENTION=0` the SDPA step a failed probe falls
+back to.
 """
 
 from __future__ import annotations
@@ -52,16 +54,18 @@ class TraceRuntime(XlaRuntime):
         self._placeholders: set[int] = set()
 
     def select_attention(self, batch: int, n_head: int, seq_len: int, head_dim: int) -> None:
-        """Flash attention where a session on this TPU would try it, without its probe (which runs the kernel)."""
+        """Splash, else flash attention where a session on this TPU would try it, without its probe (which runs the
+        kernel); GPT2K_SPLASH_ATTENTION=0 traces the flash step, GPT2K_FLASH_ATTENTION=0 the SDPA step."""
         from shared.train.model import set_attention_kernel
 
         set_attention_kernel(None)
         self.attention = "sdpa"
-        kernel = self._flash_attention_kernel()
+        splash = self._splash_attention_kernel(seq_len)
+        kernel = splash or self._flash_attention_kernel()
         if kernel is not None:
             lower_pallas_for_tpu()
             set_attention_kernel(kernel)
-            self.attention = "pallas-flash"
+            self.attention = "pallas-splash" if splash else "pallas-flash"
 
     def _record(self, tensor: torch.Tensor, spec: tuple) -> None:
         self.inputs.append({"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."),
@@ -130,6 +134,27 @@ def lower_pallas_for_tpu() -> None:
         return custom_kernel._extract_backend_config(ir), [a for a in args if torch.is_tensor(a)]
 
     custom_kernel.trace_pallas = trace_pallas
+    _lower_call_jax_for_tpu()
+
+
+def _lower_call_jax_for_tpu() -> None:
+    """The same for torch_xla's `call_jax` (torch_xla/core/xla_builder.py `JaxCallable.specialize`, 2.8.0 and
+    2.9.0), through which jax's splash attention comes (shared/train/splash.py): its function lowered for the TPU
+    platform, the rest as torch_xla does it."""
+    import torch_xla.core.xla_builder as xb
+    from jax.experimental.pallas import tpu as _pallas_tpu  # noqa: F401  (before the registration: import order)
+
+    def specialize(self, sample_flat_args):
+        import jax._src.pallas.mosaic.pallas_call_registration  # noqa: F401  (registers the Mosaic lowering)
+
+        mapping = xb.maybe_get_torchax().ops.mappings
+        sample = tuple(jax.ShapeDtypeStruct(a.shape, mapping.t2j_dtype(a.dtype)) if a is not None else None
+                       for a in sample_flat_args)
+        traced = jax.jit(self._flat_input_func.flat_call, keep_unused=True).trace(sample)
+        module = traced.lower(lowering_platforms=("tpu",)).compiler_ir("hlo").as_serialized_hlo_module_proto()
+        return xb.xla_computation_as_func(xb.computation_from_module_proto("jax_callable", module), "jax_func")
+
+    xb.JaxCallable.specialize = specialize
 
 
 def trace_step(cfg: TrainConfig, generation: str) -> tuple[bytes, dict]:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from shared.errors import UserError, within
+from shared.errors import UserError, describe_error, within
 from shared.tpu import TPU_GENERATIONS, default_xla_env, detect_tpu_generation
 from shared.train.attention_probe import PROBE_TIMEOUT_S, probe_attention_kernel
 from shared.train.mosaic_version import pin_version as pin_mosaic_version
@@ -80,29 +80,70 @@ class XlaRuntime(Runtime):
 
         set_attention_kernel(None)  # the runtime is process-wide: a previous session's choice does not carry over
         self.attention = "sdpa"
-        kernel = self._flash_attention_kernel()
-        if kernel is None:
-            return
         # The image's jax may not be the one this torch_xla was built against (Kaggle's TPU image pairs torch_xla
-        # 2.8.0 with jax 0.7.x, docs/kaggle-tpu.md), and Mosaic compiles the kernel per shape: run it forward and
-        # backward at this session's own shapes, sharded as training shards them, and keep SDPA unless it runs
-        # and agrees with SDPA, rather than dying (or training wrong) at the first step.
+        # 2.8.0 with jax 0.7.x, docs/kaggle-tpu.md), and Mosaic compiles a kernel per shape: each kernel runs
+        # forward and backward at this session's own shapes, sharded as training shards them, and is kept only if
+        # it runs and agrees with SDPA, rather than dying (or training wrong) at the first step. Splash first
+        # (the lighter on HBM traffic, shared/train/splash.py), then flash, then SDPA.
         shape = (batch, n_head, seq_len, head_dim)
+        splash = self._splash_attention_kernel(seq_len)
+        flash = self._flash_attention_kernel()
+        if splash is not None and self._passes_probe(
+                "splash", splash, shape, "trying the flash-attention kernel" if flash else "using SDPA"):
+            set_attention_kernel(splash)
+            self.attention = "pallas-splash"
+        elif flash is not None and self._passes_probe("flash", flash, shape, "using SDPA"):
+            set_attention_kernel(flash)
+            self.attention = "pallas-flash"
+
+    def _passes_probe(self, name: str, kernel: Callable, shape: tuple[int, int, int, int], instead: str) -> bool:
+        """Whether `kernel` runs and agrees with SDPA at `shape`; else a one-line notice ending with `instead`."""
         failure = probe_attention_kernel(kernel, shape, self.device, self.shard_batch, self.sync)
         version = readable_mosaic_version(failure or "")
         if version is not None and pin_mosaic_version(version):
             # jax serialized the kernel for a newer libtpu than this one (Kaggle's image: jax 0.7.2, libtpu
             # 0.0.17): lowered again at the version libtpu names, and probed again.
             print(f"notice: this libtpu reads Pallas kernels up to Mosaic version {version}, older than jax "
-                  f"serializes them at; the flash-attention kernel is lowered at version {version}", flush=True)
+                  f"serializes them at; the {name}-attention kernel is lowered at version {version}", flush=True)
             failure = probe_attention_kernel(kernel, shape, self.device, self.shard_batch, self.sync)
         if failure:
-            print(f"notice: the Pallas flash-attention kernel failed its probe at this session's shapes "
+            batch, n_head, seq_len, head_dim = shape
+            print(f"notice: the Pallas {name}-attention kernel failed its probe at this session's shapes "
                   f"({batch // self.num_devices} sequences x {n_head} heads x {seq_len} tokens x {head_dim} per "
-                  f"device): {failure}; using SDPA", flush=True)
-            return
-        set_attention_kernel(kernel)
-        self.attention = "pallas-flash"
+                  f"device): {failure}; {instead}", flush=True)
+        return not failure
+
+    def _splash_attention_kernel(self, seq_len: int) -> Callable | None:
+        """jax's splash attention (q, k, v) -> out over this mesh (shared/train/splash.py), or None where it may
+        not run: the flash kernel's conditions, blocks that tile the sequence, and torchax for `call_jax`
+        (installed in a session where the image's is missing or does not import)."""
+        from shared.train.splash import splash_attention, splash_fits
+
+        gen = self.tpu_generation
+        if not gen or not gen.pallas_flash_attention or "0" in (os.environ.get("GPT2K_FLASH_ATTENTION", "1"),
+                                                                   os.environ.get("GPT2K_SPLASH_ATTENTION", "1")):
+            return None
+        if not splash_fits(seq_len):
+            return None
+        from shared.kaggle.packages import provide
+
+        problem = provide("torchax", "jax's splash attention")
+        if problem:
+            print(f"notice: {problem}; trying the flash-attention kernel", flush=True)
+            return None
+
+        def import_kernel():
+            import jax  # noqa: F401
+            import torchax  # noqa: F401
+            from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel  # noqa: F401
+
+        try:  # importing jax may load libtpu's plugin: bounded like the probe, which it precedes
+            within(PROBE_TIMEOUT_S, import_kernel)
+        except (ImportError, UserError) as err:
+            print(f"notice: importing jax's splash attention gave {describe_error(err)}; trying the "
+                  "flash-attention kernel", flush=True)
+            return None
+        return splash_attention(self.mesh)
 
     def _flash_attention_kernel(self) -> Callable | None:
         """torch_xla's Pallas flash attention (q, k, v) -> out over this mesh, or None where it may not run."""

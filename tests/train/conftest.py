@@ -7,3 +7,15 @@ import pytest
 @pytest.fixture(autouse=True, scope="session")
 def xla_runtime_first(suite_xla_runtime):
     return suite_xla_runtime
+
+
+@pytest.fixture
+def xla_runtime():
+    """The suite's XLA runtime (8 CPU devices), its attention restored to SDPA afterwards."""
+    from shared.train.device import make_runtime
+    from shared.train.model import set_attention_kernel
+
+    runtime = make_runtime("xla")
+    yield runtime
+    set_attention_kernel(None)
+    runtime.attention = "sdpa"

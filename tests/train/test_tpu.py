@@ -197,18 +197,6 @@ def wrong_dk_kernel(scale: float):
     return WrongDk.apply
 
 
-@pytest.fixture
-def xla_runtime():
-    """The suite's XLA runtime (8 CPU devices), its attention restored to SDPA afterwards."""
-    from shared.train.device import make_runtime
-    from shared.train.model import set_attention_kernel
-
-    runtime = make_runtime("xla")
-    yield runtime
-    set_attention_kernel(None)
-    runtime.attention = "sdpa"
-
-
 def test_the_runtimes_device_type_is_what_its_client_reports_not_the_pjrt_device_setting(xla_runtime, monkeypatch):
     # torch_xla's runtime.device_type() echoes PJRT_DEVICE; the session's device check reads the hardware the
     # runtime's client reports for its devices instead (here 8 CPU devices, whatever the setting now says).

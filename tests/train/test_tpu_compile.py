@@ -1,8 +1,9 @@
 """The train step compiled for Kaggle's TPUs by libtpu's compile-only client (scripts/tpu_compile.py, in .venv-tpu
 as scripts/setup.sh makes it): tiny's step, with the Pallas flash-attention kernel, fits v5e-8 and v6e-8 with the
-compiler's figures agreeing with what the step holds and computes; a micro-batch far too large does not
-fit v5e-8, and --plan refuses that chain in one line before anything is pushed (shown on tiny's step at a micro-batch
-of 512 sequences a chip: the same refusal, compiled in about a minute instead of gpt2's six)."""
+compiler's figures agreeing with what the step holds and computes, and with jax's splash attention in no more HBM;
+a micro-batch far too large does not fit v5e-8, and --plan refuses that chain in one line before anything is pushed
+(shown on tiny's step at a micro-batch of 512 sequences a chip: the same refusal, compiled in about a minute
+instead of gpt2's six)."""
 
 from __future__ import annotations
 
@@ -58,6 +59,17 @@ def test_tinys_step_compiles_for_v5e_8_and_v6e_8_in_line_with_the_step_and_the_s
         outside = sum(g["bytes"] for g in r["collectives"] if g["where"] == "outside" and g["kind"] == "all-reduce")
         assert inside == [] and outside >= 2 * params
         assert 0 < r["mfu_ceiling"] < 1 and r["step_s"] > r["roofline_ops_s"] > 0
+    # The step a session tries first: jax's splash attention through call_jax (shared/train/splash.py), lowered for
+    # the TPU here too. Three kernels a layer a micro-step (the forward, the forward again and the fused backward
+    # inside the backward's jax.vjp), and no more HBM than the flash step's.
+    splash = run_script("scripts/tpu_compile.py", *args[:-1], "v6e-8", "--attention", "splash", "--json", env=env,
+                        timeout=900)
+    assert splash.returncode == 0, splash.stderr[-3000:]
+    (s,) = json.loads(splash.stdout)
+    assert (s["attention"], s["mosaic_version"], s["micro_batch"]) == ("pallas-splash", 4, 16)
+    assert s["kernel_calls"] == 3 * cfg.model.n_layer * 2 and s["fits"]
+    assert s["peak_bytes"] <= reports[1]["peak_bytes"] and s["kernel_flops"] == reports[1]["kernel_flops"]
+    assert [g for g in s["collectives"] if g["where"] == "inside"] == []
     # The lines scripts read, then the same again from the cache.
     again = run_script("scripts/tpu_compile.py", *args, env=env, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]

@@ -1,0 +1,113 @@
+"""jax's splash attention in the train step (shared/train/splash.py): its numerics, run in Pallas's interpreter on
+the 8 XLA CPU devices with the batch sharded as training shards it, and the order a TPU session tries the kernels
+in (splash, flash, SDPA), each kept only where its probe passes."""
+
+import numpy as np
+import pytest
+import torch
+
+from shared.tpu import TPU_GENERATIONS
+from shared.train.attention_probe import probe_attention_kernel, sdpa_causal
+from shared.train.splash import splash_attention, splash_fits
+
+SHAPE = (8, 2, 256, 64)  # one sequence a device; 256 tokens: one block
+
+
+def attention_and_grads(kernel, inputs, runtime):
+    q, k, v, grad = [runtime.shard_batch(t.to(runtime.device)) for t in inputs]
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    out = kernel(q, k, v)
+    (out * grad).sum().backward()
+    runtime.sync()
+    return [t.detach().cpu() for t in (out, q.grad, k.grad, v.grad)]
+
+
+def test_splash_attention_equals_sdpa_forward_and_backward_with_the_batch_sharded(xla_runtime):
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(SHAPE, generator=gen) for _ in range(4)]
+    got = attention_and_grads(splash_attention(xla_runtime.mesh, interpret=True), inputs, xla_runtime)
+    want = attention_and_grads(sdpa_causal, inputs, xla_runtime)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        assert (g - w).abs().max().item() <= 1e-5 * w.abs().max().item(), name
+    # And as a session's probe sees it: bf16 inputs against SDPA in fp32, within the probe's tolerance.
+    assert probe_attention_kernel(splash_attention(xla_runtime.mesh, interpret=True), SHAPE, xla_runtime.device,
+                                  xla_runtime.shard_batch, xla_runtime.sync) is None
+
+
+def test_a_step_with_splash_attention_gives_sdpas_loss_and_gradients(xla_runtime):
+    from shared.config import TrainConfig
+    from shared.train.model import GPT, set_attention_kernel
+
+    cfg = TrainConfig(preset="tiny", seq_len=256)
+    tokens = np.random.default_rng(0).integers(0, 50257, (2, 8, 257)).astype(np.int32)  # 2 micro-steps of 8
+    results = []
+    for kernel in (splash_attention(xla_runtime.mesh, interpret=True), None):
+        set_attention_kernel(kernel)
+        try:
+            torch.manual_seed(0)
+            model = xla_runtime.prepare_model(GPT(cfg.model), fsdp=False)
+            loss = xla_runtime.forward_backward(model, tokens, bf16=False, scaler=None)
+            xla_runtime.sync()
+            results.append((loss.item(), [p.grad.detach().cpu() for p in model.parameters()]))
+        finally:
+            set_attention_kernel(None)
+    (loss, grads), (want_loss, want_grads) = results
+    assert loss == pytest.approx(want_loss, rel=1e-5)
+    for g, w in zip(grads, want_grads, strict=True):
+        assert (g - w).abs().max().item() <= 1e-4 * w.abs().max().item() + 1e-7
+
+
+def wrong_dv(q, k, v):
+    out = sdpa_causal(q, k, v)
+    return out + 0.5 * (v - v.detach())  # right forward, dv off by half
+
+
+@pytest.mark.parametrize("splash_kernel, flash_kernel, attention, notice", [
+    ("right", "right", "pallas-splash", ""),
+    ("wrong", "right", "pallas-flash", "trying the flash-attention kernel"),
+    ("wrong", None, "sdpa", "using SDPA"),
+    (None, "right", "pallas-flash", ""),
+])
+def test_a_session_tries_splash_then_flash_then_sdpa_keeping_the_first_that_passes_its_probe(
+        xla_runtime, monkeypatch, capsys, splash_kernel, flash_kernel, attention, notice):
+    import shared.train.model as model
+
+    kernels = {"right": sdpa_causal, "wrong": wrong_dv, None: None}
+    monkeypatch.setattr(xla_runtime, "_splash_attention_kernel", lambda seq_len: kernels[splash_kernel])
+    monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", lambda: kernels[flash_kernel])
+    try:
+        xla_runtime.select_attention(*SHAPE)
+        assert xla_runtime.attention == attention
+        assert model._attention_fn is (None if attention == "sdpa" else sdpa_causal)
+    finally:
+        model.set_attention_kernel(None)
+    out = capsys.readouterr().out
+    if not notice:
+        assert out == ""
+    else:
+        assert out.count("\n") == 1 and out.startswith(
+            "notice: the Pallas splash-attention kernel failed its probe at this session's shapes (1 sequences x 2 "
+            "heads x 256 tokens x 64 per device): it differs from SDPA: dv by 0.469 (max error over SDPA's largest "
+            "value; tolerance 0.03)")
+        assert out.endswith(f"; {notice}\n")
+
+
+def test_on_a_host_whose_kernels_cannot_run_both_probes_fail_in_a_line_each_and_sdpa_trains(xla_runtime,
+                                                                                           monkeypatch, capsys):
+    # The real kernels, lowered for a TPU, on the CPU devices: Mosaic cannot run them, as a TPU whose jax and
+    # libtpu disagree could not. Each probe says so in one line, and the session goes on with SDPA.
+    import shared.train.model as model
+
+    monkeypatch.setattr(xla_runtime, "tpu_generation", TPU_GENERATIONS["v6e"])
+    xla_runtime.select_attention(*SHAPE)
+    assert (xla_runtime.attention, model._attention_fn) == ("sdpa", None)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(" failed its probe")[0] for line in lines] == [
+        "notice: the Pallas splash-attention kernel", "notice: the Pallas flash-attention kernel"]
+    assert lines[0].endswith("; trying the flash-attention kernel") and lines[1].endswith("; using SDPA")
+
+
+def test_splash_is_tried_only_where_its_blocks_tile_the_sequence():
+    assert splash_fits(1024) and splash_fits(256) and splash_fits(2048) and splash_fits(128)
+    assert not splash_fits(64) and not splash_fits(200) and not splash_fits(1000)
