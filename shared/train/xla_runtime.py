@@ -116,7 +116,7 @@ class XlaRuntime(Runtime):
     def _splash_attention_kernel(self, seq_len: int) -> Callable | None:
         """jax's splash attention (q, k, v) -> out over this mesh (shared/train/splash.py), or None where it may
         not run: the flash kernel's conditions, blocks that tile the sequence, and torchax for `call_jax`
-        (installed in a session where the image's is missing or does not import)."""
+        (installed in a session whose image has none; one that does not import is a notice, then flash)."""
         from shared.train.splash import splash_attention, splash_fits
 
         gen = self.tpu_generation
