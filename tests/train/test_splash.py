@@ -35,6 +35,7 @@ def test_splash_attention_equals_sdpa_forward_and_backward_with_the_batch_sharde
                                   xla_runtime.shard_batch, xla_runtime.sync) is None
 
 
+@pytest.mark.slow
 def test_a_step_with_splash_attention_gives_sdpas_loss_and_gradients(xla_runtime):
     from shared.config import TrainConfig
     from shared.train.model import GPT, set_attention_kernel
