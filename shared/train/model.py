@@ -18,19 +18,22 @@ from shared.errors import UserError
 from shared.train.checkpoint import different_shape_error
 from shared.train.loss_head import head_loss
 
-# The one place attention is chosen: SDPA everywhere, or a kernel installed by the device layer (the
-# torch_xla Pallas flash-attention kernel on a real TPU). It takes q, k, v of shape (B, H, T, D).
+# The one place attention is chosen: SDPA everywhere, or a kernel installed by the device layer (a Pallas kernel
+# on a real TPU: jax's splash or torch_xla's flash attention). It takes q, k, v of shape (B, H, T, D).
 _attention_fn = None
+_attention_len: int | None = None  # the sequence length the kernel was probed at (None: any)
 
 
-def set_attention_kernel(fn) -> None:
-    """Install a causal attention function (q, k, v) -> out; None restores SDPA."""
-    global _attention_fn
-    _attention_fn = fn
+def set_attention_kernel(fn, seq_len: int | None = None) -> None:
+    """Install a causal attention function (q, k, v) -> out, for sequences of `seq_len` only where given (the
+    length its probe passed at: a Pallas kernel's blocks may not tile another, such as the in-training HellaSwag
+    eval's rows, which then take SDPA); None restores SDPA."""
+    global _attention_fn, _attention_len
+    _attention_fn, _attention_len = fn, seq_len
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    if _attention_fn is not None:
+    if _attention_fn is not None and _attention_len in (None, q.shape[-2]):
         return _attention_fn(q, k, v)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 

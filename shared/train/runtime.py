@@ -64,9 +64,10 @@ class Runtime:
     tpu_generation_source = ""  # where the generation was read, or what was seen instead
     attention = "sdpa"  # or "pallas-splash" / "pallas-flash" where the device layer installed a TPU kernel
 
-    def select_attention(self, batch: int, n_head: int, seq_len: int, head_dim: int) -> None:
+    def select_attention(self, batch: int, n_head: int, seq_len: int, head_dim: int, first: str = "") -> None:
         """Choose the attention kernel for a model of these shapes, `batch` sequences per micro-step over all
-        devices (the trainer calls this once the model config is known). Here: SDPA."""
+        devices (the trainer calls this once the model config is known); `first`: the kernel to start from (one
+        chosen before at another batch: those before it failed then). Here: SDPA."""
 
     def no_grad_sync(self, model: torch.nn.Module, skip: bool):
         """Inside gradient accumulation, skip the cross-process gradient reduction (DDP only)."""

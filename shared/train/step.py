@@ -76,7 +76,7 @@ def select_attention_and_micro_batch(cfg: TrainConfig, runtime: Runtime, log=pri
     generation = runtime.tpu_generation.name if runtime.tpu_generation else None
     chosen = micro_batch_for(cfg, generation, runtime.attention, runtime.num_devices)
     if runtime.attention != "sdpa" and chosen != runtime.num_devices:
-        runtime.select_attention(chosen, *shape)
+        runtime.select_attention(chosen, *shape, first=runtime.attention)  # not those that failed at the first
         if runtime.attention == "sdpa":  # the kernel failed at the larger batch: size it for SDPA instead
             chosen = micro_batch_for(cfg, generation, "sdpa", runtime.num_devices)
     log(f"micro-batch auto: {chosen} ({chosen // runtime.num_devices} a device; TPU {generation or 'none'}, "

@@ -53,18 +53,19 @@ class TraceRuntime(XlaRuntime):
         self.inputs: list[dict] = []
         self._placeholders: set[int] = set()
 
-    def select_attention(self, batch: int, n_head: int, seq_len: int, head_dim: int) -> None:
+    def select_attention(self, batch: int, n_head: int, seq_len: int, head_dim: int, first: str = "") -> None:
         """Splash, else flash attention where a session on this TPU would try it, without its probe (which runs the
         kernel); GPT2K_SPLASH_ATTENTION=0 traces the flash step, GPT2K_FLASH_ATTENTION=0 the SDPA step."""
         from shared.train.model import set_attention_kernel
 
         set_attention_kernel(None)
         self.attention = "sdpa"
-        splash = self._splash_attention_kernel(seq_len)
-        kernel = splash or self._flash_attention_kernel()
+        flash = self._flash_attention_kernel()
+        splash = self._splash_attention_kernel(seq_len) if flash is not None else None
+        kernel = splash or flash
         if kernel is not None:
             lower_pallas_for_tpu()
-            set_attention_kernel(kernel)
+            set_attention_kernel(kernel, seq_len)
             self.attention = "pallas-splash" if splash else "pallas-flash"
 
     def _record(self, tensor: torch.Tensor, spec: tuple) -> None:

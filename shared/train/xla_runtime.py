@@ -75,7 +75,7 @@ class XlaRuntime(Runtime):
                                                                  tpu_type=tpu.get_tpu_type)
         self.tpu_generation = TPU_GENERATIONS.get(name or "")
 
-    def select_attention(self, batch: int, n_head: int, seq_len: int, head_dim: int) -> None:
+    def select_attention(self, batch: int, n_head: int, seq_len: int, head_dim: int, first: str = "") -> None:
         from shared.train.model import set_attention_kernel
 
         set_attention_kernel(None)  # the runtime is process-wide: a previous session's choice does not carry over
@@ -85,15 +85,16 @@ class XlaRuntime(Runtime):
         # forward and backward at this session's own shapes, sharded as training shards them, and is kept only if
         # it runs and agrees with SDPA, rather than dying (or training wrong) at the first step. Splash first
         # (the lighter on HBM traffic, shared/train/splash.py), then flash, then SDPA.
+        # Flash's import (jax, bounded) comes first: where it fails or hangs, splash, which needs jax too, is not tried.
         shape = (batch, n_head, seq_len, head_dim)
-        splash = self._splash_attention_kernel(seq_len)
-        flash = self._flash_attention_kernel()
-        if splash is not None and self._passes_probe(
-                "splash", splash, shape, "trying the flash-attention kernel" if flash else "using SDPA"):
-            set_attention_kernel(splash)
+        flash = self._flash_attention_kernel() if first in ("", "pallas-splash", "pallas-flash") else None
+        splash = self._splash_attention_kernel(seq_len) if flash is not None and first in ("", "pallas-splash") \
+            else None
+        if splash is not None and self._passes_probe("splash", splash, shape, "trying the flash-attention kernel"):
+            set_attention_kernel(splash, seq_len)
             self.attention = "pallas-splash"
         elif flash is not None and self._passes_probe("flash", flash, shape, "using SDPA"):
-            set_attention_kernel(flash)
+            set_attention_kernel(flash, seq_len)
             self.attention = "pallas-flash"
 
     def _passes_probe(self, name: str, kernel: Callable, shape: tuple[int, int, int, int], instead: str) -> bool:
@@ -137,9 +138,9 @@ class XlaRuntime(Runtime):
             import torchax  # noqa: F401
             from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel  # noqa: F401
 
-        try:  # importing jax may load libtpu's plugin: bounded like the probe, which it precedes
+        try:  # bounded like the probe, which it precedes
             within(PROBE_TIMEOUT_S, import_kernel)
-        except (ImportError, UserError) as err:
+        except Exception as err:  # noqa: BLE001 - a torchax or jax that does not fit this torch_xla: flash instead
             print(f"notice: importing jax's splash attention gave {describe_error(err)}; trying the "
                   "flash-attention kernel", flush=True)
             return None

@@ -67,7 +67,7 @@ def wrong_dv(q, k, v):
 @pytest.mark.parametrize("splash_kernel, flash_kernel, attention, notice", [
     ("right", "right", "pallas-splash", ""),
     ("wrong", "right", "pallas-flash", "trying the flash-attention kernel"),
-    ("wrong", None, "sdpa", "using SDPA"),
+    ("wrong", None, "sdpa", ""),  # no flash kernel (jax did not import): splash, which needs jax too, is not tried
     (None, "right", "pallas-flash", ""),
 ])
 def test_a_session_tries_splash_then_flash_then_sdpa_keeping_the_first_that_passes_its_probe(
@@ -112,3 +112,59 @@ def test_on_a_host_whose_kernels_cannot_run_both_probes_fail_in_a_line_each_and_
 def test_splash_is_tried_only_where_its_blocks_tile_the_sequence():
     assert splash_fits(1024) and splash_fits(256) and splash_fits(2048) and splash_fits(128)
     assert not splash_fits(64) and not splash_fits(200) and not splash_fits(1000)
+
+
+def test_the_kernel_runs_only_at_the_length_its_probe_passed_and_sdpa_takes_the_rest(xla_runtime, monkeypatch):
+    # The in-training HellaSwag eval's rows are shorter than the training sequence (the longest row rounded up to
+    # 32), and a Pallas kernel's blocks may not tile them (splash at 192 tokens: "bkv_compute=192 must be a
+    # multiple of 128"): those calls take SDPA.
+    import shared.train.model as model
+
+    calls = []
+
+    def recording(q, k, v):
+        calls.append(q.shape[-2])
+        return sdpa_causal(q, k, v)
+
+    monkeypatch.setattr(xla_runtime, "_splash_attention_kernel", lambda seq_len: recording)
+    monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", lambda: sdpa_causal)
+    try:
+        xla_runtime.select_attention(*SHAPE)
+        assert xla_runtime.attention == "pallas-splash" and calls == [256]  # its probe
+        q, k, v = (torch.randn(2, 2, 192, 64) for _ in range(3))
+        out = model.causal_attention(q, k, v)
+        assert calls == [256]
+        torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+        q, k, v = (torch.randn(2, 2, 256, 64) for _ in range(3))
+        model.causal_attention(q, k, v)
+        assert calls == [256, 256]
+    finally:
+        model.set_attention_kernel(None)
+
+
+def test_a_second_selection_at_autos_micro_batch_starts_from_the_kernel_chosen_at_the_first(xla_runtime,
+                                                                                          monkeypatch, capsys):
+    def not_again(seq_len):
+        raise AssertionError("splash failed at the first selection: not probed again")
+
+    monkeypatch.setattr(xla_runtime, "_splash_attention_kernel", not_again)
+    monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", lambda: sdpa_causal)
+    xla_runtime.select_attention(*SHAPE, first="pallas-flash")
+    assert xla_runtime.attention == "pallas-flash" and capsys.readouterr().out == ""
+    monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", not_again)
+    xla_runtime.select_attention(*SHAPE, first="sdpa")
+    assert xla_runtime.attention == "sdpa"
+
+
+def test_a_torchax_or_jax_that_breaks_on_import_is_a_notice_and_flash_is_tried(xla_runtime, monkeypatch, capsys):
+    import shared.train.xla_runtime as runtime_module
+
+    def broken(timeout_s, fn):
+        raise AttributeError("module 'jax.experimental' has no attribute 'shard_map'")
+
+    monkeypatch.setattr(xla_runtime, "tpu_generation", TPU_GENERATIONS["v5e"])
+    monkeypatch.setattr(runtime_module, "within", broken)
+    assert xla_runtime._splash_attention_kernel(256) is None
+    assert capsys.readouterr().out == (
+        "notice: importing jax's splash attention gave AttributeError: module 'jax.experimental' has no attribute "
+        "'shard_map'; trying the flash-attention kernel\n")

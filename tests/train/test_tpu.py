@@ -476,7 +476,7 @@ class _ProbedRuntime:
         self.tpu_generation = TPU_GENERATIONS.get(generation or "")
         self.num_devices, self.flash_up_to, self.attention, self.probed = num_devices, flash_up_to, "sdpa", []
 
-    def select_attention(self, batch: int, n_head: int, seq_len: int, head_dim: int) -> None:
+    def select_attention(self, batch: int, n_head: int, seq_len: int, head_dim: int, first: str = "") -> None:
         self.probed.append(batch)
         flash = self.tpu_generation is not None and self.tpu_generation.pallas_flash_attention
         self.attention = "pallas-flash" if flash and batch <= self.flash_up_to else "sdpa"
