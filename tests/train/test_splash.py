@@ -23,6 +23,7 @@ def attention_and_grads(kernel, inputs, runtime):
     return [t.detach().cpu() for t in (out, q.grad, k.grad, v.grad)]
 
 
+@pytest.mark.slow
 def test_splash_attention_equals_sdpa_forward_and_backward_with_the_batch_sharded(xla_runtime):
     gen = torch.Generator().manual_seed(0)
     inputs = [torch.randn(SHAPE, generator=gen) for _ in range(4)]
