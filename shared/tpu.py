@@ -157,7 +157,7 @@ def activation_bytes_per_sequence(n_layer: int, n_head: int, n_embd: int, vocab_
                                   attention: str, activation_checkpointing: bool = False, fsdp: bool = False) -> int:
     """Bytes the backward pass keeps per sequence: each layer's activations (only the block input, 4C per token,
     with activation checkpointing, plus one layer recomputed at a time; FSDP_LAYER_ACTIVATION_FACTOR times that with
-    fsdp), the head's chunk of logits, and without flash attention the T x T scores and probabilities of every
+    fsdp), the head's chunk of logits, and with SDPA (no Pallas kernel) the T x T scores and probabilities of every
     head."""
     per_layer = ACTIVATION_BYTES_PER_LAYER_TOKEN_PER_C * n_embd * seq_len
     if attention == "sdpa":  # a Pallas kernel (flash, splash) keeps no T x T in HBM
@@ -173,9 +173,8 @@ def auto_micro_batch(generation: str | None, attention: str, model, seq_len: int
     """Sequences per micro-step over all `num_devices` (the config's micro_batch) for `model` (a ModelConfig: n_layer,
     n_head, n_embd, vocab_size, num_params()) at `seq_len` on TPU `generation` ("v5e", "v6e", ...; None: no TPU)
     with `attention` ("sdpa", "pallas-flash" or "pallas-splash"): the largest power of two per device whose
-    parameters, gradients, AdamW state (sharded over the devices with fsdp) and activations fit
-    HBM_USABLE_FRACTION of the device's HBM
-    (TPU_GENERATIONS, Google Cloud's per-chip figures), at least 1 per device."""
+    parameters, gradients, AdamW state (sharded over the devices with fsdp) and activations fit HBM_USABLE_FRACTION
+    of the device's HBM (TPU_GENERATIONS, Google Cloud's per-chip figures), at least 1 per device."""
     gen = TPU_GENERATIONS.get(generation or "")
     if gen is None:
         return CPU_MICRO_BATCH_PER_DEVICE * num_devices

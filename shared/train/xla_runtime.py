@@ -116,15 +116,12 @@ class XlaRuntime(Runtime):
 
     def _splash_attention_kernel(self, seq_len: int) -> Callable | None:
         """jax's splash attention (q, k, v) -> out over this mesh (shared/train/splash.py), or None where it may
-        not run: the flash kernel's conditions, blocks that tile the sequence, and torchax for `call_jax`
-        (installed in a session whose image has none; one that does not import is a notice, then flash)."""
+        not run. Asked only where the flash kernel came (its TPU and jax conditions met); here: not turned off
+        (GPT2K_SPLASH_ATTENTION=0), blocks that tile the sequence, and torchax for `call_jax` (installed in a
+        session whose image has none; one that does not import is a notice, then flash)."""
         from shared.train.splash import splash_attention, splash_fits
 
-        gen = self.tpu_generation
-        if not gen or not gen.pallas_flash_attention or "0" in (os.environ.get("GPT2K_FLASH_ATTENTION", "1"),
-                                                                   os.environ.get("GPT2K_SPLASH_ATTENTION", "1")):
-            return None
-        if not splash_fits(seq_len):
+        if os.environ.get("GPT2K_SPLASH_ATTENTION", "1") == "0" or not splash_fits(seq_len):
             return None
         from shared.kaggle.packages import provide
 
