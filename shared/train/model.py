@@ -22,19 +22,27 @@ from shared.train.loss_head import head_loss
 # on a real TPU: jax's splash or torch_xla's flash attention). It takes q, k, v of shape (B, H, T, D).
 _attention_fn = None
 _attention_len: int | None = None  # the sequence length the kernel was probed at (None: any)
+_attention_seq_minor = False  # the kernel reads q, k and v with the sequence minor (jax's SEQ_MINOR layout)
 
 
-def set_attention_kernel(fn, seq_len: int | None = None) -> None:
+def set_attention_kernel(fn, seq_len: int | None = None, seq_minor: bool = False) -> None:
     """Install a causal attention function (q, k, v) -> out, for sequences of `seq_len` only where given (the
     length its probe passed at: a Pallas kernel's blocks may not tile another, such as the in-training HellaSwag
-    eval's rows, which then take SDPA); None restores SDPA."""
-    global _attention_fn, _attention_len
-    _attention_fn, _attention_len = fn, seq_len
+    eval's rows, which then take SDPA); None restores SDPA. `seq_minor`: the kernel reads q, k and v laid out
+    (B, H, D, T), and the attention makes them so (any layout gives the same values; this one saves copies)."""
+    global _attention_fn, _attention_len, _attention_seq_minor
+    _attention_fn, _attention_len, _attention_seq_minor = fn, seq_len, seq_minor
+
+
+def attention_kernel_for(seq_len: int):
+    """The installed attention kernel where it runs at `seq_len`, else None (SDPA)."""
+    return _attention_fn if _attention_fn is not None and _attention_len in (None, seq_len) else None
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    if _attention_fn is not None and _attention_len in (None, q.shape[-2]):
-        return _attention_fn(q, k, v)
+    kernel = attention_kernel_for(q.shape[-2])
+    if kernel is not None:
+        return kernel(q, k, v)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
@@ -74,10 +82,33 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
+        if _attention_seq_minor and attention_kernel_for(T) is not None:
+            return self._forward_seq_minor(x)
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         y = causal_attention(q, k, v)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+    def _forward_seq_minor(self, x: torch.Tensor) -> torch.Tensor:
+        """The same attention, for a kernel that reads q, k and v with the sequence minor: each is made by an
+        einsum straight into (B, H, D, T) (then seen as (B, H, T, D)), and the output is projected from its heads
+        by an einsum. On TPU, XLA then lays the matmuls out as the kernel reads them, with no copies between
+        (docs/tpu-throughput.md, "The layout around splash")."""
+        C = x.shape[-1]
+        D = C // self.n_head
+        # One einsum for the three: each weight's gradient is then one matmul's, summed straight into its
+        # accumulator, so XLA can all-reduce it once a step (a slice per q, k, v kept it in the loop).
+        qkv = torch.einsum("btc,shdc->sbhdt", x, self.c_attn.weight.view(3, self.n_head, D, C))
+        qkv = _plus_bias(qkv, self.c_attn.bias.view(3, 1, self.n_head, D, 1))
+        q, k, v = (t.transpose(-1, -2) for t in qkv.unbind(0))
+        y = causal_attention(q, k, v)
+        return _plus_bias(torch.einsum("bhtd,chd->btc", y, self.c_proj.weight.view(C, self.n_head, D)),
+                          self.c_proj.bias)
+
+
+def _plus_bias(t: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    # In the matmul's dtype (bf16 under autocast), as nn.Linear adds it: an fp32 bias would make the sum fp32.
+    return t + bias.to(t.dtype)
 
 
 class MLP(nn.Module):

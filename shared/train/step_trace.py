@@ -65,7 +65,7 @@ class TraceRuntime(XlaRuntime):
         kernel = splash or flash
         if kernel is not None:
             lower_pallas_for_tpu()
-            set_attention_kernel(kernel, seq_len)
+            set_attention_kernel(kernel, seq_len, seq_minor=splash is not None)
             self.attention = "pallas-splash" if splash else "pallas-flash"
 
     def _record(self, tensor: torch.Tensor, spec: tuple) -> None:

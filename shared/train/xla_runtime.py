@@ -91,7 +91,7 @@ class XlaRuntime(Runtime):
         splash = self._splash_attention_kernel(seq_len) if flash is not None and first in ("", "pallas-splash") \
             else None
         if splash is not None and self._passes_probe("splash", splash, shape, "trying the flash-attention kernel"):
-            set_attention_kernel(splash, seq_len)
+            set_attention_kernel(splash, seq_len, seq_minor=True)
             self.attention = "pallas-splash"
         elif flash is not None and self._passes_probe("flash", flash, shape, "using SDPA"):
             set_attention_kernel(flash, seq_len)

@@ -84,6 +84,42 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients():
         assert torch.allclose(p.grad, plain_grads[name], atol=1e-7), name
 
 
+def test_for_a_seq_minor_kernel_the_attention_makes_q_k_v_by_einsum_with_the_same_loss_and_gradients():
+    from shared.train.model import set_attention_kernel
+
+    torch.manual_seed(0)
+    model = GPT(SMALL)
+    idx = torch.randint(0, GPT2_VOCAB_SIZE, (2, 17))
+    _, plain_loss = model(idx[:, :-1], idx[:, 1:])
+    plain_loss.backward()
+    plain_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    seen = []
+
+    def kernel(q, k, v):
+        seen.append((q.dtype, k.dtype, v.dtype))  # the matmul's dtype: an fp32 bias must not promote them
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    linear_calls = []  # the seq-minor path makes q, k, v by einsum over c_attn's weight, not by calling c_attn
+    for block in model.transformer.h:
+        block.attn.c_attn.register_forward_hook(lambda *_: linear_calls.append(1))
+    set_attention_kernel(kernel, 16, seq_minor=True)
+    try:
+        _, loss = model(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(idx[:, :-1], idx[:, 1:])
+        assert linear_calls == []
+        model(idx[:, :8], idx[:, 1:9])  # another length: SDPA, the projections as nn.Linear makes them
+    finally:
+        set_attention_kernel(None)
+    assert len(linear_calls) == SMALL.n_layer
+    assert seen == [(torch.float32,) * 3] * SMALL.n_layer + [(torch.bfloat16,) * 3] * SMALL.n_layer
+    assert loss.item() == pytest.approx(plain_loss.item(), rel=1e-6)
+    for name, p in model.named_parameters():
+        assert torch.allclose(p.grad, plain_grads[name], rtol=1e-5, atol=1e-7), name
+
+
 def test_the_token_lookups_gradient_kept_apart_adds_up_to_the_tied_weights_gradient():
     # Inside embedding_grad_apart the token lookup's gradient goes to a leaf of its own, and wte.weight.grad
     # keeps only the tied head's. Checked against the same model untied (the head a copy of wte, its own

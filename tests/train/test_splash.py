@@ -24,15 +24,17 @@ def attention_and_grads(kernel, inputs, runtime):
 
 
 @pytest.mark.slow
-def test_splash_attention_equals_sdpa_forward_and_backward_with_the_batch_sharded(xla_runtime):
+@pytest.mark.parametrize("reuse_forward", [True, False], ids=["backward-from-residuals", "forward-run-again"])
+def test_splash_attention_equals_sdpa_forward_and_backward_with_the_batch_sharded(xla_runtime, reuse_forward):
     gen = torch.Generator().manual_seed(0)
     inputs = [torch.randn(SHAPE, generator=gen) for _ in range(4)]
-    got = attention_and_grads(splash_attention(xla_runtime.mesh, interpret=True), inputs, xla_runtime)
+    kernel = splash_attention(xla_runtime.mesh, interpret=True, reuse_forward=reuse_forward)
+    got = attention_and_grads(kernel, inputs, xla_runtime)
     want = attention_and_grads(sdpa_causal, inputs, xla_runtime)
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
         assert (g - w).abs().max().item() <= 1e-5 * w.abs().max().item(), name
     # And as a session's probe sees it: bf16 inputs against SDPA in fp32, within the probe's tolerance.
-    assert probe_attention_kernel(splash_attention(xla_runtime.mesh, interpret=True), SHAPE, xla_runtime.device,
+    assert probe_attention_kernel(kernel, SHAPE, xla_runtime.device,
                                   xla_runtime.shard_batch, xla_runtime.sync) is None
 
 
@@ -45,7 +47,7 @@ def test_a_step_with_splash_attention_gives_sdpas_loss_and_gradients(xla_runtime
     tokens = np.random.default_rng(0).integers(0, 50257, (2, 8, 257)).astype(np.int32)  # 2 micro-steps of 8
     results = []
     for kernel in (splash_attention(xla_runtime.mesh, interpret=True), None):
-        set_attention_kernel(kernel)
+        set_attention_kernel(kernel, seq_minor=kernel is not None)  # as a session installs it
         try:
             torch.manual_seed(0)
             model = xla_runtime.prepare_model(GPT(cfg.model), fsdp=False)
@@ -108,6 +110,25 @@ def test_on_a_host_whose_kernels_cannot_run_both_probes_fail_in_a_line_each_and_
     assert [line.split(" failed its probe")[0] for line in lines] == [
         "notice: the Pallas splash-attention kernel", "notice: the Pallas flash-attention kernel"]
     assert lines[0].endswith("; trying the flash-attention kernel") and lines[1].endswith("; using SDPA")
+
+
+def test_the_backward_reads_the_forwards_residuals_only_where_jaxs_private_rule_takes_them(monkeypatch):
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel
+
+    from shared.train.splash import backward_rule_usable
+
+    assert backward_rule_usable()  # this jax (0.7.x): the backward runs two kernels, not three
+    real = kernel._splash_attention_bwd
+
+    def reordered(res, do, save_residuals, mask_value, is_mqa, block_sizes, residual_checkpoint_name, mask_function,
+                  attn_logits_soft_cap, interpret):
+        return real(save_residuals, mask_value, is_mqa, block_sizes, residual_checkpoint_name, mask_function,
+                    attn_logits_soft_cap, interpret, res, do)
+
+    monkeypatch.setattr(kernel, "_splash_attention_bwd", reordered)  # a jax that lays its rule out otherwise
+    assert not backward_rule_usable()
+    monkeypatch.delattr(kernel, "_splash_attention_bwd")
+    assert not backward_rule_usable()
 
 
 def test_splash_is_tried_only_where_its_blocks_tile_the_sequence():
