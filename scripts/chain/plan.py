@@ -395,6 +395,9 @@ def check_arithmetic_fit(cfg: ChainConfig, generation: str) -> None:
                         "train.fsdp true" + ("" if checkpointing else ", or train.activation_checkpointing \"on\""))
 
 
+STEP_NAMES = {"pallas-splash": "splash", "pallas-flash": "flash", "sdpa": "SDPA"}
+
+
 def compiled_fit(cfg: ChainConfig, log=print) -> tuple[dict | None, str]:
     """The chain's train step compiled for its TPU board by libtpu (scripts/tpu_compile.py; cached by settings and
     versions), and one line on it: HBM per chip, the loop's all-reduces, the MFU ceiling. A step that does not fit
@@ -410,7 +413,8 @@ def compiled_fit(cfg: ChainConfig, log=print) -> tuple[dict | None, str]:
                "is not installed (bash scripts/setup.sh makes .venv-tpu)")
         check_arithmetic_fit(cfg, generation)
         return None, f"the TPU compiler {why}: HBM checked by arithmetic only"
-    report = compile_step({**cfg.train, "max_steps": cfg.total_steps}, tpu, log)
+    settings = {**cfg.train, "max_steps": cfg.total_steps}
+    report = compile_step(settings, tpu, log, attention="splash")  # the step a session tries first
     hbm = f"{report['peak_bytes'] / 2**30:.1f} GiB of {report['hbm_bytes'] / 2**30:.0f} GiB"
     if not report["fits"]:
         raise UserError(f"the train step does not fit {tpu}'s HBM: {hbm} per chip (the TPU compiler's figure; "
@@ -423,10 +427,13 @@ def compiled_fit(cfg: ChainConfig, log=print) -> tuple[dict | None, str]:
             f"all-reduce inside the loop {sum(g['count'] for g in in_loop)}, "
             f"{sum(g['bytes'] for g in in_loop) / 1e6:.1f} MB per micro-step; MFU ceiling "
             f"{report['mfu_ceiling']:.1%} (roofline estimate)")
-    if report["attention"] != "sdpa":  # the step a session whose flash probe fails trains with instead
-        fallback = compile_step({**cfg.train, "max_steps": cfg.total_steps}, tpu, log, attention="sdpa")
-        line += (f"; if the flash probe fails, SDPA at micro-batch {fallback['micro_batch']}: "
-                 f"{fallback['peak_bytes'] / 2**30:.1f} GiB" + (
+    # The steps a session trains with where its probes fail: flash where splash's fails, SDPA where flash's does.
+    fallbacks = [("splash", "flash")] if report["attention"] == "pallas-splash" else []
+    fallbacks += [("flash", "sdpa")] if report["attention"] != "sdpa" else []
+    for failed, attention in fallbacks:
+        fallback = compile_step(settings, tpu, log, attention=attention)
+        line += (f"; if the {failed} probe fails, {STEP_NAMES[fallback['attention']]} at micro-batch "
+                 f"{fallback['micro_batch']}: {fallback['peak_bytes'] / 2**30:.1f} GiB" + (
                      f", MFU ceiling {fallback['mfu_ceiling']:.1%}" if fallback["fits"] else
                      " - does not fit: such a session would stop at its first step (leave train.micro_batch auto)"))
     return report, line

@@ -360,20 +360,30 @@ def _report(attention: str, micro_batch: int, peak_gib: float, fits: bool = True
             "mfu_ceiling": 0.543 if attention != "sdpa" else 0.33}
 
 
-@pytest.mark.parametrize("micro_batch, sdpa, says", [
-    ("auto", _report("sdpa", 64, 9.9), "if the flash probe fails, SDPA at micro-batch 64: 9.9 GiB, MFU ceiling 33.0%"),
-    (128, _report("sdpa", 128, 18.2, fits=False), "if the flash probe fails, SDPA at micro-batch 128: 18.2 GiB - does "
+@pytest.mark.parametrize("micro_batch, flash, sdpa, says", [
+    ("auto", _report("pallas-flash", 128, 11.0), _report("sdpa", 64, 9.9),
+     "if the splash probe fails, flash at micro-batch 128: 11.0 GiB, MFU ceiling 54.3%; if the flash probe fails, "
+     "SDPA at micro-batch 64: 9.9 GiB, MFU ceiling 33.0%"),
+    (128, _report("pallas-flash", 128, 11.0), _report("sdpa", 128, 18.2, fits=False),
+     "if the splash probe fails, flash at micro-batch 128: 11.0 GiB, MFU ceiling 54.3%; if the flash probe fails, "
+     "SDPA at micro-batch 128: 18.2 GiB - does not fit: such a session would stop at its first step (leave "
+     "train.micro_batch auto)"),
+    (256, _report("pallas-flash", 256, 16.5, fits=False), _report("sdpa", 256, 30.0, fits=False),
+     "if the splash probe fails, flash at micro-batch 256: 16.5 GiB - does not fit: such a session would stop at its "
+     "first step (leave train.micro_batch auto); if the flash probe fails, SDPA at micro-batch 256: 30.0 GiB - does "
      "not fit: such a session would stop at its first step (leave train.micro_batch auto)"),
 ])
-def test_plan_compiles_the_flash_step_and_says_what_the_sdpa_fallback_needs(monkeypatch, micro_batch, sdpa, says):
+def test_plan_compiles_the_splash_step_and_says_what_the_flash_and_sdpa_fallbacks_need(monkeypatch, micro_batch,
+                                                                                       flash, sdpa, says):
     import scripts.tpu_compile as tpu_compile
     from scripts.chain.plan import compiled_fit
 
     asked = []
+    primary = _report("pallas-splash", flash["micro_batch"], 7.8)
 
     def compile_step(settings, tpu, log, attention="flash"):
         asked.append((settings["micro_batch"], tpu, attention))
-        return _report("pallas-flash", 128, 11.4) if attention == "flash" else sdpa
+        return {"splash": primary, "flash": flash, "sdpa": sdpa}[attention]
 
     monkeypatch.setattr(tpu_compile, "compile_step", compile_step)
     monkeypatch.setattr(tpu_compile, "compiler_python", lambda: Path("/venv-tpu/bin/python"))
@@ -381,11 +391,30 @@ def test_plan_compiles_the_flash_step_and_says_what_the_sdpa_fallback_needs(monk
     cfg = config_from_dict({**{k: v for k, v in raw.items() if not k.startswith("_")},
                             "train": {**raw["train"], "micro_batch": micro_batch}})
     report, line = compiled_fit(cfg)
-    assert asked == [(micro_batch, "v5e-8", "flash"), (micro_batch, "v5e-8", "sdpa")]
-    assert report["attention"] == "pallas-flash"
-    assert line == ("v5e-8 by libtpu 0.0.17 (the pallas-flash step, micro-batch 128): HBM per chip 11.4 GiB of 16 GiB "
-                    "(29% free); all-reduce inside the loop 4, 234.9 MB per micro-step; MFU ceiling 54.3% (roofline "
-                    "estimate); " + says)
+    assert asked == [(micro_batch, "v5e-8", "splash"), (micro_batch, "v5e-8", "flash"), (micro_batch, "v5e-8", "sdpa")]
+    assert report is primary
+    assert line == (f"v5e-8 by libtpu 0.0.17 (the pallas-splash step, micro-batch {flash['micro_batch']}): HBM per "
+                    "chip 7.8 GiB of 16 GiB (51% free); all-reduce inside the loop 4, 234.9 MB per micro-step; MFU "
+                    "ceiling 54.3% (roofline estimate); " + says)
+
+
+def test_where_splash_cannot_tile_the_sequence_plan_compiles_the_flash_step_first(monkeypatch):
+    import scripts.tpu_compile as tpu_compile
+    from scripts.chain.plan import compiled_fit
+
+    asked = []
+
+    def compile_step(settings, tpu, log, attention="flash"):
+        asked.append(attention)  # the trace takes flash where splash's blocks do not tile the sequence
+        return _report("sdpa", 64, 9.9) if attention == "sdpa" else _report("pallas-flash", 128, 11.4)
+
+    monkeypatch.setattr(tpu_compile, "compile_step", compile_step)
+    monkeypatch.setattr(tpu_compile, "compiler_python", lambda: Path("/venv-tpu/bin/python"))
+    raw = json.loads((REPO / "examples" / "chain-gpt2-124m.json").read_text())
+    report, line = compiled_fit(config_from_dict({k: v for k, v in raw.items() if not k.startswith("_")}))
+    assert asked == ["splash", "sdpa"] and report["attention"] == "pallas-flash"
+    assert line.startswith("v5e-8 by libtpu 0.0.17 (the pallas-flash step, micro-batch 128): HBM per chip 11.4 GiB")
+    assert line.endswith("; if the flash probe fails, SDPA at micro-batch 64: 9.9 GiB, MFU ceiling 33.0%")
 
 
 @pytest.mark.parametrize("preset, shape, fsdp, fits", [
