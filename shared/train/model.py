@@ -22,16 +22,17 @@ from shared.train.loss_head import head_loss
 # on a real TPU: jax's splash or torch_xla's flash attention). It takes q, k, v of shape (B, H, T, D).
 _attention_fn = None
 _attention_len: int | None = None  # the sequence length the kernel was probed at (None: any)
-_attention_seq_minor = False  # the kernel reads q, k and v with the sequence minor (jax's SEQ_MINOR layout)
+_attention_qkv_layout: str | None = None  # how the kernel reads q, k and v: "BHTD", "BHDT" (sequence minor), None
 
 
-def set_attention_kernel(fn, seq_len: int | None = None, seq_minor: bool = False) -> None:
+def set_attention_kernel(fn, seq_len: int | None = None, qkv_layout: str | None = None) -> None:
     """Install a causal attention function (q, k, v) -> out, for sequences of `seq_len` only where given (the
     length its probe passed at: a Pallas kernel's blocks may not tile another, such as the in-training HellaSwag
-    eval's rows, which then take SDPA); None restores SDPA. `seq_minor`: the kernel reads q, k and v laid out
-    (B, H, D, T), and the attention makes them so (any layout gives the same values; this one saves copies)."""
-    global _attention_fn, _attention_len, _attention_seq_minor
-    _attention_fn, _attention_len, _attention_seq_minor = fn, seq_len, seq_minor
+    eval's rows, which then take SDPA); None restores SDPA. `qkv_layout`: the memory layout the kernel reads q, k
+    and v in, "BHTD" or "BHDT" (the sequence minor), which the attention then makes them in straight from the
+    projection (any layout gives the same values; the kernel's own saves XLA's copies between the two)."""
+    global _attention_fn, _attention_len, _attention_qkv_layout
+    _attention_fn, _attention_len, _attention_qkv_layout = fn, seq_len, qkv_layout
 
 
 def attention_kernel_for(seq_len: int):
@@ -82,26 +83,30 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        if _attention_seq_minor and attention_kernel_for(T) is not None:
-            return self._forward_seq_minor(x)
+        if _attention_qkv_layout and attention_kernel_for(T) is not None:
+            return self._forward_heads(x, _attention_qkv_layout)
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         y = causal_attention(q, k, v)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
-    def _forward_seq_minor(self, x: torch.Tensor) -> torch.Tensor:
-        """The same attention, for a kernel that reads q, k and v with the sequence minor: each is made by an
-        einsum straight into (B, H, D, T) (then seen as (B, H, T, D)), and the output is projected from its heads
-        by an einsum. On TPU, XLA then lays the matmuls out as the kernel reads them, with no copies between
-        (docs/tpu-throughput.md, "The layout around splash")."""
+    def _forward_heads(self, x: torch.Tensor, layout: str) -> torch.Tensor:
+        """The same attention for a kernel that reads q, k and v laid out as `layout` ("BHTD", or "BHDT": the
+        sequence minor, seen as (B, H, T, D)): one einsum makes all three straight in it, and the output is
+        projected from its heads by an einsum. On TPU, XLA then lays the matmuls out as the kernel reads them, with
+        no copies between (docs/tpu-throughput.md, "The layout around the kernels")."""
         C = x.shape[-1]
         D = C // self.n_head
         # One einsum for the three: each weight's gradient is then one matmul's, summed straight into its
         # accumulator, so XLA can all-reduce it once a step (a slice per q, k, v kept it in the loop).
-        qkv = torch.einsum("btc,shdc->sbhdt", x, self.c_attn.weight.view(3, self.n_head, D, C))
-        qkv = _plus_bias(qkv, self.c_attn.bias.view(3, 1, self.n_head, D, 1))
-        q, k, v = (t.transpose(-1, -2) for t in qkv.unbind(0))
-        y = causal_attention(q, k, v)
+        weight = self.c_attn.weight.view(3, self.n_head, D, C)
+        if layout == "BHDT":
+            qkv = torch.einsum("btc,shdc->sbhdt", x, weight)
+            qkv = _plus_bias(qkv, self.c_attn.bias.view(3, 1, self.n_head, D, 1)).transpose(-1, -2)
+        else:
+            qkv = torch.einsum("btc,shdc->sbhtd", x, weight)
+            qkv = _plus_bias(qkv, self.c_attn.bias.view(3, 1, self.n_head, 1, D))
+        y = causal_attention(*qkv.unbind(0))
         return _plus_bias(torch.einsum("bhtd,chd->btc", y, self.c_proj.weight.view(C, self.n_head, D)),
                           self.c_proj.bias)
 

@@ -7,7 +7,7 @@ attention").
 
 Each device runs the kernel on its own sequences (manual sharding over the batch, as torch_xla's flash wrapper
 does), vmapped over them. It reads q, k and v with the sequence minor (jax's SEQ_MINOR layout), the layout the
-attention's projections are made in when this kernel is installed (model.py, `seq_minor`): XLA then places no
+attention's projections are made in when this kernel is installed (model.py, `qkv_layout` "BHDT"): XLA then places no
 copies between the matmuls and the kernel. The forward keeps its logsumexp, and the backward hands it and the
 output to jax's own backward rule for the kernel: two kernel calls a layer, not three. That rule is private, so
 where this jax lays it out otherwise (`backward_rule_usable`) the backward runs the forward again inside `jax.vjp`

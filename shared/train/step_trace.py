@@ -26,7 +26,7 @@ import torch
 
 from shared.config import TrainConfig
 from shared.train.mosaic_version import pin_version as pin_mosaic_version
-from shared.train.xla_runtime import XlaRuntime
+from shared.train.xla_runtime import QKV_LAYOUTS, XlaRuntime
 
 HLO_FILE, SPEC_FILE = "step.hlo.pb", "step.json"
 MOSAIC_VERSION_ENV = "GPT2K_MOSAIC_VERSION"
@@ -65,8 +65,8 @@ class TraceRuntime(XlaRuntime):
         kernel = splash or flash
         if kernel is not None:
             lower_pallas_for_tpu()
-            set_attention_kernel(kernel, seq_len, seq_minor=splash is not None)
             self.attention = "pallas-splash" if splash else "pallas-flash"
+            set_attention_kernel(kernel, seq_len, QKV_LAYOUTS[self.attention])
 
     def _record(self, tensor: torch.Tensor, spec: tuple) -> None:
         self.inputs.append({"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."),

@@ -20,6 +20,10 @@ from shared.train.mosaic_version import readable_version as readable_mosaic_vers
 from shared.train.runtime import Runtime
 from shared.train.xla_notices import quiet_known_messages
 
+# The layout each Pallas kernel reads q, k and v in, which the attention makes them in (shared/train/model.py):
+# splash reads them sequence-minor (shared/train/splash.py), torch_xla's flash kernel (B, H, T, D).
+QKV_LAYOUTS = {"pallas-splash": "BHDT", "pallas-flash": "BHTD"}
+
 
 class XlaRuntime(Runtime):
     """torch_xla SPMD over every device: a 1-D mesh ('data'), batches sharded on it, params replicated
@@ -91,10 +95,10 @@ class XlaRuntime(Runtime):
         splash = self._splash_attention_kernel(seq_len) if flash is not None and first in ("", "pallas-splash") \
             else None
         if splash is not None and self._passes_probe("splash", splash, shape, "trying the flash-attention kernel"):
-            set_attention_kernel(splash, seq_len, seq_minor=True)
+            set_attention_kernel(splash, seq_len, QKV_LAYOUTS["pallas-splash"])
             self.attention = "pallas-splash"
         elif flash is not None and self._passes_probe("flash", flash, shape, "using SDPA"):
-            set_attention_kernel(flash, seq_len)
+            set_attention_kernel(flash, seq_len, QKV_LAYOUTS["pallas-flash"])
             self.attention = "pallas-flash"
 
     def _passes_probe(self, name: str, kernel: Callable, shape: tuple[int, int, int, int], instead: str) -> bool:

@@ -84,7 +84,8 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients():
         assert torch.allclose(p.grad, plain_grads[name], atol=1e-7), name
 
 
-def test_for_a_seq_minor_kernel_the_attention_makes_q_k_v_by_einsum_with_the_same_loss_and_gradients():
+@pytest.mark.parametrize("layout", ["BHTD", "BHDT"])
+def test_for_a_kernels_layout_the_attention_makes_q_k_v_by_einsum_with_the_same_loss_and_gradients(layout):
     from shared.train.model import set_attention_kernel
 
     torch.manual_seed(0)
@@ -100,10 +101,10 @@ def test_for_a_seq_minor_kernel_the_attention_makes_q_k_v_by_einsum_with_the_sam
         seen.append((q.dtype, k.dtype, v.dtype))  # the matmul's dtype: an fp32 bias must not promote them
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-    linear_calls = []  # the seq-minor path makes q, k, v by einsum over c_attn's weight, not by calling c_attn
+    linear_calls = []  # this path makes q, k, v by einsum over c_attn's weight, not by calling c_attn
     for block in model.transformer.h:
         block.attn.c_attn.register_forward_hook(lambda *_: linear_calls.append(1))
-    set_attention_kernel(kernel, 16, seq_minor=True)
+    set_attention_kernel(kernel, 16, qkv_layout=layout)
     try:
         _, loss = model(idx[:, :-1], idx[:, 1:])
         loss.backward()

@@ -47,7 +47,7 @@ def test_a_step_with_splash_attention_gives_sdpas_loss_and_gradients(xla_runtime
     tokens = np.random.default_rng(0).integers(0, 50257, (2, 8, 257)).astype(np.int32)  # 2 micro-steps of 8
     results = []
     for kernel in (splash_attention(xla_runtime.mesh, interpret=True), None):
-        set_attention_kernel(kernel, seq_minor=kernel is not None)  # as a session installs it
+        set_attention_kernel(kernel, qkv_layout="BHDT" if kernel else None)  # as a session installs it
         try:
             torch.manual_seed(0)
             model = xla_runtime.prepare_model(GPT(cfg.model), fsdp=False)
@@ -190,3 +190,37 @@ def test_a_torchax_or_jax_that_breaks_on_import_is_a_notice_and_flash_is_tried(x
     assert capsys.readouterr().out == (
         "notice: importing jax's splash attention gave AttributeError: module 'jax.experimental' has no attribute "
         "'shard_map'; trying the flash-attention kernel\n")
+
+
+@pytest.mark.slow
+def test_training_with_splash_compiles_nothing_after_step_two_and_follows_sdpas_losses(demo_data, tmp_path,
+                                                                                       monkeypatch):
+    # The whole trainer with splash as a session installs it (the projections made sequence-minor, the backward
+    # from the forward's residuals), the kernel run by Pallas's interpreter on the 8 XLA CPU devices.
+    from helpers import small_config, train_in_process
+
+    from shared.train.metrics import read_metrics
+    from shared.train.model import set_attention_kernel
+    from shared.train.xla_runtime import QKV_LAYOUTS, XlaRuntime
+
+    def install_splash(self, batch, n_head, seq_len, head_dim, first=""):
+        set_attention_kernel(splash_attention(self.mesh, interpret=True), seq_len, QKV_LAYOUTS["pallas-splash"])
+        self.attention = "pallas-splash"
+
+    losses = {}
+    for attention in ("splash", "sdpa"):
+        out = tmp_path / attention
+        cfg = small_config(demo_data, out, seq_len=128, micro_batch=8, total_batch_tokens=2048, max_steps=5)
+        with monkeypatch.context() as patch:
+            if attention == "splash":
+                patch.setattr(XlaRuntime, "select_attention", install_splash)
+            try:
+                result, _ = train_in_process(cfg)
+            finally:
+                set_attention_kernel(None)
+        assert result.step == 5
+        records = {r["step"]: r for r in read_metrics(out / "metrics.jsonl") if "loss" in r}
+        assert records[5]["compiles"] == records[2]["compiles"], attention
+        losses[attention] = [records[s]["loss"] for s in range(1, 6)]
+    assert losses["splash"] == pytest.approx(losses["sdpa"], rel=2e-3)  # bf16 autocast: rounding apart
+    assert losses["splash"][-1] < losses["splash"][0]
