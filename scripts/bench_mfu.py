@@ -180,7 +180,8 @@ def reference_loop(model_cfg, runtime, micro: int, warmup: int, steps: int,
 
     torch.manual_seed(seed)
     model = GPT(model_cfg).to(runtime.device)
-    saved_attention = shared_model._attention_fn  # the trainer's runtime may have installed a TPU kernel
+    # the trainer's runtime may have installed a TPU kernel (for one length, with its q, k, v layout)
+    saved_attention = (shared_model._attention_fn, shared_model._attention_len, shared_model._attention_qkv_layout)
     shared_model.set_attention_kernel(None)  # the plain loop uses SDPA
     opt = torch.optim.AdamW(model.parameters(), lr=6e-4, weight_decay=0.1)
     scaler = torch.amp.GradScaler("cuda", enabled=runtime.device.type == "cuda"
@@ -213,7 +214,7 @@ def reference_loop(model_cfg, runtime, micro: int, warmup: int, steps: int,
             if i + 1 == warmup:
                 compiles = runtime.compile_count()
     finally:
-        shared_model.set_attention_kernel(saved_attention)
+        shared_model.set_attention_kernel(*saved_attention)
         del model, opt
     return times, runtime.compile_count() - compiles if compiles is not None else 0
 

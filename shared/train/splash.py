@@ -160,7 +160,9 @@ def splash_attention(mesh, interpret: bool = False, reuse_forward: bool | None =
     class SplashAttention(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v):
-            if not reuse_forward:
+            # Without gradients (an eval), the plain forward: no logsumexp written for a backward that never runs.
+            ctx.reused = reuse_forward and any(ctx.needs_input_grad)
+            if not ctx.reused:
                 ctx.save_for_backward(q, k, v)
                 return whole(xb.call_jax(forward, (local(q), local(k), local(v))), q.shape)
             out, logsumexp = xb.call_jax(saving, (local(q), local(k), local(v)))
@@ -171,7 +173,7 @@ def splash_attention(mesh, interpret: bool = False, reuse_forward: bool | None =
         @staticmethod
         def backward(ctx, grad):
             saved = [local(t) for t in ctx.saved_tensors]
-            grads = xb.call_jax(from_residuals if reuse_forward else backward, (*saved, local(grad)))
+            grads = xb.call_jax(from_residuals if ctx.reused else backward, (*saved, local(grad)))
             return tuple(whole(g, ctx.saved_tensors[0].shape) for g in grads)
 
     return SplashAttention.apply

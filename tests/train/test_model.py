@@ -90,7 +90,11 @@ def test_for_a_kernels_layout_the_attention_makes_q_k_v_by_einsum_with_the_same_
 
     torch.manual_seed(0)
     model = GPT(SMALL)
-    idx = torch.randint(0, GPT2_VOCAB_SIZE, (2, 17))
+    with torch.no_grad():  # biases off zero (GPT-2's init), so a wrong bias view shows in the forward too
+        for block in model.transformer.h:
+            block.attn.c_attn.bias.normal_()
+            block.attn.c_proj.bias.normal_()
+    idx = torch.randint(0, GPT2_VOCAB_SIZE, (2, 25))  # T = 24, not D = 16: a swapped (T, D) fails to broadcast
     _, plain_loss = model(idx[:, :-1], idx[:, 1:])
     plain_loss.backward()
     plain_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -104,7 +108,7 @@ def test_for_a_kernels_layout_the_attention_makes_q_k_v_by_einsum_with_the_same_
     linear_calls = []  # this path makes q, k, v by einsum over c_attn's weight, not by calling c_attn
     for block in model.transformer.h:
         block.attn.c_attn.register_forward_hook(lambda *_: linear_calls.append(1))
-    set_attention_kernel(kernel, 16, qkv_layout=layout)
+    set_attention_kernel(kernel, 24, qkv_layout=layout)
     try:
         _, loss = model(idx[:, :-1], idx[:, 1:])
         loss.backward()

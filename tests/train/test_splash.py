@@ -39,6 +39,26 @@ def test_splash_attention_equals_sdpa_forward_and_backward_with_the_batch_sharde
 
 
 @pytest.mark.slow
+def test_without_gradients_splash_runs_its_plain_forward_and_writes_no_logsumexp(xla_runtime, monkeypatch):
+    import torch_xla.core.xla_builder as xb
+
+    from shared.train import splash
+
+    called = []
+    call_jax = xb.call_jax
+    monkeypatch.setattr(xb, "call_jax", lambda fn, args: called.append(fn) or call_jax(fn, args))
+    kernel = splash_attention(xla_runtime.mesh, interpret=True, reuse_forward=True)
+    q, k, v = (xla_runtime.shard_batch(torch.randn(SHAPE).to(xla_runtime.device)) for _ in range(3))
+    with torch.no_grad():  # an eval: no backward to keep the logsumexp for
+        plain = kernel(q, k, v)
+    q.requires_grad_(True)
+    saving = kernel(q, k, v)
+    xla_runtime.sync()
+    assert called == [splash._FUNCTIONS[True][0], splash._SAVING_FUNCTIONS[True][0]]
+    assert torch.equal(plain.detach().cpu(), saving.detach().cpu())
+
+
+@pytest.mark.slow
 def test_a_step_with_splash_attention_gives_sdpas_loss_and_gradients(xla_runtime):
     from shared.config import TrainConfig
     from shared.train.model import GPT, set_attention_kernel
@@ -110,6 +130,34 @@ def test_on_a_host_whose_kernels_cannot_run_both_probes_fail_in_a_line_each_and_
     assert [line.split(" failed its probe")[0] for line in lines] == [
         "notice: the Pallas splash-attention kernel", "notice: the Pallas flash-attention kernel"]
     assert lines[0].endswith("; trying the flash-attention kernel") and lines[1].endswith("; using SDPA")
+
+
+@pytest.mark.slow
+def test_the_backward_from_residuals_equals_the_recomputed_one_over_gpt2s_blocks():
+    # gpt2's 1,024 tokens make 2 x 2 blocks of 512: one skipped above the diagonal, two partial on it. jax alone,
+    # Pallas's interpreter; both backward paths against each other and against dense causal attention.
+    import jax
+    import jax.numpy as jnp
+
+    from shared.train.splash import _backward, _backward_from_residuals, _forward_saving
+
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    q, k, v, grad = (jax.random.normal(key, (1, 2, 1024, 64), jnp.float32) for key in keys)
+    out, logsumexp = _forward_saving(q, k, v, interpret=True)
+    from_residuals = _backward_from_residuals(q, k, v, out, logsumexp, grad, interpret=True)
+    recomputed = _backward(q, k, v, grad, interpret=True)
+
+    def dense(q, k, v):
+        scores = jnp.einsum("bhqd,bhkd->bhqk", q, k) / 8.0
+        scores = jnp.where(jnp.tril(jnp.ones((1024, 1024), bool)), scores, -jnp.inf)
+        return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(scores, axis=-1), v)
+
+    want_out, vjp = jax.vjp(dense, q, k, v)
+    assert float(jnp.abs(out - want_out).max()) <= 1e-5 * float(jnp.abs(want_out).max())
+    for got, again, want in zip(from_residuals, recomputed, vjp(grad), strict=True):
+        scale = float(jnp.abs(want).max())
+        assert float(jnp.abs(got - again).max()) <= 1e-6 * scale
+        assert float(jnp.abs(got - want).max()) <= 1e-5 * scale
 
 
 def test_the_backward_reads_the_forwards_residuals_only_where_jaxs_private_rule_takes_them(monkeypatch):
