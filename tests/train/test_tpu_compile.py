@@ -106,10 +106,13 @@ def test_a_micro_batch_far_too_large_does_not_fit_v5e_8_and_plan_refuses_it_in_o
                                   "token_datasets": ["alice/tokens"], "accelerator": "TpuV5E8",
                                   "train": {"preset": "tiny", "seq_len": 1024, "micro_batch": 4096,
                                             "total_batch_tokens": 8 * 2**20}}))
-    proc = run_script("scripts/tpu_compile.py", "--config", str(config), "--json", env=env, timeout=1200)
+    # The splash step, which --plan compiles first (a session tries it first): plan then reads it from the cache.
+    proc = run_script("scripts/tpu_compile.py", "--config", str(config), "--attention", "splash", "--json", env=env,
+                      timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (report,) = json.loads(proc.stdout)
-    assert (report["tpu"], report["micro_batch"], report["fits"]) == ("v5e-8", 4096, False)
+    assert (report["tpu"], report["micro_batch"], report["fits"], report["attention"]) == (
+        "v5e-8", 4096, False, "pallas-splash")
     # The compiler refused it itself, with its figures: what the step needs against what a v5e chip offers it.
     assert report["peak_bytes"] > report["hbm_bytes"] and 15 * 2**30 <= report["hbm_bytes"] <= 16 * 2**30
     assert "Ran out of memory in memory space hbm" in report["compiler_says"]
@@ -117,7 +120,7 @@ def test_a_micro_batch_far_too_large_does_not_fit_v5e_8_and_plan_refuses_it_in_o
     assert plan.returncode == 2, plan.stdout[-2000:]
     assert error_lines(plan.stderr) == [
         f"error: the train step does not fit v5e-8's HBM: {report['peak_bytes'] / 2**30:.1f} GiB of 16 GiB per chip "
-        "(the TPU compiler's figure; tiny, micro-batch 4096, pallas-flash); "
+        "(the TPU compiler's figure; tiny, micro-batch 4096, pallas-splash); "
         "lower train.micro_batch (or leave it auto), set train.activation_checkpointing \"on\", or set train.fsdp true"]
     assert "plan for chain" not in plan.stdout  # refused before the plan is printed
 
