@@ -29,6 +29,11 @@ class TpuGeneration:
         return self.peak_bf16_per_chip / self.devices_per_chip
 
 
+# What `--plan` compiles the train step with (scripts/setup.sh's .venv-tpu, Kaggle's TPU image pins: libtpu 0.0.17,
+# and the jax 0.7.2 that resolved at one build of it): a session whose versions differ says so, as its compiles,
+# memory and Mosaic version may not be those the plan saw.
+PLAN_TPU_VERSIONS = {"jax": "0.7.2", "jaxlib": "0.7.2", "libtpu": "0.0.17"}
+
 TPU_GENERATIONS = {g.name: g for g in (
     TpuGeneration("v2", 45e12, 2, 8, False),
     TpuGeneration("v3", 123e12, 2, 16, False),

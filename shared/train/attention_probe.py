@@ -1,14 +1,19 @@
 """Is a candidate attention kernel (flash attention on a TPU) right here, on this device and these shapes? Its
-output and gradients against SDPA's, once, before a session trusts it."""
+output and gradients against SDPA's, and its forward without gradients (an eval's), once, before a session trusts
+it; all of a session's probes within one budget (`ProbeBudget`), and a probe that outlasts it stops the session
+(`ProbeHung`: docs/tpu-throughput.md, "The kernel probes' budget")."""
 
 from __future__ import annotations
 
+import os
+import sys
+import time
 from collections.abc import Callable
 
 import torch
 
-from shared.errors import UserError, within
-from shared.train.mosaic_version import refusal_line
+from shared.errors import UserError, duration_text, within
+from shared.train.mosaic_version import refusal_line, watch_version
 
 # How far a candidate attention kernel may be from SDPA: max |candidate - reference| over max |reference|, for the
 # output and each of dq, dk, dv. The candidate runs in bf16 (8 significant bits: one rounding is up to 2^-9, 0.2%),
@@ -20,10 +25,79 @@ from shared.train.mosaic_version import refusal_line
 # more. Normalising by the largest value, not elementwise, keeps near-zero entries (whose relative error means
 # nothing) from failing a correct kernel.
 ATTENTION_PROBE_TOLERANCE = 3e-2
-PROBE_RESULTS = ("output", "dq", "dk", "dv")
-# The probe compiles and runs two small graphs (the kernel's and SDPA's, forward and backward): seconds to a couple
-# of minutes on a TPU. Ten minutes without an answer is a hang, and the session goes on with SDPA.
+# "no-grad output": the kernel's forward without gradients, which splash (shared/train/splash.py) and torch_xla's
+# flash kernel (custom_kernel.py `save_residuals`, 2.8.0 L327-328) run as a kernel of its own, against SDPA's output.
+PROBE_RESULTS = ("output", "dq", "dk", "dv", "no-grad output")
+# Importing a kernel's jax (shared/train/xla_runtime.py): ten minutes without an answer is a hang.
 PROBE_TIMEOUT_S = 600.0
+# A probe compiles and runs three small graphs' worth (the kernel's and SDPA's, forward and backward, and the
+# kernel's forward alone): seconds to a couple of minutes on a TPU. All of a session's probes (up to two kernels,
+# each again at a pinned Mosaic version, and again at auto's micro-batch) share this; a probe is started only with
+# PROBE_FLOOR_S left, as one given less would stop a session whose kernel is merely slow to compile.
+PROBE_BUDGET_S = 900.0
+PROBE_FLOOR_S = 60.0
+# What turns each kernel off, for a session that stopped on its probe.
+KERNEL_SWITCHES = {"splash": "GPT2K_SPLASH_ATTENTION=0", "flash": "GPT2K_FLASH_ATTENTION=0"}
+
+
+class ProbeHung(UserError):
+    """A kernel's probe gave no answer within what was left of the session's budget: its thread is still inside
+    the kernel's compile or run, which the session's next graph (and torch_xla's exit) would wait for."""
+
+
+class ProbeBudget:
+    """The time all of a session's kernel probes may take together, counted from its making."""
+
+    def __init__(self, seconds: float | None = None, floor_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.seconds = PROBE_BUDGET_S if seconds is None else seconds
+        self.floor_s = PROBE_FLOOR_S if floor_s is None else floor_s
+        self._clock = clock
+        self._start = clock()
+
+    def left(self) -> float:
+        return max(0.0, self.seconds - (self._clock() - self._start))
+
+    def allows_a_probe(self) -> bool:
+        left = self.left()
+        return left > 0 and left >= self.floor_s
+
+    def start_line(self, kernels: list[str], again: bool) -> str:
+        """The line a selection's probing starts with: the kernels in order, and the time they have."""
+        if again:
+            return (f"probing attention kernels again at this micro-batch: {', then '.join(kernels)}, within the "
+                    f"{duration_text(self.left())} left of {duration_text(self.seconds)}")
+        return f"probing attention kernels: {', then '.join(kernels)}, at most {duration_text(self.seconds)} in all"
+
+    def spent_line(self, name: str, instead: str) -> str:
+        return (f"notice: the attention probes' {duration_text(self.seconds)} are spent: the {name}-attention "
+                f"kernel is not probed; {instead}")
+
+
+def hung_line(name: str, err: UserError) -> str:
+    """Why a session stops on a probe that hung, in one line."""
+    return (f"stopping before training: the {name}-attention kernel's probe gave {err} (what was left of the "
+            "session's budget for its kernel probes); its compile or run may still hold the TPU, which the first "
+            f"training step and torch_xla's exit would wait for ({KERNEL_SWITCHES.get(name, 'SDPA')} skips it)")
+
+
+def end_at_exit_without_device_wait(code: int = 2) -> None:
+    """At this process's exit, end it (with `code`, a UserError's: shared/errors.py `run_cli`) before
+    torch_xla's exit hook waits for the device, which a hung probe's graph may hold for ever (torch_xla 2.8.0:
+    __init__.py L214-232 registers `_prepare_to_exit` at import, which waits for every device op:
+    init_python_bindings.cpp L235-243). Exit hooks run last registered first: this one, registered after
+    torch_xla's import, runs before it."""
+    import atexit
+
+    def exit_now() -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed stream: nothing more to say
+                pass
+        os._exit(code)
+
+    atexit.register(exit_now)
 
 
 def sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -49,15 +123,22 @@ def probe_attention_kernel(kernel: Callable, shape: tuple[int, int, int, int], d
                            tolerance: float = ATTENTION_PROBE_TOLERANCE,
                            timeout_s: float | None = None) -> str | None:
     """Run `kernel` (q, k, v) -> causal attention forward and backward on random bf16 q, k, v of `shape` (B, H, T, D)
-    on `device`, each laid out by `place` (the runtime's batch sharding), against SDPA in fp32 on the same inputs.
-    None if the output and the gradients of q, k and v all agree within `tolerance`; else one line naming what
-    differs, why the kernel failed, or that it gave no answer within `timeout_s` (default PROBE_TIMEOUT_S: a
-    compile or run that hangs would otherwise hold the session until its kill; it is left in a daemon thread)."""
-    timeout_s = PROBE_TIMEOUT_S if timeout_s is None else timeout_s
+    on `device`, each laid out by `place` (the runtime's batch sharding), and forward alone under no_grad, against
+    SDPA in fp32 on the same inputs. None if the outputs and the gradients of q, k and v all agree within
+    `tolerance`; else one line naming what differs or why the kernel failed. ProbeHung where it gave no answer
+    within `timeout_s` (default PROBE_BUDGET_S): it is left in a daemon thread, still in the kernel's compile or
+    run."""
+
+    timeout_s = PROBE_BUDGET_S if timeout_s is None else timeout_s
+
+    def probe() -> str | None:
+        watch_version()  # jax is imported by now, where the kernel needs it
+        return _probe(kernel, shape, torch.device(device), place, sync, tolerance)
+
     try:
-        return within(timeout_s, lambda: _probe(kernel, shape, torch.device(device), place, sync, tolerance))
-    except UserError as err:
-        return f"the probe gave {err}"
+        return within(timeout_s, probe)
+    except UserError as err:  # only the time limit: _probe turns the kernel's own errors into a line
+        raise ProbeHung(str(err)) from None
 
 
 def _probe(kernel: Callable, shape: tuple[int, int, int, int], device: torch.device,
@@ -68,8 +149,11 @@ def _probe(kernel: Callable, shape: tuple[int, int, int, int], device: torch.dev
         inputs = [t.to(torch.bfloat16) for t in inputs]  # both runs see exactly the same (bf16) values
         got = _attention_and_grads(kernel, inputs, torch.bfloat16, device, place)
         want = _attention_and_grads(sdpa_causal, inputs, torch.float32, device, place)
+        with torch.no_grad():  # as an eval runs it: a kernel of its own (no residuals kept)
+            plain = kernel(*(place(t.to(device, torch.bfloat16)) for t in inputs[:3]))
+        got, want = (*got, plain), (*want, want[0])
         errors = torch.stack([(g.float() - w).abs().max() / w.abs().max() for g, w in zip(got, want, strict=True)])
-        del got, want  # under XLA the graph then returns only the four errors, not the full-size tensors
+        del got, want, plain  # under XLA the graph then returns only the errors, not the full-size tensors
         sync()
         errors = errors.cpu().tolist()  # once, at the start of a session: a host read is fine here
     except Exception as err:  # a Mosaic/Pallas compile error, a jax/torch_xla mismatch, ...

@@ -8,6 +8,11 @@ a newer one: "Unsupported version: expected <= 4 but got 7". jax 0.7.1 picks 4 f
 reads at most version 4: the TPU compiler refuses the flash-attention kernel as that jax serializes it, and accepts
 it at version 4 (docs/tpu-throughput.md, "Flash attention, compiled"). A session whose flash probe fails so pins
 the version libtpu names, and probes once more.
+
+jax caches what it traced and lowered (0.7.2: jax/_src/pjit.py `_create_pjit_jaxpr` L1323-1324 and `_pjit_lower`
+L1837-1838, jax/_src/interpreters/pxla.py `_cached_lowering_to_hlo` L1919-1920), keyed on the function and its
+jaxpr, not on the version: a kernel lowered again after the pin would be served the module lowered before it. The
+pin so clears jax's caches too (`jax.clear_caches`, jax/_src/api.py L3185-3199).
 """
 
 from __future__ import annotations
@@ -46,10 +51,15 @@ def refusal_line(error: str) -> str | None:
     return found.group(0) if found else None
 
 
+# The Mosaic version of this process's kernels: the one pinned, else what jax's own `get_ir_version` gave at the
+# last lowering (None: jax's newest), as `watch_version` records it.
+_in_use: dict = {}
+
+
 def pin_version(version: int) -> bool:
     """Have jax serialize Pallas kernels at Mosaic `version` in this process (jax's own forward-compatibility
-    path: `get_ir_version` returns an older version for an older libtpu) and forget the kernels torch_xla has
-    already lowered. False where this jax has no such hook (then nothing is changed)."""
+    path: `get_ir_version` returns an older version for an older libtpu) and forget the kernels jax and torch_xla
+    have already lowered. False where this jax has no such hook (then nothing is changed)."""
     try:
         import jax._src.tpu_custom_call as tpu_custom_call
     except ImportError:
@@ -57,6 +67,10 @@ def pin_version(version: int) -> bool:
     if not callable(getattr(tpu_custom_call, "get_ir_version", None)):
         return False
     tpu_custom_call.get_ir_version = lambda ctx: version
+    _in_use["pinned"] = version
+    import jax
+
+    jax.clear_caches()  # its traces and lowerings: the kernel is lowered afresh, at `version`
     try:
         from torch_xla.experimental import custom_kernel
 
@@ -70,3 +84,32 @@ def pin_version(version: int) -> bool:
     except (ImportError, AttributeError):
         pass
     return True
+
+
+def watch_version() -> None:
+    """Record the Mosaic version jax's own `get_ir_version` picks each time a kernel is lowered (for
+    `version_in_use`); where jax is imported, once per process. Nothing where this jax has no such hook."""
+    try:
+        import jax._src.tpu_custom_call as tpu_custom_call
+    except ImportError:
+        return
+    own = getattr(tpu_custom_call, "get_ir_version", None)
+    if not callable(own) or getattr(own, "watched", False) or "pinned" in _in_use:
+        return
+
+    def watched(ctx):
+        _in_use["jax"] = version = own(ctx)
+        return version
+
+    watched.watched = True
+    tpu_custom_call.get_ir_version = watched
+
+
+def version_in_use() -> str | None:
+    """The Mosaic version this process lowers Pallas kernels at, as the session's versions line says it: "4
+    (pinned)", "7" (jax's choice for this libtpu), "jax's newest"; None where no kernel was lowered yet."""
+    if "pinned" in _in_use:
+        return f"{_in_use['pinned']} (pinned)"
+    if "jax" in _in_use:
+        return "jax's newest" if _in_use["jax"] is None else str(_in_use["jax"])
+    return None

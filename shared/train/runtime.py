@@ -228,15 +228,36 @@ class DdpRuntime(Runtime):
 
 
 def runtime_versions() -> dict[str, str | None]:
-    """Python, torch, torch_xla and jax as installed (None: absent), read without importing jax."""
+    """Python, torch, torch_xla, jax, jaxlib, libtpu and torchax as installed (None: absent), read without importing
+    jax; and the Mosaic version this process lowers Pallas kernels at ("mosaic": pinned, or jax's own choice at
+    its last lowering; None before any, shared/train/mosaic_version.py)."""
     import platform
     from importlib import metadata
 
-    def version(dist: str) -> str | None:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            return None
+    from shared.train.mosaic_version import version_in_use
+
+    def version(*dists: str) -> str | None:
+        for dist in dists:
+            try:
+                return metadata.version(dist)
+            except metadata.PackageNotFoundError:
+                pass
+        return None
 
     return {"python": platform.python_version(), "torch": torch.__version__, "torch_xla": version("torch_xla"),
-            "jax": version("jax")}
+            "jax": version("jax"), "jaxlib": version("jaxlib"), "libtpu": version("libtpu", "libtpu-nightly"),
+            "torchax": version("torchax"), "mosaic": version_in_use()}
+
+
+def plan_versions_notice(versions: dict[str, str | None]) -> str | None:
+    """One line where this session's jax, jaxlib or libtpu is not what `--plan` compiled the step with
+    (shared/tpu.py PLAN_TPU_VERSIONS); None where they agree."""
+    from shared.tpu import PLAN_TPU_VERSIONS
+
+    differ = [name for name, planned in PLAN_TPU_VERSIONS.items() if versions.get(name) != planned]
+    if not differ:
+        return None
+    here = ", ".join(f"{name} {versions.get(name) or '-'}" for name in differ)
+    planned = ", ".join(f"{name} {PLAN_TPU_VERSIONS[name]}" for name in differ)
+    return (f"notice: this session runs {here}, where --plan compiled the step with {planned}: its compiles, "
+            "memory and Mosaic version may differ from the plan's")

@@ -27,7 +27,7 @@ from shared.train.device import make_runtime
 from shared.train.metrics import BackgroundCalls, MetricsLogger, plot_loss
 from shared.train.model import GPT
 from shared.train.optim import stable_phase_end
-from shared.train.runtime import Runtime, runtime_versions
+from shared.train.runtime import Runtime, plan_versions_notice, runtime_versions
 from shared.train.session import (
     Checkpointer,
     CheckpointWriter,
@@ -77,6 +77,7 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
     compiled_at_start = runtime.compile_seconds(), runtime.compile_count()
     cfg.validate(runtime.num_devices)
     cfg = select_attention_and_micro_batch(cfg, runtime, log)
+    versions = runtime_versions()  # again: with the Mosaic version the kernel probes settled on
     loader, val_loader = make_loaders(cfg, train_shards, val_shards, resumed, log)
     model = make_model(cfg, runtime, resumed)
     start_step = resumed.step if resumed else 0
@@ -235,6 +236,8 @@ def start_logging(cfg: TrainConfig, runtime: Runtime, versions: dict, model: GPT
     log(", ".join(f"{name} {version or '-'}" for name, version in versions.items())
         + (f"; TPU {tpu.name} from {runtime.tpu_generation_source}" if tpu
            else f"; {runtime.tpu_generation_source}" if runtime.tpu_generation_source else ""))
+    if runtime.device_type == "TPU" and plan_versions_notice(versions):
+        log(plan_versions_notice(versions))
     new_stable_end = stable_phase_end(cfg)
     if cfg.extend and resumed and logger.enabled and new_stable_end and start_step < new_stable_end:
         log_projection(cfg, logger, start_step, new_stable_end)  # the longer run's end, from the evals so far

@@ -14,7 +14,14 @@ import torch
 
 from shared.errors import UserError, describe_error, within
 from shared.tpu import TPU_GENERATIONS, default_xla_env, detect_tpu_generation
-from shared.train.attention_probe import PROBE_TIMEOUT_S, probe_attention_kernel
+from shared.train.attention_probe import (
+    PROBE_TIMEOUT_S,
+    ProbeBudget,
+    ProbeHung,
+    end_at_exit_without_device_wait,
+    hung_line,
+    probe_attention_kernel,
+)
 from shared.train.mosaic_version import pin_version as pin_mosaic_version
 from shared.train.mosaic_version import readable_version as readable_mosaic_version
 from shared.train.runtime import Runtime
@@ -94,6 +101,7 @@ class XlaRuntime(Runtime):
         flash = self._flash_attention_kernel() if first in ("", "pallas-splash", "pallas-flash") else None
         splash = self._splash_attention_kernel(seq_len) if flash is not None and first in ("", "pallas-splash") \
             else None
+        self._start_probing([name for name, kernel in (("splash", splash), ("flash", flash)) if kernel], first)
         if splash is not None and self._passes_probe("splash", splash, shape, "trying the flash-attention kernel"):
             set_attention_kernel(splash, seq_len, QKV_LAYOUTS["pallas-splash"])
             self.attention = "pallas-splash"
@@ -101,22 +109,53 @@ class XlaRuntime(Runtime):
             set_attention_kernel(flash, seq_len, QKV_LAYOUTS["pallas-flash"])
             self.attention = "pallas-flash"
 
+    _probe_budget: ProbeBudget | None = None
+
+    def _start_probing(self, kernels: list[str], first: str = "") -> None:
+        """Say which kernels this selection probes, and in what time: a session's first selection starts the
+        budget all its probes share; a later one (`first` set: auto's micro-batch) goes on with what is left."""
+        if first and self._probe_budget is not None:
+            again = True
+        else:
+            self._probe_budget, again = ProbeBudget(), False
+        if kernels:
+            print(self._probe_budget.start_line(kernels, again), flush=True)
+
     def _passes_probe(self, name: str, kernel: Callable, shape: tuple[int, int, int, int], instead: str) -> bool:
-        """Whether `kernel` runs and agrees with SDPA at `shape`; else a one-line notice ending with `instead`."""
-        failure = probe_attention_kernel(kernel, shape, self.device, self.shard_batch, self.sync)
-        version = readable_mosaic_version(failure or "")
-        if version is not None and pin_mosaic_version(version):
-            # jax serialized the kernel for a newer libtpu than this one (Kaggle's image: jax 0.7.2, libtpu
-            # 0.0.17): lowered again at the version libtpu names, and probed again.
-            print(f"notice: this libtpu reads Pallas kernels up to Mosaic version {version}, older than jax "
-                  f"serializes them at; the {name}-attention kernel is lowered at version {version}", flush=True)
-            failure = probe_attention_kernel(kernel, shape, self.device, self.shard_batch, self.sync)
+        """Whether `kernel` runs and agrees with SDPA at `shape`; else a one-line notice ending with `instead`.
+        Within what is left of the session's probe budget: none left, a notice and False; a probe that outlasts
+        it stops the session (ProbeHung: its graph may hold the device, docs/tpu-throughput.md)."""
+        budget = self._probe_budget = self._probe_budget or ProbeBudget()
+        try:
+            failure = self._probe_within(budget, name, kernel, shape, instead)
+            version = readable_mosaic_version(failure or "")
+            if version is not None and pin_mosaic_version(version):
+                # jax serialized the kernel for a newer libtpu than this one (Kaggle's image: jax 0.7.2, libtpu
+                # 0.0.17): lowered again at the version libtpu names, and probed again.
+                print(f"notice: this libtpu reads Pallas kernels up to Mosaic version {version}, older than jax "
+                      f"serializes them at; the {name}-attention kernel is lowered at version {version}", flush=True)
+                failure = self._probe_within(budget, name, kernel, shape, instead)
+        except ProbeHung as err:
+            if self._hardware == "TPU":  # the exit must not wait for the device either
+                end_at_exit_without_device_wait()
+            raise ProbeHung(hung_line(name, err)) from None
+        if failure is False:  # too little of the budget left: said
+            return False
         if failure:
             batch, n_head, seq_len, head_dim = shape
             print(f"notice: the Pallas {name}-attention kernel failed its probe at this session's shapes "
                   f"({batch // self.num_devices} sequences x {n_head} heads x {seq_len} tokens x {head_dim} per "
                   f"device): {failure}; {instead}", flush=True)
         return not failure
+
+    def _probe_within(self, budget: ProbeBudget, name: str, kernel: Callable, shape: tuple[int, int, int, int],
+                      instead: str) -> str | None | bool:
+        """The probe's line (None: it passed) in what is left of `budget`; False, said, where too little is."""
+        if not budget.allows_a_probe():
+            print(budget.spent_line(name, instead), flush=True)
+            return False
+        return probe_attention_kernel(kernel, shape, self.device, self.shard_batch, self.sync,
+                                      timeout_s=budget.left())
 
     def _splash_attention_kernel(self, seq_len: int) -> Callable | None:
         """jax's splash attention (q, k, v) -> out over this mesh (shared/train/splash.py), or None where it may

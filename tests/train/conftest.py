@@ -16,6 +16,7 @@ def xla_runtime():
     from shared.train.model import set_attention_kernel
 
     runtime = make_runtime("xla")
+    runtime._probe_budget = None  # each test's probing is a session of its own
     yield runtime
     set_attention_kernel(None)
     runtime.attention = "sdpa"
