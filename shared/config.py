@@ -69,6 +69,12 @@ class ModelConfig:
         (docs/tpu-throughput.md section 1)."""
         return 6 * self.num_params() + 12 * self.n_layer * self.n_embd * self.block_size
 
+    def flops_per_token_llmc(self) -> int:
+        """The same in llm.c's convention (train_gpt2.cu `gpt2_estimate_mfu`: 6 N + 6 L C T), which counts causal
+        attention's half of the scores: the figure to hold against llm.c's and MaxText's MFU (docs/tpu-throughput.md
+        section 1)."""
+        return 6 * self.num_params() + 6 * self.n_layer * self.n_embd * self.block_size
+
     def checkpoint_bytes(self) -> int:
         """Bytes of one checkpoint (CHECKPOINT_BYTES_PER_PARAM per parameter)."""
         return CHECKPOINT_BYTES_PER_PARAM * self.num_params()

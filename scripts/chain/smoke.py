@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import statistics
 import time
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from scripts.chain.plan import MEASURED_THROUGHPUT, SHAPE_GENERATION, planned_tr
 from shared.errors import UserError
 from shared.kaggle.facts import FACTS_FILE
 from shared.kaggle.publish import PUBLISH_RECORD
+from shared.train.throughput import session_throughput
 
 SMOKE_TPU_BUDGET_S = 45 * 60  # what a first contact may cost, said before it starts
 
@@ -92,24 +92,14 @@ def _read_json(path: Path) -> dict:
 
 
 def _session_records(folder: Path) -> tuple[dict, dict, list[dict]]:
-    """(session_start, session_end, step records) of the session whose output is in `folder`: the last session in
+    """(session_start, session_end, all records) of the session whose output is in `folder`: the last session in
     its metrics.jsonl (a resumed run's file starts with the earlier sessions' records)."""
     from shared.train.metrics import last_session_records
 
     mine = last_session_records(folder / "train" / "metrics.jsonl")
     start = mine[0] if mine else {}
     end = next((r for r in mine if r.get("event") == "session_end"), {})
-    steps = [r for r in mine if r.get("tokens_per_s") and "loss" in r]
-    return start, end, steps
-
-
-def _steady(steps: list[dict]) -> tuple[float | None, float | None]:
-    """Median tokens/s and MFU over a session's log windows, the first (compilation) left out."""
-    later = steps[1:] or steps
-    if not later:
-        return None, None
-    mfus = [r["mfu"] for r in later if r.get("mfu")]
-    return statistics.median(r["tokens_per_s"] for r in later), statistics.median(mfus) if mfus else None
+    return start, end, mine
 
 
 def readiness_rows(smoke: ChainConfig, workdir: Path, failure: str = "") -> tuple[list[Row], dict]:
@@ -134,10 +124,14 @@ def readiness_rows(smoke: ChainConfig, workdir: Path, failure: str = "") -> tupl
                     s1[0].get("attention") or "not reported"))
     rows.append(_resume_row(s1[1], s2[0]))
     rows.append(_compile_row(s1[1], s2[1], local))
-    rate, mfu = _steady(s2[2] or s1[2])
-    rows.append(Row("tokens/s and MFU", bool(rate) or False,
-                    (f"{rate:,.0f} tokens/s, MFU {mfu:.1%}" if mfu else f"{rate:,.0f} tokens/s, MFU n/a (no TPU)")
-                    + (" (session 2)" if s2[2] else " (session 1)") if rate else "no step logged"))
+    # Session 2's where it measured (no first compile in it: the cache came back), else session 1's.
+    throughput, measured_in = next(((found, n) for n, records in ((2, s2[2]), (1, s1[2]))
+                                    if (found := session_throughput(records))), (None, 0))
+    rate, mfu = (throughput.tokens_per_s, throughput.mfu) if throughput else (None, None)
+    rows.append(Row("tokens/s and MFU", bool(throughput),
+                    f"{throughput.describe()}{'' if mfu else ', MFU n/a (no TPU)'} (session {measured_in}: "
+                    f"{throughput.steps} steps in {throughput.seconds:.1f} s after its first log window)"
+                    if throughput else "no step logged after the first log window"))
     rows.append(_publish_row(sessions, folders))
     gap = (s2[0].get("unix_time") or 0) - (s1[1].get("unix_time") or 0)
     rows.append(Row("session 1 end -> session 2 start", gap > 0 if s2[0] else False,
@@ -147,7 +141,8 @@ def readiness_rows(smoke: ChainConfig, workdir: Path, failure: str = "") -> tupl
         rows.append(Row("chain", False, failure))
     train, _ = planned_train(smoke)
     measured = {"accelerator": running_shape(smoke.accelerator), "preset": train.preset,
-                "seq_len": train.model.block_size, "tokens_per_s": rate, "mfu": mfu, "chain": smoke.name,
+                "seq_len": train.model.block_size, "tokens_per_s": rate, "mfu": mfu,
+                "mfu_llmc": throughput.mfu_llmc if throughput else None, "chain": smoke.name,
                 "measured_at": time.strftime("%Y-%m-%d %H:%M"), "attention": s1[0].get("attention"),
                 "tpu": s1[0].get("tpu"), "local_kaggle": local}
     return rows, measured

@@ -266,14 +266,15 @@ class TrainStage:
         """A few lines per session: steps, loss, tokens/s, sessions and quota left, where the logs are."""
         from shared.train.metrics import read_metrics
         from shared.train.projection import summary_line
+        from shared.train.throughput import run_throughput
 
         ctx, cfg = self.ctx, self.cfg
         metrics = ctx.workdir / "metrics.jsonl"
         records = read_metrics(metrics) if metrics.exists() else []
         losses = [r for r in records if r.get("loss") is not None and before < r.get("step", 0) <= after]
-        speeds = [r["tokens_per_s"] for r in losses[1:] if r.get("tokens_per_s")]
+        measured = run_throughput(records, before, after)
         loss = f"loss {losses[-1]['loss']:.4f}" if losses else "no loss logged"
-        speed = f"{sum(speeds) / len(speeds):,.0f} tokens/s" if speeds else "tokens/s n/a"
+        speed = measured.describe() if measured else "tokens/s n/a"
         left = sessions_left(cfg, after, ctx.state.data["train_sessions"]) if after < cfg.total_steps else 0
         extended = " (--extend: from where the stable phase ended)" if before < sess["step_before"] else ""
         ctx.log(f"  session {sess['n']} {status.lower()} in {secs:.0f}s: step {before}{extended} -> {after} of "

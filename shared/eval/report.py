@@ -11,6 +11,7 @@ from pathlib import Path
 
 from shared.config import HELLASWAG_VALIDATION_EXAMPLES
 from shared.train.metrics import GPT2_124M_VAL_LOSS, plot_loss, read_metrics
+from shared.train.throughput import plot_points, run_throughput, session_throughput, split_sessions
 
 # Reference numbers (build-nanogpt): HellaSwag acc_norm (10,042); the validation loss's is GPT2_124M_VAL_LOSS.
 HELLASWAG_REFERENCES = {"GPT-2 124M": 0.2945, "GPT-3 124M": 0.337, "GPT-2 350M": 0.3752}
@@ -77,22 +78,26 @@ def plot_hellaswag(records: list[dict], path: Path) -> Path:
 
 
 def plot_throughput(records: list[dict], path: Path) -> Path:
+    """Each session's tokens/s against tokens, over trailing spans of its log windows (shared/train/throughput.py
+    `plot_points`: a single window's rate is no measure under XLA), with its whole-session rate dashed."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
-    sessions: list[list[dict]] = []
-    for r in records:
-        if r.get("event") == "session_start" or not sessions:
-            sessions.append([])
-        if r.get("tokens_per_s") is not None and r.get("step", 0) > 0:
-            sessions[-1].append(r)
-    for i, points in enumerate(s for s in sessions if s):
-        ax.plot([r["tokens"] for r in points], [r["tokens_per_s"] for r in points], lw=1.2, label=f"session {i + 1}")
+    drawn = 0
+    for number, session in enumerate(split_sessions(records), start=1):
+        points, whole = plot_points(session), session_throughput(session)
+        if not points or whole is None:
+            continue
+        drawn += 1
+        line, = ax.plot([x for x, _ in points], [y for _, y in points], lw=1.2, marker="." if len(points) < 30 else "",
+                        label=f"session {number}: {whole.tokens_per_s:,.0f} tokens/s")
+        ax.hlines(whole.tokens_per_s, points[0][0], points[-1][0], colors=line.get_color(), linestyles="--", lw=0.8)
+    ax.set_ylim(bottom=0)
     _session_lines(ax, records)
     ax.set_xlabel("tokens")
     ax.set_ylabel("tokens / s")
     ax.set_title("Training throughput")
     ax.grid(alpha=0.3)
-    if any(sessions):
+    if drawn:
         ax.legend(fontsize=8)
     fig.tight_layout()
     return _save(fig, path)
@@ -173,10 +178,14 @@ def write_report(out_dir: str | os.PathLike, metrics_path: str | os.PathLike, in
     lines += ["## Training", ""]
     if train:
         last = train[-1]
-        rates = [r["tokens_per_s"] for r in train if r.get("tokens_per_s")]
-        rate = f"{sorted(rates)[len(rates) // 2]:,.0f} tokens/s" if rates else "—"
+        measured = run_throughput(records)
+        rate = (f"{measured.describe()} ({measured.steps} steps in {measured.seconds:,.1f} s, each session's first "
+                "log window left out)" if measured else "—")
+        by_session = [(n, session_throughput(s)) for n, s in enumerate(split_sessions(records), start=1)]
+        if sum(1 for _, found in by_session if found) > 1:
+            rate += "; by session: " + ", ".join(f"{n}: {found.tokens_per_s:,.0f}" for n, found in by_session if found)
         lines += [f"- sessions: {max(1, len(starts))}", f"- steps: {last['step']}, tokens: {_billions(last['tokens'])}",
-                  f"- last training loss: {_fmt(last['loss'])}", f"- median throughput: {rate}", ""]
+                  f"- last training loss: {_fmt(last['loss'])}", f"- throughput: {rate}", ""]
     else:
         lines += ["No training steps in the metrics history.", ""]
     lines += [f"![loss]({LOSS_PNG})", "", f"![HellaSwag]({HELLASWAG_PNG})", "", f"![throughput]({THROUGHPUT_PNG})", ""]

@@ -126,12 +126,14 @@ class StepLog:
     """The loop's metric lines. `queue` runs as a step closure once a logged step is launched, so its host-side
     counts include that step's compilation, graph launch and tokens; the device values (loss, grad norm, LR)
     are read by `background` (a thread under XLA) while the loop goes on tracing the next step. Each line
-    reports the window since the previous one."""
+    reports the window since the previous one: under XLA one window's own tokens/s can be far off (its read may wait
+    for the next step too); a session's tokens/s is summed over its windows (shared/train/throughput.py)."""
 
     def __init__(self, runtime: Runtime, logger: MetricsLogger, background: BackgroundCalls, step: int,
-                 tokens_per_step: int, flops_per_token: float, session_start: float):
+                 tokens_per_step: int, flops_per_token: float, session_start: float, flops_per_token_llmc: float = 0):
         self.runtime, self.logger, self.background = runtime, logger, background
         self.tokens_per_step, self.flops_per_token, self.session_start = tokens_per_step, flops_per_token, session_start
+        self.flops_per_token_llmc = flops_per_token_llmc
         self.peak = runtime.peak_flops()
         self.last_loss: float | None = None
         self._window_start = {"time": time.monotonic(), "step": step, "host_trace_s": 0.0, "sync_s": 0.0,
@@ -163,6 +165,8 @@ class StepLog:
         self.logger.write({"step": step, "loss": self.last_loss, "lr": lr_value, "grad_norm": grad_norm_value,
                            "tokens": step * self.tokens_per_step, "tokens_per_s": round(tokens_per_s, 1),
                            "mfu": tokens_per_s * self.flops_per_token / self.peak if self.peak else None,
+                           "mfu_llmc": (tokens_per_s * self.flops_per_token_llmc / self.peak
+                                        if self.peak and self.flops_per_token_llmc else None),
                            "elapsed_s": round(now - self.session_start, 3), **counts,
                            "d2h_transfers": self.runtime.transfer_counts()[1],
                            **step_timing(per_step, (host_trace_s - start["host_trace_s"]) / steps,

@@ -99,7 +99,7 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
     checkpointer = Checkpointer(cfg, ckpt_root, start_step, ckpt_timer, write, on_checkpoint)
     evaluator = Evaluator(model, runtime, cfg, val_loader, logger, background)
     step_log = StepLog(runtime, logger, background, start_step, cfg.total_batch_tokens, cfg.model.flops_per_token(),
-                       session_start)
+                       session_start, cfg.model.flops_per_token_llmc())
 
     # --- the loop ----------------------------------------------------------------------------------------------
     evaluator.baseline(start_step)

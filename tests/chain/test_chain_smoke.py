@@ -135,9 +135,12 @@ def test_the_readiness_report_marks_a_missing_secret_a_wrong_tpu_and_a_wrong_res
                           "secrets": {"KAGGLE_USERNAME": True, "KAGGLE_KEY": False}},
                    publish={"published": False, "reason": "secret missing"})
     s2 = s1 + [{"event": "session_start", "step": 10, "tpu": "v4", "unix_time": 1130.0},
-               {"step": 30, "loss": 7.0, "tokens_per_s": 450_000.0, "mfu": 0.25},
-               {"step": 40, "loss": 6.5, "tokens_per_s": 470_000.0, "mfu": 0.26},
-               {"step": 50, "loss": 6.4, "tokens_per_s": 490_000.0, "mfu": 0.27},
+               {"step": 30, "loss": 7.0, "tokens": 30_000, "elapsed_s": 50.0, "tokens_per_s": 450.0, "mfu": 0.25},
+               # Host ahead: step 40's read came early, step 50's waited for it too (each window's own rate is off)
+               {"step": 40, "loss": 6.5, "tokens": 40_000, "elapsed_s": 50.01, "tokens_per_s": 1e6, "mfu": 0.5,
+                "mfu_llmc": 0.46},
+               {"step": 50, "loss": 6.4, "tokens": 50_000, "elapsed_s": 50.1, "tokens_per_s": 111_111.1,
+                "mfu": 0.0555556, "mfu_llmc": 0.0511111},
                {"event": "session_end", "step": 50, "compile_s": 4.0, "compile_cache": {"hits": 3, "misses": 0}}]
     _write_session(tmp_path / "sessions" / "train-02", s2)
     rows, measured = readiness_rows(smoke, tmp_path)
@@ -148,17 +151,20 @@ def test_the_readiness_report_marks_a_missing_secret_a_wrong_tpu_and_a_wrong_res
     assert (by["device"].ok, by["device"].detail) == (False, "xla:TPU v4 x8 (SPMD), TPU v4 (expected v5e)")
     assert (by["resume"].ok, by["resume"].detail) == (False, "session 2 started at step 10, session 1 ended at 20")
     assert by["compile"].ok and by["compile"].detail.endswith("cache hits 3, found but not loadable 0, misses 0")
-    # the median of session 2's windows after its first: 470K and 490K -> 480K
-    assert by["tokens/s and MFU"].detail == "480,000 tokens/s, MFU 26.5% (session 2)"
+    # session 2's steps after its first window (20 of 1,000 tokens) over the 0.1 s between the reads that end them
+    # (the median of its windows would say 555,556)
+    assert by["tokens/s and MFU"].detail == ("200,000 tokens/s, MFU 10.0% (llm.c's count 9.2%) (session 2: 20 steps "
+                                             "in 0.1 s after its first log window)")
     assert (by["publish"].ok, by["publish"].detail) == (True, "from the output by the chain (secret missing)")
     assert by["session 1 end -> session 2 start"].detail.startswith("130 s")
     assert (by["eval"].ok, by["eval"].detail) == (False, "exit 1")
-    assert measured["tokens_per_s"] == 480_000 and measured["accelerator"] == "TpuV5E8"
+    assert measured["tokens_per_s"] == pytest.approx(200_000) and measured["accelerator"] == "TpuV5E8"
+    assert measured["mfu"] == pytest.approx(0.1) and measured["mfu_llmc"] == pytest.approx(0.092)
     assert report_lines(rows)[-1] == "not ready: fix the rows marked ✗ first"
     out = tmp_path / "measured.json"
     record_measurement(measured, out)
     record_measurement({**measured, "tokens_per_s": 1.0, "local_kaggle": True}, out)  # a stand-in is no TPU
-    assert [r["tokens_per_s"] for r in json.loads(out.read_text())] == [480_000]
+    assert [r["tokens_per_s"] for r in json.loads(out.read_text())] == [pytest.approx(200_000)]
 
 
 def test_a_report_with_no_failed_row_says_ready():
