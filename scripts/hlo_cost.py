@@ -238,6 +238,28 @@ def _walk(computations: dict[str, Computation], name: str, runs: int, in_loop: b
         cost.ops.append(OpCost(i.name, i.op, i.shape, runs, flops * runs, moved * runs, seconds))
 
 
+# Each generation's MXU: a systolic array of width x width multiply-accumulators. v5e: 4 MXUs a TensorCore
+# (https://cloud.google.com/tpu/docs/v5e), each 128 x 128 (https://cloud.google.com/tpu/docs/system-architecture-tpu-vm,
+# "composed of 128 x 128 multiply/accumulators"); v6e: two 256 x 256 MXUs a TensorCore
+# (https://cloud.google.com/tpu/docs/v6e).
+MXU_WIDTH = {"v5e": 128, "v6e": 256}
+
+
+def mxu_efficiency(head_dim: int, mxu_width: int) -> float:
+    """The share of an MXU an attention kernel's matmuls can fill: each of them (q.k^T and dO.v^T contract over the
+    head dim D; p.v, dS.k, dS^T.q and p^T.dO produce D columns) has D on a side of the array, so at most D of its
+    `mxu_width` rows or columns hold values. A model, not a measurement: it assumes the kernel's compiler does not
+    stream the D side instead, which would fill the array for the 4 matmuls whose output D sets."""
+    return min(1.0, head_dim / mxu_width)
+
+
+def kernel_seconds(kernel_flops: float, kernel_bytes: float, peak_flops: float, hbm_bytes_per_s: float,
+                   efficiency: float = 1.0) -> float:
+    """The Pallas kernels' share of a roofline: their FLOPs at `efficiency` of peak, or their operands' and
+    results' bytes at HBM bandwidth, whichever is longer."""
+    return max(kernel_flops / (peak_flops * efficiency), kernel_bytes / hbm_bytes_per_s)
+
+
 def top_ops(cost: StepCost, n: int = 20) -> list[OpCost]:
     """The n ops that take the most of the roofline's time."""
     return sorted(cost.ops, key=lambda o: o.roofline_s, reverse=True)[:n]

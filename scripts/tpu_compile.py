@@ -9,6 +9,7 @@ a measurement.
     python scripts/tpu_compile.py --preset gpt2-large --fsdp --tpu v6e-8
     python scripts/tpu_compile.py --preset gpt2-xl --fsdp --tpu all --trace-only DIR   # compiled on a larger machine
     python scripts/tpu_compile.py --tpu all --analyse DIR                               # then read back here
+    python scripts/tpu_compile.py --preset gpt2 --tpu-python VENV/bin/python   # and with VENV's libtpu: what differs
 
 The step is traced with torch_xla on 8 CPU devices, never run (its state is placeholders), and compiled in the
 TPU compiler's virtualenv (.venv-tpu, made by scripts/setup.sh: jax and libtpu as Kaggle's TPU image pins them).
@@ -35,6 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from scripts.tpu_compile_report import check_tpu_python, compare_lines, mxu_lines  # noqa: E402
 from shared.errors import UserError, run_cli  # noqa: E402
 from shared.train.mosaic_version import libtpu_build_date, version_for_libtpu  # noqa: E402
 from shared.train.mosaic_version import readable_version as readable_mosaic_version  # noqa: E402
@@ -90,7 +92,7 @@ def cache_key(settings: dict, tpu: str, compiler: str) -> str:
 
 
 def compile_step(settings: dict, tpu: str, log=print, cache_dir: Path = CACHE_DIR, keep: Path | None = None,
-                 attention: str = "flash", trace_only: Path | None = None) -> dict:
+                 attention: str = "flash", trace_only: Path | None = None, python: Path | None = None) -> dict:
     """The compiler's report on the step of train `settings` (TrainConfig fields) on Kaggle's `tpu` ("v5e-8"),
     cached. `attention`: "flash", the step a session runs where its flash-attention probe passes (SDPA where the
     TPU has no Pallas kernel), "splash", where its splash probe passes (it is tried first), or "sdpa", the step
@@ -98,11 +100,12 @@ def compile_step(settings: dict, tpu: str, log=print, cache_dir: Path = CACHE_DI
     (the optimized HLO text among it) copied to keep/<tpu>.
     With `trace_only`, only traced, into trace_only/<tpu> (returns {}): a larger machine compiles it
     (scripts/tpu_compile_libtpu.py) and `--analyse` reads it back.
+    `python`: the TPU compiler's interpreter (another virtualenv's jax and libtpu), else compiler_python()'s.
     Raises UserError where the TPU compiler is not installed or the step does not compile."""
     from shared.config import TrainConfig
 
     TrainConfig(**settings)  # bad settings are one line before anything is traced
-    python = compiler_python()
+    python = python or compiler_python()
     if python is None:
         raise UserError("the TPU compiler is not installed (.venv-tpu: jax and libtpu as Kaggle's image pins them); "
                         "run bash scripts/setup.sh")
@@ -186,7 +189,7 @@ def _run(cmd: list[str], env: dict, what: str) -> None:
 
 def analyse(trace_dir: Path, tpu: str) -> dict:
     """The report: the compiler's memory figures and the HLO's costs, per chip."""
-    from scripts.hlo_cost import collective_seconds, step_cost
+    from scripts.hlo_cost import MXU_WIDTH, collective_seconds, kernel_seconds, mxu_efficiency, step_cost
     from shared.config import TrainConfig
     from shared.tpu import TPU_GENERATIONS
 
@@ -227,8 +230,14 @@ def analyse(trace_dir: Path, tpu: str) -> dict:
     # bandwidth, whichever is longer.
     attention_flops = 12 * train.model.n_layer * train.model.n_embd * train.model.block_size
     kernel_flops = attention_flops * train.total_batch_tokens / compiled["devices"] if cost.kernel_calls else 0.0
-    kernel_s = max(kernel_flops / gen.peak_bf16_per_chip, cost.kernel_bytes / target["hbm_bw"])
+    kernel_s = kernel_seconds(kernel_flops, cost.kernel_bytes, gen.peak_bf16_per_chip, target["hbm_bw"])
     step_s = cost.roofline_ops_s + kernel_s + collective_s
+    # And with their matmuls filling only the head dim's share of the MXU (scripts/hlo_cost.py mxu_efficiency).
+    head_dim = train.model.n_embd // train.model.n_head
+    efficiency = mxu_efficiency(head_dim, MXU_WIDTH[target["generation"]])
+    kernel_mxu_s = kernel_seconds(kernel_flops, cost.kernel_bytes, gen.peak_bf16_per_chip, target["hbm_bw"],
+                                  efficiency)
+    step_mxu_s = step_s - kernel_s + kernel_mxu_s
     return {**head, "memory": memory, "peak_bytes": peak,
             "hbm_bytes": hbm, "fits": peak <= hbm, "free_fraction": 1 - peak / hbm,
             "flops": cost.flops, "model_flops": model_flops, "hbm_traffic": cost.hbm_bytes,
@@ -236,7 +245,10 @@ def analyse(trace_dir: Path, tpu: str) -> dict:
             "roofline_ops_s": cost.roofline_ops_s, "collective_s": collective_s, "step_s": step_s,
             "kernel_calls": cost.kernel_calls, "kernel_flops": kernel_flops, "kernel_bytes": cost.kernel_bytes,
             "kernel_s": kernel_s,
-            "mfu_ceiling": model_flops / (gen.peak_bf16_per_chip * step_s) if step_s else 0.0}
+            "mfu_ceiling": model_flops / (gen.peak_bf16_per_chip * step_s) if step_s else 0.0,
+            "head_dim": head_dim, "mxu_width": MXU_WIDTH[target["generation"]], "mxu_efficiency": efficiency,
+            "kernel_mxu_s": kernel_mxu_s, "step_mxu_s": step_mxu_s,
+            "mfu_ceiling_mxu": model_flops / (gen.peak_bf16_per_chip * step_mxu_s) if step_mxu_s else 0.0}
 
 
 def _gib(n: float) -> str:
@@ -280,7 +292,7 @@ def report_lines(r: dict) -> list[str]:
                  if r.get("kernel_calls") else "")
               + f"collectives {r['collective_s'] * 1e3:.1f} ms (at ICI bandwidth)",
               f"MFU ceiling: {r['mfu_ceiling']:.1%}"]
-    return lines
+    return lines + mxu_lines(r)
 
 
 def main() -> None:
@@ -297,6 +309,10 @@ def main() -> None:
                         "splash: where its splash probe passes (tried first); sdpa: the step both fall back to")
     parser.add_argument("--tpu", default="v5e-8", choices=(*TPUS, "all"), help="all: Kaggle's, v5e-8 and v6e-8")
     parser.add_argument("--json", action="store_true", help="print the reports as JSON")
+    parser.add_argument("--tpu-python", type=Path, metavar="PYTHON", help="compile the step a second time with "
+                        "this interpreter's jax and libtpu (another virtualenv's python with jax[tpu]) and say how "
+                        "its collectives inside the loop differ (KEEP/tpu-python/<tpu>/ with --keep; JSON: "
+                        "each report's `tpu_python`)")
     parser.add_argument("--keep", type=Path, help="compile afresh and keep each TPU's trace and optimized HLO in "
                         "KEEP/<tpu>/ (optimized.hlo.txt: read with scripts/hlo_cost.py)")
     parser.add_argument("--trace-only", type=Path, metavar="DIR", help="trace each TPU's step into DIR/<tpu>/ and "
@@ -305,6 +321,7 @@ def main() -> None:
     parser.add_argument("--analyse", type=Path, metavar="DIR", help="report on steps traced with --trace-only and "
                         "compiled elsewhere (DIR/<tpu>/ with the compiler's files beside the trace)")
     args = parser.parse_args()
+    check_tpu_python(args)
     if args.analyse:
         tpus = KAGGLE_TPUS if args.tpu == "all" else [args.tpu]
         reports = [analyse(args.analyse / tpu, tpu) for tpu in tpus if (args.analyse / tpu / "compiled.json").exists()]
@@ -336,8 +353,15 @@ def main() -> None:
         if not report:
             continue
         reports.append(report)
+        if args.tpu_python:
+            report["tpu_python"] = compile_step(
+                settings, tpu, log=lambda msg: print(msg, file=sys.stderr, flush=True), attention=args.attention,
+                keep=args.keep / "tpu-python" if args.keep else None, python=args.tpu_python)
         if not args.json:
             print("\n".join(report_lines(report)))
+            if args.tpu_python:
+                print("\n".join(["", *report_lines(report["tpu_python"]), "",
+                                 *compare_lines(report, report["tpu_python"])]))
             print(f"({time.monotonic() - started:.0f} s)\n", flush=True)
     if args.json:
         print(json.dumps(reports, indent=1))

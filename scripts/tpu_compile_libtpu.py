@@ -108,8 +108,7 @@ def compile_step(trace_dir: Path, topology: str, chips_per_host: tuple[int, int,
         debug.xla_dump_to, debug.xla_dump_hlo_as_text = str(trace_dir / "dump"), True
         started = time.monotonic()
         try:
-            executable = devices[0].client.compile(jax_mlir.module_to_bytecode(module),
-                                                   xla_client.DeviceList(tuple(devices)), options)
+            executable = _compile(devices[0].client, module, xla_client.DeviceList(tuple(devices)), options)
         except Exception as err:  # the compiler's own refusal: the step's buffers exceed the chip's HBM
             result = out_of_memory(str(err), time.monotonic() - started, devices, topology, jax.__version__)
             if result is None:
@@ -131,6 +130,17 @@ def compile_step(trace_dir: Path, topology: str, chips_per_host: tuple[int, int,
                          "peak": getattr(stats, "peak_memory_in_bytes", 0), "compiler_total": total}}
     (trace_dir / RESULT_FILE).write_text(json.dumps(result, indent=1))
     return result
+
+
+def _compile(client, module, devices, options):
+    """The client's compile of the module: its bytecode for jax 0.7's client (Kaggle's pins), the module itself for
+    newer ones (jax 0.10.2's compile-only client refuses bytes, as its own jax._src.compiler no longer passes them)."""
+    from jax._src.interpreters import mlir as jax_mlir
+
+    try:
+        return client.compile(jax_mlir.module_to_bytecode(module), devices, options)
+    except TypeError:
+        return client.compile(module, devices, options)
 
 
 _TOTAL = re.compile(r"^Total bytes used: (\d+)", re.M)

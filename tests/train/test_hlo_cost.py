@@ -212,3 +212,48 @@ def test_the_compilers_total_is_read_from_the_largest_memory_usage_report_of_its
         "Total bytes used: 15997863120 (14.90GiB)\n\nAllocations sorted by size:\n" + "allocation 1: size 1\n" * 50)
     (tmp_path / "module_0003.step.after_optimizations-buffer-assignment.txt").write_text("Total bytes used: 7\n" * 99)
     assert compiler_total_bytes(tmp_path) == 15997863120
+
+
+@pytest.mark.parametrize("head_dim, width, factor", [(64, 128, 2), (64, 256, 4), (128, 128, 1), (256, 128, 1)])
+def test_a_pallas_kernels_flops_take_longer_by_the_mxu_share_its_head_dim_leaves_empty(head_dim, width, factor):
+    from scripts.hlo_cost import kernel_seconds, mxu_efficiency
+
+    cost = step_cost(KERNEL_MODULE, peak_flops=1e12, hbm_bytes_per_s=1e9)
+    flops = 1e12  # 1 s at peak, far longer than the kernels' 4.7 MB at 1 GB/s
+    full = kernel_seconds(flops, cost.kernel_bytes, 1e12, 1e9)
+    assert full == pytest.approx(1.0)
+    assert kernel_seconds(flops, cost.kernel_bytes, 1e12, 1e9, mxu_efficiency(head_dim, width)) == \
+        pytest.approx(factor * full)
+    # Bound by their bytes, the kernels take as long at any MXU share: the bytes do not depend on it.
+    assert kernel_seconds(1e6, cost.kernel_bytes, 1e12, 1e9, mxu_efficiency(head_dim, width)) == \
+        pytest.approx(cost.kernel_bytes / 1e9)
+
+
+@pytest.mark.parametrize("tpu, factor", [("v5e-8", 4), ("v6e-8", 8)])
+def test_the_report_gives_the_ceiling_both_ways_with_the_kernels_slower_by_the_head_dims_mxu_share(tmp_path, tpu,
+                                                                                                  factor):
+    """tiny's head dim 32: a quarter of v5e's 128-wide MXU, an eighth of v6e's 256-wide one."""
+    import json
+
+    from scripts.tpu_compile import analyse, report_lines
+    from shared.config import TrainConfig
+
+    (tmp_path / "step.json").write_text(json.dumps({
+        "train": TrainConfig(preset="tiny").to_dict(), "micro_batch": 8, "grad_accum_steps": 3,
+        "attention": "pallas-splash", "activation_checkpointing": False, "scan_layers": False}))
+    memory = {"arguments": 2**20, "outputs": 2**20, "aliased": 2**20, "temps": 2**20, "code": 0, "host_temps": 0,
+              "peak": 2**22, "compiler_total": 0}
+    (tmp_path / "compiled.json").write_text(json.dumps({
+        "device_kind": "TPU v5 lite", "devices": 8, "topology": "v5e:2x4", "compile_s": 1.0, "jax": "0.7.2",
+        "libtpu": "0.0.17", "memory": memory}))
+    (tmp_path / "optimized.hlo.txt").write_text(KERNEL_MODULE)
+    r = analyse(tmp_path, tpu)
+    assert r["kernel_calls"] == 3 and r["head_dim"] == 32 and r["mxu_efficiency"] == pytest.approx(1 / factor)
+    assert r["kernel_mxu_s"] == pytest.approx(factor * r["kernel_s"])  # FLOPs-bound: the kernels' bytes are few
+    assert r["step_mxu_s"] - r["step_s"] == pytest.approx((factor - 1) * r["kernel_s"])
+    assert r["mfu_ceiling_mxu"] == pytest.approx(r["mfu_ceiling"] * r["step_s"] / r["step_mxu_s"])
+    lines = report_lines(r)
+    assert lines[-2] == f"MFU ceiling: {r['mfu_ceiling']:.1%}"
+    assert lines[-1].startswith(f"MFU ceiling with the Pallas kernels' matmuls at head dim 32's share of a "
+                                f"{128 if tpu == 'v5e-8' else 256}-wide MXU ({1 / factor:.0%}; ")
+    assert f": {r['mfu_ceiling_mxu']:.1%} (kernels" in lines[-1]
