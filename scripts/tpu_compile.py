@@ -13,11 +13,14 @@ a measurement.
 
 The step is traced with torch_xla on 8 CPU devices, never run (its state is placeholders), and compiled in the
 TPU compiler's virtualenv (.venv-tpu, made by scripts/setup.sh: jax and libtpu as Kaggle's TPU image pins them).
-Attention is the Pallas flash kernel where the TPU runs it (lowered by jax for the TPU platform here, without a
-TPU: shared/train/step_trace.py), so `micro_batch: auto` is resolved as a session whose flash probe passes resolves
-it; `--attention splash` compiles the step a session tries first (jax's splash attention: less HBM than flash's,
-so flash's is the fit `--plan` checks), `--attention sdpa` the step a failed probe falls back to. Results are
-cached by settings and versions.
+Attention is the kernel a session on that TPU tries first at the step's sequence length (`--attention auto`, the
+default; shared/train/attention.py decides for both): jax's splash attention where its blocks tile the sequence,
+else torch_xla's Pallas flash kernel where its do, else SDPA (gpt2-demo's 32 tokens), a Pallas kernel lowered by jax
+for the TPU platform here, without a TPU (shared/train/step_trace.py); `micro_batch: auto` is resolved as a session
+whose probe of that kernel passes resolves it. `--attention flash` compiles the step a session falls back to where
+its splash probe fails, `--attention sdpa` the step where every probe fails; a kernel a session would not try at
+that length is not compiled, the one it would try instead is (the report's `attention` names it). `--plan` compiles
+the first, then each fallback. Results are cached by settings and versions.
 """
 
 from __future__ import annotations
@@ -91,12 +94,29 @@ def cache_key(settings: dict, tpu: str, compiler: str) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+# --attention's steps: the kernel a session tries from (auto: the first it tries, GPT2K_* switches honoured).
+ATTENTION_STEPS = {"auto": "", "splash": "pallas-splash", "flash": "pallas-flash", "sdpa": "sdpa"}
+
+
+def traced_attention(settings: dict, generation: str, attention: str = "auto") -> str:
+    """The kernel the step of train `settings` is traced with on TPU `generation` for --attention `attention`: the
+    first a session tries at its sequence length from that step's kernel on (shared/train/attention.py), so a step
+    no session runs (flash at 32 tokens) is never traced: the one it runs instead is."""
+    from shared.config import TrainConfig
+    from shared.train.attention import attention_candidates
+
+    env = None if attention == "auto" else {}  # an explicit step: not the GPT2K_* switches of this shell
+    seq_len = TrainConfig(**settings).model.block_size
+    return attention_candidates(generation, seq_len, ATTENTION_STEPS[attention], env=env)[0]
+
+
 def compile_step(settings: dict, tpu: str, log=print, cache_dir: Path = CACHE_DIR, keep: Path | None = None,
-                 attention: str = "flash", trace_only: Path | None = None, python: Path | None = None) -> dict:
+                 attention: str = "auto", trace_only: Path | None = None, python: Path | None = None) -> dict:
     """The compiler's report on the step of train `settings` (TrainConfig fields) on Kaggle's `tpu` ("v5e-8"),
-    cached. `attention`: "flash", the step a session runs where its flash-attention probe passes (SDPA where the
-    TPU has no Pallas kernel), "splash", where its splash probe passes (it is tried first), or "sdpa", the step
-    both fall back to. With `keep`, compiled afresh and its trace
+    cached. `attention`: "auto", the step a session runs where the first kernel it tries passes its probe;
+    "splash", "flash" or "sdpa", the step where that kernel's does (flash: splash's failed; sdpa: every probe
+    failed), each the kernel a session would try in its place where the sequence length rules it out
+    (`traced_attention`). With `keep`, compiled afresh and its trace
     (the optimized HLO text among it) copied to keep/<tpu>.
     With `trace_only`, only traced, into trace_only/<tpu> (returns {}): a larger machine compiles it
     (scripts/tpu_compile_libtpu.py) and `--analyse` reads it back.
@@ -110,6 +130,7 @@ def compile_step(settings: dict, tpu: str, log=print, cache_dir: Path = CACHE_DI
         raise UserError("the TPU compiler is not installed (.venv-tpu: jax and libtpu as Kaggle's image pins them); "
                         "run bash scripts/setup.sh")
     target = TPUS[tpu]
+    attention = traced_attention(settings, target["generation"], attention)
     key = cache_key({**settings, "attention": attention}, tpu, _versions(python))
     cached = cache_dir / key / "report.json"
     if cached.exists() and keep is None and trace_only is None:
@@ -120,7 +141,7 @@ def compile_step(settings: dict, tpu: str, log=print, cache_dir: Path = CACHE_DI
         log(f"tracing the step for {tpu} (torch_xla, {chips(target)} CPU devices, nothing run) ...")
         env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(chips(target)),
                "PYTHONPATH": str(REPO), "GPT2K_FLASH_ATTENTION": "0" if attention == "sdpa" else "1",
-               "GPT2K_SPLASH_ATTENTION": "1" if attention == "splash" else "0"}
+               "GPT2K_SPLASH_ATTENTION": "1" if attention == "pallas-splash" else "0"}
         trace = [sys.executable, "-m", "shared.train.step_trace", str(work / "settings.json"), str(work / "trace"),
                  target["generation"]]
         bounds = ",".join(str(b) for b in target["chips_per_host"])
@@ -304,9 +325,10 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int)
     parser.add_argument("--fsdp", action="store_true")
     parser.add_argument("--activation-checkpointing", choices=("on", "off", "auto"))
-    parser.add_argument("--attention", default="flash", choices=("flash", "splash", "sdpa"),
-                        help="flash: the step a session runs where its flash-attention probe passes (the default); "
-                        "splash: where its splash probe passes (tried first); sdpa: the step both fall back to")
+    parser.add_argument("--attention", default="auto", choices=tuple(ATTENTION_STEPS),
+                        help="auto: the kernel a session tries first at this sequence length (the default; splash, "
+                        "else flash, else SDPA, where their blocks tile it); flash: the step where the splash probe "
+                        "fails; sdpa: where every probe fails; splash: the splash step where it tiles the length")
     parser.add_argument("--tpu", default="v5e-8", choices=(*TPUS, "all"), help="all: Kaggle's, v5e-8 and v6e-8")
     parser.add_argument("--json", action="store_true", help="print the reports as JSON")
     parser.add_argument("--tpu-python", type=Path, metavar="PYTHON", help="compile the step a second time with "

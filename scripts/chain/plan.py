@@ -49,6 +49,11 @@ WEEKLY_QUOTA_S = {"tpu": 20 * 3600.0, "gpu": 30 * 3600.0}
 # HellaSwag's validation split: examples x 4 endings, ~ tokens a row (context + ending), for the eval estimate.
 HELLASWAG_ROWS, HELLASWAG_TOKENS_PER_ROW = HELLASWAG_VALIDATION_EXAMPLES * 4, 100
 
+# The attention kernels (shared/train/attention.py) as the plan names their steps, and as scripts/tpu_compile.py
+# names them.
+STEP_NAMES = {"pallas-splash": "splash", "pallas-flash": "flash", "sdpa": "SDPA"}
+COMPILE_STEPS = {"pallas-splash": "splash", "pallas-flash": "flash", "sdpa": "sdpa"}
+
 
 @dataclasses.dataclass
 class Throughput:
@@ -98,20 +103,23 @@ def train_throughput(cfg: ChainConfig, train: TrainConfig, measured_path: Path =
 
 def planned_train(cfg: ChainConfig) -> tuple[TrainConfig, str]:
     """The train settings a session will run with, `micro_batch: auto` resolved as the session would on the
-    chain's machine (flash attention assumed where the TPU compiles it), and a note saying so ('' if not auto)."""
+    chain's machine (with the first attention kernel it tries there, shared/train/attention.py, passing its
+    probe), and a note saying so, with what a fallback kernel would take where it differs ('' if not auto)."""
     train = TrainConfig(**{**cfg.train, "max_steps": cfg.total_steps})
     if train.micro_batch != AUTO:
         return train, ""
-    from shared.tpu import TPU_GENERATIONS, micro_batch_for  # standard library only at import
+    from shared.tpu import micro_batch_for  # standard library only at import
+    from shared.train.attention import attention_candidates
 
     generation = SHAPE_GENERATION.get(running_shape(cfg.accelerator))
     devices = session_devices(cfg.accelerator, train.backend)
-    gen = TPU_GENERATIONS.get(generation or "")
-    attention = "pallas-flash" if gen and gen.pallas_flash_attention else "sdpa"
-    chosen = micro_batch_for(train, generation, attention, devices)
-    note = f"auto: {chosen} on {generation or 'no TPU'} with {attention} attention"
-    if attention != "sdpa":
-        note += f", {micro_batch_for(train, generation, 'sdpa', devices)} if it falls back to SDPA"
+    first, *fallbacks = attention_candidates(generation, train.model.block_size)
+    chosen = micro_batch_for(train, generation, first, devices)
+    note = f"auto: {chosen} on {generation or 'no TPU'} with {first} attention"
+    for attention in fallbacks:
+        fallback = micro_batch_for(train, generation, attention, devices)
+        if fallback != chosen:
+            note += f", {fallback} if it falls back to {STEP_NAMES[attention]}"
     return dataclasses.replace(train, micro_batch=chosen), note
 
 
@@ -381,13 +389,14 @@ def check_arithmetic_fit(cfg: ChainConfig, generation: str) -> None:
     """One UserError naming the fix where even one sequence per chip cannot fit by shared/tpu.py's arithmetic (the
     compiler, where installed, is the finer check)."""
     from shared.tpu import activation_checkpointing_on, smallest_step_bytes
+    from shared.train.attention import attention_candidates
 
     train, _ = planned_train(cfg)
     model = train.model
     checkpointing = activation_checkpointing_on(train.activation_checkpointing, model.n_layer, generation)
     devices = session_devices(cfg.accelerator, train.backend)
-    need = smallest_step_bytes(generation, "pallas-flash", model, model.block_size, devices, checkpointing,
-                               train.fsdp)
+    attention = attention_candidates(generation, model.block_size)[0]  # the kernel a session tries first
+    need = smallest_step_bytes(generation, attention, model, model.block_size, devices, checkpointing, train.fsdp)
     if need is not None and need[0] > need[1]:
         raise UserError(f"the train step cannot fit a {generation} chip's HBM: {need[0] / 2**30:.1f} GiB a chip at "
                         f"one sequence per micro-step ({train.preset}{', fsdp' if train.fsdp else ''}), over the "
@@ -395,14 +404,15 @@ def check_arithmetic_fit(cfg: ChainConfig, generation: str) -> None:
                         "train.fsdp true" + ("" if checkpointing else ", or train.activation_checkpointing \"on\""))
 
 
-STEP_NAMES = {"pallas-splash": "splash", "pallas-flash": "flash", "sdpa": "SDPA"}
-
-
 def compiled_fit(cfg: ChainConfig, log=print) -> tuple[dict | None, str]:
     """The chain's train step compiled for its TPU board by libtpu (scripts/tpu_compile.py; cached by settings and
-    versions), and one line on it: HBM per chip, the loop's all-reduces, the MFU ceiling. A step that does not fit
-    is one UserError naming the fix. Without a TPU board, or without the compiler, (None, why)."""
+    versions), and one line on it: the step compiled (the first kernel a session tries at this sequence length,
+    shared/train/attention.py), HBM per chip, the loop's all-reduces, the MFU ceiling, then what each fallback a
+    session takes where a probe fails needs. A step that does not fit is one UserError naming the fix; a step that
+    does not compile is a clause of the line (the primary's: HBM checked by arithmetic instead). Without a TPU board,
+    or without the compiler, (None, why)."""
     from scripts.tpu_compile import KAGGLE_TPUS, TPUS, compile_step, compiler_python
+    from shared.train.attention import attention_candidates, untiled_kernels
 
     generation = SHAPE_GENERATION.get(running_shape(cfg.accelerator))
     tpu = next((name for name in KAGGLE_TPUS if TPUS[name]["generation"] == generation), None)
@@ -414,29 +424,48 @@ def compiled_fit(cfg: ChainConfig, log=print) -> tuple[dict | None, str]:
         check_arithmetic_fit(cfg, generation)
         return None, f"the TPU compiler {why}: HBM checked by arithmetic only"
     settings = {**cfg.train, "max_steps": cfg.total_steps}
-    report = compile_step(settings, tpu, log, attention="splash")  # the step a session tries first
+    seq_len = TrainConfig(**settings).model.block_size
+    candidates = attention_candidates(generation, seq_len)
+    untiled = untiled_kernels(generation, seq_len) if candidates == ("sdpa",) else []
+    why_sdpa = f", what a session runs at T={seq_len}: the {' and '.join(untiled)} kernels' blocks do not tile it" \
+        if untiled else ""
+    try:
+        report = compile_step(settings, tpu, log, attention=COMPILE_STEPS[candidates[0]])
+    except Exception as err:  # the tool's failure, not the step's: the plan goes on with the arithmetic
+        check_arithmetic_fit(cfg, generation)
+        return None, (f"{tpu}: the {STEP_NAMES[candidates[0]]} step did not compile ({_one_line(err)}): HBM checked "
+                      "by arithmetic only")
     hbm = f"{report['peak_bytes'] / 2**30:.1f} GiB of {report['hbm_bytes'] / 2**30:.0f} GiB"
+    step = STEP_NAMES.get(report["attention"], report["attention"])
     if not report["fits"]:
         raise UserError(f"the train step does not fit {tpu}'s HBM: {hbm} per chip (the TPU compiler's figure; "
-                        f"{report['preset']}, micro-batch {report['micro_batch']}, {report['attention']}); lower "
+                        f"{report['preset']}, micro-batch {report['micro_batch']}, the {step} step); lower "
                         "train.micro_batch (or leave it auto), set train.activation_checkpointing \"on\", or set "
                         "train.fsdp true")
     in_loop = [g for g in report["collectives"] if g["where"] == "inside" and g["kind"] == "all-reduce"]
-    line = (f"{tpu} by libtpu {report['versions']['libtpu']} (the {report['attention']} step, micro-batch "
+    line = (f"{tpu} by libtpu {report['versions']['libtpu']} (the {step} step{why_sdpa}, micro-batch "
             f"{report['micro_batch']}): HBM per chip {hbm} ({report['free_fraction']:.0%} free); "
             f"all-reduce inside the loop {sum(g['count'] for g in in_loop)}, "
             f"{sum(g['bytes'] for g in in_loop) / 1e6:.1f} MB per micro-step; MFU ceiling "
             f"{report['mfu_ceiling']:.1%} (roofline estimate)")
-    # The steps a session trains with where its probes fail: flash where splash's fails, SDPA where flash's does.
-    fallbacks = [("splash", "flash")] if report["attention"] == "pallas-splash" else []
-    fallbacks += [("flash", "sdpa")] if report["attention"] != "sdpa" else []
-    for failed, attention in fallbacks:
-        fallback = compile_step(settings, tpu, log, attention=attention)
-        line += (f"; if the {failed} probe fails, {STEP_NAMES[fallback['attention']]} at micro-batch "
-                 f"{fallback['micro_batch']}: {fallback['peak_bytes'] / 2**30:.1f} GiB" + (
-                     f", MFU ceiling {fallback['mfu_ceiling']:.1%}" if fallback["fits"] else
-                     " - does not fit: such a session would stop at its first step (leave train.micro_batch auto)"))
+    # The steps a session trains with where its probes fail, in the order it tries them.
+    for failed, attention in zip(candidates, candidates[1:], strict=False):
+        line += f"; if the {STEP_NAMES[failed]} probe fails, {STEP_NAMES[attention]}"
+        try:
+            fallback = compile_step(settings, tpu, log, attention=COMPILE_STEPS[attention])
+        except Exception as err:  # one clause; the plan goes on
+            line += f": did not compile ({_one_line(err)})"
+            continue
+        line += (f" at micro-batch {fallback['micro_batch']}: {fallback['peak_bytes'] / 2**30:.1f} GiB" + (
+            f", MFU ceiling {fallback['mfu_ceiling']:.1%}" if fallback["fits"] else
+            " - does not fit: such a session would stop at its first step (leave train.micro_batch auto)"))
     return report, line
+
+
+def _one_line(err: BaseException) -> str:
+    from shared.errors import describe_error
+
+    return str(err).splitlines()[0][:300] if isinstance(err, UserError) and str(err) else describe_error(err)
 
 
 def print_plan(cfg: ChainConfig, source: str = "", log=print, with_quota: bool = True,

@@ -25,13 +25,8 @@ from collections.abc import Callable
 
 import torch
 
-BLOCK = 512  # query and key blocks: the causal mask's blocks above the diagonal are skipped whole
-
-
-def splash_fits(seq_len: int) -> bool:
-    """Whether the kernel's blocks tile a sequence of `seq_len` (else the flash kernel is tried instead)."""
-    block = min(BLOCK, seq_len)
-    return seq_len % block == 0 and block % 128 == 0
+# Query and key blocks; where they tile a sequence is `splash_fits`, beside flash's rule (shared/train/attention.py).
+from shared.train.attention import SPLASH_BLOCK as BLOCK
 
 
 def _kernel(n_head: int, seq_len: int, interpret: bool, save_residuals: bool = False):

@@ -6,11 +6,13 @@ module (before optimization, shardings on its parameters) with what the compiler
 
 Run in a process whose torch_xla has as many CPU devices as the TPU has chips (`PJRT_DEVICE=CPU
 CPU_NUM_DEVICES=8`): `python -m shared.train.step_trace SETTINGS.json OUT_DIR TPU` (scripts/tpu_compile.py does).
-Attention is what a session on that TPU runs when its probe passes: jax's splash attention (through call_jax, with
-torchax), else torch_xla's Pallas flash-attention kernel, where the generation compiles them and jax is here
-(lowered by jax for the TPU platform, which this process does not have: `lower_pallas_for_tpu`), else SDPA;
-`GPT2K_SPLASH_ATTENTION=0` traces the flash step, and `GPT2K_FLASH_ATTENTION=0` the SDPA step a failed probe falls
-back to.
+Attention is the first kernel a session on that TPU tries at the step's sequence length (shared/train/attention.py,
+which the session asks too), as it runs when its probe passes: jax's splash attention (through call_jax, with
+torchax), else torch_xla's Pallas flash-attention kernel, where the generation compiles them, their blocks tile the
+sequence and jax is here (lowered by jax for the TPU platform, which this process does not have:
+`lower_pallas_for_tpu`), else SDPA. A step no session runs is not traced: gpt2-demo's 32 tokens, which neither
+kernel tiles, trace SDPA. `GPT2K_SPLASH_ATTENTION=0` traces the step a failed splash probe falls back to, and
+`GPT2K_FLASH_ATTENTION=0` the SDPA step.
 """
 
 from __future__ import annotations
@@ -54,19 +56,27 @@ class TraceRuntime(XlaRuntime):
         self._placeholders: set[int] = set()
 
     def select_attention(self, batch: int, n_head: int, seq_len: int, head_dim: int, first: str = "") -> None:
-        """Splash, else flash attention where a session on this TPU would try it, without its probe (which runs the
-        kernel); GPT2K_SPLASH_ATTENTION=0 traces the flash step, GPT2K_FLASH_ATTENTION=0 the SDPA step."""
+        """The first kernel a session on this TPU tries at `seq_len` (from `first`'s on), without its probe (which
+        runs the kernel); a kernel whose jax or torchax does not import here gives way to the next, as in a
+        session."""
+        from shared.train.attention import attention_candidates
         from shared.train.model import set_attention_kernel
 
         set_attention_kernel(None)
         self.attention = "sdpa"
-        flash = self._flash_attention_kernel()
-        splash = self._splash_attention_kernel(seq_len) if flash is not None else None
-        kernel = splash or flash
-        if kernel is not None:
-            lower_pallas_for_tpu()
-            self.attention = "pallas-splash" if splash else "pallas-flash"
-            set_attention_kernel(kernel, seq_len, QKV_LAYOUTS[self.attention])
+        for name in attention_candidates(self.tpu_generation.name, seq_len, first):
+            if name == "sdpa":
+                return
+            kernel = self._flash_attention_kernel()
+            if kernel is None:  # no jax here: no Pallas kernel either
+                return
+            if name == "pallas-splash":
+                kernel = self._splash_attention_kernel()
+            if kernel is not None:
+                lower_pallas_for_tpu()
+                self.attention = name
+                set_attention_kernel(kernel, seq_len, QKV_LAYOUTS[name])
+                return
 
     def _record(self, tensor: torch.Tensor, spec: tuple) -> None:
         self.inputs.append({"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."),

@@ -87,6 +87,7 @@ class XlaRuntime(Runtime):
         self.tpu_generation = TPU_GENERATIONS.get(name or "")
 
     def select_attention(self, batch: int, n_head: int, seq_len: int, head_dim: int, first: str = "") -> None:
+        from shared.train.attention import attention_candidates
         from shared.train.model import set_attention_kernel
 
         set_attention_kernel(None)  # the runtime is process-wide: a previous session's choice does not carry over
@@ -94,20 +95,27 @@ class XlaRuntime(Runtime):
         # The image's jax may not be the one this torch_xla was built against (Kaggle's TPU image pairs torch_xla
         # 2.8.0 with jax 0.7.x, docs/kaggle-tpu.md), and Mosaic compiles a kernel per shape: each kernel runs
         # forward and backward at this session's own shapes, sharded as training shards them, and is kept only if
-        # it runs and agrees with SDPA, rather than dying (or training wrong) at the first step. Splash first
-        # (the lighter on HBM traffic, shared/train/splash.py), then flash, then SDPA.
-        # Flash's import (jax, bounded) comes first: where it fails or hangs, splash, which needs jax too, is not tried.
+        # it runs and agrees with SDPA, rather than dying (or training wrong) at the first step. Which kernels, in
+        # which order, is shared/train/attention.py's (the step tracer and --plan ask the same): splash first (the
+        # lighter on HBM traffic, shared/train/splash.py), then flash, then SDPA, each where its blocks tile the
+        # sequence. Flash's import (jax, bounded) comes first: where it fails or hangs, splash, which needs jax too,
+        # is not tried.
+        generation = self.tpu_generation.name if self.tpu_generation else None
+        candidates = attention_candidates(generation, seq_len, first)
         shape = (batch, n_head, seq_len, head_dim)
-        flash = self._flash_attention_kernel() if first in ("", "pallas-splash", "pallas-flash") else None
-        splash = self._splash_attention_kernel(seq_len) if flash is not None and first in ("", "pallas-splash") \
-            else None
-        self._start_probing([name for name, kernel in (("splash", splash), ("flash", flash)) if kernel], first)
-        if splash is not None and self._passes_probe("splash", splash, shape, "trying the flash-attention kernel"):
-            set_attention_kernel(splash, seq_len, QKV_LAYOUTS["pallas-splash"])
-            self.attention = "pallas-splash"
-        elif flash is not None and self._passes_probe("flash", flash, shape, "using SDPA"):
-            set_attention_kernel(flash, seq_len, QKV_LAYOUTS["pallas-flash"])
-            self.attention = "pallas-flash"
+        flash = self._flash_attention_kernel() if len(candidates) > 1 else None
+        if flash is None:
+            return
+        kernels = []  # (name, kernel or None where it does not import, what a failed probe leads to)
+        for name, then in zip(candidates, candidates[1:], strict=False):
+            instead = "trying the flash-attention kernel" if then == "pallas-flash" else "using SDPA"
+            kernels.append((name, flash if name == "pallas-flash" else self._splash_attention_kernel(instead), instead))
+        self._start_probing([name.removeprefix("pallas-") for name, kernel, _ in kernels if kernel], first)
+        for name, kernel, instead in kernels:
+            if kernel is not None and self._passes_probe(name.removeprefix("pallas-"), kernel, shape, instead):
+                set_attention_kernel(kernel, seq_len, QKV_LAYOUTS[name])
+                self.attention = name
+                return
 
     _probe_budget: ProbeBudget | None = None
 
@@ -157,20 +165,17 @@ class XlaRuntime(Runtime):
         return probe_attention_kernel(kernel, shape, self.device, self.shard_batch, self.sync,
                                       timeout_s=budget.left())
 
-    def _splash_attention_kernel(self, seq_len: int) -> Callable | None:
+    def _splash_attention_kernel(self, instead: str = "trying the flash-attention kernel") -> Callable | None:
         """jax's splash attention (q, k, v) -> out over this mesh (shared/train/splash.py), or None where it may
-        not run. Asked only where the flash kernel came (its TPU and jax conditions met); here: not turned off
-        (GPT2K_SPLASH_ATTENTION=0), blocks that tile the sequence, and torchax for `call_jax` (installed in a
-        session whose image has none; one that does not import is a notice, then flash)."""
-        from shared.train.splash import splash_attention, splash_fits
-
-        if os.environ.get("GPT2K_SPLASH_ATTENTION", "1") == "0" or not splash_fits(seq_len):
-            return None
+        not run. Asked only where shared/train/attention.py puts it (its TPU, switches and sequence length) and
+        the flash kernel's jax came: here torchax for `call_jax` (installed in a session whose image has none;
+        one that does not import is a notice ending with `instead`)."""
         from shared.kaggle.packages import provide
+        from shared.train.splash import splash_attention
 
         problem = provide("torchax", "jax's splash attention")
         if problem:
-            print(f"notice: {problem}; trying the flash-attention kernel", flush=True)
+            print(f"notice: {problem}; {instead}", flush=True)
             return None
 
         def import_kernel():
@@ -181,18 +186,15 @@ class XlaRuntime(Runtime):
         try:  # bounded like the probe, which it precedes
             within(PROBE_TIMEOUT_S, import_kernel)
         except Exception as err:  # noqa: BLE001 - a torchax or jax that does not fit this torch_xla: flash instead
-            print(f"notice: importing jax's splash attention gave {describe_error(err)}; trying the "
-                  "flash-attention kernel", flush=True)
+            print(f"notice: importing jax's splash attention gave {describe_error(err)}; {instead}", flush=True)
             return None
         return splash_attention(self.mesh)
 
     def _flash_attention_kernel(self) -> Callable | None:
-        """torch_xla's Pallas flash attention (q, k, v) -> out over this mesh, or None where it may not run."""
-        # The Pallas kernel needs jax (torch_xla[pallas]) and a generation whose Mosaic compiles it (not v2/v3);
-        # on an unknown TPU, and anywhere else, SDPA (XLA's own attention) is used.
-        gen = self.tpu_generation
-        if not gen or not gen.pallas_flash_attention or os.environ.get("GPT2K_FLASH_ATTENTION", "1") == "0":
-            return None
+        """torch_xla's Pallas flash attention (q, k, v) -> out over this mesh, or None where jax (torch_xla[pallas])
+        does not import. Asked only where shared/train/attention.py puts a Pallas kernel (a generation whose Mosaic
+        compiles it: not v2/v3, nor an unknown TPU, nor a CPU)."""
+
         def import_kernel():
             import jax  # noqa: F401
             from torch_xla.experimental.custom_kernel import flash_attention

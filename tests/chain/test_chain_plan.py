@@ -282,9 +282,10 @@ def test_micro_batch_auto_is_resolved_for_the_chains_tpu():
     cfg = load_config(REPO / "examples" / "chain-gpt2-124m.json")
     assert cfg.train["micro_batch"] == "auto"
     train, note = planned_train(cfg)
-    # docs/tpu-throughput.md's compiled v5e-8 rows: flash at 128 (11.4 GiB a chip), SDPA at 64 (9.9 GiB)
+    # docs/tpu-throughput.md's compiled v5e-8 rows: flash at 128 (11.4 GiB a chip), SDPA at 64 (9.9 GiB); splash, which
+    # a session tries first, is sized as flash is (no T x T in HBM either), so only SDPA's differs.
     assert (train.micro_batch, train.grad_accum_steps) == (128, 4)
-    assert note == "auto: 128 on v5e with pallas-flash attention, 64 if it falls back to SDPA"
+    assert note == "auto: 128 on v5e with pallas-splash attention, 64 if it falls back to SDPA"
     v6e = config_from_dict({**{k: v for k, v in json.loads((REPO / "examples" / "chain-gpt2-124m.json").read_text())
                                .items() if not k.startswith("_")}, "accelerator": "TpuV6E8"})
     assert planned_train(v6e)[0].micro_batch == 256  # 22.7 GiB a chip (libtpu)
@@ -393,28 +394,100 @@ def test_plan_compiles_the_splash_step_and_says_what_the_flash_and_sdpa_fallback
     report, line = compiled_fit(cfg)
     assert asked == [(micro_batch, "v5e-8", "splash"), (micro_batch, "v5e-8", "flash"), (micro_batch, "v5e-8", "sdpa")]
     assert report is primary
-    assert line == (f"v5e-8 by libtpu 0.0.17 (the pallas-splash step, micro-batch {flash['micro_batch']}): HBM per "
+    assert line == (f"v5e-8 by libtpu 0.0.17 (the splash step, micro-batch {flash['micro_batch']}): HBM per "
                     "chip 7.8 GiB of 16 GiB (51% free); all-reduce inside the loop 4, 234.9 MB per micro-step; MFU "
                     "ceiling 54.3% (roofline estimate); " + says)
 
 
-def test_where_splash_cannot_tile_the_sequence_plan_compiles_the_flash_step_first(monkeypatch):
+def test_with_splash_switched_off_plan_compiles_the_flash_step_first(monkeypatch):
     import scripts.tpu_compile as tpu_compile
     from scripts.chain.plan import compiled_fit
 
     asked = []
 
-    def compile_step(settings, tpu, log, attention="flash"):
-        asked.append(attention)  # the trace takes flash where splash's blocks do not tile the sequence
+    def compile_step(settings, tpu, log, attention="auto"):
+        asked.append(attention)
         return _report("sdpa", 64, 9.9) if attention == "sdpa" else _report("pallas-flash", 128, 11.4)
 
     monkeypatch.setattr(tpu_compile, "compile_step", compile_step)
     monkeypatch.setattr(tpu_compile, "compiler_python", lambda: Path("/venv-tpu/bin/python"))
+    monkeypatch.setenv("GPT2K_SPLASH_ATTENTION", "0")  # as a session with it switched off tries flash first
     raw = json.loads((REPO / "examples" / "chain-gpt2-124m.json").read_text())
     report, line = compiled_fit(config_from_dict({k: v for k, v in raw.items() if not k.startswith("_")}))
-    assert asked == ["splash", "sdpa"] and report["attention"] == "pallas-flash"
-    assert line.startswith("v5e-8 by libtpu 0.0.17 (the pallas-flash step, micro-batch 128): HBM per chip 11.4 GiB")
+    assert asked == ["flash", "sdpa"] and report["attention"] == "pallas-flash"
+    assert line.startswith("v5e-8 by libtpu 0.0.17 (the flash step, micro-batch 128): HBM per chip 11.4 GiB")
     assert line.endswith("; if the flash probe fails, SDPA at micro-batch 64: 9.9 GiB, MFU ceiling 33.0%")
+
+
+def _demo_config(**train):
+    raw = json.loads((REPO / "examples" / "chain-demo.json").read_text())
+    return config_from_dict({**{k: v for k, v in raw.items() if not k.startswith("_")},
+                             "train": {**raw["train"], **train}})
+
+
+@pytest.mark.parametrize("seq_len, asked, says", [
+    (32, ["sdpa"], "(the SDPA step, what a session runs at T=32: the splash and flash kernels' blocks do not tile it, "
+                   "micro-batch 8)"),
+    (384, ["splash", "sdpa"], "(the splash step, micro-batch 8)"),  # flash's 256-token dq blocks do not divide 384
+    (256, ["splash", "flash", "sdpa"], "(the splash step, micro-batch 8)"),
+])
+def test_plan_compiles_only_the_steps_a_session_would_run_at_its_sequence_length(monkeypatch, seq_len, asked, says):
+    import scripts.tpu_compile as tpu_compile
+    from scripts.chain.plan import compiled_fit
+
+    kernels = {"splash": "pallas-splash", "flash": "pallas-flash", "sdpa": "sdpa"}
+    compiled = []
+
+    def compile_step(settings, tpu, log, attention="auto"):
+        compiled.append(attention)
+        return {**_report(kernels[attention], 8, 0.2), "preset": "tiny"}
+
+    monkeypatch.setattr(tpu_compile, "compile_step", compile_step)
+    monkeypatch.setattr(tpu_compile, "compiler_python", lambda: Path("/venv-tpu/bin/python"))
+    report, line = compiled_fit(_demo_config(seq_len=seq_len, total_batch_tokens=8 * seq_len))
+    assert compiled == asked and report["attention"] == kernels[asked[0]]
+    assert line.startswith(f"v5e-8 by libtpu 0.0.17 {says}: HBM per chip 0.2 GiB of 16 GiB")
+    assert line.count("probe fails") == len(asked) - 1
+
+
+def test_a_fallback_that_does_not_compile_is_one_clause_of_the_line_and_the_plan_goes_on(monkeypatch, tmp_path):
+    import scripts.tpu_compile as tpu_compile
+
+    def compile_step(settings, tpu, log, attention="auto"):
+        if attention == "flash":
+            raise TypeError("sub got incompatible shapes for broadcasting: (32, 32), (32, 0).\n(the rest)")
+        return _report({"splash": "pallas-splash", "sdpa": "sdpa"}[attention], 128, 7.8)
+
+    monkeypatch.setattr(tpu_compile, "compile_step", compile_step)
+    monkeypatch.setattr(tpu_compile, "compiler_python", lambda: Path("/venv-tpu/bin/python"))
+    raw = json.loads((REPO / "examples" / "chain-gpt2-124m.json").read_text())
+    cfg = config_from_dict({k: v for k, v in raw.items() if not k.startswith("_")})
+    lines: list[str] = []
+    plan = print_plan(cfg, log=lines.append, with_quota=False, measured_path=_no_measurement(tmp_path))
+    (compiled,) = [line for line in lines if line.startswith("compiled    ")]
+    assert plan["compiled"]["attention"] == "pallas-splash"
+    assert compiled.endswith("; if the splash probe fails, flash: did not compile (TypeError: sub got incompatible "
+                             "shapes for broadcasting: (32, 32), (32, 0).); if the flash probe fails, SDPA at "
+                             "micro-batch 128: 7.8 GiB, MFU ceiling 33.0%")
+    assert lines[-1].startswith("4 kernel(s) built and checked")  # the plan went on to its end
+
+
+def test_a_primary_step_that_does_not_compile_is_one_line_and_the_arithmetic_checks_hbm(monkeypatch):
+    import scripts.tpu_compile as tpu_compile
+    from scripts.chain.plan import compiled_fit
+
+    def compile_step(settings, tpu, log, attention="auto"):
+        raise UserError("tracing the step failed: RuntimeError: no\nmore")
+
+    monkeypatch.setattr(tpu_compile, "compile_step", compile_step)
+    monkeypatch.setattr(tpu_compile, "compiler_python", lambda: Path("/venv-tpu/bin/python"))
+    assert compiled_fit(_demo_config()) == (None, "v5e-8: the SDPA step did not compile (tracing the step failed: "
+                                                  "RuntimeError: no): HBM checked by arithmetic only")
+    raw = json.loads((REPO / "examples" / "chain-gpt2-124m.json").read_text())
+    too_big = config_from_dict({**{k: v for k, v in raw.items() if not k.startswith("_")}, "publish_margin_s": 0,
+                                "train": {**raw["train"], "preset": "gpt2-large"}})
+    with pytest.raises(UserError, match="^the train step cannot fit a v5e chip's HBM: "):
+        compiled_fit(too_big)  # the arithmetic still refuses what cannot fit
 
 
 @pytest.mark.parametrize("preset, shape, fsdp, fits", [

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from shared.tpu import TPU_GENERATIONS
+from shared.train.attention import splash_fits
 from shared.train.attention_probe import probe_attention_kernel, sdpa_causal
-from shared.train.splash import splash_attention, splash_fits
+from shared.train.splash import splash_attention
 
 SHAPE = (8, 2, 256, 64)  # one sequence a device; 256 tokens: one block
 
@@ -98,7 +99,8 @@ def test_a_session_tries_splash_then_flash_then_sdpa_keeping_the_first_that_pass
     import shared.train.model as model
 
     kernels = {"right": sdpa_causal, "wrong": wrong_dv, None: None}
-    monkeypatch.setattr(xla_runtime, "_splash_attention_kernel", lambda seq_len: kernels[splash_kernel])
+    monkeypatch.setattr(xla_runtime, "tpu_generation", TPU_GENERATIONS["v5e"])
+    monkeypatch.setattr(xla_runtime, "_splash_attention_kernel", lambda instead: kernels[splash_kernel])
     monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", lambda: kernels[flash_kernel])
     try:
         xla_runtime.select_attention(*SHAPE)
@@ -199,7 +201,8 @@ def test_the_kernel_runs_only_at_the_length_its_probe_passed_and_sdpa_takes_the_
         calls.append(q.shape[-2])
         return sdpa_causal(q, k, v)
 
-    monkeypatch.setattr(xla_runtime, "_splash_attention_kernel", lambda seq_len: recording)
+    monkeypatch.setattr(xla_runtime, "tpu_generation", TPU_GENERATIONS["v5e"])
+    monkeypatch.setattr(xla_runtime, "_splash_attention_kernel", lambda instead: recording)
     monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", lambda: sdpa_causal)
     try:
         xla_runtime.select_attention(*SHAPE)
@@ -217,9 +220,10 @@ def test_the_kernel_runs_only_at_the_length_its_probe_passed_and_sdpa_takes_the_
 
 def test_a_second_selection_at_autos_micro_batch_starts_from_the_kernel_chosen_at_the_first(xla_runtime,
                                                                                           monkeypatch, capsys):
-    def not_again(seq_len):
+    def not_again(*_):
         raise AssertionError("splash failed at the first selection: not probed again")
 
+    monkeypatch.setattr(xla_runtime, "tpu_generation", TPU_GENERATIONS["v5e"])
     monkeypatch.setattr(xla_runtime, "_splash_attention_kernel", not_again)
     monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", lambda: sdpa_causal)
     xla_runtime.select_attention(*SHAPE, first="pallas-flash")
@@ -238,7 +242,7 @@ def test_a_torchax_or_jax_that_breaks_on_import_is_a_notice_and_flash_is_tried(x
 
     monkeypatch.setattr(xla_runtime, "tpu_generation", TPU_GENERATIONS["v5e"])
     monkeypatch.setattr(runtime_module, "within", broken)
-    assert xla_runtime._splash_attention_kernel(256) is None
+    assert xla_runtime._splash_attention_kernel() is None
     assert capsys.readouterr().out == (
         "notice: importing jax's splash attention gave AttributeError: module 'jax.experimental' has no attribute "
         "'shard_map'; trying the flash-attention kernel\n")

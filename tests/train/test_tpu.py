@@ -163,6 +163,16 @@ def test_scan_availability_is_what_torch_xla_can_import_and_asked_only_where_it_
 # --- the attention kernel's probe: forward and backward against SDPA, at the session's shapes -----------------
 
 PROBE_SHAPE = (8, 2, 64, 16)  # (B, H, T, D): one sequence per XLA CPU device
+FLASH_SHAPE = (8, 2, 128, 16)  # the same at a length the flash kernel's blocks tile: a session tries it there
+
+
+@pytest.fixture
+def flash_host(xla_runtime, monkeypatch):
+    """The suite's runtime as a session that tries the flash kernel (shared/train/attention.py): on a TPU that
+    compiles it (a v5e), with splash switched off (GPT2K_SPLASH_ATTENTION=0), at FLASH_SHAPE."""
+    monkeypatch.setattr(xla_runtime, "tpu_generation", TPU_GENERATIONS["v5e"])
+    monkeypatch.setenv("GPT2K_SPLASH_ATTENTION", "0")
+    return xla_runtime
 
 
 def manual_attention(q, k, v):
@@ -278,28 +288,29 @@ def test_an_import_of_jax_that_hangs_leaves_sdpa_with_one_line(xla_runtime, monk
                                        "within 0.5 s; using SDPA\n")
 
 
-def test_the_runtime_keeps_sdpa_with_a_notice_when_the_kernel_is_wrong(xla_runtime, monkeypatch, capsys):
+def test_the_runtime_keeps_sdpa_with_a_notice_when_the_kernel_is_wrong(flash_host, monkeypatch, capsys):
     import shared.train.model as model
 
+    xla_runtime = flash_host
     monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", lambda: wrong_dk_kernel(1.5))
-    xla_runtime.select_attention(*PROBE_SHAPE)
+    xla_runtime.select_attention(*FLASH_SHAPE)
     assert (xla_runtime.attention, model._attention_fn) == ("sdpa", None)
     start, out = capsys.readouterr().out.split("\n", 1)
     assert start == "probing attention kernels: flash, at most 15 minutes in all"
     assert out.count("\n") == 1 and out.startswith(
         "notice: the Pallas flash-attention kernel failed its probe at this session's shapes (1 sequences x 2 "
-        "heads x 64 tokens x 16 per device): it differs from SDPA: dk by 0.5")
+        "heads x 128 tokens x 16 per device): it differs from SDPA: dk by 0.5")
     assert out.endswith("; using SDPA\n")
     # Where the kernel agrees it is installed; a later session's probe that fails puts SDPA back.
     monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", lambda: manual_attention)
-    xla_runtime.select_attention(*PROBE_SHAPE)
+    xla_runtime.select_attention(*FLASH_SHAPE)
     assert (xla_runtime.attention, model._attention_fn) == ("pallas-flash", manual_attention)
     monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", lambda: wrong_dk_kernel(1.5))
-    xla_runtime.select_attention(*PROBE_SHAPE)
+    xla_runtime.select_attention(*FLASH_SHAPE)
     assert (xla_runtime.attention, model._attention_fn) == ("sdpa", None)
 
 
-def test_the_trainer_probes_the_kernel_at_its_own_shapes_sharded_per_device(xla_runtime, monkeypatch, tmp_path):
+def test_the_trainer_probes_the_kernel_at_its_own_shapes_sharded_per_device(flash_host, monkeypatch, tmp_path):
     import numpy as np
     import torch_xla
 
@@ -323,19 +334,19 @@ def test_the_trainer_probes_the_kernel_at_its_own_shapes_sharded_per_device(xla_
         select_attention(self, *shapes)
         raise Probed(self.attention)  # the probe is what this test is about: no training step
 
-    monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", lambda: recording_kernel)
+    monkeypatch.setattr(flash_host, "_flash_attention_kernel", lambda: recording_kernel)
     monkeypatch.setattr(XlaRuntime, "select_attention", select_then_stop)
     write_shard(tmp_path / "t_train_000000.bin", np.arange(20_000) % 1000)
-    cfg = TrainConfig(preset="tiny", data_dir=str(tmp_path), out_dir=str(tmp_path / "out"), seq_len=64,
-                      micro_batch=16, total_batch_tokens=16 * 64, eval_every=0, progress=False, wandb_project="",
+    cfg = TrainConfig(preset="tiny", data_dir=str(tmp_path), out_dir=str(tmp_path / "out"), seq_len=128,
+                      micro_batch=16, total_batch_tokens=16 * 128, eval_every=0, progress=False, wandb_project="",
                       xla_cache=False)
     with pytest.raises(Probed, match="pallas-flash"):
-        train(cfg, xla_runtime, log=lambda *a: None)
-    # The tiny preset's 4 heads of 128 / 4 = 32 over 64 tokens; 16 sequences, 2 on each of the 8 devices. Called
+        train(cfg, flash_host, log=lambda *a: None)
+    # The tiny preset's 4 heads of 128 / 4 = 32 over 128 tokens; 16 sequences, 2 on each of the 8 devices. Called
     # twice: with gradients, and without (an eval's forward).
     assert len(calls) == 2
     for shape, sharding in calls[0] + calls[1]:
-        assert shape == (16, 4, 64, 32)
+        assert shape == (16, 4, 128, 32)
         assert sharding.startswith("{devices=[8,1,1,1]")  # the batch split over the 'data' axis: 2 per device
 
 
@@ -483,7 +494,7 @@ def test_micro_batch_auto_follows_the_attention_kernel_that_passed(preset, gener
 
 
 def test_a_kernel_libtpu_refuses_for_its_mosaic_version_is_lowered_at_the_version_it_names_and_probed_again(
-        xla_runtime, monkeypatch, capsys):
+        flash_host, monkeypatch, capsys):
     # Kaggle's TPU image: jax 0.7.2 serializes Pallas kernels at Mosaic version 7 for libtpu 0.0.17, which reads
     # at most 4 (the TPU compiler's own refusal, docs/tpu-throughput.md). This kernel fails as libtpu does, deep
     # in a long error, until jax's hook says 4.
@@ -502,8 +513,9 @@ def test_a_kernel_libtpu_refuses_for_its_mosaic_version_is_lowered_at_the_versio
                                f"INTERNAL: Unsupported version: expected <= 4 but got {calls[-1]}\n(stack)")
         return sdpa_causal(q, k, v)
 
+    xla_runtime = flash_host
     monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", lambda: kaggle_flash)
-    xla_runtime.select_attention(*PROBE_SHAPE)
+    xla_runtime.select_attention(*FLASH_SHAPE)
     assert (xla_runtime.attention, model._attention_fn) == ("pallas-flash", kaggle_flash)
     assert calls[0] == 7 and set(calls[1:]) == {4}  # refused once, then probed (forward and backward) at 4
     assert capsys.readouterr().out == (
@@ -512,7 +524,7 @@ def test_a_kernel_libtpu_refuses_for_its_mosaic_version_is_lowered_at_the_versio
         "flash-attention kernel is lowered at version 4\n")
 
 
-def test_a_kernel_that_fails_at_the_pinned_version_too_leaves_sdpa_with_libtpus_words(xla_runtime, monkeypatch,
+def test_a_kernel_that_fails_at_the_pinned_version_too_leaves_sdpa_with_libtpus_words(flash_host, monkeypatch,
                                                                                       capsys):
     import jax._src.tpu_custom_call as tpu_custom_call
 
@@ -521,8 +533,9 @@ def test_a_kernel_that_fails_at_the_pinned_version_too_leaves_sdpa_with_libtpus_
     def refused(q, k, v):
         raise RuntimeError("INTERNAL: Unsupported version: expected <= 3 but got 8")
 
+    xla_runtime = flash_host
     monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", lambda: refused)
-    xla_runtime.select_attention(*PROBE_SHAPE)
+    xla_runtime.select_attention(*FLASH_SHAPE)
     assert xla_runtime.attention == "sdpa" and tpu_custom_call.get_ir_version(None) == 3
     lines = capsys.readouterr().out.splitlines()[1:]  # after the line that starts the probing
     assert len(lines) == 2 and lines[1].startswith("notice: the Pallas flash-attention kernel failed its probe")

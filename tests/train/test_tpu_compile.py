@@ -22,7 +22,8 @@ COMPILER = {"TPU_COMPILER_PYTHON": ""}  # the suite turns it off (conftest.py); 
 
 def test_tinys_step_compiles_for_v5e_8_and_v6e_8_in_line_with_the_step_and_the_same_when_compiled_elsewhere(tmp_path):
     env = {**COMPILER, "TPU_COMPILE_CACHE": str(tmp_path / "cache")}
-    args = ("--preset", "tiny", "--micro-batch", "16", "--total-batch-tokens", "8192", "--tpu", "all")
+    args = ("--preset", "tiny", "--micro-batch", "16", "--total-batch-tokens", "8192", "--attention", "flash", "--tpu",
+            "all")
     proc = run_script("scripts/tpu_compile.py", *args, "--json", env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     reports = json.loads(proc.stdout)
@@ -120,7 +121,44 @@ def test_a_micro_batch_far_too_large_does_not_fit_v5e_8_and_plan_refuses_it_in_o
     assert plan.returncode == 2, plan.stdout[-2000:]
     assert error_lines(plan.stderr) == [
         f"error: the train step does not fit v5e-8's HBM: {report['peak_bytes'] / 2**30:.1f} GiB of 16 GiB per chip "
-        "(the TPU compiler's figure; tiny, micro-batch 4096, pallas-splash); "
+        "(the TPU compiler's figure; tiny, micro-batch 4096, the splash step); "
         "lower train.micro_batch (or leave it auto), set train.activation_checkpointing \"on\", or set train.fsdp true"]
     assert "plan for chain" not in plan.stdout  # refused before the plan is printed
 
+
+
+PLAN_ENV = {**COMPILER, "TPU_COMPILE_CACHE": "", "KAGGLE_USERNAME": "", "KAGGLE_KEY": ""}
+
+
+def test_plan_of_the_demo_config_as_a_user_runs_it_compiles_the_sdpa_step_its_32_token_sessions_run(tmp_path):
+    # A fresh HOME (no compile cache), the compiler on: neither Pallas kernel tiles 32 tokens, so a session runs
+    # SDPA, and that is the one step compiled (tracing flash there failed: "sub got incompatible shapes").
+    env = {**PLAN_ENV, "HOME": str(tmp_path), "KAGGLE_CONFIG_DIR": str(tmp_path / "kaggle")}
+    proc = run_script("scripts/chain_sessions.py", "--config", "examples/chain-demo.json", "--plan", env=env,
+                      timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("compiled    ")]
+    assert re.fullmatch(r"compiled    v5e-8 by libtpu 0\.0\.17 \(the SDPA step, what a session runs at T=32: the "
+                        r"splash and flash kernels' blocks do not tile it, micro-batch 8\): HBM per chip \d+\.\d GiB "
+                        r"of 16 GiB \(\d+% free\); all-reduce inside the loop 0, 0\.0 MB per micro-step; MFU ceiling "
+                        r"\d+\.\d% \(roofline estimate\)", line), line
+    assert proc.stderr.count("tracing the step for v5e-8") == 1
+    assert (tmp_path / ".cache" / "gpt2-on-kaggle" / "tpu-compile").is_dir()  # the user's own cache
+
+
+def test_plan_of_a_128_token_config_compiles_splash_then_its_flash_and_sdpa_fallbacks(tmp_path):
+    # The shortest length both Pallas kernels tile: the three steps a session may train with, each compiled.
+    config = tmp_path / "chain.json"
+    config.write_text(json.dumps({"name": "tiny-128", "user": "alice", "total_steps": 100,
+                                  "token_datasets": ["alice/tokens"], "accelerator": "TpuV5E8",
+                                  "train": {"preset": "tiny", "seq_len": 128, "micro_batch": "auto",
+                                            "total_batch_tokens": 16384}}))
+    env = {**PLAN_ENV, "HOME": str(tmp_path), "KAGGLE_CONFIG_DIR": str(tmp_path / "kaggle")}
+    proc = run_script("scripts/chain_sessions.py", "--config", str(config), "--plan", env=env, timeout=2400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("compiled    ")]
+    assert line.startswith("compiled    v5e-8 by libtpu 0.0.17 (the splash step, micro-batch 128): HBM per chip "), line
+    fallbacks = (r"; if the splash probe fails, flash at micro-batch 128: \d+\.\d GiB, MFU ceiling \d+\.\d%; if the "
+                 r"flash probe fails, SDPA at micro-batch 128: \d+\.\d GiB, MFU ceiling \d+\.\d%$")
+    assert re.search(fallbacks, line), line
+    assert proc.stderr.count("tracing the step for v5e-8") == 3
