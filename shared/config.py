@@ -241,6 +241,10 @@ class TrainConfig:
         default="", metadata={"help": "W&B run id, the same in every session of a run (default: from run_name)"}
     )
     progress: bool = field(default=True, metadata={"help": "show a progress bar"})
+    profile_steps: int = field(default=0, metadata={
+        "help": "XLA: trace this many steps with torch_xla's profiler once the step has compiled (from the session's "
+                "third step) into out_dir/profile/, for TensorBoard's profile plugin: per-op device time to hold "
+                "against the compiler's roofline (scripts/hlo_cost.py); 0: off"})
 
     @property
     def model(self) -> ModelConfig:
@@ -272,7 +276,7 @@ class TrainConfig:
         self.model  # noqa: B018 - raises on a bad preset or sequence length
         at_least(self, 0, "seq_len", "warmup_steps", "min_lr_ratio", "weight_decay", "muon_weight_decay", "grad_clip",
                  "time_budget", "session_deadline", "checkpoint_every", "eval_every", "hellaswag_examples",
-                 "hellaswag_every", "sample_tokens", "stop_after_steps")
+                 "hellaswag_every", "sample_tokens", "stop_after_steps", "profile_steps")
         positive(self, "total_batch_tokens", "max_steps", "lr", "muon_lr", "keep_checkpoints", "log_every",
                  "eval_batches")
         if self.micro_batch != AUTO:

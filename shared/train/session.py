@@ -71,6 +71,15 @@ def restore_compile_cache(resumed, out_dir: Path) -> Path:
 
 
 def resume_point(cfg: TrainConfig, ckpt_root: Path, log=print) -> LoadedCheckpoint | None:
+    """The checkpoint this session starts from (`find_resume_point`), checked to hold this model's shape and this
+    optimizer's state (`check_resumable`); None: a fresh start."""
+    resumed = find_resume_point(cfg, ckpt_root, log)
+    if resumed:
+        check_resumable(cfg, resumed)
+    return resumed
+
+
+def find_resume_point(cfg: TrainConfig, ckpt_root: Path, log=print) -> LoadedCheckpoint | None:
     """The checkpoint this session starts from: the newest that verifies in the run's checkpoints or
     --resume-from. With --extend, the newest that the new schedule agrees with (every update it holds made with
     the same learning rates), the stable-phase checkpoints included; the run's newer checkpoints, made on the
@@ -299,3 +308,40 @@ class CheckpointWriter:
                            **({"stable": True} if root != self.ckpt_root else {}),
                            "elapsed_s": round(time.monotonic() - self.session_start, 3)})
         return path
+
+
+class StepProfiler:
+    """torch_xla's profiler over `cfg.profile_steps` steps of a session once its step graph has compiled (steps 1
+    and 2 compile), written to <out_dir>/profile/ (an .xplane.pb under plugins/profile/, which TensorBoard's profile
+    plugin reads): the device's per-op time of a real TPU step, to hold against scripts/hlo_cost.py's roofline. A
+    profiler that fails is one notice; training goes on."""
+
+    def __init__(self, cfg: TrainConfig, runtime: Runtime, start_step: int, log):
+        self.first, self.last = start_step + 2, start_step + 2 + cfg.profile_steps
+        self.active = cfg.profile_steps > 0 and runtime.name == "xla" and runtime.is_main
+        self.folder, self.log, self.tracing = Path(cfg.out_dir) / "profile", log, False
+
+    def after(self, step: int) -> None:
+        """Called once step `step` has been launched: starts the trace after the first compiled-once step, stops
+        it `profile_steps` steps later."""
+        if self.active and step == self.first:
+            self._call("start", lambda xp: xp.start_trace(str(self.folder)))
+            self.tracing = self.active
+        elif self.tracing and step >= self.last:
+            self.close()
+            self.log(f"profiled steps {self.first + 1}-{step} (torch_xla's profiler): {self.folder}")
+
+    def close(self) -> None:
+        """Stops a trace still running (the session ended inside it)."""
+        if self.tracing:
+            self.tracing = False
+            self._call("stop", lambda xp: xp.stop_trace())
+
+    def _call(self, what: str, fn: Callable) -> None:
+        try:
+            import torch_xla.debug.profiler as xp
+
+            fn(xp)
+        except Exception as err:  # a profiler that cannot start or write: no trace, and training goes on
+            self.active = self.tracing = False
+            self.log(f"notice: the profiler's {what} failed ({type(err).__name__}: {str(err)[:200]}); no trace")

@@ -34,7 +34,7 @@ from shared.train.session import (
     Evaluator,
     OnSave,
     StepLog,
-    check_resumable,
+    StepProfiler,
     log_projection,
     restore_compile_cache,
     resume_point,
@@ -64,8 +64,6 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
     if not train_shards:
         raise UserError(f"--data-dir {cfg.data_dir}: no *_train_*.bin token shards found")
     resumed = resume_point(cfg, ckpt_root, log)
-    if resumed:
-        check_resumable(cfg, resumed)
 
     # XLA starts with the compiled graphs of the previous session when the checkpoint has them.
     compile_cache = restore_compile_cache(resumed, out_dir) if cfg.xla_cache else None
@@ -82,8 +80,7 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
     model = make_model(cfg, runtime, resumed)
     start_step = resumed.step if resumed else 0
     train_step = build_step(cfg, runtime, model, start_step, resumed.optimizer if resumed else None)
-    if resumed and resumed.state.get("grad_scaler") and train_step.scaler.is_enabled():
-        train_step.scaler.load_state_dict(resumed.state["grad_scaler"])
+    restore_grad_scaler(train_step, resumed)
     ckpt_timer, clock = session_clock(cfg, resumed, model.num_params(), session_start, started, startup_parts)
     logger = start_logging(cfg, runtime, versions, model, resumed, clock, log, wandb_key)
     log(train_step.plan.describe(runtime, cfg.grad_accum_steps))
@@ -100,6 +97,7 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
     evaluator = Evaluator(model, runtime, cfg, val_loader, logger, background)
     step_log = StepLog(runtime, logger, background, start_step, cfg.total_batch_tokens, cfg.model.flops_per_token(),
                        session_start, cfg.model.flops_per_token_llmc())
+    profiler = StepProfiler(cfg, runtime, start_step, log)
 
     # --- the loop ----------------------------------------------------------------------------------------------
     evaluator.baseline(start_step)
@@ -129,6 +127,7 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
                 background.flush()  # step 1's line before the start-up record (and a too-short session's end)
                 clock.first_step_done(step, loop_start, first_step_end, runtime.compile_seconds() - compile_before,
                                       ckpt_timer.seconds, logger.write, log)
+            profiler.after(step)
             evaluator.maybe_run(step)
             checkpointer.maybe_save(step)
             # Under XLA the step just launched may still be running (the host runs a step ahead): count it too.
@@ -144,6 +143,7 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
         logger.write(session_end_record(cfg, runtime, clock, step, stop_reason, first_step_end, last_step_end,
                                         compiled_at_start))
     finally:
+        profiler.close()
         signal.signal(signal.SIGTERM, previous_handler)
         background.drain()  # a session stopped by an error leaves no device read running as the process exits
         logger.close()
@@ -194,6 +194,12 @@ def make_model(cfg: TrainConfig, runtime: Runtime, resumed: LoadedCheckpoint | N
         model.load_checkpoint_tensors(resumed.model, resumed.path)
         runtime.set_rng_state(resumed.state.get("rng", {}))
     return model
+
+
+def restore_grad_scaler(train_step, resumed: LoadedCheckpoint | None) -> None:
+    """fp16's loss scale where the checkpoint carries one (bf16 and fp32 runs have none)."""
+    if resumed and resumed.state.get("grad_scaler") and train_step.scaler.is_enabled():
+        train_step.scaler.load_state_dict(resumed.state["grad_scaler"])
 
 
 def session_clock(cfg: TrainConfig, resumed: LoadedCheckpoint | None, num_params: int, session_start: float,
