@@ -39,6 +39,7 @@ SMOKE_DEFAULTS = {
     "publish_margin_s": 0.0,
     "val_tokens": 1_048_576,  # the eval's subset
     "hellaswag_examples": 200,
+    "profile_steps": 3,  # each train session traces this many compiled steps (train.profile_steps; 0: none)
 }
 
 def one_line(text: str) -> str:

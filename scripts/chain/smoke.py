@@ -15,15 +15,23 @@ import dataclasses
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from scripts.chain.config import SMOKE_DEFAULTS, ChainConfig, config_from_dict, keeps_stable, publish_needs_s
+from scripts.chain.config import (
+    SMOKE_DEFAULTS,
+    ChainConfig,
+    config_from_dict,
+    keeps_stable,
+    one_line,
+    publish_needs_s,
+)
 from scripts.chain.limits import MACHINE_SHAPES
 from scripts.chain.plan import MEASURED_THROUGHPUT, SHAPE_GENERATION, planned_train, running_shape
 from shared.errors import UserError
 from shared.kaggle.facts import FACTS_FILE
 from shared.kaggle.publish import PUBLISH_RECORD
-from shared.train.throughput import session_throughput
+from shared.train.throughput import Throughput, session_throughput
 
 SMOKE_TPU_BUDGET_S = 45 * 60  # what a first contact may cost, said before it starts
 
@@ -33,7 +41,7 @@ def smoke_config(cfg: ChainConfig) -> ChainConfig:
     one small tokenize part, an eval on a subset; checked like any config."""
     s = {**SMOKE_DEFAULTS, **cfg.smoke}  # the keys were checked with the config
     raw = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-    train = dict(cfg.train)
+    train = {**cfg.train, "profile_steps": int(s["profile_steps"])}  # a trace to hold against the roofline
     if keeps_stable(train) and not train.get("extend"):
         train["keep_stable"] = False  # two short sessions never reach the end of a wsd run's stable phase
     # With checkpoints in /kaggle/temp (gpt2-large/xl) the session also waits for its own version to settle.
@@ -102,8 +110,11 @@ def _session_records(folder: Path) -> tuple[dict, dict, list[dict]]:
     return start, end, mine
 
 
-def readiness_rows(smoke: ChainConfig, workdir: Path, failure: str = "") -> tuple[list[Row], dict]:
-    """A row per link, from the state file and what the sessions left in their outputs; and the measurement."""
+def readiness_rows(smoke: ChainConfig, workdir: Path, failure: str = "", roofline_settings: dict | None = None,
+                   compile_step: Callable | None = None) -> tuple[list[Row], dict]:
+    """A row per link, from the state file and what the sessions left in their outputs; and the measurement.
+    `roofline_settings`: the run's train settings, whose step the TPU compiler compiled before the smoke started
+    (`compile_step`: scripts/tpu_compile.py's, cached), for the measured step time against its roofline."""
     state = _read_json(workdir / "state.json")
     sessions = state.get("train_sessions", [])
     folders = [workdir / "sessions" / f"train-{s['n']:02d}" for s in sessions]
@@ -132,6 +143,9 @@ def readiness_rows(smoke: ChainConfig, workdir: Path, failure: str = "") -> tupl
                     f"{throughput.describe()}{'' if mfu else ', MFU n/a (no TPU)'} (session {measured_in}: "
                     f"{throughput.steps} steps in {throughput.seconds:.1f} s after its first log window)"
                     if throughput else "no step logged after the first log window"))
+    rows.append(roofline_row(roofline_settings or {}, (s2 if measured_in == 2 else s1)[0], throughput, local,
+                             compile_step))
+    rows.append(_profile_row(folders))
     rows.append(_publish_row(sessions, folders))
     gap = (s2[0].get("unix_time") or 0) - (s1[1].get("unix_time") or 0)
     rows.append(Row("session 1 end -> session 2 start", gap > 0 if s2[0] else False,
@@ -146,6 +160,50 @@ def readiness_rows(smoke: ChainConfig, workdir: Path, failure: str = "") -> tupl
                 "measured_at": time.strftime("%Y-%m-%d %H:%M"), "attention": s1[0].get("attention"),
                 "tpu": s1[0].get("tpu"), "local_kaggle": local}
     return rows, measured
+
+
+def roofline_row(settings: dict, start: dict, throughput: Throughput | None, local: bool,
+                 compile_step: Callable | None = None) -> Row:
+    """The measured step time beside the TPU compiler's roofline for the same step (the kernel the session's probes
+    chose, `micro_batch` as the session resolved it), as a ratio: how far the first real session is from what the
+    compiler says the chips could do."""
+    link = "step time / roofline"
+    if local:
+        return Row(link, None, "local Kaggle: its CPUs are no TPU")
+    if throughput is None or not start.get("tpu") or not settings:
+        return Row(link, None, "no TPU step measured")
+    from scripts.chain.plan import COMPILE_STEPS, STEP_NAMES
+    from scripts.tpu_compile import KAGGLE_TPUS, TPUS
+    from scripts.tpu_compile import compile_step as compile_tool
+    from shared.config import TrainConfig
+
+    tpu = next((name for name in KAGGLE_TPUS if TPUS[name]["generation"] == start["tpu"]), None)
+    if tpu is None:
+        return Row(link, None, f"no compiler target for TPU {start['tpu']}")
+    attention = start.get("attention") or "sdpa"
+    try:
+        report = (compile_step or compile_tool)(settings, tpu, lambda _: None, attention=COMPILE_STEPS[attention])
+    except Exception as err:  # noqa: BLE001 - no compiler here, or it failed: the row says so, the report goes on
+        return Row(link, None, f"not compared: {one_line(str(err))}")
+    measured_s = TrainConfig(**settings).total_batch_tokens / throughput.tokens_per_s
+    roofline_s = report["step_s"]
+    detail = (f"measured {measured_s * 1e3:,.0f} ms a step, the compiler's roofline {roofline_s * 1e3:,.0f} ms "
+              f"({measured_s / roofline_s:.2f}x) for the {STEP_NAMES.get(attention, attention)} step at micro-batch "
+              f"{report['micro_batch']} on {tpu}")
+    if report.get("step_mxu_s"):
+        detail += f"; {measured_s / report['step_mxu_s']:.2f}x with its kernels at the head dim's MXU share"
+    if start.get("micro_batch") not in (None, report["micro_batch"]):
+        detail += f" (the session ran micro-batch {start['micro_batch']})"
+    return Row(link, True, detail)
+
+
+def _profile_row(folders: list[Path]) -> Row:
+    traces = sorted(p for folder in folders for p in (folder / "train" / "profile").rglob("*.xplane.pb"))
+    if not traces:
+        return Row("profile", None, "no trace came back (train.profile_steps 0, or the profiler failed: see the log)")
+    size = sum(p.stat().st_size for p in traces)
+    return Row("profile", True, f"{len(traces)} trace(s), {size / 1e6:.1f} MB, for TensorBoard's profile plugin: "
+                                f"{traces[-1].parent}")
 
 
 def _packages_row(facts: dict) -> Row:
@@ -275,7 +333,7 @@ def run_smoke(cfg: ChainConfig, workdir: Path, make_chain, log=print) -> list[Ro
     except UserError as err:
         failure = str(err)
         log(f"the smoke run stopped: {failure}")
-    rows, measured = readiness_rows(smoke, workdir, failure)
+    rows, measured = readiness_rows(smoke, workdir, failure, {**cfg.train, "max_steps": cfg.total_steps})
     lines = report_lines(rows)
     for line in lines:
         log(line)

@@ -234,7 +234,8 @@ class TrainStage:
         ctx = self.ctx
         dest = ctx.workdir / "sessions" / f"train-{sess['n']:02d}"
         wanted = (PUBLISH_RECORD, FACTS_FILE, "train/metrics.jsonl", "train/loss.png")
-        ctx.client.download_output(ref, dest, pattern="^(" + "|".join(map(re.escape, wanted)) + ")$",
+        # and a profile's trace (train.profile_steps: the smoke's sessions), at any depth under train/profile/
+        ctx.client.download_output(ref, dest, pattern="^(" + "|".join(map(re.escape, wanted)) + r"|train/profile/.+)$",
                                    version=sess["version"])
         for name in ("metrics.jsonl", "loss.png"):
             if (dest / "train" / name).exists():

@@ -19,11 +19,13 @@ from scripts.chain.smoke import (
     readiness_rows,
     record_measurement,
     report_lines,
+    roofline_row,
     run_smoke,
     smoke_config,
 )
 from shared.config import MODEL_PRESETS
 from shared.errors import UserError
+from shared.train.throughput import Throughput
 
 
 def test_the_smoke_chain_is_a_short_copy_of_the_config_under_its_own_names():
@@ -32,7 +34,8 @@ def test_the_smoke_chain_is_a_short_copy_of_the_config_under_its_own_names():
     assert (smoke.name, smoke.slug("checkpoints"), smoke.slug("train")) == (
         "gpt2-124m-smoke", "gpt2-124m-smoke-checkpoints", "gpt2-124m-smoke-train")
     assert (smoke.max_train_sessions, smoke.max_failed_sessions, smoke.accelerator) == (2, 1, "TpuV5E8")
-    assert smoke.train == cfg.train and smoke.total_steps == cfg.total_steps  # the same model, batch, schedule
+    # the same model, batch, schedule; each session traces 3 compiled steps (for the readiness report's profile)
+    assert smoke.train == {**cfg.train, "profile_steps": 3} and smoke.total_steps == cfg.total_steps
     assert smoke.tokenize["parts"] == 1
     assert smoke.tokenize["settings"] == {"tokens_per_part": 50_000_000, "shard_size": 10_000_000}
     assert smoke.eval["settings"]["kaggle_model"] == "" and smoke.eval["settings"]["hellaswag_examples"] == 200
@@ -167,6 +170,34 @@ def test_the_readiness_report_marks_a_missing_secret_a_wrong_tpu_and_a_wrong_res
     assert [r["tokens_per_s"] for r in json.loads(out.read_text())] == [pytest.approx(200_000)]
 
 
+def test_the_readiness_report_sets_the_measured_step_time_beside_the_compilers_roofline_for_that_step(tmp_path):
+    cfg = load_config(REPO / "examples" / "chain-gpt2-124m.json")
+    settings = {**cfg.train, "max_steps": cfg.total_steps}
+    asked = []
+
+    def compile_step(settings, tpu, log, attention):  # the compile tool's report (its fields as analyse gives them)
+        asked.append((settings["micro_batch"], tpu, attention))
+        return {"step_s": 0.4, "step_mxu_s": 0.5, "micro_batch": 128}
+
+    start = {"event": "session_start", "tpu": "v5e", "attention": "pallas-flash", "micro_batch": 128}
+    throughput = Throughput(tokens=524_288 * 20, steps=20, seconds=20 * 0.52)  # 0.52 s a step
+    row = roofline_row(settings, start, throughput, local=False, compile_step=compile_step)
+    # The step the session ran (its probes chose flash), as the chain's start compiled it (micro_batch auto)
+    assert asked == [("auto", "v5e-8", "flash")]
+    assert (row.ok, row.detail) == (True, "measured 520 ms a step, the compiler's roofline 400 ms (1.30x) for the "
+                                          "flash step at micro-batch 128 on v5e-8; 1.04x with its kernels at the "
+                                          "head dim's MXU share")
+    assert roofline_row(settings, {**start, "micro_batch": 64}, throughput, False, compile_step).detail.endswith(
+        "(the session ran micro-batch 64)")
+    assert roofline_row(settings, start, throughput, local=True).ok is None
+
+    def no_compiler(*args, **kwargs):
+        raise UserError("the TPU compiler is not installed")
+
+    assert roofline_row(settings, start, throughput, False, no_compiler).detail == (
+        "not compared: the TPU compiler is not installed")
+
+
 def test_a_report_with_no_failed_row_says_ready():
     rows = [Row("a", True, "x"), Row("device", None, "local")]
     assert report_lines(rows)[-1] == "ready: every link works" and "–" in report_lines(rows)[-3]
@@ -195,7 +226,13 @@ def test_smoke_on_the_local_kaggle_proves_every_link(tmp_path):
     assert second["step_after"] > first["step_after"]
     # the compiled graphs travelled with the checkpoint and were found; torch_xla's CPU backend cannot load them
     assert by["compile"]["ok"] is None and re.search(r"found but not loadable [1-9]", by["compile"]["detail"])
-    assert by["tokens/s and MFU"]["ok"] and by["tokens/s and MFU"]["detail"].endswith("MFU n/a (no TPU) (session 2)")
+    assert by["tokens/s and MFU"]["ok"] and re.search(r"tokens/s, MFU n/a \(no TPU\) \(session [12]: \d+ steps in "
+                                                     r"[\d.]+ s after its first log window\)$",
+                                                     by["tokens/s and MFU"]["detail"])
+    assert by["step time / roofline"] == {"link": "step time / roofline", "ok": None,
+                                          "detail": "local Kaggle: its CPUs are no TPU"}
+    # each session traced 3 compiled steps on the CPU devices, and the chain fetched the traces with its outputs
+    assert by["profile"]["ok"] and by["profile"]["detail"].startswith("2 trace(s), ")
     assert by["publish"] == {"link": "publish", "ok": True, "detail": by["publish"]["detail"]}
     assert by["publish"]["detail"].startswith("in-session")
     assert by["session 1 end -> session 2 start"]["ok"]
