@@ -98,9 +98,9 @@ class TimedSyncs:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("log_every", [1, 10])
+@pytest.mark.parametrize(("log_every", "steps"), [(1, 40), (10, 50)])
 def test_a_real_xla_session_reports_the_tokens_its_steps_trained_over_their_wall_time(demo_data, tmp_path,
-                                                                                        log_every):
+                                                                                        log_every, steps):
     # torch_xla's CPU devices, the host a step ahead as on a TPU: the session's figure against tokens over the wall
     # time the loop itself saw between step launches (each returns once the step before it has finished).
     from helpers import small_config
@@ -108,7 +108,6 @@ def test_a_real_xla_session_reports_the_tokens_its_steps_trained_over_their_wall
     from shared.train.device import make_runtime
     from shared.train.trainer import train
 
-    steps = 80
     cfg = small_config(demo_data, tmp_path, max_steps=steps, log_every=log_every)
     runtime = make_runtime("xla")
     syncs = TimedSyncs(runtime)
