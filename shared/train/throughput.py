@@ -16,8 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # The plot's points: each the rate over the trailing windows that cover at least this share of the session's
-# measured steps (and at least two windows, so that a late read and its early neighbour are summed together).
-PLOT_SPAN_SHARE = 0.1
+# measured steps, and at least PLOT_SPAN_STEPS of them where it has that many (a window's read is late or early by up
+# to a step: over 10 steps that is 10% at most), and at least two windows (a late read and its early neighbour).
+PLOT_SPAN_SHARE, PLOT_SPAN_STEPS = 0.1, 10
 
 
 @dataclass(frozen=True)
@@ -118,10 +119,11 @@ def run_throughput(records: list[dict], first_step: int = 0, last_step: int | No
 
 def plot_points(session: list[dict], span_share: float = PLOT_SPAN_SHARE) -> list[tuple[int, float]]:
     """(tokens, tokens/s) for a throughput plot of one session: at each window's end, the rate over the trailing
-    windows covering at least `span_share` of the session's measured steps and at least two windows (so no comb
-    of late reads and early ones); none before the first such span."""
+    windows covering at least `span_share` of the session's measured steps (and PLOT_SPAN_STEPS) and at least two
+    windows (so no comb of late reads and early ones); none before the first such span."""
     windows = _windows(session)
-    span = max(1, round(span_share * sum(w.steps for w in windows)))
+    measured = sum(w.steps for w in windows)
+    span = max(1, min(measured, max(PLOT_SPAN_STEPS, round(span_share * measured))))
     points = []
     for i in range(len(windows)):
         j, steps = i, windows[i].steps
