@@ -42,6 +42,10 @@ def test_the_local_demo_beside_a_busy_core_trains_ten_steps_or_more_in_every_ses
         slowest = max(s["step_s"] for s in before)  # room for 10 steps at the slowest step time, and the end
         assert int(training) >= max(30, 1.5 * 12 * slowest), (training, training_why)
 
+    # Each session's tokens/s as the chain printed it is the eval report's for that session: one definition, over
+    # the session's finished steps (shared/train/throughput.py), not a mean or median of its log windows.
+    assert chain_rates(out) == report_rates((tmp_path / "chain" / "eval" / "report.md").read_text())
+
     for n in (1, 2, 3):
         (log,) = (tmp_path / "chain" / "sessions" / f"train-{n:02d}").glob("*.log")
         text = "".join(e["data"] for e in json.loads(log.read_text()))
@@ -50,3 +54,18 @@ def test_the_local_demo_beside_a_busy_core_trains_ten_steps_or_more_in_every_ses
         assert re.search(r"start-up [\d.]+ s to the end of the first step: ", text)
         # torch_xla 2.8 without jax asked for it at every sharding call (144 lines a session): now one notice.
         assert "requires jax/pallas" not in text and text.count("torch_xla asks for jax") == 1
+
+
+NUMBER = r"(\d{1,3}(?:,\d{3})*)"
+
+
+def chain_rates(out: str) -> list[int]:
+    """The tokens/s of each train session's line the chain printed."""
+    return [int(n.replace(",", "")) for n in re.findall(rf"^  session \d+ complete in .*?, {NUMBER} tokens/s", out,
+                                                         re.M)]
+
+
+def report_rates(report: str) -> list[int]:
+    """The tokens/s by session in the eval report's throughput line."""
+    by_session = re.search(r"^- throughput: .*; by session: (.*)$", report, re.M).group(1)
+    return [int(n.replace(",", "")) for n in re.findall(rf"\d+: {NUMBER}", by_session)]
