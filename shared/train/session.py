@@ -145,6 +145,7 @@ class StepLog:
         self.flops_per_token_llmc = flops_per_token_llmc
         self.peak = runtime.peak_flops()
         self.last_loss: float | None = None
+        self._first_line = True
         self._window_start = {"time": time.monotonic(), "step": step, "host_trace_s": 0.0, "sync_s": 0.0,
                               **runtime.device_timers()}
 
@@ -156,6 +157,10 @@ class StepLog:
         h2d, _ = self.runtime.transfer_counts()
         counts = {"compiles": self.runtime.compile_count(), "graphs": self.runtime.execution_count(),
                   "h2d_transfers": h2d}
+        if self._first_line:  # written here, the loop waiting once: its read is where the session's throughput
+            self._first_line = False  # is measured from (shared/train/throughput.py), so it must not be late
+            self._write(step, loss, grad_norm, lr, host_trace_s, sync_s, counts)
+            return
         self.background.submit(self._write, step, loss, grad_norm, lr, host_trace_s, sync_s, counts)
 
     def _write(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: torch.Tensor, host_trace_s: float,

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 # measured steps, and at least PLOT_SPAN_STEPS of them where it has that many (a window's read is late or early by up
 # to a step: over 10 steps that is 10% at most), and at least two windows (a late read and its early neighbour).
 PLOT_SPAN_SHARE, PLOT_SPAN_STEPS = 0.1, 10
+# Records written between two step lines that take no time of their own (the start-up record follows step 1's line).
+QUIET_RECORDS = ("session_start", "startup")
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,7 @@ def _windows(session: list[dict]) -> list[_Window]:
     windows, previous, interrupted = [], None, False
     for record in session:
         if not is_step_line(record):
-            interrupted = interrupted or (previous is not None and record.get("event") != "session_start")
+            interrupted = interrupted or (previous is not None and record.get("event") not in QUIET_RECORDS)
             continue
         if "elapsed_s" not in record:  # an older line: no read time to measure with
             return []
