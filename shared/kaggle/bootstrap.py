@@ -6,8 +6,8 @@ comes before any work. What the train kernel publishes after training comes back
 The trainer (and the eval kernel) read a checkpoints root (`step_NNNNNN/` directories), so `stage_checkpoint` links
 the attached dataset's flat files back into such a root under the session's temp folder (the stable-phase
 checkpoint's `stable__<file>` into `stable/step_NNNNNN/`, where --extend looks). Where the mount holds an
-older checkpoint than the chain saw (a mount of an older version), the version the chain names is fetched with
-kagglehub first, and a session that cannot get it stops before training.
+older checkpoint than the chain saw (a mount of an older version; with --extend, any other step), the version the
+chain names is fetched with kagglehub first, and a session that cannot get it stops before training.
 
 Only the standard library is imported at module level.
 """
@@ -165,7 +165,10 @@ def _stage_resume(ckpt: dict, settings: dict, paths, log) -> int | None:
     input_step = checkpoint_step(folder) if folder else None
     expect = int(ckpt.get("expect_step") or 0)  # the step the chain saw in the dataset before pushing
     # Starting from less than the chain saw would train again, then publish an older checkpoint over a newer one.
-    if expect and (input_step or 0) < expect:
+    # With --extend an older version can hold a higher step (the run's end, before the extension trained on from its
+    # stable phase): the trainer would pass it over and train the extension's steps again, so any other step is stale.
+    stale = (input_step or 0) != expect if settings.get("extend") else (input_step or 0) < expect
+    if expect and stale:
         folder, input_step = _fetch_expected(ckpt, folder, input_step, paths, log, settings.get("session_deadline"))
     root = stage_checkpoint(folder, paths.temp / "gpt2k-resume") if folder else None
     if root is not None:
@@ -186,9 +189,10 @@ def _attached(dataset: str, paths, log) -> Path | None:
 def _fetch_expected(ckpt: dict, folder: Path | None, input_step: int | None, paths, log,
                     session_deadline: float | None = None) -> tuple[Path, int]:
     """The chain's version of the checkpoint dataset (`expect_version`, holding `expect_step`), fetched where the
-    mount shows an older one; anything less is one line, never training from an older step. The fetch may take
-    what is left of the session's deadline (counted from the process's start, as the trainer counts it), at most
-    FETCH_TIMEOUT_S: a fetch still running there could not leave time to train and publish before the kill."""
+    mount shows an older one (--extend: another one); anything else is one line, never training from an older
+    step. The fetch may take what is left of the session's deadline (counted from the process's start, as the
+    trainer counts it), at most FETCH_TIMEOUT_S: a fetch still running there could not leave time to train and
+    publish before the kill."""
     dataset, expect, version = ckpt["dataset"], int(ckpt["expect_step"]), int(ckpt.get("expect_version") or 0)
     seen = f"sees step {input_step}" if input_step else "finds no checkpoint"
     stale = f"checkpoint dataset {dataset} holds step {expect}, but this session {seen} in {folder or 'its inputs'}"
@@ -200,7 +204,8 @@ def _fetch_expected(ckpt: dict, folder: Path | None, input_step: int | None, pat
                         "before the fetch; not starting over")
     cap = min(FETCH_TIMEOUT_S, left)
     until = " (what is left of the session's deadline)" if cap < FETCH_TIMEOUT_S else ""
-    log(f"notice: {stale} (an older version); fetching version {version} with kagglehub, for at most "
+    which = "an older version" if (input_step or 0) < expect else "another version: --extend trains on below it"
+    log(f"notice: {stale} ({which}); fetching version {version} with kagglehub, for at most "
         f"{duration_text(cap)}{until}")
     try:
         fetched = fetch_dataset_version(dataset, version, paths.temp / f"gpt2k-fetch-v{version}", timeout_s=cap)
@@ -208,7 +213,7 @@ def _fetch_expected(ckpt: dict, folder: Path | None, input_step: int | None, pat
         raise UserError(f"{stale}, and version {version} could not be fetched ({err}{until}); not starting over"
                         ) from None
     step = checkpoint_step(fetched)
-    if (step or 0) < expect:
+    if step != expect:  # the chain's version holds exactly the step it saw there
         got = f"step {step}" if step else "no checkpoint"
         raise UserError(f"{stale}, and version {version} fetched with kagglehub holds {got}; not starting over")
     log(f"fetched version {version} of {dataset} (step {step}) into {fetched}")
