@@ -1,4 +1,4 @@
-"""File helpers: hashing, fsync, write-to-temp-then-rename for crash-safe outputs, and hard links."""
+"""File helpers: hashing, fsync, write-to-temp-then-rename for crash-safe outputs, and links."""
 
 from __future__ import annotations
 
@@ -51,3 +51,14 @@ def link_or_copy(src: str | os.PathLike, dst: str | os.PathLike) -> None:
         os.link(Path(src).resolve(), dst)
     except OSError:
         shutil.copy2(src, dst)
+
+
+def link_or_symlink(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """`dst` as a hard link to `src`, or a symlink to it where no hard link can be made (another file system, such
+    as a read-only /kaggle/input): never a copy, for files that stay as they are while `dst` is read (a gpt2-xl
+    checkpoint is 18.7 GB)."""
+    source = Path(src).resolve()
+    try:
+        os.link(source, dst)
+    except OSError:
+        os.symlink(source, dst)

@@ -30,7 +30,7 @@ from pathlib import Path
 from shared.checkpoint_names import CHECKPOINT_PREFIX, STABLE_DIR
 from shared.checkpoint_names import MANIFEST_FILE as MANIFEST
 from shared.errors import UserError, describe_error, within
-from shared.fsutil import link_or_copy
+from shared.fsutil import link_or_copy, link_or_symlink
 from shared.kaggle.credential import (
     ATTACHED_KEY,
     candidates,
@@ -236,14 +236,15 @@ def dataset_exists(api, dataset: str) -> bool:
 
 
 def write_dataset_folder(folder: Path, dataset: str, title: str, files: list) -> Path:
-    """A fresh upload folder: `files` (paths, or (path, name) pairs; linked, not copied, where possible) and
-    dataset-metadata.json."""
+    """A fresh upload folder: `files` (paths, or (path, name) pairs; linked, never copied: the kaggle client
+    follows a symlink, kaggle_api_extended.py `upload_files`, os.path.isfile/getsize/open) and
+    dataset-metadata.json. The files must stay as they are until the upload is done."""
     if folder.exists():
         shutil.rmtree(folder)
     folder.mkdir(parents=True)
     for item in files:
         f, name = item if isinstance(item, tuple) else (item, Path(item).name)
-        link_or_copy(Path(f), folder / name)
+        link_or_symlink(Path(f), folder / name)
     slug = dataset.split("/", 1)[1]
     title = (title or slug.replace("-", " "))[:50]
     if len(title) < 6:
@@ -344,7 +345,9 @@ class MidwayPublish:
     older version; the final publish waits for it (`after_training(midway=...)`). Where Kaggle starts a session's
     clock is not verified, and a kill discards /kaggle/working: a session killed before its final publish then
     leaves this checkpoint, not the one it resumed from. The checkpoint is linked into a folder of its own first,
-    so the trainer's rotation may delete it while the upload runs. A publish that fails is one notice, no more."""
+    so the trainer's rotation may delete it while the upload runs; the stable phase's, which nothing rewrites (from
+    the read-only /kaggle/input where it was resumed from), is linked or symlinked, never copied on the training
+    thread (18.7 GB for gpt2-xl). A publish that fails is one notice, no more."""
 
     def __init__(self, plan: PublishPlan, started: float, work_dir: Path, log=print):
         self.plan = replace(plan, delete_old_versions=False, verify_s=0.0)  # never deletes; the final one verifies
@@ -373,16 +376,19 @@ class MidwayPublish:
         self.thread.start()
 
     def _stage(self, ckpt: Path) -> tuple[Path, Path | None]:
-        """Links (copies across filesystems) of the checkpoint, and of the stable phase's beside it, in work_dir,
-        their subfolders (the XLA compile cache) kept."""
+        """The checkpoint's files linked into work_dir (copied only where it lies on another file system: the
+        rotation may delete it), and the stable phase's linked or symlinked; subfolders (the XLA compile cache)
+        kept."""
         shutil.rmtree(self.work_dir, ignore_errors=True)
         stable = stable_checkpoint(ckpt.parent, self.plan.resume_root)
-        copies = {"checkpoint": ckpt, **({"stable": stable} if stable is not None else {})}
-        for into, source in copies.items():
+        sources = [("checkpoint", ckpt, link_or_copy)]
+        if stable is not None:
+            sources.append(("stable", stable, link_or_symlink))
+        for into, source, place in sources:
             for f, name in checkpoint_files(source):
                 dest = self.work_dir / into / decode_name(name)
                 dest.parent.mkdir(parents=True, exist_ok=True)
-                link_or_copy(f, dest)
+                place(f, dest)
         return self.work_dir / "checkpoint", (self.work_dir / "stable" if stable is not None else None)
 
     def _run(self, step: int, snapshot: Path, stable: Path | None) -> None:

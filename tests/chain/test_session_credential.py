@@ -11,6 +11,7 @@ import pytest
 from kaggle_fixtures import KEY, USER, save_without_running, wait_for, write_dataset, write_kernel
 
 from shared.kaggle.credential import ATTACHED_KEY, NOTEBOOK_TOKEN
+from shared.kaggle.publish import MANIFEST as MANIFEST_NAME
 
 REF, DATASET = f"{USER}/cred-train", f"{USER}/cred-checkpoints"
 
@@ -299,6 +300,65 @@ def test_a_long_session_publishes_a_checkpoint_midway_that_survives_the_rotation
     assert (folder / "2" / "xla_cache__graph").read_bytes() == b"graph-at-step-20"
     assert json.loads((folder / "2" / "checkpoint.json").read_text())["step"] == 20
     assert (folder / "3" / "model.safetensors").read_bytes() == b"weights-at-step-40"
+
+
+def test_the_midway_publish_never_copies_the_stable_checkpoint_it_carries_from_a_read_only_mount(tmp_path,
+                                                                                                 monkeypatch):
+    """A session resumed from the dataset carries its stable phase's checkpoint on, staged as symlinks into
+    /kaggle/input (read-only, another file system: no hard link can be made there). The midway publish links the
+    checkpoint it publishes (the rotation may delete it) and symlinks the stable one: no byte of it is copied,
+    neither on the training thread nor for the upload (gpt2-xl's is 18.7 GB)."""
+    import shutil
+    import time
+
+    from shared.kaggle import bootstrap, publish
+
+    mount = tmp_path / "input" / "run-checkpoints"  # the dataset as Kaggle mounts it: flat names
+    mount.mkdir(parents=True)
+    for name, text in {MANIFEST_NAME: json.dumps({"step": 60, "files": {}}), "model.safetensors": "weights 60",
+                       f"stable__{MANIFEST_NAME}": json.dumps({"step": 30, "files": {}}),
+                       "stable__model.safetensors": "weights 30", "stable__xla_cache__graph": "graph 30"}.items():
+        (mount / name).write_text(text)
+    resume_root = bootstrap.stage_checkpoint(mount, tmp_path / "temp" / "gpt2k-resume")
+    ckpt = tmp_path / "temp" / "checkpoints" / "step_000080"  # the session's own, trained on from step 60
+    ckpt.mkdir(parents=True)
+    (ckpt / MANIFEST_NAME).write_text(json.dumps({"step": 80, "files": {}}))
+    (ckpt / "model.safetensors").write_text("weights 80")
+
+    real_link, copied = os.link, []
+
+    def link(src, dst, **kw):
+        if str(src).startswith(str(mount)):
+            raise OSError(18, "Invalid cross-device link")  # EXDEV, as from /kaggle/input
+        real_link(src, dst, **kw)
+
+    monkeypatch.setattr(os, "link", link)
+    monkeypatch.setattr(shutil, "copy2", lambda src, dst, **kw: copied.append(str(src)))
+    uploaded = {}
+
+    def fake_publish(plan, snapshot, step, record, log, work_dir=None, stable=None):
+        folder = publish.write_dataset_folder(work_dir, plan.dataset, "", publish.checkpoint_files(snapshot) + [
+            (f, "stable__" + n) for f, n in publish.checkpoint_files(stable)])
+        uploaded.update({f.name: (f.is_symlink(), f.read_text()) for f in folder.iterdir()
+                         if f.name != publish.DATASET_METADATA})
+        record["published"] = True
+
+    monkeypatch.setattr(publish, "_publish", fake_publish)
+    plan = publish.PublishPlan(dataset="alice/run-checkpoints", midway_s=1.0, resume_root=str(resume_root))
+    midway = publish.MidwayPublish(plan, time.monotonic() - 10, tmp_path / "temp" / "gpt2k-midway", log=lambda m: None)
+    midway(80, ckpt)
+    staged = tmp_path / "temp" / "gpt2k-midway"
+    assert (staged / "stable" / "model.safetensors").resolve() == mount / "stable__model.safetensors"
+    assert (staged / "stable" / "xla_cache" / "graph").is_symlink()
+    assert os.stat(staged / "checkpoint" / "model.safetensors").st_nlink == 2  # a hard link: rotation-proof
+    midway.wait()
+    assert copied == [] and midway.record == {"published": True}
+    assert uploaded == {MANIFEST_NAME: (False, json.dumps({"step": 80, "files": {}})),
+                        "model.safetensors": (False, "weights 80"),
+                        f"stable__{MANIFEST_NAME}": (True, json.dumps({"step": 30, "files": {}})),
+                        "stable__model.safetensors": (True, "weights 30"),
+                        "stable__xla_cache__graph": (True, "graph 30")}
+    assert not staged.exists()  # its links go with the publish
 
 
 def test_only_sessions_of_an_hour_or_more_publish_midway_at_half_their_deadline():
