@@ -10,6 +10,7 @@ from pathlib import Path
 
 from scripts.chain.client import ApiFailure, VersionMissing, normalize_single_download
 from scripts.chain.context import StageContext
+from scripts.chain.storage import storage_plan
 from shared.checkpoint_names import CHECKPOINT_PREFIX, STABLE_DIR, checkpoint_name
 from shared.errors import UserError
 from shared.fsutil import sha256_file
@@ -125,12 +126,16 @@ def known_versions(ctx: StageContext, current: int) -> list[int]:
     return ctx.state.data.setdefault("checkpoint_versions", list(range(1, current + 1)))
 
 
-def delete_old_on_publish(ctx: StageContext, current: int) -> bool:
-    """Whether the next checkpoint version is published with deleteOldVersions: Kaggle deletes only every older
-    version at once, so the publish that would leave more than keep_dataset_versions deletes them all
-    (docs/kaggle-api.md, Checkpoint dataset versions)."""
-    keep = ctx.cfg.keep_dataset_versions
-    return keep > 0 and len(known_versions(ctx, current)) + 1 > keep
+def session_publishes(ctx: StageContext, current: int, limit_s: float) -> tuple[bool, bool]:
+    """(whether the next session's final publish deletes the older versions, whether it publishes midway), from
+    the versions live now and a session of `limit_s`, under the private-dataset quota (scripts/chain/storage.py).
+    Kaggle deletes only every older version at once, so the publish after which more than keep_dataset_versions
+    would be live deletes them all (docs/kaggle-api.md, Checkpoint dataset versions). A midway version only where
+    it and the final one fit beside those live (a session killed before its final publish leaves one more)."""
+    live = len(known_versions(ctx, current))
+    plan = storage_plan(ctx.cfg, midway=ctx.cfg.midway_publish_s(limit_s) > 0)
+    midway = plan.midway and live + 2 <= ctx.cfg.dataset_room()
+    return live + 1 + midway > plan.keep, midway
 
 
 def note_version(ctx: StageContext, number: int, deleted_old: bool) -> None:

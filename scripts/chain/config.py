@@ -94,6 +94,10 @@ class ChainConfig:
     # Checkpoint dataset versions kept on Kaggle (0: all); a publish that would exceed it deletes the older ones
     # (Kaggle deletes only all older versions at once: docs/kaggle-api.md, Checkpoint dataset versions).
     keep_dataset_versions: int = 2
+    # The account's private-dataset quota, in GB: the chain keeps its checkpoint versions under it (fewer kept, or no
+    # midway publish, where needed: scripts/chain/storage.py). Kaggle's figure is not verified (a 2023 book says
+    # "over 100 GB"); set yours from your account's settings page.
+    dataset_quota_gb: float = 100.0
     # Training tokens/s that `--plan` counts sessions with (0: the newest --smoke measurement on this accelerator
     # and preset, else an estimate from the TPU's peak: scripts/chain/plan.py).
     plan_tokens_per_s: float = 0
@@ -124,6 +128,17 @@ class ChainConfig:
         default = {"tokenize": f"{self.name}-tokens", "train": f"{self.name}-train", "eval": f"{self.name}-eval",
                    "checkpoints": f"{self.name}-checkpoints"}[what]
         return self.slugs.get(what) or default
+
+    def dataset_room(self) -> int:
+        """Checkpoint versions that fit the private-dataset quota at once (each the newest checkpoint and, for a wsd
+        run, the stable-phase one beside it). Fewer than two (the version kept and the next one) is an error."""
+        size = checkpoint_uploads(self.train) * self.checkpoint_bytes
+        room = int(self.dataset_quota_gb * 1e9) // size
+        if room < 2:
+            raise UserError(f"a checkpoint version is {size / 1e9:.1f} GB: two (the one kept and the next) do not fit "
+                            f"the {self.dataset_quota_gb:g} GB private-dataset quota (dataset_quota_gb); raise it if "
+                            "your account has more, or train a smaller model")
+        return room
 
     @property
     def time_budget(self) -> float:
@@ -237,6 +252,12 @@ def config_from_dict(raw: dict, where: str = "config") -> ChainConfig:
     devices = session_devices(cfg.accelerator, cfg.train.get("backend", "auto"))
     check_settings("train", {**cfg.train, "max_steps": cfg.total_steps}, f"{where}: train", devices)
     _place_checkpoints(cfg, where)
+    if cfg.dataset_quota_gb <= 0:
+        raise UserError(f"{where}: dataset_quota_gb must be a number of GB > 0, got {cfg.dataset_quota_gb:g}")
+    try:
+        cfg.dataset_room()
+    except UserError as err:
+        raise UserError(f"{where}: {err}") from None
     if cfg.train.get("extend") and not keeps_stable(cfg.train):
         why = ("the checkpoints of a model this large live in /kaggle/temp, where none is kept"
                if checkpoints_in_temp(cfg.train) else "train.keep_stable is false")

@@ -32,6 +32,7 @@ from scripts.chain.limits import (
     session_devices,
 )
 from scripts.chain.sizing import MIN_STEPS
+from scripts.chain.storage import storage_line, storage_plan
 from shared.config import AUTO, HELLASWAG_VALIDATION_EXAMPLES, EvalConfig, TokenizeConfig, TrainConfig
 from shared.errors import UserError
 
@@ -286,12 +287,12 @@ def plan_lines(cfg: ChainConfig, plan: dict, source: str = "") -> list[str]:
     size = plan["checkpoint_bytes"]
     ckpt_dir = cfg.train.get("checkpoint_dir") or "{working}/train/checkpoints"
     keep = int(cfg.train.get("keep_checkpoints", 2))
-    versions = f"at most {cfg.keep_dataset_versions} versions kept" if cfg.keep_dataset_versions else \
-        "every version kept"
+    storage = storage_plan(cfg)
+    versions = f"at most {storage.keep} versions kept"
     if checkpoints_in_temp(cfg.train):
         versions += (f"; with no copy in the output, a session waits up to {publish_verify_s(cfg.train):.0f} s for "
                      "its version and publishes again if it failed")
-    midway_s = cfg.midway_publish_s(cfg.session_limit_s)
+    midway_s = cfg.midway_publish_s(cfg.session_limit_s) if storage.midway else 0.0
     if midway_s:
         versions += (f"; each session also publishes its first checkpoint past {_hours(midway_s)} in, while it "
                      "trains, for a kill before its end")
@@ -303,6 +304,7 @@ def plan_lines(cfg: ChainConfig, plan: dict, source: str = "") -> list[str]:
     lines.append(f"checkpoint  {_gb(size)} (fp32 weights + AdamW moments), {keep} kept in {ckpt_dir} "
                  f"({room}), published to dataset {user}/{cfg.slug('checkpoints')} "
                  f"({versions}{stable})")
+    lines.append(f"storage     {storage_line(storage)}")
     lines.append("")
     lines += [f"margin      {line}" for line in margins(cfg, plan)]
     lines += [f"warning     {line}" for line in warnings(cfg, plan, train)]

@@ -17,11 +17,11 @@ from scripts.chain.build import build_kernel
 from scripts.chain.checkpoints import (
     dataset_head,
     dataset_step,
-    delete_old_on_publish,
     download_dataset_file,
     ensure_checkpoint_dataset,
     note_version,
     publish_from_output,
+    session_publishes,
 )
 from scripts.chain.client import ApiFailure, VersionMissing, log_error_line
 from scripts.chain.config import ChainConfig, publish_verify_s
@@ -85,7 +85,7 @@ class TrainStage:
             ctx.log(f"train session {n} of {sessions_total(cfg, n, step, sessions)}: {ref}, from step {step}")
             sess["version"] = ctx.push_once(sess["key"], ref, lambda pid, s=sess: self.build(
                 pid, s["step_before"], s.get("ckpt_version", 0), s.get("delete_old", False), s.get("limit_s"),
-                s.get("stop_after_steps", 0)), limit_s=sess.get("limit_s"))
+                s.get("stop_after_steps", 0), s.get("midway", True)), limit_s=sess.get("limit_s"))
             ctx.state.save()
             status, message, secs = ctx.wait(ref, f"{ref} v{sess['version']}", sess["key"])
             version, new_step, info = self.after_session(ref, sess, ckpt_ref)
@@ -103,13 +103,15 @@ class TrainStage:
 
     def new_session(self, n: int, step: int, version: int) -> None:
         """Record session `n` before its push: the checkpoint version and step it must resume from, whether its
-        publish deletes the older versions (keep_dataset_versions), and its time limit."""
+        publish deletes the older versions, whether it publishes midway (both under the dataset quota:
+        session_publishes), and its time limit."""
         sessions = self.ctx.state.data["train_sessions"]
         length = session_length(self.cfg, sessions)
         if length.why:
             self.ctx.log(f"train session {n} lasts {length.limit_s:g} s: {length.why}")
+        delete_old, midway = session_publishes(self.ctx, version, length.limit_s)
         sessions.append({"n": n, "key": f"train-{n}", "step_before": step, "ckpt_version": version,
-                         "delete_old": delete_old_on_publish(self.ctx, version), "limit_s": length.limit_s,
+                         "delete_old": delete_old, "midway": midway, "limit_s": length.limit_s,
                          **({"stop_after_steps": length.stop_after_steps} if length.stop_after_steps else {})})
         self.ctx.state.save()
 
@@ -151,10 +153,11 @@ class TrainStage:
                         f"again (it goes on at step {step})")
 
     def build(self, push_id: str, expect_step: int = 0, expect_version: int = 0, delete_old: bool = False,
-              limit_s: float | None = None, stop_after_steps: int = 0) -> Path:
+              limit_s: float | None = None, stop_after_steps: int = 0, midway: bool = True) -> Path:
         """The train kernel, expecting version `expect_version` of the checkpoint dataset at `expect_step`: a mount
         of an older version is replaced by that version, fetched, and it never starts over. `limit_s`: the session's
-        time limit (default session_limit_s); `stop_after_steps`: the steps after which it ends (0: its clock)."""
+        time limit (default session_limit_s); `stop_after_steps`: the steps after which it ends (0: its clock);
+        `midway`: whether a session long enough publishes midway too (False where the dataset quota has no room)."""
         ctx, cfg = self.ctx, self.cfg
         datasets, kernels, data_dir = data_sources(ctx)
         ckpt = ctx.ref(cfg.slug("checkpoints"))
@@ -174,7 +177,8 @@ class TrainStage:
                                                 "expect_version": expect_version, "delete_old_versions": delete_old,
                                                 "verify_s": publish_verify_s(cfg.train),
                                                 "publish_s": cfg.publish_margin_s,
-                                                "midway_s": cfg.midway_publish_s(limit_s or cfg.session_limit_s)},
+                                                "midway_s": cfg.midway_publish_s(limit_s or cfg.session_limit_s)
+                                                if midway else 0.0},
                             push_id=push_id)
 
     def wandb_run_id(self) -> str:

@@ -42,7 +42,7 @@ import json, sys
 sys.path.insert(0, {repo!r})  # scripts/ is not installed: the checkout's
 from scripts.chain.chain import Chain
 from scripts.chain.config import config_from_dict
-from scripts.chain.checkpoints import (dataset_head, dataset_step, delete_old_on_publish, note_version,
+from scripts.chain.checkpoints import (dataset_head, dataset_step, note_version, session_publishes,
                                        wait_published, ensure_checkpoint_dataset, check_version_step)
 from shared.errors import UserError
 from shared.kaggle.publish import push_dataset_folder, write_dataset_folder
@@ -259,7 +259,7 @@ def test_versions_beyond_keep_dataset_versions_are_deleted(local_kaggle, tmp_pat
         out["deleted"], out["known"] = [], []
         for step in (10, 20, 30, 40):
             before = dataset_head(ctx, CKPT)[0]
-            delete = delete_old_on_publish(ctx, before)
+            delete, _ = session_publishes(ctx, before, 1800)  # sessions too short to publish midway
             (ctx.workdir / "checkpoint.json").write_text(json.dumps({"format": 1, "step": step, "files": {}}))
             folder = write_dataset_folder(ctx.workdir / "up", CKPT, "run", [ctx.workdir / "checkpoint.json"])
             push_dataset_folder(client.api, folder, CKPT, f"checkpoint at step {step}", delete)
@@ -557,9 +557,9 @@ def test_a_checkpoint_kept_only_in_temp_deletes_older_versions_and_its_session_v
         from shared.kaggle.publish import dataset_version, publish_checkpoint, verify_publish
         from scripts.chain.config import publish_verify_s
         ctx.state.data["checkpoint_versions"] = [1, 2]
-        out["working"] = (delete_old_on_publish(ctx, 2), publish_verify_s(ctx.cfg.train))
+        out["working"] = (session_publishes(ctx, 2, 1800)[0], publish_verify_s(ctx.cfg.train))
         ctx.cfg.train = {**ctx.cfg.train, "checkpoint_dir": "{temp}/checkpoints", "keep_checkpoints": 1}
-        out["temp"] = (delete_old_on_publish(ctx, 2), publish_verify_s(ctx.cfg.train))
+        out["temp"] = (session_publishes(ctx, 2, 1800)[0], publish_verify_s(ctx.cfg.train))
         ckpt = ctx.workdir / "temp" / "step_000030"
         ckpt.mkdir(parents=True)
         (ckpt / "checkpoint.json").write_text(json.dumps({"format": 1, "step": 30, "files": {}}))
@@ -676,7 +676,7 @@ def test_a_session_that_made_two_versions_has_both_counted_live_unless_it_delete
         out["kept"] = list(ctx.state.data["checkpoint_versions"])
         note_version(ctx, 5, True)
         out["deleted"] = list(ctx.state.data["checkpoint_versions"])
-        out["delete_next"] = delete_old_on_publish(ctx, 5)
+        out["delete_next"] = session_publishes(ctx, 5, 1800)[0]
         note_version(ctx, 6, False)
         out["after"] = list(ctx.state.data["checkpoint_versions"])
     """, keep_dataset_versions=2)

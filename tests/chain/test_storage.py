@@ -1,0 +1,88 @@
+"""The checkpoint dataset under the account's private-dataset quota: a create past it answers "Ok" and lands nothing
+(kaggle-cli issue 284), so the chain keeps its versions (a session's midway one included) under it, and --plan
+says the most it keeps live at once."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from scripts.chain.checkpoints import note_version, session_publishes
+from scripts.chain.config import config_from_dict
+from scripts.chain.storage import storage_line, storage_plan
+from shared.errors import UserError
+
+NINE_HOURS = 9 * 3600
+
+
+def gpt2_config(quota_versions: float, keep: int = 2, **more):
+    """A gpt2 (124M) chain whose quota holds `quota_versions` checkpoint versions."""
+    cfg = config_from_dict({"token_datasets": ["a/b"], "train": {"preset": "gpt2"}, "keep_dataset_versions": keep})
+    return config_from_dict({"token_datasets": ["a/b"], "train": {"preset": "gpt2"}, "keep_dataset_versions": keep,
+                             "dataset_quota_gb": quota_versions * cfg.checkpoint_bytes / 1e9, **more})
+
+
+def test_a_quota_with_room_keeps_what_the_config_asks_and_publishes_midway():
+    plan = storage_plan(gpt2_config(100))
+    assert (plan.keep, plan.midway, plan.peak_versions, plan.lowered) == (2, True, 3, "")
+    assert plan.peak_bytes == 3 * plan.version_bytes
+    # keep 3 with a midway version: 1 live, +2 (3, no delete), then +2 with the delete: 5 at once.
+    assert storage_plan(gpt2_config(100, keep=3)).peak_versions == 5
+    assert storage_plan(gpt2_config(100, keep=3), midway=False).peak_versions == 4
+    # 0 keeps as many as fit: room for 10. From 1 live, +2 a session up to 7, then +2 with the delete: 9 at once;
+    # keeping 9 or 10 would reach 11.
+    assert storage_plan(gpt2_config(10.5, keep=0)).keep == 8
+
+
+def test_a_tight_quota_keeps_fewer_versions_then_skips_the_midway_publish_and_says_so():
+    plan = storage_plan(gpt2_config(3.5, keep=4))
+    assert (plan.keep, plan.midway, plan.peak_versions) == (2, True, 3)
+    assert plan.lowered == "keep_dataset_versions 2, not 4, to fit the quota"
+    plan = storage_plan(gpt2_config(2.5))
+    assert (plan.keep, plan.midway, plan.peak_versions) == (1, False, 2)
+    assert plan.lowered == "keep_dataset_versions 1, not 2 and no midway publish, to fit the quota"
+    line = storage_line(plan)
+    assert line.startswith("at most 2 checkpoint versions live at once, 1.5 GB each: 3.0 GB of the 3.7")
+    assert line.endswith(" GB private-dataset quota (dataset_quota_gb; keep_dataset_versions 1, not 2 and no midway "
+                         "publish, to fit the quota); a session adds 1, its final one deleting the older where more "
+                         "than 1 would stay (counted before Kaggle deletes them)")
+
+
+def test_a_quota_that_cannot_hold_two_versions_is_refused_before_anything_is_pushed():
+    with pytest.raises(UserError, match=r"^config: a checkpoint version is 1\.5 GB: two \(the one kept and the next\) "
+                                        r"do not fit the 2\.2\d* GB private-dataset quota \(dataset_quota_gb\)"):
+        gpt2_config(1.5)
+    with pytest.raises(UserError, match=r"^config: dataset_quota_gb must be a number of GB > 0, got -1$"):
+        config_from_dict({"token_datasets": ["a/b"], "dataset_quota_gb": -1})
+
+
+@pytest.mark.parametrize(("quota_versions", "keep"), [(100, 2), (100, 3), (3.5, 2), (2.5, 2), (6.2, 0), (4, 5)])
+def test_sessions_never_hold_more_versions_than_the_plan_says_nor_than_the_quota_holds(quota_versions, keep):
+    """Random sessions, some killed before their final publish (their midway version stays): the versions live at
+    any moment (a create counted before Kaggle deletes the older) stay within the plan's peak while sessions end
+    as planned, and within the quota always."""
+    cfg = gpt2_config(quota_versions, keep=keep)
+    plan, room = storage_plan(cfg), cfg.dataset_room()
+    rng = random.Random(quota_versions * 100 + keep)
+    for killed_share in (0.0, 0.3):
+        ctx = SimpleNamespace(cfg=cfg, state=SimpleNamespace(data={"checkpoint_versions": [1]}, save=lambda: None))
+        newest, most, midways = 1, 1, 0
+        for _ in range(60):
+            live = list(ctx.state.data["checkpoint_versions"])
+            delete, midway = session_publishes(ctx, newest, NINE_HOURS)
+            if midway:
+                newest, live = newest + 1, live + [newest + 1]
+                most, midways = max(most, len(live)), midways + 1
+            if rng.random() < killed_share:  # killed before its final publish: the chain takes the midway version
+                if midway:
+                    note_version(ctx, newest, False)
+                continue
+            newest += 1
+            most = max(most, len(live) + 1)  # the new version beside those it deletes
+            note_version(ctx, newest, delete)
+            assert ctx.state.data["checkpoint_versions"] == ([newest] if delete else live + [newest])
+        assert most <= room
+        if not killed_share:
+            assert most == plan.peak_versions and midways == (60 if plan.midway else 0)
