@@ -168,10 +168,14 @@ def main(argv: list[str] | None = None) -> dict:
         raise UserError("give --config FILE (or --local-demo)")
     cfg = load_config(config, overrides=_overrides(args))
     if args.plan:  # of the chain a command without --plan would run: the smoke chain where --smoke is given
+        from scripts.chain.fill import apply_fill, session_fill
         from scripts.chain.plan import print_plan
         from scripts.chain.smoke import smoke_config
 
-        return print_plan(smoke_config(cfg) if args.smoke else cfg, source=config)
+        fill = None if args.smoke else session_fill(cfg)
+        if fill:
+            print(fill.line)
+        return print_plan(smoke_config(cfg) if args.smoke else apply_fill(cfg, fill), source=config)
     check_step_fits(cfg)
     if args.smoke:
         from scripts.chain.smoke import run_smoke
@@ -179,6 +183,11 @@ def main(argv: list[str] | None = None) -> dict:
         workdir = Path(args.workdir or REPO / "runs" / "chain" / f"{cfg.name}-smoke")
         return {"readiness": run_smoke(cfg, workdir, lambda smoke_cfg, folder: Chain(smoke_cfg, folder))}
     workdir = Path(args.workdir or REPO / "runs" / "chain" / cfg.name)
+    if cfg.fill_session:
+        from scripts.chain.fill import fixed_fill
+        from scripts.chain.state import State
+
+        cfg = fixed_fill(cfg, State(workdir / "state.json"))
     return Chain(cfg, workdir).run()
 
 

@@ -98,6 +98,11 @@ class ChainConfig:
     # midway publish, where needed: scripts/chain/storage.py). Kaggle's figure is not verified (a 2023 book says
     # "over 100 GB"); set yours from your account's settings page.
     dataset_quota_gb: float = 100.0
+    # Size the run to the session (0: total_steps as given): where --smoke measured this machine's tokens/s (or
+    # plan_tokens_per_s is set), total_steps becomes what fills this share of one session (e.g. 0.85), evals
+    # included, up to one pass of the tokens the tokenize parts make, and the parts make no more than that
+    # (scripts/chain/fill.py). Fixed in the chain's state at its first start.
+    fill_session: float = 0.0
     # Training tokens/s that `--plan` counts sessions with (0: the newest --smoke measurement on this accelerator
     # and preset, else an estimate from the TPU's peak: scripts/chain/plan.py).
     plan_tokens_per_s: float = 0
@@ -252,6 +257,9 @@ def config_from_dict(raw: dict, where: str = "config") -> ChainConfig:
     devices = session_devices(cfg.accelerator, cfg.train.get("backend", "auto"))
     check_settings("train", {**cfg.train, "max_steps": cfg.total_steps}, f"{where}: train", devices)
     _place_checkpoints(cfg, where)
+    if not 0 <= cfg.fill_session <= 1:
+        raise UserError(f"{where}: fill_session must be a share of the session between 0 (off) and 1, got "
+                        f"{cfg.fill_session:g}")
     if cfg.dataset_quota_gb <= 0:
         raise UserError(f"{where}: dataset_quota_gb must be a number of GB > 0, got {cfg.dataset_quota_gb:g}")
     try:

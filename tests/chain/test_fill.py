@@ -1,0 +1,84 @@
+"""fill_session: after --smoke measured the machine, the run is sized to fill that share of one session (evals
+included), up to one pass of the tokens its tokenize parts make, and the parts make no more than it reads; without
+a measurement total_steps stays; a chain fixes the figure at its first start."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+from helpers import REPO
+
+from scripts.chain.config import load_config
+from scripts.chain.fill import apply_fill, fixed_fill, session_fill
+from scripts.chain.plan import make_plan
+from scripts.chain.state import State
+from shared.errors import UserError
+
+BATCH = 524_288  # gpt2-124m's tokens a step
+
+
+def measured(tmp_path, tokens_per_s: float):
+    path = tmp_path / f"measured-{tokens_per_s:g}.json"
+    path.write_text(json.dumps([{"accelerator": "TpuV5E8", "preset": "gpt2", "seq_len": 1024,
+                                 "tokens_per_s": tokens_per_s, "chain": "smoke"}]))
+    return path
+
+
+def gpt2_124m(fill: float = 0.85):
+    return load_config(REPO / "examples" / "chain-gpt2-124m.json", overrides={"fill_session": fill})
+
+
+def test_a_measured_machine_fills_the_share_of_the_session_it_is_given(tmp_path):
+    cfg = gpt2_124m()
+    fill = session_fill(cfg, measured(tmp_path, 250_000), now=0)
+    share = make_plan(cfg, measured_path=measured(tmp_path, 250_000))["eval_share"]
+    # 85% of 9 h is 7.65 h (within the 8.5 h of training the margins leave), evals included.
+    assert fill.total_steps == math.floor(0.85 * 32400 * 250_000 / (1 + share) / BATCH) == 13_012
+    assert fill.tokens == fill.total_steps * BATCH
+    # The two parts make no more than the run reads and the validation shard, in whole shards.
+    assert fill.tokens_per_part == math.ceil((fill.tokens + 100_000_000) / 2 / 100_000_000) * 100_000_000
+    assert fill.line.startswith("fill_session: total_steps 13012 (6.82B tokens, 85% of a 9-h session) at the "
+                                "250,000 tokens/s measured by --smoke: 7.65 h of training, evals included, ending ")
+    filled = apply_fill(cfg, fill)
+    assert filled.total_steps == 13_012 and filled.tokenize["settings"]["tokens_per_part"] == fill.tokens_per_part
+    plan = make_plan(filled, measured_path=measured(tmp_path, 250_000))
+    assert plan["sessions"] == 1 and plan["tokenized_tokens"] >= fill.tokens + plan["validation_tokens"]
+
+
+def test_a_fast_machine_is_capped_at_one_pass_of_the_tokenized_data(tmp_path):
+    fill = session_fill(gpt2_124m(), measured(tmp_path, 2_000_000), now=0)
+    # FineWeb-Edu sample-10BT: 10B tokens in the two parts, the first shard of 100M for validation.
+    assert fill.total_steps == (10_000_000_000 - 100_000_000) // BATCH == 18_882
+    assert "(9.90B tokens, one pass of the tokens the tokenize parts make) at the 2,000,000 tokens/s" in fill.line
+    assert fill.tokens_per_part == 5_000_000_000  # two parts of 5B hold the 10B corpus
+
+
+def test_without_a_measurement_or_with_fill_off_total_steps_stays(tmp_path):
+    assert session_fill(gpt2_124m(), tmp_path / "none.json") is None
+    assert session_fill(gpt2_124m(0.0), measured(tmp_path, 250_000)) is None
+    assert apply_fill(gpt2_124m(), None).total_steps == 19_073
+    with pytest.raises(UserError, match=r"fill_session must be a share of the session between 0 \(off\) and 1, got 85"):
+        gpt2_124m(85)
+
+
+def test_a_chain_keeps_the_fill_of_its_first_start_whatever_is_measured_later(tmp_path, monkeypatch):
+    from scripts.chain import fill as fill_module
+
+    state = State(tmp_path / "state.json")
+    lines = []
+    monkeypatch.setattr(fill_module, "session_fill", lambda cfg: session_fill(cfg, measured(tmp_path, 250_000)))
+    first = fixed_fill(gpt2_124m(), state, lines.append)
+    monkeypatch.setattr(fill_module, "session_fill", lambda cfg: session_fill(cfg, measured(tmp_path, 400_000)))
+    again = fixed_fill(gpt2_124m(), State(tmp_path / "state.json"), lines.append)
+    assert first.total_steps == again.total_steps == 13_012
+    assert dataclasses.asdict(first) == dataclasses.asdict(again)
+    assert lines[1] == ("fill_session: total_steps 13012 (6.82B tokens, 85% of a 9-h session), as fixed at this "
+                        "chain's first start")
+    monkeypatch.setattr(fill_module, "session_fill", lambda cfg: None)
+    lines.clear()
+    assert fixed_fill(gpt2_124m(), State(tmp_path / "other.json"), lines.append).total_steps == 19_073
+    assert lines == ["fill_session: no --smoke measurement on TpuV5E8 for this preset and sequence length; "
+                     "total_steps stays 19073"]
