@@ -168,13 +168,13 @@ def main(argv: list[str] | None = None) -> dict:
         raise UserError("give --config FILE (or --local-demo)")
     cfg = load_config(config, overrides=_overrides(args))
     if args.plan:  # of the chain a command without --plan would run: the smoke chain where --smoke is given
-        from scripts.chain.fill import apply_fill, session_fill
+        from scripts.chain.fill import apply_fill, session_fill, unmeasured_line
         from scripts.chain.plan import print_plan
         from scripts.chain.smoke import smoke_config
 
         fill = None if args.smoke else session_fill(cfg)
-        if fill:
-            print(fill.line)
+        if cfg.fill_session and not args.smoke:
+            print(fill.line if fill else unmeasured_line(cfg))
         return print_plan(smoke_config(cfg) if args.smoke else apply_fill(cfg, fill), source=config)
     check_step_fits(cfg)
     if args.smoke:

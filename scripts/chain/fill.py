@@ -100,10 +100,14 @@ def fixed_fill(cfg: ChainConfig, state, log=print) -> ChainConfig:
         return apply_fill(cfg, fill)
     fill = session_fill(cfg)
     if fill is None:
-        log(f"fill_session: no --smoke measurement on {cfg.accelerator or 'CPU'} for this preset and sequence length; "
-            f"total_steps stays {cfg.total_steps}")
+        log(unmeasured_line(cfg))
         return cfg
     log(fill.line)
     state.data["fill"] = fill._asdict()
     state.save()
     return apply_fill(cfg, fill)
+
+
+def unmeasured_line(cfg: ChainConfig) -> str:
+    return (f"fill_session: no --smoke measurement on {cfg.accelerator or 'CPU'} for this preset and sequence length; "
+            f"total_steps stays {cfg.total_steps}")
