@@ -70,6 +70,10 @@ class Band:
     def __str__(self) -> str:
         return f"{self.mid:.4f} ({self.low:.4f} to {self.high:.4f})"
 
+    def described(self, interval: str) -> str:
+        """The mid, then the interval named: "0.2800 (90% prediction interval 0.2700 to 0.2900)"."""
+        return f"{self.mid:.4f} ({interval} {self.low:.4f} to {self.high:.4f})"
+
 
 @dataclasses.dataclass(frozen=True)
 class Decay:
@@ -267,6 +271,8 @@ def sizing(p: Projection) -> str:
                 f"{GPT2_HELLASWAG}: too flat or noisy to size a longer run")
     if p.final_loss.mid > GPT2_124M_VAL_LOSS:
         return "the stable phase's trend is too short or flat to size a longer run"
+    if p.hellaswag is None:
+        return "the loss's mid projection reaches its target, HellaSwag's is unknown: let the decay run"
     return "the mid projections reach both targets: let the decay run and read its final evals"
 
 
@@ -274,12 +280,12 @@ def projection_lines(p: Projection, cfg: TrainConfig) -> list[str]:
     """The projection as log lines: the figures, then the verdict and recommendation."""
     gains, level = decay_gains(), f"{p.level:.0%}"
     lines = [f"projection from the stable phase (step {p.at_step}, val loss {p.stable_loss:.4f}): final val loss "
-             f"{p.final_loss} ({level} interval) after a {cfg.cooldown_frac:g} cooldown (published Muon decays: "
-             f"{min(gains):.3f}-{max(gains):.3f} of the loss per unit of cooldown_frac; "
+             f"{p.final_loss.described(level + ' interval')} after a {cfg.cooldown_frac:g} cooldown (published "
+             f"Muon decays: {min(gains):.3f}-{max(gains):.3f} of the loss per unit of cooldown_frac; "
              f"GPT-2 124M: {GPT2_124M_VAL_LOSS})"]
     if p.hellaswag:
-        lines.append(f"projection: HellaSwag acc_norm {p.hellaswag} ({level} prediction interval) at that loss, from "
-                     f"{p.hellaswag_note} (GPT-2 124M: {GPT2_HELLASWAG})")
+        lines.append(f"projection: HellaSwag acc_norm {p.hellaswag.described(level + ' prediction interval')} at "
+                     f"that loss, from {p.hellaswag_note} (GPT-2 124M: {GPT2_HELLASWAG})")
     else:
         lines.append(f"projection: HellaSwag not projected: {p.hellaswag_note}")
     if p.verdict == "on track":
