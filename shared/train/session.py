@@ -3,7 +3,6 @@ checkpoint, and the metric lines it logs. `shared.train.trainer.train` calls eac
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 import time
 from collections.abc import Callable
@@ -35,7 +34,7 @@ from shared.train.optim import (
     saved_schedule,
     stable_phase_end,
 )
-from shared.train.projection import project, projection_lines
+from shared.train.projection import project, projection_lines, projection_record
 from shared.train.runtime import Runtime
 from shared.train.step import TrainStep
 from shared.train.validation import periodic_eval
@@ -232,9 +231,7 @@ def log_projection(cfg: TrainConfig, logger: MetricsLogger, at_step: int, stable
         return
     for line in projection_lines(found, cfg):
         logger.log(line)
-    logger.write({"step": at_step, "event": "projection", "projected_val_loss": dataclasses.asdict(found.final_loss),
-                  "projected_hellaswag": found.hellaswag and dataclasses.asdict(found.hellaswag),
-                  "verdict": found.verdict, "steps_needed": found.steps_needed})
+    logger.write({"step": at_step, "event": "projection", **projection_record(found)})
 
 
 # Called after each checkpoint of the rotation with (step, path); None: nothing.

@@ -510,7 +510,7 @@ def test_a_finished_wsd_chain_extends_from_its_stable_phase_checkpoint_carried_i
     proc = run_chain(lk, config, work, timeout=400)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert dataset_steps() == (4, 3)
-    assert "projection at the stable phase's end (step 3): final val loss " in proc.stdout  # a tiny model: trails
+    assert "projection at the stable phase's end (step 3): final val loss " in proc.stdout  # a tiny model: behind
     assert lk.app.faults.datasets["stale_dataset_status"] == []  # all read, and not taken for a lost publish
 
     config = write_config(tmp_path / "ext.json", total_steps=8, train={**train, "extend": True, "stop_after_steps": 3},
