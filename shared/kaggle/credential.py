@@ -180,11 +180,6 @@ def candidates() -> list[str]:
     return ([NOTEBOOK_TOKEN] if notebook_token_present() else []) + ([ATTACHED_KEY] if key_attached() else [])
 
 
-def refused(err: BaseException) -> bool:
-    """Whether an API error is the server refusing the credential (401, 403), not a fault to retry."""
-    return getattr(getattr(err, "response", None), "status_code", None) in (401, 403)
-
-
 def prove_dataset_write(api, dataset: str) -> None:
     """The calls a checkpoint publish starts with, made with `api`'s credential: the private dataset's status (a
     404 here means the credential does not see it: the chain created it before any session) and the start of a
