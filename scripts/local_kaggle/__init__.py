@@ -8,13 +8,14 @@ The client is pointed at it with environment variables (see `LocalKaggle.client_
     KAGGLE_USERNAME=... KAGGLE_KEY=... # basic auth, checked against <root>/users.json
 
 Served: kernels push/status/output/logs/list/pull/cancel, datasets create/version/status/files/download/
-list/metadata (with the blob upload the client does: StartBlobUpload, then a resumable PUT to a URL on this
-server), accelerator quota, token introspection. Each pushed kernel version runs as `python <code_file>` in a
-subprocess with Kaggle's filesystem under `<root>/kernels/<owner>/<slug>/<version>/kaggle/`: `input/<slug>/`
-(read-only by permissions), `working/` (its output, capped), `temp/`; `shared.kaggle.env` finds them from the
-LOCAL_KAGGLE_* variables. Sessions are hard-killed at the session limit and count weekly accelerator quota.
-Faults (HTTP errors on chosen calls, a session that errors, a kill at a chosen moment) can be injected for
-tests. All state is on disk under --root, so a restarted server keeps datasets, kernel versions and outputs.
+list/metadata (with the blob upload the client does: StartBlobUpload, then a resumable PUT to a URL on this server),
+accelerator quota, token introspection (a session's own token states its scope and expiry: it can be made to expire
+mid-session, answering 401, or to lack write scope, refused writes). Each pushed kernel version runs as `python
+<code_file>` in a subprocess with Kaggle's filesystem under `<root>/kernels/<owner>/<slug>/<version>/kaggle/`:
+`input/<slug>/` (read-only by permissions), `working/` (its output, capped), `temp/`; `shared.kaggle.env` finds them
+from the LOCAL_KAGGLE_* variables. Sessions are hard-killed at the session limit and count weekly accelerator quota.
+Faults (HTTP errors on chosen calls, a session that errors, a kill at a chosen moment) can be injected for tests.
+All state is on disk under --root, so a restarted server keeps datasets, kernel versions and outputs.
 
 The API speaks kagglesdk's own types: each route's request and reply types are read from kagglesdk's service
 clients (SDK_ROUTES), a request body is read with the request type's from_dict, and a reply is an instance of

@@ -57,7 +57,7 @@ from .datasets import Datasets, Uploads, is_ready, live_versions
 from .kernels import Kernels
 from .rules import MACHINE_SHAPES, TERMINAL, WEEK_S, ApiError, Faults, utc, week_start
 from .sessions import Scheduler
-from .state import Quota, Store
+from .state import Accounts, Quota, Store
 
 # ----- kagglesdk's types on the wire -----
 
@@ -231,6 +231,7 @@ class ApiParts:
     uploads: Uploads
     quota: Quota
     faults: Faults
+    accounts: Accounts | None = None  # IntrospectToken's answers
 
 
 def call_api(parts: ApiParts, user: str, service: str, method: str, body: Any) -> dict:
@@ -482,6 +483,6 @@ API_ROUTES: dict[str, Callable[[ApiParts, str, Any], KaggleObject]] = {
     f"{DS}/ListDatasets": _list_datasets,
     f"{DS}/DownloadDataset": _download_dataset,
     f"{DS}/DeleteDataset": _delete_dataset,
-    "security.OAuthService/IntrospectToken": lambda parts, user, req: message(IntrospectTokenResponse, active=True,
-                                                                              username=user),
+    "security.OAuthService/IntrospectToken": lambda parts, user, req: message(
+        IntrospectTokenResponse, **parts.accounts.introspect(req.token, user)),
 }

@@ -46,6 +46,8 @@ class LocalKaggle:
     queue_delay_s = _setting("queue_delay_s")
     dataset_ready_delay_s = _setting("dataset_ready_delay_s")
     notebook_token_writes = _setting("notebook_token_writes")
+    notebook_token_lifetime_s = _setting("notebook_token_lifetime_s")
+    notebook_token_scope = _setting("notebook_token_scope")
 
     def __init__(
         self,
@@ -73,7 +75,8 @@ class LocalKaggle:
         self.verbose = verbose
         self.store = Store(root)
         self.root = self.store.root
-        self.accounts = Accounts(self.root, self.store.lock, lambda: self.settings.notebook_token_writes)
+        self.accounts = Accounts(self.root, self.store.lock, lambda: self.settings.notebook_token_writes,
+                                 lambda: (self.settings.notebook_token_lifetime_s, self.settings.notebook_token_scope))
         self.faults = Faults()
         self.quota = Quota(self.store, tpu_quota_hours, gpu_quota_hours)
         self.uploads = Uploads(self.store)
@@ -84,7 +87,7 @@ class LocalKaggle:
             faults=self.faults, secrets_of=self.accounts.secrets_of, proxy_url=lambda: self.proxy_url,
             issue_token=self.accounts.issue_notebook_token, revoke_token=self.accounts.revoke_notebook_token))
         self.parts = ApiParts(store=self.store, kernels=self.kernels, scheduler=self.scheduler, datasets=self.datasets,
-                              uploads=self.uploads, quota=self.quota, faults=self.faults)
+                              uploads=self.uploads, quota=self.quota, faults=self.faults, accounts=self.accounts)
         self._stop = threading.Event()
         self._httpd: ThreadingHTTPServer | None = None
         self._threads: list[threading.Thread] = []

@@ -96,6 +96,12 @@ class Settings:
     # Whether a session's own access token (KAGGLE_API_V1_TOKEN) may write datasets. Kaggle's answer in a batch
     # session is not verified (docs/kaggle-api.md, "Which credential publishes"), so both are modelled.
     notebook_token_writes: bool = True
+    # Each session's token stops working this long after it is issued (401), and IntrospectToken says when (`exp`);
+    # None: when the session ends. What lifetime Kaggle gives one is not verified.
+    notebook_token_lifetime_s: float | None = None
+    # The scope each session's token carries (IntrospectToken's `scope`); one without "resources.admin:*" may not
+    # write datasets (403). What scope Kaggle gives one is not verified.
+    notebook_token_scope: str = "resources.admin:*"
 
 
 # ----- names, time, access -----

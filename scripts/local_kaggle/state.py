@@ -19,6 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -99,20 +100,38 @@ class Store:
             self.save()
 
 
-# What a session's own access token may not do while `Settings.notebook_token_writes` is off: every call this
-# server has that writes a dataset (StartBlobUpload too: the first call of any upload).
+# What a session's own access token may not do while `Settings.notebook_token_writes` is off, or with a scope that
+# lacks FULL_SCOPE: every call this server has that writes a dataset (StartBlobUpload too: the first of any upload).
 NOTEBOOK_TOKEN_WRITES = ("StartBlobUpload", "CreateDataset", "CreateDatasetVersion", "CreateDatasetVersionById",
                          "DeleteDataset")
+# The scope kaggle's own login asks for, "all ApiV1 endpoints" (kaggle 2.2.4 kaggle_api_extended.py L1603-1604): the
+# one this server lets write. A session's token carries `Settings.notebook_token_scope` (by default this).
+FULL_SCOPE = "resources.admin:*"
+
+
+@dataclass
+class NotebookToken:
+    """A running session's own access token: whose it is, its scope, and when it stops working (None: when the
+    session ends)."""
+
+    owner: str
+    scope: str = FULL_SCOPE
+    expires: float | None = None
+
+    def expired(self, now: float | None = None) -> bool:
+        return self.expires is not None and (time.time() if now is None else now) >= self.expires
 
 
 class Accounts:
     """Users and their API keys, the secrets attached to each notebook, the access token of each running session
     (a notebook token, as a Kaggle notebook has one), and the operator's admin token."""
 
-    def __init__(self, root: Path, lock: threading.RLock, token_writes: Callable[[], bool] = lambda: True):
+    def __init__(self, root: Path, lock: threading.RLock, token_writes: Callable[[], bool] = lambda: True,
+                 token_terms: Callable[[], tuple[float | None, str]] = lambda: (None, FULL_SCOPE)):
         self.lock = lock
         self.token_writes = token_writes  # whether a notebook token may write datasets and models
-        self.notebook_tokens: dict[str, str] = {}  # a running session's token -> its notebook's owner
+        self.token_terms = token_terms  # (lifetime in seconds or None, scope) of the notebook tokens issued next
+        self.notebook_tokens: dict[str, NotebookToken] = {}  # a running session's token -> what it is
         self.users_path = root / "users.json"
         self.secrets_path = root / "secrets.json"
         admin_path = root / "admin_token"
@@ -143,22 +162,49 @@ class Accounts:
         return read_json(self.secrets_path, {}).get(kernel_ref, {})
 
     def issue_notebook_token(self, user: str) -> str:
-        """A new access token for a session of `user`'s notebook, valid until revoked (when the session ends)."""
+        """A new access token for a session of `user`'s notebook, valid until revoked (when the session ends) or,
+        with a lifetime (`token_terms`), until that has passed: then refused (401), as an expired token is."""
         token = "nb-" + secrets.token_hex(16)
+        lifetime, scope = self.token_terms()
         with self.lock:
-            self.notebook_tokens[token] = user
+            self.notebook_tokens[token] = NotebookToken(
+                user, scope, None if lifetime is None else time.time() + float(lifetime))
         return token
+
+    def expire_notebook_tokens(self) -> None:
+        """Every running session's token stops working now, as one whose lifetime ran out mid-session."""
+        now = time.time()
+        with self.lock:
+            for token in self.notebook_tokens.values():
+                token.expires = now if token.expires is None else min(token.expires, now)
+
+    def introspect(self, token: str, user: str) -> dict:
+        """What IntrospectToken answers of `token` (asked by `user`): a running session's token, its owner, scope
+        and expiry (`active` false once expired); some user's key, that user; anything else, not active."""
+        with self.lock:
+            found = self.notebook_tokens.get(token)
+        if found is not None:
+            exp = None if found.expires is None else int(found.expires)
+            return {"active": not found.expired(), "username": found.owner, "scope": found.scope, "exp": exp}
+        name = next((n for n, key in self.users().items() if secrets.compare_digest(key, token)), None)
+        return {"active": name is not None, "username": name or ""}
 
     def revoke_notebook_token(self, token: str) -> None:
         with self.lock:
             self.notebook_tokens.pop(token, None)
 
     def authorize(self, header: str | None, method: str) -> None:
-        """403 for a write with a session's own token while such tokens may not write (`notebook_token_writes`)."""
+        """403 for a write with a session's own token while such tokens may not write (`notebook_token_writes`), or
+        where its scope lacks FULL_SCOPE."""
         scheme, _, value = (header or "").partition(" ")
-        if (scheme.lower() == "bearer" and value in self.notebook_tokens and method in NOTEBOOK_TOKEN_WRITES
-                and not self.token_writes()):
+        with self.lock:
+            token = self.notebook_tokens.get(value) if scheme.lower() == "bearer" else None
+        if token is None or method not in NOTEBOOK_TOKEN_WRITES:
+            return
+        if not self.token_writes():
             raise ApiError(403, f"This notebook's access token may not call {method}: use an API key")
+        if FULL_SCOPE not in token.scope.split():
+            raise ApiError(403, f"This access token's scope ({token.scope}) does not allow {method}")
 
     def authenticate(self, header: str | None) -> str:
         """The user an Authorization header names: basic auth (name:key), or a bearer token that is some key or a
@@ -179,9 +225,9 @@ class Accounts:
             return name
         if scheme.lower() == "bearer":
             with self.lock:
-                owner = self.notebook_tokens.get(value)
-            if owner is not None:
-                return owner
+                token = self.notebook_tokens.get(value)
+            if token is not None and not token.expired():
+                return token.owner
             for name, key in users.items():
                 if secrets.compare_digest(key, value):
                     return name

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from shared.checkpoint_names import STABLE_DIR, checkpoint_name
 from shared.errors import UserError, describe_error, duration_text, within
-from shared.kaggle.credential import CANNOT_PUBLISH, choose_credential, secrets_to_env
+from shared.kaggle.credential import CANNOT_PUBLISH, choose_credential, publish_until, secrets_to_env
 from shared.kaggle.publish import (
     MANIFEST,
     PLACEHOLDER_FILE,
@@ -122,7 +122,8 @@ def resolve_build(build: dict, log=print) -> BuiltKernel:
     ckpt = build.get("checkpoint_dataset")
     if not ckpt:
         return BuiltKernel(settings)
-    problem, credential = _check_publishing(ckpt["dataset"], settings, paths, log) if ckpt.get("publish") \
+    until = publish_until(settings.get("session_deadline"), float(ckpt.get("publish_s") or 0))
+    problem, credential = _check_publishing(ckpt["dataset"], settings, paths, log, until) if ckpt.get("publish") \
         else (None, None)
     input_step = _stage_resume(ckpt, settings, paths, log) if ckpt.get("resume_setting") else None
     if not ckpt.get("publish"):
@@ -137,14 +138,16 @@ def resolve_build(build: dict, log=print) -> BuiltKernel:
     return BuiltKernel(settings, plan)
 
 
-def _check_publishing(dataset: str, settings: dict, paths, log) -> tuple[str | None, str | None]:
+def _check_publishing(dataset: str, settings: dict, paths, log,
+                      needed_until: float | None = None) -> tuple[str | None, str | None]:
     """(why this train session could not publish its checkpoints, None) or (None, the credential that proved it
-    can, in the first minute: shared/kaggle/credential.py). Kept in /kaggle/temp the checkpoints would be lost:
-    stop before training; in /kaggle/working the chain publishes them from the output: a notice."""
+    can until `needed_until`, unix time, in the first minute: shared/kaggle/credential.py). Kept in /kaggle/temp
+    the checkpoints would be lost: stop before training; in /kaggle/working the chain publishes them from the
+    output: a notice."""
     problem = publish_problem(log)
     credential = None
     if not problem:
-        credential, problem = choose_credential(dataset, log)
+        credential, problem = choose_credential(dataset, log, needed_until)
     if credential:
         log(f"publishing to {dataset} with {credential}")
     if problem:

@@ -33,10 +33,9 @@ from shared.errors import UserError, describe_error, within
 from shared.fsutil import link_or_copy, link_or_symlink
 from shared.kaggle.credential import (
     ATTACHED_KEY,
-    candidates,
     kaggle_api,
+    key_takes_over,
     no_credential_problem,
-    refused,
     secret_values,
     use_credential,
 )
@@ -44,6 +43,10 @@ from shared.kaggle.credential import (
 PUBLISH_RECORD = "publish.json"  # written to /kaggle/working: what the session published (read by the chain)
 DATASET_METADATA = "dataset-metadata.json"
 PLACEHOLDER_FILE = "README.md"  # the only file of a checkpoint dataset that holds no checkpoint yet
+# The kaggle client and kagglesdk set no timeout of their own: a read of a dataset's version (GetDataset and
+# GetDatasetStatus) is given this long, and a create (its uploads included) the plan's publish margin, or this.
+STATUS_TIMEOUT_S = 120.0
+CREATE_TIMEOUT_S = 7200.0
 
 
 # --- the checkpoint as a flat folder -------------------------------------------------------------------------
@@ -163,9 +166,10 @@ def read_dataset_version(api, dataset: str) -> tuple[int, str]:
 
 
 def dataset_version(api, dataset: str) -> tuple[int, str]:
-    """(current version number, status) of `dataset` (`read_dataset_version`); (0, "") while Kaggle answers 404."""
+    """(current version number, status) of `dataset` (`read_dataset_version`, within STATUS_TIMEOUT_S); (0, "")
+    while Kaggle answers 404."""
     try:
-        return read_dataset_version(api, dataset)
+        return within(STATUS_TIMEOUT_S, lambda: read_dataset_version(api, dataset))
     except Exception as err:
         if getattr(getattr(err, "response", None), "status_code", None) == 404:
             return 0, ""
@@ -301,36 +305,40 @@ def _write_record(record: dict) -> None:
 
 def _publish(plan: PublishPlan, ckpt, step: int, record: dict, log, work_dir: Path | None = None,
              stable: Path | None = None) -> None:
-    """Publish checkpoint `ckpt` as `plan` says, with the credential it names; refused (401, 403) with the
-    notebook's token, once more with the attached key where there is one. Fills `record`. `work_dir`: where the
-    upload folder is made (default /kaggle/temp); `stable`: the stable-phase checkpoint to carry (default: the
-    one beside `ckpt` or in the checkpoints it resumed from)."""
+    """Publish checkpoint `ckpt` as `plan` says, with the credential it names; failing with the notebook's token
+    (refused, expired, or any other way), once more with the attached key where there is one. Fills `record`.
+    `work_dir`: where the upload folder is made (default /kaggle/temp); `stable`: the stable-phase checkpoint to
+    carry (default: the one beside `ckpt` or in the checkpoints it resumed from)."""
     from shared.kaggle.env import kaggle_paths
 
     dataset, delete_old = plan.dataset, plan.delete_old_versions
     if plan.credential:
         use_credential(plan.credential)
-    api = kaggle_api(from_secrets=plan.credential is None)  # None: a plan made without the bootstrap's proof
     began = time.monotonic()
     stable = stable or stable_checkpoint(Path(ckpt).parent, plan.resume_root)
-    before = dataset_version(api, dataset)[0] if plan.verify_s else 0
     work_dir = work_dir or kaggle_paths().temp
+    api, before = None, 0
 
     def push(delete: bool) -> dict:
-        return publish_checkpoint(api, ckpt, dataset, work_dir, plan.title, delete_old_versions=delete,
-                                  stable=stable)
+        return within(plan.publish_s or CREATE_TIMEOUT_S, lambda: publish_checkpoint(
+            api, ckpt, dataset, work_dir, plan.title, delete_old_versions=delete, stable=stable))
+
+    def sign_in_and_push(from_secrets: bool) -> dict:
+        nonlocal api, before
+        api = kaggle_api(from_secrets=from_secrets)
+        before = dataset_version(api, dataset)[0] if plan.verify_s else 0
+        return push(delete_old)
 
     try:
-        out = push(delete_old)
+        out = sign_in_and_push(from_secrets=plan.credential is None)  # None: a plan made without the bootstrap
     except Exception as err:
-        if not (refused(err) and plan.credential != ATTACHED_KEY and ATTACHED_KEY in candidates()):
+        if not key_takes_over(plan.credential):
             raise
         why = describe_error(err, secret_values())
-        log(f"notice: the notebook's token was refused publishing to {dataset} ({why}); "
+        log(f"notice: the publish to {dataset} with the notebook's token failed ({why}); "
             "publishing with the attached key")
         use_credential(ATTACHED_KEY)
-        api = kaggle_api(from_secrets=False)
-        out = push(delete_old)
+        out = sign_in_and_push(from_secrets=False)
     record.update(published=True, action=out["action"], seconds=round(time.monotonic() - began, 1),
                   delete_old_versions=delete_old, stable_step=out["stable_step"])
     also = f" (with the stable phase's step {out['stable_step']})" if stable is not None else ""

@@ -299,6 +299,7 @@ def test_one_wandb_run_per_chain_resumed_by_every_session(tmp_path):
 
 
 def test_a_key_from_kaggle_json_is_masked_in_every_message(tmp_path, monkeypatch):
+    from shared.kaggle.credential import kaggle_api_class
     from shared.kaggle.publish import kaggle_api
 
     fake_key = "0123456789abcdef0123456789abcdef"
@@ -309,6 +310,9 @@ def test_a_key_from_kaggle_json_is_masked_in_every_message(tmp_path, monkeypatch
     for name in ("KAGGLE_KEY", "KAGGLE_USERNAME", "KAGGLE_API_TOKEN"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("KAGGLE_CONFIG_DIR", str(config_dir))
+    api_class = kaggle_api_class()  # kaggle reads KAGGLE_CONFIG_DIR once, at import, which may have been before
+    monkeypatch.setattr(api_class, "config_dir", str(config_dir))
+    monkeypatch.setattr(api_class, "config", str(config_dir / "kaggle.json"))
     api = kaggle_api(from_secrets=False)
     lines: list[str] = []
     chain = Chain(config_from_dict({**BASE, "retry_attempts": 2}), tmp_path / "c", api=api, log=lines.append,

@@ -47,12 +47,13 @@ run_cli(main)
 """
 
 
-def run_session(lk, tmp_path, secrets: bool, between=None) -> tuple[str, list[str], dict | None, list[int]]:
+def run_session(lk, tmp_path, secrets: bool, between=None, session: str = SESSION
+                ) -> tuple[str, list[str], dict | None, list[int]]:
     """Push the session (its key attached as secrets first where `secrets`) and wait, calling `between()` after
     its bootstrap, before its publish; -> (status, its log lines, its publish record, the checkpoint dataset's
     version numbers)."""
     lk.cli("datasets", "create", "-p", str(write_dataset(tmp_path / "ds", DATASET, {"README.md": "no checkpoint"})))
-    folder = write_kernel(tmp_path / "k", REF, SESSION, enable_internet=True)
+    folder = write_kernel(tmp_path / "k", REF, session, enable_internet=True)
     if secrets:
         save_without_running(lk, folder)
         lk.app.attach_secret(REF, "KAGGLE_USERNAME", USER)
@@ -110,7 +111,7 @@ def test_a_token_refused_at_the_publish_itself_publishes_again_with_the_attached
         local_kaggle, tmp_path, secrets=True, between=lambda: setattr(local_kaggle.app, "notebook_token_writes", False))
     assert status == "COMPLETE", lines
     assert f"publishing to {DATASET} with {NOTEBOOK_TOKEN}" in lines
-    assert any(x.startswith(f"notice: the notebook's token was refused publishing to {DATASET} (HTTP 403")
+    assert any(x.startswith(f"notice: the publish to {DATASET} with the notebook's token failed (HTTP 403")
                and x.endswith("publishing with the attached key") for x in lines), lines
     assert record["published"] is True and versions == [1, 2]
 

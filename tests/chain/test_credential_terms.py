@@ -1,0 +1,233 @@
+"""The notebook's token publishes only for what it is good for, and as long: what Kaggle's IntrospectToken says of it
+(`scope`, `exp`) must cover a dataset write until the session's end, else the attached key publishes, and with no
+key a session whose checkpoints live in /kaggle/temp stops in its first minute. A publish that fails with the token
+is made again with the key. Signing in never swaps sys.stdout (a thread signs in while the trainer prints), and
+each in-session call has a limit."""
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from kaggle_fixtures import USER
+from test_session_credential import DATASET, SESSION, run_session
+
+from shared.errors import UserError
+from shared.kaggle import credential, publish
+from shared.kaggle.credential import ATTACHED_KEY, NOTEBOOK_TOKEN, TokenFacts, token_shortfall
+
+HOUR = 3600.0
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# The test session's build with a deadline of two hours and a publish margin of ten minutes.
+DEADLINE_SESSION = SESSION.replace(
+    '"checkpoint_dir": "{temp}/checkpoints"}', '"checkpoint_dir": "{temp}/checkpoints", "session_deadline": 7200}'
+).replace('"expect_step": 0}', '"expect_step": 0, "publish_s": 600}')
+
+
+def test_the_test_session_has_a_deadline_and_a_publish_margin():
+    assert '"session_deadline": 7200' in DEADLINE_SESSION and '"publish_s": 600' in DEADLINE_SESSION
+
+
+# --- the decision -----------------------------------------------------------------------------------------------
+
+def test_a_token_that_expires_before_the_sessions_last_publish_falls_short_and_one_that_outlives_it_does_not():
+    now = time.time()
+    short = token_shortfall(TokenFacts(True, "resources.admin:*", int(now + HOUR)), now + 2 * HOUR)
+    assert short.startswith("it expires at ") and short.endswith(
+        "60 minutes before the session's last publish may end")
+    assert token_shortfall(TokenFacts(True, "resources.admin:*", int(now + 3 * HOUR)), now + 2 * HOUR) is None
+    assert token_shortfall(TokenFacts(True, "resources.admin:*", 0), now + 2 * HOUR) is None  # no exp: no reason
+    assert token_shortfall(TokenFacts(True, "resources.admin:*", int(now + HOUR)), None) is None  # no deadline
+
+
+def test_a_token_whose_scope_lacks_dataset_writes_falls_short_and_one_that_names_no_scope_does_not():
+    assert token_shortfall(TokenFacts(True, "resources.datasets:read", 0), None) == (
+        "its scope (resources.datasets:read) lacks resources.admin:*, the one known to allow dataset writes")
+    assert token_shortfall(TokenFacts(True, "openid resources.admin:*", 0), None) is None
+    assert token_shortfall(TokenFacts(True, "", 0), None) is None
+    assert token_shortfall(TokenFacts(False, "resources.admin:*", 0), None) == "Kaggle says it is not active"
+
+
+@pytest.fixture
+def fake_proof(monkeypatch):
+    """choose_credential with the calls faked: each credential signs in, the token introspects as `facts` says,
+    and the proof's calls pass; -> the list of credentials proven."""
+    proven: list[str] = []
+    state = {"credential": None, "facts": TokenFacts(True, "resources.admin:*", 0)}
+    monkeypatch.setattr(credential, "use_credential", lambda c: state.update(credential=c))
+    monkeypatch.setattr(credential, "kaggle_api", lambda from_secrets=True: object())
+    monkeypatch.setattr(credential, "introspect_token", lambda api: state["facts"])
+    monkeypatch.setattr(credential, "prove_dataset_write", lambda api, ds: proven.append(state["credential"]))
+    return state, proven
+
+
+def test_a_token_expiring_before_the_session_ends_leaves_the_publish_to_the_attached_key(fake_proof, monkeypatch):
+    state, proven = fake_proof
+    state["facts"] = TokenFacts(True, "resources.admin:*", int(time.time() + HOUR))
+    monkeypatch.setattr(credential, "candidates", lambda: [NOTEBOOK_TOKEN, ATTACHED_KEY])
+    lines: list[str] = []
+    chosen = credential.choose_credential(DATASET, lines.append, needed_until=time.time() + 2 * HOUR)
+    assert chosen == (ATTACHED_KEY, None) and proven == [ATTACHED_KEY]
+    assert lines[1].startswith(f"notice: {NOTEBOOK_TOKEN} cannot publish to {DATASET} (it expires at ")
+
+
+def test_with_no_key_a_token_expiring_before_the_session_ends_can_publish_nothing(fake_proof, monkeypatch):
+    state, proven = fake_proof
+    state["facts"] = TokenFacts(True, "resources.admin:*", int(time.time() + HOUR))
+    monkeypatch.setattr(credential, "candidates", lambda: [NOTEBOOK_TOKEN])
+    chosen, problem = credential.choose_credential(DATASET, lambda line: None, time.time() + 2 * HOUR)
+    assert chosen is None and proven == []
+    assert problem.startswith(f"no credential can publish to {DATASET} ({NOTEBOOK_TOKEN}: it expires at ")
+
+
+def test_a_token_that_covers_the_session_publishes(fake_proof, monkeypatch):
+    state, proven = fake_proof
+    state["facts"] = TokenFacts(True, "resources.admin:*", int(time.time() + 3 * HOUR))
+    monkeypatch.setattr(credential, "candidates", lambda: [NOTEBOOK_TOKEN, ATTACHED_KEY])
+    lines: list[str] = []
+    assert credential.choose_credential(DATASET, lines.append, time.time() + 2 * HOUR) == (NOTEBOOK_TOKEN, None)
+    assert proven == [NOTEBOOK_TOKEN] and lines[0].startswith(f"{NOTEBOOK_TOKEN}: scope resources.admin:*, expires ")
+
+
+def test_the_session_may_publish_until_its_deadline_plus_the_publish_margin_counted_from_its_start(monkeypatch):
+    monkeypatch.setattr(credential, "seconds_left", lambda deadline: deadline - 100.0)  # started 100 s ago
+    until = credential.publish_until(7200, 600)
+    assert abs(until - (time.time() + 7700.0)) < 5.0
+    assert credential.publish_until(None, 600) is None and credential.publish_until(0) is None
+
+
+# --- the local Kaggle, as harsh ---------------------------------------------------------------------------------
+
+def test_the_local_kaggle_expires_a_session_token_mid_session_and_says_when_it_would(local_kaggle):
+    from scripts.local_kaggle import ApiError
+
+    accounts = local_kaggle.app.accounts
+    local_kaggle.app.notebook_token_lifetime_s = HOUR
+    token = accounts.issue_notebook_token(USER)
+    said = accounts.introspect(token, USER)
+    assert said["active"] is True and said["username"] == USER and said["scope"] == "resources.admin:*"
+    assert abs(said["exp"] - (time.time() + HOUR)) < 60
+    assert accounts.authenticate(f"Bearer {token}") == USER
+    accounts.expire_notebook_tokens()
+    with pytest.raises(ApiError) as err:
+        accounts.authenticate(f"Bearer {token}")
+    assert err.value.status == 401
+    assert accounts.introspect(token, USER)["active"] is False
+    assert accounts.introspect("nb-unknown", USER) == {"active": False, "username": ""}
+
+
+def test_the_local_kaggle_issues_a_token_without_write_scope_that_says_so_and_may_not_write(local_kaggle):
+    from scripts.local_kaggle import ApiError
+
+    accounts = local_kaggle.app.accounts
+    local_kaggle.app.notebook_token_scope = "resources.datasets:read"
+    token = accounts.issue_notebook_token(USER)
+    assert accounts.introspect(token, USER)["scope"] == "resources.datasets:read"
+    accounts.authorize(f"Bearer {token}", "GetDatasetStatus")  # reads pass
+    with pytest.raises(ApiError) as err:
+        accounts.authorize(f"Bearer {token}", "CreateDatasetVersion")
+    assert err.value.status == 403
+
+
+# --- sessions against the local Kaggle --------------------------------------------------------------------------
+
+def test_a_token_expiring_before_the_deadline_and_no_key_stop_the_session_before_training_in_one_line(
+        local_kaggle, tmp_path):
+    local_kaggle.app.notebook_token_lifetime_s = HOUR  # the session may publish until 2 h 10 min
+    status, lines, record, versions = run_session(local_kaggle, tmp_path, secrets=False, session=DEADLINE_SESSION)
+    assert status == "ERROR" and record is None and "bootstrap done" not in lines
+    (line,) = [x for x in lines if x.startswith("error:")]
+    assert line.startswith(f"error: this session cannot publish its checkpoints (no credential can publish to "
+                           f"{DATASET} ({NOTEBOOK_TOKEN}: it expires at ")
+    assert "70 minutes before the session's last publish may end)), and they would live in " in line
+    assert line.endswith("which is gone when the session ends; stopping before training")
+    assert versions == [1]
+
+
+def test_a_token_expiring_before_the_deadline_leaves_the_publish_to_the_attached_key(local_kaggle, tmp_path):
+    local_kaggle.app.notebook_token_lifetime_s = HOUR
+    status, lines, record, versions = run_session(local_kaggle, tmp_path, secrets=True, session=DEADLINE_SESSION)
+    assert status == "COMPLETE", lines
+    assert any(x.startswith(f"notice: {NOTEBOOK_TOKEN} cannot publish to {DATASET} (it expires at ") for x in lines)
+    assert f"publishing to {DATASET} with {ATTACHED_KEY}" in lines
+    assert record["published"] is True and versions == [1, 2]
+
+
+def test_a_token_that_expires_mid_session_publishes_with_the_attached_key(local_kaggle, tmp_path, monkeypatch):
+    monkeypatch.setenv("CRED_TEST_GATE", str(tmp_path / "gate"))
+    status, lines, record, versions = run_session(
+        local_kaggle, tmp_path, secrets=True, between=local_kaggle.app.accounts.expire_notebook_tokens)
+    assert status == "COMPLETE", lines
+    assert f"publishing to {DATASET} with {NOTEBOOK_TOKEN}" in lines
+    # Refused at the sign-in, before any upload: a failure the publish used to raise, not retry.
+    assert any(x.startswith(f"notice: the publish to {DATASET} with the notebook's token failed (HTTP 401")
+               and x.endswith("publishing with the attached key") for x in lines), lines
+    assert record["published"] is True and versions == [1, 2]
+
+
+# --- sign-in: no stdout swap, and a limit -----------------------------------------------------------------------
+
+def test_a_sign_in_from_a_thread_leaves_sys_stdout_alone_and_prints_no_help_page(monkeypatch, tmp_path, capsys):
+    api_class = credential.kaggle_api_class()  # kaggle reads its config folder once, at import: patched after it
+    for name in [n for n in os.environ if n.startswith("KAGGLE_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setattr(api_class, "config_dir", str(tmp_path / ".kaggle"))
+    monkeypatch.setattr(api_class, "config", str(tmp_path / ".kaggle" / "kaggle.json"))
+    stdout, seen, failed = sys.stdout, [], []
+    original = api_class.authenticate
+
+    def spy(self):
+        seen.append(sys.stdout)
+        return original(self)
+
+    monkeypatch.setattr(api_class, "authenticate", spy)
+
+    def midway_thread():
+        try:
+            credential.kaggle_api(from_secrets=False)
+        except UserError as err:
+            failed.append(str(err))
+
+    thread = threading.Thread(target=midway_thread)
+    thread.start()
+    thread.join(60)
+    assert seen == [stdout] and sys.stdout is stdout
+    assert failed and failed[0].startswith("Kaggle credentials not found")
+    assert capsys.readouterr().out == ""  # kaggle's page of help, silenced at its source
+
+
+def test_the_first_import_of_kaggle_signs_in_without_printing_its_help_page(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KAGGLE_")}
+    env.update(HOME=str(tmp_path), KAGGLE_CONFIG_DIR=str(tmp_path / ".kaggle"), PYTHONPATH=REPO)
+    code = ("import sys; from shared.errors import run_cli; from shared.kaggle.credential import kaggle_api; "
+            "assert 'kaggle' not in sys.modules; run_cli(lambda: kaggle_api(from_secrets=False))")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().startswith("error: Kaggle credentials not found")
+
+
+def test_a_sign_in_that_never_answers_is_one_line_at_its_limit(monkeypatch):
+    release = threading.Event()
+    monkeypatch.setattr(credential, "SIGN_IN_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(credential, "_signed_in", lambda: release.wait())
+    try:
+        with pytest.raises(UserError, match=r"^signing in to Kaggle: no answer within 0\.2 s$"):
+            credential.kaggle_api(from_secrets=False)
+    finally:
+        release.set()
+
+
+def test_a_status_read_that_never_answers_is_one_line_at_its_limit(monkeypatch):
+    release = threading.Event()
+    monkeypatch.setattr(publish, "STATUS_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(publish, "read_dataset_version", lambda api, ds: release.wait())
+    try:
+        with pytest.raises(UserError, match=r"^no answer within 0\.2 s$"):
+            publish.dataset_version(object(), DATASET)
+    finally:
+        release.set()
+
