@@ -38,8 +38,9 @@ def print_summary(manifest: dict) -> None:
           f"{gb:.3f} GB in {s['out_dir']}")
     print(f"stream: documents {s['start']['doc']}+{s['start']['offset']} -> {s['end']['doc']}+{s['end']['offset']} "
           f"(stopped: {s['stop_reason']})")
-    print(f"this run: {s['new_tokens']:,} tokens in {s['seconds']:.1f}s ({rate})"
-          + (", resumed a previous run" if s["resumed"] else ""))
+    # the whole time, pinning the revision and any wait on the Hub before the stream included (issue 50)
+    print(f"this run: {s['new_tokens']:,} tokens in {s['total_seconds']:.1f}s, {s['seconds']:.1f}s of it streaming "
+          f"({rate})" + (", resumed a previous run" if s["resumed"] else ""))
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -11,7 +11,9 @@ cites each): dataset info (`/api/datasets/<id>[/revision/<rev>]`), the tree (`/a
 
 Faults (`LocalHub.add_fault`), each on the next `count` requests whose path holds `match`: `429` (Retry-After and
 RateLimit headers), `503`, `reset` (the connection dropped after `after_bytes` of the body), `stall` (the body
-stops for `stall_s` seconds), `slow` (the body at `bytes_per_s`). Every request and fault served is recorded.
+stops for `stall_s` seconds), `slow` (the body at `bytes_per_s`), `silence` (any request, API calls included: the
+connection is accepted and nothing is sent for `stall_s` seconds, then it is dropped, as a half-open link or a
+proxy that never answers). Every request and fault served is recorded.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pathlib import Path
 
 from scripts.local_kaggle.server import HttpIO
 
-FAULT_KINDS = ("429", "503", "reset", "stall", "slow")
+FAULT_KINDS = ("429", "503", "reset", "stall", "slow", "silence")
 FINEWEB_README = """---
 license: odc-by
 configs:
@@ -192,6 +194,9 @@ def _make_handler(hub: LocalHub):
             if hub.token and self.headers.get("Authorization") != f"Bearer {hub.token}":
                 return self._error(method, path, 401, "Invalid credentials in Authorization header")
             fault = hub.take_fault(path) if method == "GET" else None
+            if fault and fault.kind == "silence":
+                hub.record(method=method, path=path, status=None, fault=fault.kind)
+                return self._drop(fault.stall_s)
             if fault and fault.kind in ("429", "503"):
                 hub.record(method=method, path=path, status=int(fault.kind), fault=fault.kind)
                 headers = {"Retry-After": str(fault.retry_after)}
@@ -284,11 +289,15 @@ def _make_handler(hub: LocalHub):
             else:  # reset or stall: part of the body, then a dropped connection or a long silence
                 self.wfile.write(body[:fault.after_bytes])
                 self.wfile.flush()
-                if fault.kind == "stall":
-                    hub.stopping.wait(fault.stall_s)
-                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                self.close_connection = True
-                self.connection.close()  # with linger 0: a TCP reset, as a dropped link gives
+                self._drop(fault.stall_s if fault.kind == "stall" else 0.0)
+
+        def _drop(self, silent_s: float) -> None:
+            """Send nothing more for `silent_s` (cut short when the hub stops), then drop the connection."""
+            if silent_s:
+                hub.stopping.wait(silent_s)
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.close_connection = True
+            self.connection.close()  # with linger 0: a TCP reset, as a dropped link gives
 
         def _json(self, method: str, status: int, payload, headers: dict | None = None, log: bool = True) -> None:
             self._send_json(status, payload, headers)

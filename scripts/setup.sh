@@ -45,20 +45,17 @@ install .venv --reinstall-package torchax --no-deps "$(.venv/bin/python -c \
 install .venv-tpu jax==0.7.2 jaxlib==0.7.2 libtpu==0.0.17 numpy
 if [ "${1:-}" = "--kaggle-image" ]; then
   # Stand-ins for Kaggle's images, which the local Kaggle runs sessions in: each holds its image's versions of
-  # the packages the kernels import, and nothing the image lacks (docs/kaggle-tpu.md, section 5, with sources).
-  # TPU image (Kaggle/docker-python tpu/): torch/torch_xla 2.8.0 (CPU backend here), kagglehub,
-  # transformers, datasets, pandas, pyarrow, matplotlib; no kaggle, tiktoken or wandb.
+  # the packages the kernels import, and nothing the image lacks. Each image's list, with its sources, is in
+  # scripts/image_pins/ (docs/kaggle-tpu.md, section 5).
+  # TPU image (Kaggle/docker-python tpu/): torch/torch_xla 2.8.0 (CPU backend here) and what it leaves unpinned;
+  # no kaggle, tiktoken or wandb. (jax is left out: the kernels import it only on a TPU, for the Pallas kernel.)
   [ -x .venv-kaggle-tpu/bin/python ] || "$PYTHON" -m venv .venv-kaggle-tpu
-  # (tunix caps safetensors below 0.8, and transformers 5 needs 0.8: transformers 4 resolves quickly. jax is
-  # left out: the kernels import it only on a TPU, for the Pallas kernel.)
-  install .venv-kaggle-tpu torch==2.8.0 torch_xla==2.8.0 numpy \
-    'safetensors<0.8' tqdm matplotlib kagglehub 'transformers<5' datasets pandas pyarrow
-  # CPU image (Colab's CPU runtime + kaggle_requirements.txt): kaggle, kagglehub, datasets, transformers, pandas,
-  # pyarrow, matplotlib, and torch from Colab's base (its version is not verified: the project's own, hard-linked
-  # from uv's cache); no tiktoken or wandb.
+  install .venv-kaggle-tpu -r scripts/image_pins/kaggle-tpu.txt
+  # CPU image (Colab's CPU runtime + kaggle_requirements.txt): the versions of Colab's freeze, one list with its
+  # sources (scripts/image_pins/kaggle-cpu.txt), and torch 2.9.0, the project's own, hard-linked from uv's cache
+  # (Colab's is 2.10.0+cpu); no tiktoken or wandb.
   [ -x .venv-kaggle-cpu/bin/python ] || "$PYTHON" -m venv .venv-kaggle-cpu
-  install .venv-kaggle-cpu torch==2.9.0 numpy safetensors tqdm matplotlib \
-    'kaggle>=1.8.3' six kagglehub transformers datasets pandas pyarrow
+  install .venv-kaggle-cpu torch==2.9.0 -r scripts/image_pins/kaggle-cpu.txt
   for image in tpu cpu; do
     .venv-kaggle-$image/bin/python - "$image" <<'PY'
 import importlib.util, sys

@@ -97,7 +97,7 @@ def resolve_build(build: dict, log=print) -> BuiltKernel:
     packages it needs that the image lacks installed, publishing checked and planned, and the checkpoint dataset
     staged for resuming. Called by the bootstrap of every built kernel; every check here comes before any work."""
     from shared.kaggle.env import check_tpu_present, in_session, kaggle_paths
-    from shared.kaggle.packages import require, upgrade
+    from shared.kaggle.packages import require
 
     settings = dict(build.get("settings") or {})
     if not in_session():
@@ -110,10 +110,6 @@ def resolve_build(build: dict, log=print) -> BuiltKernel:
     settings = {k: resolve_placeholders(v, paths) if isinstance(v, str) else v for k, v in settings.items()}
     for name, reason in kernel_needs(build.get("kernel", ""), settings):
         require(name, reason, log)
-    for name in kernel_upgrades(build.get("kernel", ""), settings):
-        problem = upgrade(name, log)
-        if problem:
-            log(f"notice: {problem}")
     if build.get("kernel") == "eval" and settings.get("kaggle_model"):
         problem = publish_problem(log, "the Kaggle Model upload")
         if problem:
@@ -239,20 +235,39 @@ def fetch_dataset_version(dataset: str, version: int, dest: Path, timeout_s: flo
     except ImportError as err:
         raise UserError(f"kagglehub is not importable ({err})") from None
     handle = f"{dataset}/versions/{version}"
-    previous = os.environ.get(CACHE_OFF_ENV)
-    os.environ[CACHE_OFF_ENV] = "1"
+    download, env = _kagglehub_download(kagglehub, handle, dest)
+    previous = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
     try:
-        return Path(within(timeout_s or FETCH_TIMEOUT_S,
-                           lambda: kagglehub.dataset_download(handle, output_dir=str(dest))))
+        return Path(within(timeout_s or FETCH_TIMEOUT_S, download))
     except UserError:
         raise
     except Exception as err:  # kagglehub's and requests' own types; masked, one line
         raise UserError(describe_error(err, [os.environ.get("KAGGLE_KEY", "")])) from None
     finally:
-        if previous is None:
-            os.environ.pop(CACHE_OFF_ENV, None)
-        else:
-            os.environ[CACHE_OFF_ENV] = previous
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _kagglehub_download(kagglehub, handle: str, dest: Path):
+    """(the call that downloads `handle` into `dest`, the environment it needs). With `output_dir` where kagglehub
+    takes it (0.4.3 on: kagglehub 0.4.3 datasets.py L34-40); an older one (Kaggle/docker-python asks only >= 0.4.2,
+    kaggle_requirements.txt:74, and the TPU image leaves it unpinned, tpu/requirements.in:38) downloads into its
+    cache, put under `dest` (KAGGLEHUB_CACHE, read on each call: kagglehub 0.4.2 config.py L60-63), and returns
+    the folder it used there."""
+    import inspect
+
+    env = {CACHE_OFF_ENV: "1"}
+    try:
+        takes_output_dir = "output_dir" in inspect.signature(kagglehub.dataset_download).parameters
+    except (TypeError, ValueError):  # no signature to read: the current API
+        takes_output_dir = True
+    if takes_output_dir:
+        return (lambda: kagglehub.dataset_download(handle, output_dir=str(dest))), env
+    return (lambda: kagglehub.dataset_download(handle)), {**env, "KAGGLEHUB_CACHE": str(dest)}
 
 
 def kernel_needs(kernel: str, settings: dict) -> list[tuple[str, str]]:
@@ -264,9 +279,3 @@ def kernel_needs(kernel: str, settings: dict) -> list[tuple[str, str]]:
         if settings.get("hellaswag", "auto") != "off" or settings.get("prompts", "default") != "":
             needs.append(("tiktoken", "HellaSwag and the samples"))
     return needs
-
-
-def kernel_upgrades(kernel: str, settings: dict) -> list[str]:
-    """The packages (shared.kaggle.packages.UPGRADES) a kernel with these settings is better off with newer than
-    an image may have: `datasets` where the tokenize kernel streams from the Hub."""
-    return ["datasets"] if kernel == "tokenize" and not settings.get("data_files") else []

@@ -12,10 +12,8 @@ With internet off pip fails within seconds: a required package is then one line 
 optional one a one-line notice; an install that hangs is stopped at PIP_TIMEOUT_S, the same way. Outside a
 Kaggle session nothing is installed: the laptop's setup has everything.
 
-A package an image has, but may have too old for what a kernel relies on, is an `Upgrade`: where the image's copy is
-older, a newer pinned version is installed alone (pip --no-deps) into a folder of its own and put first on the import
-path, and only if the image's packages meet every requirement it declares and it imports. Otherwise the image's
-copy stays, with a one-line notice: an upgrade never stops a session.
+A package the image has is used as it is. (The CPU image's datasets 4.0.0 is not replaced: every datasets from 4.4.1
+on needs pyarrow >= 21, and the image has 18.1.0; docs/tokenize.md, "Which library versions a session reads with".)
 """
 
 from __future__ import annotations
@@ -24,14 +22,13 @@ import importlib
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.errors import UserError, describe_error, duration_text
+from shared.errors import UserError, duration_text
 from shared.kaggle.facts import record_fact
 
 TARGET_DIR = "gpt2k-packages"  # under the session's temp folder
@@ -73,29 +70,6 @@ PACKAGES = {
     # torch_xla's call_jax (jax's splash attention, shared/train/splash.py) needs it beside jax. torch_xla's wheel
     # carries a copy (which imports with the TPU image's torch_xla 2.8.0 and jax 0.7.2: docs/tpu-throughput.md).
     "torchax": Package("torchax", ("torchax==0.0.13",), "jax's splash attention (torch_xla's call_jax)"),
-}
-
-
-@dataclass(frozen=True)
-class Upgrade:
-    """A package a Kaggle image has that may be older than what a kernel relies on, and the newer pinned versions
-    that may replace it for the session."""
-
-    module: str  # the import name (and distribution name)
-    at_least: str  # the oldest version that does what the kernel relies on
-    candidates: tuple[str, ...]  # pinned requirements, newest first: the first the image's packages can run is kept
-    purpose: str  # what the newer version is for, in the notices
-    fallback: str  # what covers for an older copy kept, in the notice
-
-
-UPGRADES = {
-    # Streaming reads retry the Hub's 429 and 504 from datasets 4.4.1 on (docs/tokenize.md). 5.2.0 (the version the
-    # project's setup tests with) needs huggingface_hub >= 1.31, pyarrow >= 24 and fsspec <= 2026.9.0; 4.8.5, the
-    # newest 4.x, huggingface_hub < 2, httpx < 1, pyarrow >= 21 and fsspec <= 2026.2.0 (their wheels' METADATA).
-    # An image that meets neither keeps its own copy.
-    "datasets": Upgrade("datasets", "4.4.1", ("datasets==5.2.0", "datasets==4.8.5"),
-                        "retrying the Hub's 429 and 504 while streaming",
-                        "the tokenize kernel's own retries cover the Hub's 429 and 504 (docs/tokenize.md)"),
 }
 
 
@@ -209,90 +183,6 @@ def provide(name: str, reason: str = "", log=print, installer=None) -> str | Non
         problem = (f"the {pkg.module} package is not in this Kaggle image and could not be installed ({error}); it "
                    f"is needed for {why}: turn on the notebook's internet (Settings > Internet)")
     record_fact("packages", name, {"from": "missing", "problem": problem})
-    return problem
-
-
-def _runs_with_image(module: str, version: str) -> str:
-    """The check (for `_imports_with`) that `module` `version`, first on the path, finds every requirement it
-    declares (extras aside) met by the packages after it, and imports."""
-    return (f"""
-from importlib import metadata
-from packaging.requirements import Requirement
-have = metadata.version({module!r})
-if have != {version!r}:
-    sys.exit(f"found {module} {{have}} first on the path, not {version}")
-for line in metadata.requires({module!r}) or []:
-    req = Requirement(line)
-    if req.marker is not None and not req.marker.evaluate({{"extra": ""}}):
-        continue
-    try:
-        found = metadata.version(req.name)
-    except metadata.PackageNotFoundError:
-        sys.exit(f"it needs {{req}}, and the image has no {{req.name}}")
-    if not req.specifier.contains(found, prereleases=True):
-        sys.exit(f"it needs {{req}}, and the image has {{req.name}} {{found}}")
-import {module}
-""")
-
-
-def upgrade(name: str, log=print, installer=None) -> str | None:
-    """Where the image's UPGRADES[name] is older than its `at_least`, install the first candidate the image's
-    packages can run, first on the import path (before anything imports it). None when the copy in use is new
-    enough, else one line saying why the image's copy stays: a notice for the caller, never fatal."""
-    up = UPGRADES[name]
-    try:
-        return _upgrade(name, up, log, installer or pip_install)
-    except Exception as err:  # noqa: BLE001 - an upgrade is a bonus: whatever goes wrong, the image's copy stays
-        problem = f"kept the image's {up.module}: replacing it failed ({describe_error(err)}); {up.fallback}"
-        record_fact("packages", name, {"from": "image", "problem": problem})
-        return problem
-
-
-def _upgrade(name: str, up: Upgrade, log, installer) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    from packaging.version import Version
-
-    try:
-        have = version(up.module)
-    except PackageNotFoundError:
-        have = None
-    if have is not None and Version(have) >= Version(up.at_least):
-        record_fact("packages", name, {"from": "image", "version": have})
-        return None
-    target = install_dir()
-    if target is None:  # the laptop: its setup decides what is installed
-        return None
-    image = f"the image's {up.module} {have}, older than {up.at_least}," if have else f"the image without {up.module}"
-    if up.module in sys.modules:
-        problem = f"kept {image} as it was imported before it could be replaced; {up.fallback}"
-        record_fact("packages", name, {"from": "image", "version": have, "problem": problem})
-        return problem
-    start, reasons = time.monotonic(), []
-    for requirement in up.candidates:
-        if reasons and time.monotonic() - start > PIP_TIMEOUT_S:  # a slow index: the session's start-up comes first
-            reasons.append(f"{requirement}: not tried, {duration_text(PIP_TIMEOUT_S)} spent")
-            break
-        folder = target / requirement.replace("==", "-")
-        shutil.rmtree(folder, ignore_errors=True)
-        folder.mkdir(parents=True)
-        problem = installer((requirement,), folder, no_deps=True) or _imports_with(
-            [str(folder)] + [str(p) for p in sys.path if p != str(folder)],
-            _runs_with_image(up.module, requirement.split("==")[1]))
-        if problem is None:
-            sys.path.insert(0, str(folder))
-            importlib.invalidate_caches()
-            seconds = time.monotonic() - start
-            _installs_s.append(seconds)
-            record_fact("packages", name, {"from": "upgraded", "image": have, "requirements": [requirement],
-                                           "seconds": round(seconds, 1)})
-            log(f"installed {requirement} for {up.purpose} in {seconds:.1f}s over {image.removesuffix(',')} "
-                "(alone, ahead of the image's copy, on the image's packages; gone with the session)")
-            return None
-        shutil.rmtree(folder, ignore_errors=True)
-        reasons.append(f"{requirement}: {problem}")
-    problem = f"kept {image} for want of a newer one ({'; '.join(reasons)}); {up.fallback}"
-    record_fact("packages", name, {"from": "image", "version": have, "problem": problem})
     return problem
 
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from shared.data import natural_key
 from shared.errors import UserError, describe_error, duration_text, http_status, is_transient
+from shared.tokenize.hub_client import describe_hub_error, limit_hub_silence
 from shared.tokenize.retry import Backoff
 
 if TYPE_CHECKING:  # annotations only: importing these for real would be circular (the config) or slow (datasets)
@@ -99,7 +100,8 @@ def _is_text_type(kind) -> bool:
 
 
 # Set (where the user has not) before huggingface_hub is imported, which reads them then. Its 10 s default read
-# timeout can take a slow but live link for a dead one; a stalled one is still noticed within a minute.
+# timeout can take a slow but live link for a dead one; a stalled one is still noticed within a minute. The download
+# timeout is also the limit on silence of every other Hub request (shared/tokenize/hub_client.py).
 HUB_ENV_DEFAULTS = {"HF_HUB_DOWNLOAD_TIMEOUT": "60", "HF_HUB_ETAG_TIMEOUT": "60", "HF_HUB_DISABLE_TELEMETRY": "1"}
 
 
@@ -161,6 +163,7 @@ def resolve_hub_revision(dataset: str, revision: str, backoff: Backoff | None = 
     retries of what may pass) is an error: an unpinned part could read another snapshot than the parts after it."""
     from huggingface_hub import HfApi
 
+    limit_hub_silence()  # dataset_info sends no timeout of its own: a silent Hub would hold it for good
     backoff = backoff or Backoff(total_s=300.0)
     while True:
         try:
@@ -173,7 +176,7 @@ def resolve_hub_revision(dataset: str, revision: str, backoff: Backoff | None = 
                 raise UserError(f"{dataset}: cannot pin the revision {revision or 'main'} to a commit "
                                 f"({describe_error(err)}){hint}") from None
             if log:
-                log(f"retrying: {dataset}'s revision ({describe_error(err)}) in {duration_text(wait)}")
+                log(f"retrying: {dataset}'s revision ({describe_hub_error(err)}) in {duration_text(wait)}")
             backoff.sleep(wait)
     if not sha:
         raise UserError(f"{dataset}: the Hub named no commit for revision {revision or 'main'}")
@@ -205,6 +208,7 @@ def open_stream(source: dict) -> datasets.IterableDataset:
                 raise UserError(f"{source_label(source)}: no documents in the input")
             ds = datasets.load_dataset(source["format"], data_files=paths, split="train", streaming=True)
         else:
+            limit_hub_silence()
             ds = _load_hub_dataset(datasets, source)
     except UserError:
         raise
@@ -263,7 +267,7 @@ class _ResumeMismatch(Exception):
 
 def _read_error(source: dict, err: BaseException, what: str) -> UserError:
     cls = StreamFault if is_transient(err) else UserError
-    return cls(f"{source_label(source)}: {what} ({describe_error(err)})")
+    return cls(f"{source_label(source)}: {what} ({describe_hub_error(err)})")
 
 
 def stream_batches(open_ds: Callable[[], datasets.IterableDataset], source: dict, checkpoint: dict, batch_docs: int,

@@ -4,8 +4,6 @@ local Kaggle sessions, which reach it as the internet (issue 31)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -37,21 +35,13 @@ def _documents() -> list[str]:
     return [p for _, text in sorted(topics.items()) for p in text.split("\n\n") if p.strip()]
 
 
-def older_datasets(folder) -> str:
-    """datasets 4.0.0 alone (its requirements are the image's), as an image older than 4.4.1 holds it: put ahead of
-    the image's packages through PYTHONPATH, the bootstrap finds it and installs a newer one (issue 31)."""
-    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-                           "--no-deps", "--target", str(folder), "datasets==4.0.0"], capture_output=True, text=True)
-    assert proc.returncode == 0, f"pip could not fetch datasets 4.0.0: {(proc.stderr or proc.stdout).strip()[-300:]}"
-    return str(folder)
-
-
 @pytest.mark.slow
 def test_the_chain_tokenizes_two_parts_from_a_gated_hub_with_the_token_secret_through_a_503_outage(
         local_kaggle, tmp_path, gpt2_ranks, image_pythons, monkeypatch):
     """tokenize.hf_token: the part notebooks are saved first, the user attaches HF_TOKEN to each, and the parts read
-    a Hub that refuses anonymous requests. The image's datasets is 4.0.0, which retries no 429 or 504: each part
-    installs a newer one at its start."""
+    a Hub that refuses anonymous requests, in the CPU image's stand-in (datasets 4.0.0, huggingface_hub 1.11.0:
+    scripts/image_pins/kaggle-cpu.txt), whose client sends no timeout of its own on the revision's pin: part 0's
+    first connection sends nothing, and is cut and retried (issue 50)."""
     lk = local_kaggle
     docs = _documents()
     build_fineweb_like(tmp_path / "hub", docs, files=3, row_group_rows=97)
@@ -61,10 +51,10 @@ def test_the_chain_tokenizes_two_parts_from_a_gated_hub_with_the_token_secret_th
     with LocalHub(tmp_path / "hub", token=token) as hub:
         # What the sessions inherit from the local Kaggle (this process): the Hub's address, a cache of their own.
         for name, value in {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf-home"), "HF_TOKEN": "",
-                            "HF_UPDATE_DOWNLOAD_COUNTS": "0",
-                            "PYTHONPATH": older_datasets(tmp_path / "image-datasets")}.items():
+                            "HF_UPDATE_DOWNLOAD_COUNTS": "0", "HF_HUB_DOWNLOAD_TIMEOUT": "2"}.items():
             monkeypatch.setenv(name, value)
         hub.add_fault("503", match="002_00000", count=6, retry_after=0)  # part 1's reads, past the library's retries
+        hub.add_fault("silence", match="/api/datasets/", stall_s=600)  # part 0's first request: pinning the revision
         config = {"name": "hub-run", "poll_initial_s": 0.2, "poll_max_s": 1, "eval": {"enabled": False},
                   "tokenize": {"parts": 2, "hf_token": True, "inputs": ["alice/gpt2-ranks"], "settings": {
                       "ranks_path": "{input:alice/gpt2-ranks}/gpt2.tiktoken", "tokens_per_part": 70_000,
@@ -81,7 +71,7 @@ def test_the_chain_tokenizes_two_parts_from_a_gated_hub_with_the_token_secret_th
             lk.app.attach_secret(f"alice/hub-run-tokens-part-{part}", "HF_TOKEN", token)
         proc = probe("chain.tokenize.run()")
         assert json.loads(proc.stdout.splitlines()[-1].removeprefix("RESULT ")) == {"0": "COMPLETE", "1": "COMPLETE"}
-        assert hub.faults_served()["503"] == 6
+        assert (hub.faults_served()["503"], hub.faults_served()["silence"]) == (6, 1)
     kernels = lk.app.state["kernels"]
     tokens, logs = [], {}
     for part in (0, 1):
@@ -92,9 +82,9 @@ def test_the_chain_tokenizes_two_parts_from_a_gated_hub_with_the_token_secret_th
         manifest = json.loads((out / "manifest.json").read_text())
         assert manifest["source"]["dataset"] == "HuggingFaceFW/fineweb-edu" and manifest["complete"]
         assert manifest["source"]["revision"] == hub.sha("HuggingFaceFW/fineweb-edu")
-        assert manifest["libraries"]["datasets"] == "5.2.0"  # read with the copy installed over the image's 4.0.0
-        facts = json.loads((out / FACTS_FILE).read_text())["packages"]["datasets"]
-        assert (facts["from"], facts["image"], facts["requirements"]) == ("upgraded", "4.0.0", ["datasets==5.2.0"])
+        libraries = manifest["libraries"]
+        assert (libraries["datasets"], libraries["huggingface_hub"]) == ("4.0.0", "1.11.0")  # the image's, as is
+        assert "datasets" not in json.loads((out / FACTS_FILE).read_text()).get("packages", {})
         tokens += [np.asarray(read_shard(out / s["name"])) for s in manifest["shards"]]
         logs[part] = "".join(e["data"] for e in lk.app.kernels.log_events(kernels[ref], version["number"]))
     enc = gpt2_encoding(gpt2_ranks)
@@ -102,12 +92,10 @@ def test_the_chain_tokenizes_two_parts_from_a_gated_hub_with_the_token_secret_th
     got = np.concatenate(tokens)
     np.testing.assert_array_equal(got, expected[:got.size])
     assert got.size == expected.size  # the two parts hold the whole stream, in order
-    assert "retrying:" not in logs[0] and all("with the HF_TOKEN secret" in log for log in logs.values())
-    assert all(token not in log for log in logs.values())
-    for log in logs.values():
-        (line,) = [line for line in log.splitlines() if line.startswith("installed datasets")]
-        assert line.startswith("installed datasets==5.2.0 for retrying the Hub's 429 and 504 while streaming in ")
-        assert line.endswith("s over the image's datasets 4.0.0, older than 4.4.1 (alone, ahead of the image's copy, "
-                             "on the image's packages; gone with the session)")
+    assert all("with the HF_TOKEN secret" in log for log in logs.values())
+    assert all(token not in log and "installed datasets" not in log for log in logs.values())
+    (cut,) = [line for line in logs[0].splitlines() if line.startswith("retrying:")]
+    assert cut.startswith("retrying: HuggingFaceFW/fineweb-edu's revision (nothing received for 2 s, the connection "
+                          "was cut: ")
     (retry,) = [line for line in logs[1].splitlines() if line.startswith("retrying:")]
     assert "HTTP 503" in retry and "reopening the stream at document" in retry

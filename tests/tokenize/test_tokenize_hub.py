@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import sys
 import time
 from pathlib import Path
 
@@ -38,13 +39,13 @@ def hub(hub_root):
         yield server
 
 
-def hub_kernel(hub: LocalHub, ranks: str, out: Path, *extra, env: dict | None = None):
+def hub_kernel(hub: LocalHub, ranks: str, out: Path, *extra, env: dict | None = None, python: str = sys.executable):
     """The kernel on the Hub's FineWeb-Edu sample-10BT (its defaults), as the reference run's shards are cut."""
     hub_env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(out.parent / "hf-home"), "HF_UPDATE_DOWNLOAD_COUNTS": "0",
                "HF_HUB_DOWNLOAD_TIMEOUT": "2", "HF_TOKEN": ""}
     return run_kernel("--out-dir", out, "--shard-size", "20000", "--processes", "2", "--batch-docs", "64",
                       "--ranks-path", ranks, "--no-progress", "--retry-wait-s", "0.2", *extra,
-                      env={**hub_env, **(env or {})})
+                      env={**hub_env, **(env or {})}, python=python)
 
 
 @pytest.mark.slow  # a kernel process (7 s): the quick loop keeps the in-process tests of the same code
@@ -71,7 +72,7 @@ def test_each_hub_fault_is_retried_and_the_tokens_are_those_of_a_fault_free_run(
     proc = hub_kernel(hub, ranks, out)
     assert proc.returncode == 0, proc.stderr
     assert_same_shards(out, reference[0])
-    assert hub.faults_served() == {"429": 1, "503": 6, "reset": 1, "stall": 1, "slow": 0}
+    assert hub.faults_served() == {"429": 1, "503": 6, "reset": 1, "stall": 1, "slow": 0, "silence": 0}
     log = proc.stderr
     assert "Rate limited" in log and "Connection reset" in log and "timed out" in log  # the libraries' retries
     ours = [line for line in log.splitlines() if line.startswith("retrying:")]
@@ -343,3 +344,81 @@ def test_datasets_own_streaming_retries_are_capped_at_five_tries_so_a_longer_fau
         "STREAMING_READ_MAX_RETRIES": 5, "STREAMING_READ_RETRY_INTERVAL": 5,
         "STREAMING_READ_SERVER_UNAVAILABLE_RETRY_INTERVAL": 20, "STREAMING_READ_RATE_LIMIT_RETRY_INTERVAL": 60,
         "STREAMING_OPEN_MAX_RETRIES": 5, "STREAMING_OPEN_RETRY_INTERVAL": 5}
+
+
+@pytest.fixture
+def hub_client_reset():
+    """huggingface_hub's own client again after the test (the limit on silence is set for the whole process)."""
+    import huggingface_hub
+    from huggingface_hub.utils import _http
+
+    import shared.tokenize.hub_client as hub_client
+
+    yield
+    huggingface_hub.set_client_factory(_http.default_client_factory)
+    hub_client._installed.clear()
+
+
+def test_a_hub_that_accepts_and_sends_nothing_is_cut_and_the_pin_retried(hub, monkeypatch, hub_client_reset):
+    """dataset_info sends no timeout of its own (huggingface_hub 1.x and 2.x): a silent first connection held the
+    part until the session's deadline (issue 50). The limit on silence cuts it; our retry says so, in one line."""
+    import threading
+
+    from huggingface_hub import constants
+
+    from shared.tokenize.source import resolve_hub_revision
+
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+    monkeypatch.setattr(constants, "HF_HUB_DOWNLOAD_TIMEOUT", 1)
+    hub.add_fault("silence", match="/api/datasets/", stall_s=600)  # ended by the hub's stop, if nothing cuts it
+    lines: list[str] = []
+    got: list[str] = []
+    pin = threading.Thread(target=lambda: got.append(resolve_hub_revision(
+        REPO, "", Backoff(first_s=0.01, total_s=5), lines.append)), daemon=True)
+    pin.start()
+    pin.join(timeout=120)  # a guard, 120 times the limit: the pin must not wait out the silence
+    assert got == [hub.sha(REPO)]
+    assert hub.faults_served()["silence"] == 1
+    (line,) = lines
+    assert line.startswith(f"retrying: {REPO}'s revision (nothing received for 1 s, the connection was cut: ")
+    assert "Timeout" in line and line.endswith(") in 0.01 s")
+
+
+def tiktoken_alone(folder: Path) -> str:
+    """This venv's tiktoken (and its ranks' loader) on a path of its own, for an image's stand-in that lacks it (a
+    session installs it: shared/kaggle/packages.py); the same Python, so its compiled part loads."""
+    import tiktoken
+    import tiktoken_ext
+
+    folder.mkdir()
+    for module in (tiktoken, tiktoken_ext):
+        (folder / module.__name__).symlink_to(Path(list(module.__path__)[0]))
+    return str(folder)
+
+
+@pytest.mark.slow  # a kernel process in the CPU image's stand-in (10 s)
+def test_silent_connections_are_cut_and_retried_on_the_cpu_images_versions(hub, ranks, tmp_path, reference,
+                                                                            image_pythons):
+    """On what the CPU image has (datasets 4.0.0, huggingface_hub 1.11.0: scripts/image_pins/kaggle-cpu.txt): the
+    first connection and a range read mid-stream send nothing for longer than the 2 s limit, and 429s outlast
+    huggingface_hub's retries (datasets 4.0.0 retries none): the part ends with the fault-free run's tokens."""
+    hub.add_fault("silence", match="/api/datasets/", stall_s=600)  # pinning the revision: part 0's first request
+    hub.add_fault("silence", match="001_00000", stall_s=600)  # a range read of the second file
+    hub.add_fault("429", match="002_00000", count=6, retry_after=0)
+    out = tmp_path / "out"
+    proc = hub_kernel(hub, ranks, out, python=str(image_pythons["cpu"]),
+                      env={"PYTHONPATH": tiktoken_alone(tmp_path / "tiktoken")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_shards(out, reference[0])
+    libraries = json.loads((out / MANIFEST).read_text())["libraries"]
+    assert (libraries["datasets"], libraries["huggingface_hub"], libraries["pyarrow"]) == ("4.0.0", "1.11.0", "18.1.0")
+    assert hub.faults_served() == {"429": 6, "503": 0, "reset": 0, "stall": 0, "slow": 0, "silence": 2}
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("retrying:")]
+    assert len(ours) == 2
+    assert ours[0].startswith(f"retrying: {REPO}'s revision (nothing received for 2 s, the connection was cut: ")
+    assert "HTTP 429" in ours[1] and "reopening the stream at document" in ours[1]
+    # the range read: cut, and retried by huggingface_hub for the same bytes
+    assert any("timed out' thrown while requesting GET" in line and "001_00000" in line
+               for line in proc.stderr.splitlines())
+    assert "this run: " in proc.stdout and " of it streaming (" in proc.stdout  # the whole time, the pin included

@@ -107,8 +107,9 @@ def kernel_args(corpus, ranks, out_dir, *extra) -> list:
             "--processes", "1", "--batch-docs", "64", "--ranks-path", ranks, "--no-progress", *extra]
 
 
-def run_kernel(*args, env=None, timeout=120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(KERNEL), *map(str, args)], cwd=ROOT, capture_output=True, text=True,
+def run_kernel(*args, env=None, timeout=120, python: str = sys.executable) -> subprocess.CompletedProcess:
+    """The tokenize kernel in a process of its own (`python`: an image's stand-in, where given)."""
+    return subprocess.run([python, str(KERNEL), *map(str, args)], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, **(env or {})}, timeout=timeout)
 
 
