@@ -515,7 +515,8 @@ def test_a_checkpoint_kept_only_in_temp_deletes_older_versions_and_its_session_v
     lk.app.inject("lost_publish", dataset=CKPT, count=1)  # the session's first publish answers "Ok", lands nothing
     out, _ = probe(lk, tmp_path, """
         import time
-        from shared.kaggle.publish import dataset_version, publish_checkpoint, verify_publish
+        from shared.kaggle.proof import dataset_version, verify_publish
+        from shared.kaggle.publish import publish_checkpoint
         from scripts.chain.config import publish_verify_s
         ctx.state.data["checkpoint_versions"] = [1, 2]
         out["working"] = (delete_old_on_publish(ctx, 2), publish_verify_s(ctx.cfg.train))
