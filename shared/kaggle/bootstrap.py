@@ -164,8 +164,9 @@ def _stage_resume(ckpt: dict, settings: dict, paths, log) -> int | None:
     folder = _attached(ckpt["dataset"], paths, log)
     input_step = checkpoint_step(folder) if folder else None
     expect = int(ckpt.get("expect_step") or 0)  # the step the chain saw in the dataset before pushing
-    # Starting from less than the chain saw would train again, then publish an older checkpoint over a newer one.
-    if expect and (input_step or 0) < expect:
+    # Starting from less than the chain saw would train again, then publish an older checkpoint over a newer one;
+    # from more, from a version the chain did not accept (one short of a file: scripts/chain/train_stage.py).
+    if expect and (input_step or 0) != expect:
         folder, input_step = _fetch_expected(ckpt, folder, input_step, paths, log, settings.get("session_deadline"))
     root = stage_checkpoint(folder, paths.temp / "gpt2k-resume") if folder else None
     if root is not None:
@@ -200,7 +201,8 @@ def _fetch_expected(ckpt: dict, folder: Path | None, input_step: int | None, pat
                         "before the fetch; not starting over")
     cap = min(FETCH_TIMEOUT_S, left)
     until = " (what is left of the session's deadline)" if cap < FETCH_TIMEOUT_S else ""
-    log(f"notice: {stale} (an older version); fetching version {version} with kagglehub, for at most "
+    which = "an older version" if (input_step or 0) < expect else "a version the chain did not accept"
+    log(f"notice: {stale} ({which}); fetching version {version} with kagglehub, for at most "
         f"{duration_text(cap)}{until}")
     try:
         fetched = fetch_dataset_version(dataset, version, paths.temp / f"gpt2k-fetch-v{version}", timeout_s=cap)
@@ -208,7 +210,7 @@ def _fetch_expected(ckpt: dict, folder: Path | None, input_step: int | None, pat
         raise UserError(f"{stale}, and version {version} could not be fetched ({err}{until}); not starting over"
                         ) from None
     step = checkpoint_step(fetched)
-    if (step or 0) < expect:
+    if (step or 0) != expect:
         got = f"step {step}" if step else "no checkpoint"
         raise UserError(f"{stale}, and version {version} fetched with kagglehub holds {got}; not starting over")
     log(f"fetched version {version} of {dataset} (step {step}) into {fetched}")

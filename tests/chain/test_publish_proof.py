@@ -12,6 +12,9 @@ from pathlib import Path
 
 from helpers import REPO
 from kaggle_fixtures import write_dataset
+from test_chain_datasets import CKPT as CHAIN_CKPT  # the chain's probe (tests/chain/test_chain_datasets.py)
+from test_chain_datasets import add_version, live_numbers, manifest
+from test_chain_datasets import probe as chain_probe
 
 CKPT = "alice/proof-checkpoints"
 
@@ -151,3 +154,61 @@ def test_a_quota_create_that_lands_nothing_is_not_accepted(local_kaggle, tmp_pat
     assert out["lines"][1] == (f"warning: the publish to {CKPT} did not land (no version after 1 appeared); "
                                "publishing the checkpoint again")
     assert live(lk) == [(3, WHOLE)]
+
+
+# --- the chain's side: a session's version is proven too ---------------------------------------------------------
+
+SESSION = """
+    import hashlib
+    from pathlib import Path
+    weights = b"weights" * 10
+
+    def output(ref, dest, pattern=None, version=0):  # the session's output, as download_output leaves it
+        if not {in_output}:
+            return []
+        folder = Path(dest) / "train" / "checkpoints" / "step_000040"
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(weights)
+        files = {{"model.safetensors": {{"bytes": len(weights), "sha256": hashlib.sha256(weights).hexdigest()}}}}
+        (folder / "checkpoint.json").write_text(json.dumps({{"format": 1, "step": 40, "files": files}}))
+        return ["train/checkpoints/step_000040/model.safetensors"]
+
+    client.download_output = output
+    record = {{"dataset": CKPT, "step": 40, "start_step": 20, "published": True, "stable_step": None}}
+    chain.train.fetch_results = lambda ref, sess: (record, {{}})
+    ctx.state.data["checkpoint_versions"] = [1, 2]
+    sess = {{"n": 1, "key": "train-1", "version": 1, "ckpt_version": 1, "step_before": 20, "delete_old": True}}
+    out["after"] = list(chain.train.after_session("alice/unit-run-train", sess, CKPT)[:2])
+    out["live"] = ctx.state.data["checkpoint_versions"]
+"""
+
+
+def short_version(lk, tmp_path: Path) -> None:
+    """Version 1 holds step 20 whole; version 2, the session's, step 40 without its model file."""
+    model = {"model.safetensors": {"bytes": 70, "sha256": "-"}}
+    add_version(lk, tmp_path, CHAIN_CKPT, {"checkpoint.json": manifest(20, {"model.safetensors": {"bytes": 5,
+                                                                                                  "sha256": "-"}}),
+                                           "model.safetensors": "12345"})
+    add_version(lk, tmp_path, CHAIN_CKPT, {"checkpoint.json": manifest(40, model)})
+
+
+def test_the_chain_publishes_a_short_session_version_again_from_the_output_deleting_only_after_proof(
+        local_kaggle, tmp_path):
+    lk = local_kaggle
+    short_version(lk, tmp_path)
+    out, log = chain_probe(lk, tmp_path, SESSION.format(in_output=True))
+    assert out == {"after": [4, 40], "live": [4]}
+    assert "publishing step 40 from the kernel output (version 2 lacks model.safetensors)" in log
+    assert f"version 3 of {CHAIN_CKPT} is whole; publishing it again, deleting the older versions" in log
+    assert live_numbers(lk, CHAIN_CKPT) == [4]
+
+
+def test_a_short_session_version_with_no_copy_in_the_output_is_one_line_and_the_chain_resumes_from_the_last_whole(
+        local_kaggle, tmp_path):
+    lk = local_kaggle
+    short_version(lk, tmp_path)
+    out, log = chain_probe(lk, tmp_path, SESSION.format(in_output=False))
+    assert out == {"after": [1, 20], "live": [1, 2]}
+    assert (f"warning: version 2 of {CHAIN_CKPT} lacks model.safetensors, and the session's output holds no whole "
+            "copy: step 40 is lost; the next session resumes from version 1 (step 20)") in log
+    assert live_numbers(lk, CHAIN_CKPT) == [1, 2]  # nothing the run needs was deleted
