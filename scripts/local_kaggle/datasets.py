@@ -42,7 +42,7 @@ class Uploads:
     """Blob uploads, as the client makes them for dataset files: StartBlobUpload gives a token and a URL on this
     server, then the file goes up in a resumable PUT (as against Google Cloud Storage). A dataset version takes the
     uploaded files by token. A failed_upload fault fails every PUT of one upload with a 500, which the client does
-    not resume (kaggle/api/kaggle_api_extended.py 2.2.4:8660-8710 resumes only a 503)."""
+    not resume (kaggle/api/kaggle_api_extended.py 2.2.4:8700-8703 resumes only a 503)."""
 
     def __init__(self, store: Store, faults: Faults | None = None):
         self.store = store

@@ -58,7 +58,7 @@ def listing_problem(expected: dict[str, int | None], listed: dict[str, int]) -> 
 def failed_uploads_raise(api) -> Iterator[None]:
     """While inside: a file whose upload fails raises UploadFailed before any version is created. kaggle 2.2.4's
     `_upload_file` returns None then, and `upload_files` leaves the file out of the version it goes on to create
-    (kaggle/api/kaggle_api_extended.py:8566-8599, 8455-8520); 2.2.5 raises ValueError itself (:9425-9463)."""
+    (kaggle/api/kaggle_api_extended.py:8595-8599, 8513-8516); 2.2.5 raises ValueError itself (:9463)."""
     original = getattr(api, "_upload_file", None)
     if original is None:  # not the kaggle client (a test's fake): nothing to check
         yield

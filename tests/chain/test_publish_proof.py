@@ -98,7 +98,7 @@ def test_a_create_over_the_private_dataset_quota_answers_ok_and_lands_nothing(lo
 
 
 PUBLISH = """
-    plan = publish.PublishPlan(CKPT, delete_old_versions=True, verify_s=5.0)
+    plan = publish.PublishPlan(CKPT, delete_old_versions=True, verify_s=3.0)
     if {silent}:  # a client that drops a failed file silently (kaggle 2.2.4 without our check)
         publish.failed_uploads_raise = lambda api: contextlib.nullcontext()
     record, lines = {{}}, []
