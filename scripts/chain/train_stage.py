@@ -175,7 +175,9 @@ class TrainStage:
                                                 "expect_version": expect_version, "delete_old_versions": delete_old,
                                                 "verify_s": publish_verify_s(cfg.train),
                                                 "publish_s": cfg.publish_margin_s,
-                                                "midway_s": cfg.midway_publish_s(limit_s or cfg.session_limit_s)},
+                                                "midway_s": cfg.midway_publish_s(limit_s or cfg.session_limit_s),
+                                                # a session waits for its version by the chain's own polling
+                                                "poll_s": [cfg.poll_initial_s, cfg.poll_max_s]},
                             push_id=push_id)
 
     def wandb_run_id(self) -> str:

@@ -133,7 +133,8 @@ def resolve_build(build: dict, log=print) -> BuiltKernel:
                        resume_root=settings.get(ckpt.get("resume_setting") or "") if input_step else None,
                        extend=bool(settings.get("extend")), verify_s=float(ckpt.get("verify_s") or 0),
                        credential=credential, publish_s=float(ckpt.get("publish_s") or 0),
-                       midway_s=float(ckpt.get("midway_s") or 0))
+                       midway_s=float(ckpt.get("midway_s") or 0),
+                       **({"poll_s": tuple(map(float, ckpt["poll_s"]))} if ckpt.get("poll_s") else {}))
     return BuiltKernel(settings, plan)
 
 

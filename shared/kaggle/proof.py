@@ -147,32 +147,39 @@ def wait_for_new_version(read, above: int, timeout_s: float, sleep=time.sleep, p
         interval = interval if fresh else min(interval * 1.5, poll_max_s)
 
 
-VERSION_POLL_S = 10.0  # a session's first wait between reads of its new version (the local Kaggle's tests: less)
+VERSION_POLL = (10.0, 60.0)  # a session's first and longest wait between reads of its new version (the chain's own)
+LISTING_TRIES = 3  # listings of a ready version that name no file yet (a version is never empty: one that lags)
 
 
 def prove_new_version(api, dataset: str, above: int, timeout_s: float, expected: dict | None,
-                      sleep=time.sleep) -> tuple[VersionSeen, str | None]:
+                      sleep=time.sleep, poll: tuple[float, float] = VERSION_POLL) -> tuple[VersionSeen, str | None]:
     """The first version of `dataset` above `above` (`wait_for_new_version`), and why it is not proven whole, None
     when it is: ready, and (with `expected`, {name: bytes or None}) listing every expected file at its size."""
-    seen = wait_for_new_version(lambda: dataset_version(api, dataset), above, timeout_s, sleep, VERSION_POLL_S,
-                                max(VERSION_POLL_S, 60.0 * VERSION_POLL_S / 10.0))
+    seen = wait_for_new_version(lambda: dataset_version(api, dataset), above, timeout_s, sleep, *poll)
     if not seen.settled:
         new = seen.number > above
         return seen, f"version {seen.number} is still {seen.status or 'processing'}" if new else \
             f"no version after {above} appeared"
     if seen.status != "ready":
         return seen, f"version {seen.number} is {seen.status}"
-    short = listing_problem(expected, listed_files(api, dataset, seen.number)) if expected is not None else None
+    if expected is None:
+        return seen, None
+    for _ in range(LISTING_TRIES):
+        listed = listed_files(api, dataset, seen.number)
+        if listed:
+            break
+        sleep(poll[0])
+    short = listing_problem(expected, listed)
     return seen, f"version {seen.number} {short}" if short else None
 
 
 def verify_publish(api, dataset: str, before: int, timeout_s: float, republish, log=print,
-                   sleep=time.sleep, expected: dict | None = None) -> dict:
+                   sleep=time.sleep, expected: dict | None = None, poll: tuple[float, float] = VERSION_POLL) -> dict:
     """After a publish past version `before`: wait for its version and prove it whole (`prove_new_version`); one
     that failed, never appeared (a create over the quota answers "Ok": kaggle-cli issue 284) or lacks a file is
     published again by `republish()` (which keeps the dataset's versions), once. Returns what the publish record
     notes: `verified_version` (None where none was proven in time) and `republished`."""
-    seen, problem = prove_new_version(api, dataset, before, timeout_s, expected, sleep)
+    seen, problem = prove_new_version(api, dataset, before, timeout_s, expected, sleep, poll)
     if problem is None:
         return {"verified_version": seen.number, "republished": False}
     if seen.number > before and not seen.settled:
@@ -181,7 +188,7 @@ def verify_publish(api, dataset: str, before: int, timeout_s: float, republish, 
         return {"verified_version": None, "republished": False}
     log(f"warning: the publish to {dataset} did not land ({problem}); publishing the checkpoint again")
     republish()
-    again, problem = prove_new_version(api, dataset, max(before, seen.number), timeout_s, expected, sleep)
+    again, problem = prove_new_version(api, dataset, max(before, seen.number), timeout_s, expected, sleep, poll)
     if problem is None:
         return {"verified_version": again.number, "republished": True}
     log(f"warning: the second publish to {dataset} did not land either ({problem}); the checkpoint was lost with "
@@ -190,7 +197,7 @@ def verify_publish(api, dataset: str, before: int, timeout_s: float, republish, 
 
 
 def delete_older_versions(api, dataset: str, proven: int, timeout_s: float, push, log=print, sleep=time.sleep,
-                          expected: dict | None = None) -> dict:
+                          expected: dict | None = None, poll: tuple[float, float] = VERSION_POLL) -> dict:
     """Version `proven` holds the checkpoint whole: publish it again with deleteOldVersions (Kaggle deletes versions
     only when one is created, all older ones at once: docs/kaggle-api.md), and prove that one too; one that does
     not land whole is published once more, keeping versions (`push(delete)`). `deleted_old_versions` is noted only
@@ -199,6 +206,6 @@ def delete_older_versions(api, dataset: str, proven: int, timeout_s: float, push
     log(f"publish: version {proven} of {dataset} is whole; publishing it again, deleting the older versions")
     push(True)
     proof = verify_publish(api, dataset, proven, timeout_s, lambda: push(False), log=log, sleep=sleep,
-                           expected=expected)
+                           expected=expected, poll=poll)
     return {**proof, "deleted_old_versions": bool(proof["verified_version"]) and not proof["republished"],
             "republished": proof["republished"]}

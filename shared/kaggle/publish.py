@@ -40,7 +40,13 @@ from shared.kaggle.credential import (
     secret_values,
     use_credential,
 )
-from shared.kaggle.proof import dataset_version, delete_older_versions, failed_uploads_raise, verify_publish
+from shared.kaggle.proof import (
+    VERSION_POLL,
+    dataset_version,
+    delete_older_versions,
+    failed_uploads_raise,
+    verify_publish,
+)
 
 PUBLISH_RECORD = "publish.json"  # written to /kaggle/working: what the session published (read by the chain)
 DATASET_METADATA = "dataset-metadata.json"
@@ -141,6 +147,7 @@ class PublishPlan:
     # > 0: the first checkpoint written this long after the session's start is published too, while training goes
     # on (MidwayPublish): where Kaggle starts its clock is not verified, and a kill discards the output.
     midway_s: float = 0.0
+    poll_s: tuple[float, float] = VERSION_POLL  # the first and longest wait between reads of a new version
 
 
 # The wait for a publish whose checkpoint has no other copy (kept in /kaggle/temp, not in the output): a version that
@@ -263,11 +270,11 @@ def _publish(plan: PublishPlan, ckpt, step: int, record: dict, log, work_dir: Pa
     if not proof_s:
         return
     record.update(verify_publish(api, dataset, before, proof_s, log=log, republish=lambda: push(False),
-                                 expected=out["files"]))
+                                 expected=out["files"], poll=plan.poll_s))
     if delete_old and record["verified_version"] and out["action"] == "versioned":
         republished = record["republished"]
         record.update(delete_older_versions(api, dataset, record["verified_version"], proof_s, push, log=log,
-                                            expected=out["files"]))
+                                            expected=out["files"], poll=plan.poll_s))
         record["republished"] = record["republished"] or republished
 
 

@@ -487,7 +487,7 @@ def test_a_finished_wsd_chain_extends_from_its_stable_phase_checkpoint_carried_i
     sessions = json.loads((work / "state.json").read_text())["train_sessions"]
     assert [(s["step_before"], s.get("start_step"), s["step_after"], s["ckpt_version"], s["delete_old"],
              s.get("published_by")) for s in sessions] == [
-        (0, None, 4, 1, False, "session"), (4, 3, 6, 2, True, "session"), (6, None, 8, 3, False, "session")]
+        (0, None, 4, 1, False, "session"), (4, 3, 6, 2, True, "session"), (6, None, 8, 4, False, "session")]
     log = session_log(work / "sessions" / "train-02")
     assert "(an older version); fetching version 2 with kagglehub" in log
     assert lk.app.accounts.secrets_of("alice/ext-run-train") == {}
@@ -498,9 +498,9 @@ def test_a_finished_wsd_chain_extends_from_its_stable_phase_checkpoint_carried_i
     assert dataset_steps() == (8, 5)
     versions = lk.app.state["datasets"][ckpt]["versions"]
     assert [(v["notes"], bool(v.get("deleted"))) for v in versions] == [
-        ("Initial release", True), ("checkpoint at step 4", True), ("checkpoint at step 6", False),
-        ("checkpoint at step 8", False)]
-    assert json.loads((work / "state.json").read_text())["checkpoint_versions"] == [3, 4]
+        ("Initial release", True), ("checkpoint at step 4", True), ("checkpoint at step 6", True),
+        ("checkpoint at step 6", False), ("checkpoint at step 8", False)]  # step 6 proven, then again deleting
+    assert json.loads((work / "state.json").read_text())["checkpoint_versions"] == [4, 5]
     assert lk.app.faults.datasets == {"stale_dataset_status": [], "stale_mount": [], "lost_publish": []}
 
 

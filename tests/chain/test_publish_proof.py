@@ -24,7 +24,6 @@ import contextlib, json, pathlib, sys, time
 sys.path.insert(0, {repo!r})
 from kaggle.api.kaggle_api_extended import KaggleApi
 import shared.kaggle.publish as publish
-import shared.kaggle.proof as proof
 from shared.kaggle.proof import listed_files
 api = KaggleApi()
 api.authenticate()
@@ -98,11 +97,10 @@ def test_a_create_over_the_private_dataset_quota_answers_ok_and_lands_nothing(lo
 
 
 PUBLISH = """
-    plan = publish.PublishPlan(CKPT, delete_old_versions=True, verify_s=3.0)
+    plan = publish.PublishPlan(CKPT, delete_old_versions=True, verify_s=3.0, poll_s=(0.05, 0.2))
     if {silent}:  # a client that drops a failed file silently (kaggle 2.2.4 without our check)
         publish.failed_uploads_raise = lambda api: contextlib.nullcontext()
     record, lines = {{}}, []
-    proof.VERSION_POLL_S = 0.05  # poll the local Kaggle quickly
     publish._publish(plan, checkpoint(20), 20, record, lines.append, work_dir=work / "upload")
     out.update(record=record, lines=lines)
 """
