@@ -14,12 +14,14 @@ from scripts.chain.storage import storage_plan
 from shared.checkpoint_names import CHECKPOINT_PREFIX, STABLE_DIR, checkpoint_name
 from shared.errors import UserError
 from shared.fsutil import sha256_file
+from shared.kaggle.proof import listed_files, listing_problem
 from shared.kaggle.publish import (
     MANIFEST,
     PLACEHOLDER_FILE,
     STABLE_PREFIX,
     checkpoint_step,
     encode_name,
+    manifest_files,
     publish_checkpoint,
     push_dataset_folder,
     stable_checkpoint,
@@ -57,17 +59,28 @@ def dataset_step(ctx: StageContext, ref: str, version: int = 0) -> int:
                     f"{MANIFEST} answered 404; not reading that as 'no checkpoint': run the chain again later")
 
 
-def version_files(ctx: StageContext, ref: str, version: int) -> set[str]:
-    """The names of version `version`'s files, as Kaggle lists them (every page)."""
-    names: set[str] = set()
-    token = None
-    while True:
-        reply = ctx.client.call(f"dataset {ref}/{version} files", ctx.client.api.dataset_list_files,
-                                f"{ref}/{version}", page_token=token, page_size=200)
-        names.update(f.name for f in (getattr(reply, "files", None) or []))
-        token = getattr(reply, "next_page_token", None)
-        if not token:
-            return names
+def version_files(ctx: StageContext, ref: str, version: int) -> dict[str, int]:
+    """{name: bytes} of version `version`'s files, as Kaggle lists them (every page)."""
+    return ctx.client.call(f"dataset {ref}/{version} files", listed_files, ctx.client.api, ref, version)
+
+
+def version_problem(ctx: StageContext, ref: str, version: int, with_stable: bool = False) -> str | None:
+    """Why version `version` of the checkpoint dataset does not hold a whole checkpoint, None where it does: its
+    file list (names and sizes; Kaggle lists no hashes) against the manifests it carries, the stable-phase
+    checkpoint's too where it lists any of its files or `with_stable` (the publish carried one). A publish whose
+    client dropped a file that failed to upload (kaggle 2.2.4) leaves such a version."""
+    listed = version_files(ctx, ref, version)
+    stable = with_stable or any(name.startswith(STABLE_PREFIX) for name in listed)
+    expected: dict[str, int | None] = {}
+    for prefix in ("", STABLE_PREFIX) if stable else ("",):
+        dest = ctx.workdir / "dataset-proof" / (prefix + MANIFEST)
+        if not download_dataset_file(ctx, ref, version, prefix + MANIFEST, dest):
+            return f"lacks {prefix + MANIFEST}"
+        try:
+            expected.update(manifest_files(json.loads(dest.read_text()), prefix))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return f"holds an unreadable {prefix + MANIFEST}"
+    return listing_problem(expected, listed)
 
 
 def download_dataset_file(ctx: StageContext, ref: str, version: int, name: str, dest_file: Path) -> bool:
@@ -203,12 +216,41 @@ def publish_from_output(ctx: StageContext, ref: str, version: int, ckpt_ref: str
     stable = stable or carried_stable(ctx, ckpt_ref, before, fallback / "carried")
     also = f" with the stable phase's {stable.name}" if stable is not None else ""
     ctx.log(f"  publishing step {out_step}{also} from the kernel output ({reason})")
-    ctx.client.call(f"publish to {ckpt_ref}", publish_checkpoint, ctx.client.api, src, ckpt_ref, ctx.workdir,
-                    f"{ctx.cfg.name} checkpoints", f"checkpoint at step {out_step} (published by the chain)",
-                    delete_old_versions=delete_old, stable=stable)
-    new = wait_published(ctx, ckpt_ref, before, f"the chain's publish of step {out_step} to {ckpt_ref}")
-    check_version_step(ctx, ckpt_ref, new, out_step)
-    return new
+    return publish_proven(ctx, src, ckpt_ref, before, out_step, stable, delete_old)
+
+
+def publish_proven(ctx: StageContext, src: Path, ref: str, before: int, step: int, stable: Path | None,
+                   delete_old: bool) -> int:
+    """Publish checkpoint `src` (with `stable` beside it) as the version after `before`, keeping the older ones,
+    and prove it whole (`version_problem`; a short one is published once more); with `delete_old`, only then
+    publish it again deleting every older version (Kaggle deletes only at a create: docs/kaggle-api.md), proven
+    too. -> the newest version proven whole; one that never is, is one line."""
+    version = _publish_once(ctx, src, ref, before, step, stable, delete=False)
+    if not delete_old:
+        return version
+    ctx.log(f"  version {version} of {ref} is whole; publishing it again, deleting the older versions")
+    return _publish_once(ctx, src, ref, version, step, stable, delete=True)
+
+
+def _publish_once(ctx: StageContext, src: Path, ref: str, before: int, step: int, stable: Path | None,
+                  delete: bool) -> int:
+    """One publish of `src` past version `before`, waited for and proven; a version short of a file is published
+    once more without deleting."""
+    what = f"the chain's publish of step {step} to {ref}"
+    for attempt in (1, 2):
+        ctx.client.call(f"publish to {ref}", publish_checkpoint, ctx.client.api, src, ref, ctx.workdir,
+                        f"{ctx.cfg.name} checkpoints", f"checkpoint at step {step} (published by the chain)",
+                        delete_old_versions=delete and attempt == 1, stable=stable)
+        new = wait_published(ctx, ref, before, what)
+        check_version_step(ctx, ref, new, step)
+        problem = version_problem(ctx, ref, new, with_stable=stable is not None)
+        if problem is None:
+            return new
+        ctx.log(f"  warning: version {new} of {ref} {problem}; not accepted" +
+                ("; publishing it once more" if attempt == 1 else ""))
+        before = new
+    raise UserError(f"{what}: version {before} {problem}, twice; the checkpoint is still in the session's output: "
+                    "run the chain again")
 
 
 def check_version_step(ctx: StageContext, ref: str, version: int, step: int) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from scripts.chain.config import ClientConfig
 from shared.errors import UserError, describe_error, duration_text, http_status, is_transient
-from shared.kaggle.publish import read_dataset_version, wait_for_new_version
+from shared.kaggle.proof import read_dataset_version, wait_for_new_version
 
 # KernelWorkerStatus (kagglesdk kernels_enums.py:31-38): CANCEL_REQUESTED is on the way to CANCEL_ACKNOWLEDGED.
 TERMINAL = {"COMPLETE", "ERROR", "CANCEL_ACKNOWLEDGED"}

@@ -22,6 +22,7 @@ from scripts.chain.checkpoints import (
     note_version,
     publish_from_output,
     session_publishes,
+    version_problem,
 )
 from scripts.chain.client import ApiFailure, VersionMissing, log_error_line
 from scripts.chain.config import ChainConfig, publish_verify_s
@@ -178,7 +179,9 @@ class TrainStage:
                                                 "verify_s": publish_verify_s(cfg.train),
                                                 "publish_s": cfg.publish_margin_s,
                                                 "midway_s": cfg.midway_publish_s(limit_s or cfg.session_limit_s)
-                                                if midway else 0.0},
+                                                if midway else 0.0,
+                                                # a session waits for its version by the chain's own polling
+                                                "poll_s": [cfg.poll_initial_s, cfg.poll_max_s]},
                             push_id=push_id)
 
     def wandb_run_id(self) -> str:
@@ -212,26 +215,50 @@ class TrainStage:
         record, info = self.fetch_results(ref, sess)
         before, delete_old = sess.get("ckpt_version", 0), sess.get("delete_old", False)
         version = self.session_version(ckpt_ref, before, record)
+        # Never trusted short: a version lacking a file of its checkpoint (a dropped upload) is published again from
+        # the output, or given up for the newest whole one, in one line.
+        short = version_problem(ctx, ckpt_ref, version, record.get("stable_step") is not None) \
+            if version > before else None
         step = dataset_step(ctx, ckpt_ref, version)
         out_step, start = record.get("step") or 0, record.get("start_step")
         # The session saved a checkpoint the dataset lacks (newer, or --extend's, below the step it saw): publish it.
         extended = start is not None and start < out_step and version == before and start < step
-        if out_step > step or extended:
-            reason = record.get("reason") or ("its own publish never appeared" if record.get("published")
-                                              else "the session did not publish it")
+        deleted = record.get("deleted_old_versions", False)  # only once a version was proven (the session's own)
+        if short or out_step > step or extended:
+            reason = f"version {version} {short}" if short else record.get("reason") or (
+                "its own publish never appeared" if record.get("published") else "the session did not publish it")
             new = publish_from_output(ctx, ref, sess["version"], ckpt_ref, out_step, reason, version, delete_old)
             if new:
-                info["published_by"], version, step = "chain", new, out_step
+                info["published_by"], version, step, deleted = "chain", new, out_step, delete_old
+            elif short:
+                version, step = self.lost_short_version(ckpt_ref, before, version, short, out_step or step)
         elif record.get("published") and version > before:
             info["published_by"] = "session"
         if version > before:
-            # A session that published again (its first version failed or never landed) may have deleted nothing:
-            # count the older versions as live, so the next deleting publish comes early rather than late.
-            note_version(ctx, version, delete_old and not record.get("republished"))
+            # Older versions count as live unless a proven version's publish deleted them: the next deleting
+            # publish then comes early rather than late.
+            note_version(ctx, version, deleted)
             if start is not None and start < sess["step_before"]:
                 info["start_step"] = start  # --extend: it trained on from the stable phase, below the dataset's step
         info["ckpt_version_after"] = version
         return version, max(step, 0), info
+
+    def lost_short_version(self, ckpt_ref: str, before: int, short: int, problem: str, step: int) -> tuple[int, int]:
+        """Version `short` is not whole and the session's output holds no copy of its checkpoint: (the newest whole
+        version after `before`, its step), else (`before`, its step), and one line saying what is lost."""
+        ctx = self.ctx
+        for number in range(short - 1, before, -1):  # a midway publish, or the session's first, proven version
+            try:
+                if version_problem(ctx, ckpt_ref, number) is None:
+                    break
+            except ApiFailure:  # deleted
+                continue
+        else:
+            number = before
+        held = dataset_step(ctx, ckpt_ref, number) if number else 0
+        ctx.log(f"  warning: version {short} of {ckpt_ref} {problem}, and the session's output holds no whole copy: "
+                f"step {step} is lost; the next session resumes from version {number} (step {held})")
+        return number, held
 
     def fetch_results(self, ref: str, sess: dict) -> tuple[dict, dict]:
         """The session's publish record, metrics and plot from its output: (publish record, what to record)."""

@@ -433,9 +433,12 @@ def _download_dataset(parts: ApiParts, user: str, req: KaggleObject) -> NoReturn
     raise ApiError(302, "redirect", headers={"Location": location})
 
 
-def _create(parts: ApiParts, ref: str, create: Callable[[], KaggleObject]) -> KaggleObject:
-    """CreateDataset(Version) of `ref`; with a lost_publish fault it answers as accepted and nothing lands."""
-    return created_reply(ref) if parts.faults.take_lost_publish(ref) else create()
+def _create(parts: ApiParts, user: str, ref: str, files: list, create: Callable[[], KaggleObject]) -> KaggleObject:
+    """CreateDataset(Version) of `ref` from `files`; with a lost_publish fault, or over the private-dataset quota
+    (Settings.private_dataset_quota_bytes), it answers as accepted and nothing lands (kaggle-cli issue 284)."""
+    if parts.faults.take_lost_publish(ref) or parts.datasets.over_quota(user, files):
+        return created_reply(ref)
+    return create()
 
 
 def _create_dataset(parts: ApiParts, user: str, req: KaggleObject) -> KaggleObject:
@@ -445,7 +448,7 @@ def _create_dataset(parts: ApiParts, user: str, req: KaggleObject) -> KaggleObje
         error = parts.datasets.create(user, req)
         return created_reply(ref) if error is None else message(ApiCreateDatasetResponse, status="error", error=error)
 
-    return _create(parts, ref, create)
+    return _create(parts, user, ref, req.files, create)
 
 
 def _start_upload(parts: ApiParts, user: str, req: KaggleObject) -> KaggleObject:
@@ -472,8 +475,9 @@ API_ROUTES: dict[str, Callable[[ApiParts, str, Any], KaggleObject]] = {
     f"{KS}/GetAcceleratorQuotaStatistics": lambda parts, user, req: quota_reply(parts.quota, user),
     "blobs.BlobApiService/StartBlobUpload": _start_upload,
     f"{DS}/CreateDataset": _create_dataset,
-    f"{DS}/CreateDatasetVersion": lambda parts, user, req: _create(parts, _dataset_ref(req), lambda: created_reply(
-        parts.datasets.create_version(user, _dataset_ref(req), req.body))),
+    f"{DS}/CreateDatasetVersion": lambda parts, user, req: _create(
+        parts, user, _dataset_ref(req), req.body.files if req.body else [],
+        lambda: created_reply(parts.datasets.create_version(user, _dataset_ref(req), req.body))),
     f"{DS}/CreateDatasetVersionById": lambda parts, user, req: created_reply(
         parts.datasets.create_version(user, None, req.body, dataset_id=req.id)),
     f"{DS}/GetDatasetStatus": _dataset_status,

@@ -79,7 +79,7 @@ class LocalKaggle:
                                  lambda: (self.settings.notebook_token_lifetime_s, self.settings.notebook_token_scope))
         self.faults = Faults()
         self.quota = Quota(self.store, tpu_quota_hours, gpu_quota_hours)
-        self.uploads = Uploads(self.store)
+        self.uploads = Uploads(self.store, self.faults)
         self.datasets = Datasets(self.store, self.uploads, self.settings)
         self.kernels = Kernels(self.store, self.settings, self.quota, self.datasets)
         self.scheduler = Scheduler(Runtime(
@@ -205,7 +205,8 @@ class LocalKaggle:
     def inject(self, kind: str = "http", **fault: Any) -> None:
         """inject("http", match="SaveKernel", status=429, count=1, retry_after=0, message=...)
         inject("session_error", kernel="u/k", message=...)
-        inject("kill", kernel="u/k", after_s=1.0 | on_log=r"regex", message=...)"""
+        inject("kill", kernel="u/k", after_s=1.0 | on_log=r"regex", message=...)
+        inject("failed_upload", name="model.safetensors", count=1)"""
         self.faults.add({"kind": kind, **fault})
 
     def kill_session(self, ref: str, reason: str = "Killed by the local Kaggle operator") -> bool:

@@ -27,7 +27,7 @@ from kagglesdk.datasets.types.dataset_api_service import (
 
 from shared.fsutil import link_or_copy
 
-from .rules import SLUG_RE, ApiError, Settings, check_access, check_owner, split_ref
+from .rules import SLUG_RE, ApiError, Faults, Settings, check_access, check_owner, split_ref
 from .state import Store
 
 STATUS_QUERY = re.compile(r"bytes \*/\d+$")  # Content-Range of a resumable upload asking how far it got
@@ -41,10 +41,12 @@ def _received_range(received: int) -> dict[str, str]:
 class Uploads:
     """Blob uploads, as the client makes them for dataset files: StartBlobUpload gives a token and a URL on this
     server, then the file goes up in a resumable PUT (as against Google Cloud Storage). A dataset version takes the
-    uploaded files by token."""
+    uploaded files by token. A failed_upload fault fails every PUT of one upload with a 500, which the client does
+    not resume (kaggle/api/kaggle_api_extended.py 2.2.4:8700-8703 resumes only a 503)."""
 
-    def __init__(self, store: Store):
+    def __init__(self, store: Store, faults: Faults | None = None):
         self.store = store
+        self.faults = faults or Faults()
 
     def path(self, token: str) -> Path:
         return self.store.root / "blobs" / token
@@ -63,6 +65,7 @@ class Uploads:
                 "received": 0,
                 "complete": False,
                 "created": time.time(),
+                **({"failing": True} if self.faults.take_failed_upload(name) else {}),
             }
             self.path(token).touch()
             self.store.save()
@@ -76,6 +79,8 @@ class Uploads:
             if up is None:
                 raise ApiError(404, f"Unknown upload {token!r}")
             up = dict(up)
+        if up.get("failing"):
+            raise ApiError(500, f"Injected fault: the upload of {up['name']!r} failed")
         if up.get("used_by"):
             if STATUS_QUERY.match(content_range):
                 return 200, {}, None  # a status query: it is complete
@@ -215,6 +220,20 @@ class Datasets:
         ds["versions"].append(version)
         ds["updated"] = now
         return version
+
+    def over_quota(self, user: str, files: list[ApiDatasetNewFile]) -> bool:
+        """Whether a new version of `files` would put `user`'s live private dataset versions over
+        Settings.private_dataset_quota_bytes (older versions a deleting create would drop still count)."""
+        quota = self.settings.private_dataset_quota_bytes
+        if not quota:
+            return False
+        with self.store.lock:
+            uploads = self.store.state["uploads"]
+            new = sum(uploads[f.token]["size"] for f in files or [] if f.token in uploads)
+            held = sum(f["size"] for ds in self.store.state["datasets"].values()
+                       if ds["owner"] == user and ds.get("is_private") and not ds.get("deleted")
+                       for v in live_versions(ds) for f in v["files"])
+        return held + new > quota
 
     def create(self, user: str, req: ApiCreateDatasetRequest) -> str | None:
         """A new dataset from uploaded files; -> None, or why it was not created (the reply's `error`)."""

@@ -102,6 +102,9 @@ class Settings:
     # The scope each session's token carries (IntrospectToken's `scope`); one without "resources.admin:*" may not
     # write datasets (403). What scope Kaggle gives one is not verified.
     notebook_token_scope: str = "resources.admin:*"
+    # The private-dataset storage quota: a create that would put its owner's live private versions over it answers
+    # "Ok" and lands nothing (kaggle-cli issue 284; Kaggle's size of it is not verified). 0: none.
+    private_dataset_quota_bytes: int = 0
 
 
 # ----- names, time, access -----
@@ -146,10 +149,12 @@ class Faults:
     """Failures injected for tests: HTTP errors on chosen calls, a session that fails to start, a kill at a moment,
     a status call that still describes the previous version; for datasets, status and version calls that still
     describe the previous version, a session that mounts the previous version, and a create that reports success but
-    never lands (as one over the private-dataset quota: kaggle-cli issue 284).
+    never lands (as one over the private-dataset quota: kaggle-cli issue 284); for uploads, a file whose blob upload
+    answers 500 to every PUT, its resume queries too (kaggle 2.2.4 then creates the version without that file).
 
     HTTP faults match a method name ("SaveKernel"), "Service/Method", "upload", "download" or "*"; session faults
-    match a kernel ref or "*"; dataset faults a dataset ref or "*"."""
+    match a kernel ref or "*"; dataset faults a dataset ref or "*"; a failed_upload fault a file name or "*" (count:
+    the uploads it fails)."""
 
     DATASET_KINDS = ("stale_dataset_status", "stale_mount", "lost_publish")
 
@@ -160,6 +165,7 @@ class Faults:
         self.kills: list[dict] = []
         self.stale_statuses: list[dict] = []
         self.datasets: dict[str, list[dict]] = {kind: [] for kind in self.DATASET_KINDS}
+        self.failed_uploads: list[dict] = []
 
     def add(self, fault: dict) -> None:
         kind = fault.get("kind", "http")
@@ -187,6 +193,9 @@ class Faults:
         if kind == "stale_status":  # an unlabelled status call answers for the version before the newest
             fault.setdefault("kernel", "*")
             return self.stale_statuses
+        if kind == "failed_upload":  # see take_failed_upload
+            fault.setdefault("name", "*")
+            return self.failed_uploads
         if kind in self.DATASET_KINDS:  # see dataset_versions, mount_version and take_lost_publish
             fault.setdefault("dataset", "*")
             return self.datasets[kind]
@@ -198,6 +207,7 @@ class Faults:
             self.session_errors.clear()
             self.kills.clear()
             self.stale_statuses.clear()
+            self.failed_uploads.clear()
             for faults in self.datasets.values():
                 faults.clear()
 
@@ -253,3 +263,8 @@ class Faults:
         """Whether a create of (a version of) dataset `ref` reports success and lands nothing (a lost_publish
         fault)."""
         return self._take_dataset("lost_publish", ref)
+
+    def take_failed_upload(self, name: str) -> bool:
+        """Whether the upload of a file named `name`, starting now, fails (a failed_upload fault)."""
+        with self.lock:
+            return self._take(self.failed_uploads, lambda f: f["name"] in ("*", name)) is not None

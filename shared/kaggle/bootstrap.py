@@ -130,7 +130,8 @@ def resolve_build(build: dict, log=print) -> BuiltKernel:
                        resume_root=settings.get(ckpt.get("resume_setting") or "") if input_step else None,
                        extend=bool(settings.get("extend")), verify_s=float(ckpt.get("verify_s") or 0),
                        credential=credential, publish_s=float(ckpt.get("publish_s") or 0),
-                       midway_s=float(ckpt.get("midway_s") or 0))
+                       midway_s=float(ckpt.get("midway_s") or 0),
+                       **({"poll_s": tuple(map(float, ckpt["poll_s"]))} if ckpt.get("poll_s") else {}))
     return BuiltKernel(settings, plan)
 
 
@@ -163,11 +164,11 @@ def _stage_resume(ckpt: dict, settings: dict, paths, log) -> int | None:
     folder = _attached(ckpt["dataset"], paths, log)
     input_step = checkpoint_step(folder) if folder else None
     expect = int(ckpt.get("expect_step") or 0)  # the step the chain saw in the dataset before pushing
-    # Starting from less than the chain saw would train again, then publish an older checkpoint over a newer one.
-    # With --extend an older version can hold a higher step (the run's end, before the extension trained on from its
-    # stable phase): the trainer would pass it over and train the extension's steps again, so any other step is stale.
-    stale = (input_step or 0) != expect if settings.get("extend") else (input_step or 0) < expect
-    if expect and stale:
+    # Starting from less than the chain saw would train again, then publish an older checkpoint over a newer one;
+    # from more, from a version the chain did not accept (one short of a file: scripts/chain/train_stage.py), or with
+    # --extend from the run's end before the extension trained on from its stable phase (the trainer would pass it
+    # over and train the extension's steps again).
+    if expect and (input_step or 0) != expect:
         folder, input_step = _fetch_expected(ckpt, folder, input_step, paths, log, settings.get("session_deadline"))
     root = stage_checkpoint(folder, paths.temp / "gpt2k-resume") if folder else None
     if root is not None:
@@ -203,7 +204,8 @@ def _fetch_expected(ckpt: dict, folder: Path | None, input_step: int | None, pat
                         "before the fetch; not starting over")
     cap = min(FETCH_TIMEOUT_S, left)
     until = " (what is left of the session's deadline)" if cap < FETCH_TIMEOUT_S else ""
-    which = "an older version" if (input_step or 0) < expect else "another version: --extend trains on below it"
+    which = ("an older version" if (input_step or 0) < expect else
+             "another version: one the chain did not accept, or the run's end before --extend trained on below it")
     log(f"notice: {stale} ({which}); fetching version {version} with kagglehub, for at most "
         f"{duration_text(cap)}{until}")
     try:

@@ -39,13 +39,19 @@ from shared.kaggle.credential import (
     secret_values,
     use_credential,
 )
+from shared.kaggle.proof import (
+    VERSION_POLL,
+    dataset_version,
+    delete_older_versions,
+    failed_uploads_raise,
+    verify_publish,
+)
 
 PUBLISH_RECORD = "publish.json"  # written to /kaggle/working: what the session published (read by the chain)
 DATASET_METADATA = "dataset-metadata.json"
 PLACEHOLDER_FILE = "README.md"  # the only file of a checkpoint dataset that holds no checkpoint yet
-# The kaggle client and kagglesdk set no timeout of their own: a read of a dataset's version (GetDataset and
-# GetDatasetStatus) is given this long, and a create (its uploads included) the plan's publish margin, or this.
-STATUS_TIMEOUT_S = 120.0
+# The kaggle client and kagglesdk set no timeout of their own: a create (its uploads included) is given the plan's
+# publish margin, or this (reads: shared/kaggle/proof.py STATUS_TIMEOUT_S).
 CREATE_TIMEOUT_S = 7200.0
 
 
@@ -90,6 +96,19 @@ def checkpoint_files(folder: str | os.PathLike) -> list[tuple[Path, str]]:
     return out
 
 
+def file_sizes(files: list[tuple[Path, str]]) -> dict[str, int]:
+    """{flat dataset name: bytes} of (file, name) pairs: what a version made of them must list."""
+    return {name: f.stat().st_size for f, name in files}
+
+
+def manifest_files(manifest: dict, prefix: str = "") -> dict[str, int | None]:
+    """{flat dataset name: bytes} a version holding the checkpoint of `manifest` must list (`prefix`: "stable__"
+    for the stable-phase one): every file the manifest names, and the manifest itself (any size)."""
+    files: dict[str, int | None] = {prefix + encode_name(name): int(meta["bytes"])
+                                    for name, meta in manifest.get("files", {}).items()}
+    return {**files, prefix + MANIFEST: None}
+
+
 def stable_checkpoint(*roots: str | os.PathLike | None) -> Path | None:
     """The newest stable-phase checkpoint (`<root>/stable/step_NNNNNN/` with a readable manifest) across `roots`:
     the session's own, or the one staged from the dataset it resumed from."""
@@ -130,103 +149,12 @@ class PublishPlan:
     # > 0: the first checkpoint written this long after the session's start is published too, while training goes
     # on (MidwayPublish): where Kaggle starts its clock is not verified, and a kill discards the output.
     midway_s: float = 0.0
+    poll_s: tuple[float, float] = VERSION_POLL  # the first and longest wait between reads of a new version
 
 
 # The wait for a publish whose checkpoint has no other copy (kept in /kaggle/temp, not in the output): a version that
 # failed, or never appeared (a create over the quota answers "Ok": kaggle-cli issue 284), is published once more.
 TEMP_PUBLISH_VERIFY_S = 600.0
-
-
-def parse_dataset_status(reply: str) -> tuple[int, str]:
-    """(current version number, status) from kaggle's `dataset_status(ref, format="json")`: it reads
-    GetDatasetStatus, then GetDataset's currentVersionNumber; the status names no version (docs/kaggle-api.md)."""
-    data = json.loads(reply)
-    return int(data.get("current_version_number") or 0), str(data.get("status") or "").lower()
-
-
-# `ApiDatasetVersion.status` is a free string whose values no source lists (docs/kaggle-api.md); these, in any case,
-# are read as a version's own status. Anything else falls back to GetDatasetStatus, which names no version.
-VERSION_STATUSES = ("ready", "failed", "deleted", "pending", "processing")
-
-
-def read_dataset_version(api, dataset: str) -> tuple[int, str]:
-    """(current version number, status) of `dataset`: that version's own status from GetDataset's versions[]
-    where it is one of VERSION_STATUSES, else GetDatasetStatus's. Raises the API's errors (a 404 too)."""
-    from kagglesdk.datasets.types.dataset_api_service import ApiGetDatasetRequest
-
-    request = ApiGetDatasetRequest()
-    request.owner_slug, request.dataset_slug = dataset.split("/", 1)
-    with api.build_kaggle_client() as kaggle:
-        reply = kaggle.datasets.dataset_api_client.get_dataset(request)
-    number = int(reply.current_version_number or 0)
-    own = [str(v.status or "").lower() for v in (reply.versions or []) if v.version_number == number]
-    if own and own[0] in VERSION_STATUSES:
-        return number, own[0]
-    return parse_dataset_status(api.dataset_status(dataset, format="json"))
-
-
-def dataset_version(api, dataset: str) -> tuple[int, str]:
-    """(current version number, status) of `dataset` (`read_dataset_version`, within STATUS_TIMEOUT_S); (0, "")
-    while Kaggle answers 404."""
-    try:
-        return within(STATUS_TIMEOUT_S, lambda: read_dataset_version(api, dataset))
-    except Exception as err:
-        if getattr(getattr(err, "response", None), "status_code", None) == 404:
-            return 0, ""
-        raise
-
-
-@dataclass
-class VersionSeen:
-    number: int  # the newest version number read
-    status: str  # its status as read ("" on a 404)
-    settled: bool  # a version above the one waited past, ready, failed or deleted, read after its number was seen
-
-
-def wait_for_new_version(read, above: int, timeout_s: float, sleep=time.sleep, poll_s: float = 10.0,
-                         poll_max_s: float = 60.0) -> VersionSeen:
-    """Poll `read` (() -> (version number, status)) until a version newer than `above` is ready, failed or deleted,
-    or timeout_s has passed. Right after a publish both calls behind a read may still describe the previous
-    version, so a version counts only once it is higher than `above`, and its status only when read after that
-    number was seen (the status names no version). Shared by the chain and a session verifying its publish."""
-    interval, deadline, seen = poll_s, time.monotonic() + timeout_s, 0
-    while True:
-        number, status = read()
-        if number > above and number == seen and status in ("ready", "failed", "deleted"):  # DatabundleVersionStatus
-            return VersionSeen(number, status, True)
-        fresh = number > above and number != seen
-        seen = number if number > above else 0
-        if time.monotonic() >= deadline:
-            return VersionSeen(number, status, False)
-        sleep(poll_s if fresh else interval)
-        interval = interval if fresh else min(interval * 1.5, poll_max_s)
-
-
-def verify_publish(api, dataset: str, before: int, timeout_s: float, republish, log=print,
-                   sleep=time.sleep) -> dict:
-    """After a publish past version `before` whose checkpoint has no other copy: wait for its version; one that
-    failed or never appeared is published again by `republish()` (which keeps the dataset's versions), once.
-    Returns what the publish record notes: `verified_version` (None where none was ready in time) and
-    `republished`."""
-    def read():
-        return dataset_version(api, dataset)
-
-    seen = wait_for_new_version(read, before, timeout_s, sleep)
-    if seen.settled and seen.status == "ready":
-        return {"verified_version": seen.number, "republished": False}
-    if seen.number > before and not seen.settled:
-        log(f"publish: version {seen.number} of {dataset} is still {seen.status or 'processing'} after "
-            f"{timeout_s:.0f} s; the chain waits for it")
-        return {"verified_version": None, "republished": False}
-    what = f"version {seen.number} is {seen.status}" if seen.settled else f"no version after {before} appeared"
-    log(f"warning: the publish to {dataset} did not land ({what}); publishing the checkpoint again")
-    republish()
-    again = wait_for_new_version(read, max(before, seen.number), timeout_s, sleep)
-    if again.settled and again.status == "ready":
-        return {"verified_version": again.number, "republished": True}
-    log(f"warning: the second publish to {dataset} is not ready either (version {again.number}, "
-        f"{again.status or 'no status'}); the checkpoint was lost with this session unless it lands")
-    return {"verified_version": None, "republished": True}
 
 
 def dataset_exists(api, dataset: str) -> bool:
@@ -261,13 +189,14 @@ def write_dataset_folder(folder: Path, dataset: str, title: str, files: list) ->
 def push_dataset_folder(api, folder: Path, dataset: str, notes: str, delete_old_versions: bool = False) -> str:
     """Create `dataset` from `folder`, or add a version to it (with `delete_old_versions`, Kaggle deletes every
     older version); returns "created" or "versioned"."""
-    if dataset_exists(api, dataset):
-        result = api.dataset_create_version(str(folder), notes, quiet=True, dir_mode="skip",
-                                            delete_old_versions=delete_old_versions)
-        action = "versioned"
-    else:
-        result = api.dataset_create_new(str(folder), public=False, quiet=True, dir_mode="skip")
-        action = "created"
+    with failed_uploads_raise(api):  # never a version without one of the files
+        if dataset_exists(api, dataset):
+            result = api.dataset_create_version(str(folder), notes, quiet=True, dir_mode="skip",
+                                                delete_old_versions=delete_old_versions)
+            action = "versioned"
+        else:
+            result = api.dataset_create_new(str(folder), public=False, quiet=True, dir_mode="skip")
+            action = "created"
     error = getattr(result, "error", None)
     if error:
         raise RuntimeError(error)
@@ -289,7 +218,7 @@ def publish_checkpoint(api, ckpt_dir: str | os.PathLike, dataset: str, work_dir:
     folder = write_dataset_folder(Path(work_dir) / "gpt2k-publish", dataset, title, files)
     action = push_dataset_folder(api, folder, dataset, notes or f"checkpoint at step {step}", delete_old_versions)
     shutil.rmtree(folder, ignore_errors=True)
-    return {"dataset": dataset, "step": step, "action": action,
+    return {"dataset": dataset, "step": step, "action": action, "files": file_sizes(files),
             "stable_step": checkpoint_step(stable) if stable is not None else None}
 
 
@@ -316,6 +245,8 @@ def _publish(plan: PublishPlan, ckpt, step: int, record: dict, log, work_dir: Pa
         use_credential(plan.credential)
     began = time.monotonic()
     stable = stable or stable_checkpoint(Path(ckpt).parent, plan.resume_root)
+    # A deleting publish is proven first, whatever its checkpoint's other copies: deleted versions are gone.
+    proof_s = plan.verify_s or (TEMP_PUBLISH_VERIFY_S if delete_old else 0.0)
     work_dir = work_dir or kaggle_paths().temp
     api, before = None, 0
 
@@ -326,8 +257,8 @@ def _publish(plan: PublishPlan, ckpt, step: int, record: dict, log, work_dir: Pa
     def sign_in_and_push(from_secrets: bool) -> dict:
         nonlocal api, before
         api = kaggle_api(from_secrets=from_secrets)
-        before = dataset_version(api, dataset)[0] if plan.verify_s else 0
-        return push(delete_old)
+        before = dataset_version(api, dataset)[0] if proof_s else 0
+        return push(False)  # older versions are deleted only once this one is proven whole (delete_older_versions)
 
     try:
         out = sign_in_and_push(from_secrets=plan.credential is None)  # None: a plan made without the bootstrap
@@ -340,11 +271,18 @@ def _publish(plan: PublishPlan, ckpt, step: int, record: dict, log, work_dir: Pa
         use_credential(ATTACHED_KEY)
         out = sign_in_and_push(from_secrets=False)
     record.update(published=True, action=out["action"], seconds=round(time.monotonic() - began, 1),
-                  delete_old_versions=delete_old, stable_step=out["stable_step"])
+                  delete_old_versions=delete_old, deleted_old_versions=False, stable_step=out["stable_step"])
     also = f" (with the stable phase's step {out['stable_step']})" if stable is not None else ""
     log(f"publish: checkpoint step {step}{also} {out['action']} dataset {dataset} in {record['seconds']}s")
-    if plan.verify_s:
-        record.update(verify_publish(api, dataset, before, plan.verify_s, log=log, republish=lambda: push(False)))
+    if not proof_s:
+        return
+    record.update(verify_publish(api, dataset, before, proof_s, log=log, republish=lambda: push(False),
+                                 expected=out["files"], poll=plan.poll_s))
+    if delete_old and record["verified_version"] and out["action"] == "versioned":
+        republished = record["republished"]
+        record.update(delete_older_versions(api, dataset, record["verified_version"], proof_s, push, log=log,
+                                            expected=out["files"], poll=plan.poll_s))
+        record["republished"] = record["republished"] or republished
 
 
 class MidwayPublish:

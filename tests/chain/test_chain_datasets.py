@@ -526,7 +526,7 @@ def test_a_finished_wsd_chain_extends_from_its_stable_phase_checkpoint_carried_i
     sessions = json.loads((work / "state.json").read_text())["train_sessions"]
     assert [(s["step_before"], s.get("start_step"), s["step_after"], s["ckpt_version"], s["delete_old"],
              s.get("published_by")) for s in sessions] == [
-        (0, None, 4, 1, False, "session"), (4, 3, 6, 2, True, "session"), (6, None, 8, 3, False, "session")]
+        (0, None, 4, 1, False, "session"), (4, 3, 6, 2, True, "session"), (6, None, 8, 4, False, "session")]
     log = session_log(work / "sessions" / "train-02")
     assert "(an older version); fetching version 2 with kagglehub" in log
     assert lk.app.accounts.secrets_of("alice/ext-run-train") == {}
@@ -537,9 +537,9 @@ def test_a_finished_wsd_chain_extends_from_its_stable_phase_checkpoint_carried_i
     assert dataset_steps() == (8, 5)
     versions = lk.app.state["datasets"][ckpt]["versions"]
     assert [(v["notes"], bool(v.get("deleted"))) for v in versions] == [
-        ("Initial release", True), ("checkpoint at step 4", True), ("checkpoint at step 6", False),
-        ("checkpoint at step 8", False)]
-    assert json.loads((work / "state.json").read_text())["checkpoint_versions"] == [3, 4]
+        ("Initial release", True), ("checkpoint at step 4", True), ("checkpoint at step 6", True),
+        ("checkpoint at step 6", False), ("checkpoint at step 8", False)]  # step 6 proven, then again deleting
+    assert json.loads((work / "state.json").read_text())["checkpoint_versions"] == [4, 5]
     assert lk.app.faults.datasets == {"stale_dataset_status": [], "stale_mount": [], "lost_publish": []}
 
 
@@ -554,7 +554,8 @@ def test_a_checkpoint_kept_only_in_temp_deletes_older_versions_and_its_session_v
     lk.app.inject("lost_publish", dataset=CKPT, count=1)  # the session's first publish answers "Ok", lands nothing
     out, _ = probe(lk, tmp_path, """
         import time
-        from shared.kaggle.publish import dataset_version, publish_checkpoint, verify_publish
+        from shared.kaggle.proof import dataset_version, verify_publish
+        from shared.kaggle.publish import publish_checkpoint
         from scripts.chain.config import publish_verify_s
         ctx.state.data["checkpoint_versions"] = [1, 2]
         out["working"] = (session_publishes(ctx, 2, 1800)[0], publish_verify_s(ctx.cfg.train))

@@ -15,7 +15,7 @@ from kaggle_fixtures import USER
 from test_session_credential import DATASET, SESSION, run_session
 
 from shared.errors import UserError
-from shared.kaggle import credential, publish
+from shared.kaggle import credential, proof
 from shared.kaggle.credential import ATTACHED_KEY, NOTEBOOK_TOKEN, TokenFacts, token_shortfall
 
 HOUR = 3600.0
@@ -223,11 +223,11 @@ def test_a_sign_in_that_never_answers_is_one_line_at_its_limit(monkeypatch):
 
 def test_a_status_read_that_never_answers_is_one_line_at_its_limit(monkeypatch):
     release = threading.Event()
-    monkeypatch.setattr(publish, "STATUS_TIMEOUT_S", 0.2)
-    monkeypatch.setattr(publish, "read_dataset_version", lambda api, ds: release.wait())
+    monkeypatch.setattr(proof, "STATUS_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(proof, "read_dataset_version", lambda api, ds: release.wait())
     try:
         with pytest.raises(UserError, match=r"^no answer within 0\.2 s$"):
-            publish.dataset_version(object(), DATASET)
+            proof.dataset_version(object(), DATASET)
     finally:
         release.set()
 

@@ -436,7 +436,7 @@ class ScriptedDatasetApi:
 
 
 def test_a_new_version_counts_only_once_its_status_is_read_after_its_number():
-    from shared.kaggle.publish import VersionSeen, wait_for_new_version
+    from shared.kaggle.proof import VersionSeen, wait_for_new_version
 
     def reads(script):
         answers = iter(script)
@@ -462,7 +462,7 @@ def test_a_new_version_counts_only_once_its_status_is_read_after_its_number():
 ])
 def test_a_publish_with_no_other_copy_is_published_again_only_where_its_version_failed_or_never_appeared(
         reads, republished, result, line):
-    from shared.kaggle.publish import verify_publish
+    from shared.kaggle.proof import verify_publish
 
     api, lines = ScriptedDatasetApi(reads), []
     # A new version that never settles or never appears: give up at once (the wait runs on the wall clock, and

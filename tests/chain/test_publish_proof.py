@@ -1,0 +1,212 @@
+"""Every checkpoint publish is proven by its files (docs/kaggle-api.md, Checkpoint dataset versions): against the
+local Kaggle, a blob upload that fails with a 500 no resume cures (kaggle 2.2.4 then creates the version without
+that file), and a create over the private-dataset quota that answers "Ok" and lands nothing. A session's publish
+is accepted only where its version lists every file of the checkpoint at its size, publishes again where not, and
+deletes older versions only once a version is proven whole."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+from helpers import REPO
+from kaggle_fixtures import write_dataset
+from test_chain_datasets import CKPT as CHAIN_CKPT  # the chain's probe (tests/chain/test_chain_datasets.py)
+from test_chain_datasets import add_version, live_numbers, manifest
+from test_chain_datasets import probe as chain_probe
+
+CKPT = "alice/proof-checkpoints"
+
+# Runs in a process whose kaggle client points at the local Kaggle; `out` comes back.
+PROBE = """
+import contextlib, json, pathlib, sys, time
+sys.path.insert(0, {repo!r})
+from kaggle.api.kaggle_api_extended import KaggleApi
+import shared.kaggle.publish as publish
+from shared.kaggle.proof import listed_files
+api = KaggleApi()
+api.authenticate()
+CKPT, work = {ckpt!r}, pathlib.Path({work!r})
+work.mkdir(parents=True, exist_ok=True)
+
+def checkpoint(step):
+    folder = work / f"step_{{step:06d}}"
+    folder.mkdir(parents=True, exist_ok=True)
+    files = {{"model.safetensors": b"w" * (100 + step), "optimizer.safetensors": b"o" * (200 + step)}}
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    manifest = {{"step": step, "files": {{n: {{"bytes": len(d), "sha256": "-"}} for n, d in files.items()}}}}
+    (folder / "checkpoint.json").write_text(json.dumps(manifest))
+    return folder
+
+out = {{}}
+{body}
+print("RESULT " + json.dumps(out))
+"""
+
+
+def probe(lk, tmp_path: Path, body: str) -> dict:
+    code = PROBE.format(repo=str(REPO), ckpt=CKPT, work=str(tmp_path / "work"), body=textwrap.dedent(body))
+    return json.loads(lk.python(code, timeout=180).stdout.splitlines()[-1].removeprefix("RESULT "))
+
+
+def live(lk) -> list[tuple[int, list[str]]]:
+    """(number, file names) of the checkpoint dataset's live versions."""
+    return [(v["number"], sorted(f["name"] for f in v["files"]))
+            for v in lk.app.state["datasets"][CKPT]["versions"] if not v.get("deleted")]
+
+
+def start_dataset(lk, tmp_path: Path) -> None:
+    lk.cli("datasets", "create", "-p", str(write_dataset(tmp_path / "ds", CKPT, {"README.md": "no checkpoint"})))
+
+
+WHOLE = ["checkpoint.json", "model.safetensors", "optimizer.safetensors"]
+
+
+def test_a_blob_put_failing_with_500_leaves_the_clients_version_without_that_file_and_our_push_refuses(
+        local_kaggle, tmp_path):
+    lk = local_kaggle
+    start_dataset(lk, tmp_path)
+    lk.app.inject("failed_upload", name="model.safetensors", count=2)
+    out = probe(lk, tmp_path, """
+        folder = publish.write_dataset_folder(work / "up", CKPT, "", publish.checkpoint_files(checkpoint(10)))
+        reply = api.dataset_create_version(str(folder), "straight through the client", quiet=True)
+        out["client"] = [reply.error or "", sorted(listed_files(api, CKPT, 2))]
+        try:
+            publish.push_dataset_folder(api, folder, CKPT, "through push_dataset_folder")
+        except Exception as err:
+            out["push"] = f"{type(err).__name__}: {err}"
+    """)
+    # kaggle 2.2.4: the 500 is not resumed, the upload's token is None, and the version is made without the file.
+    assert out["client"] == ["", ["checkpoint.json", "optimizer.safetensors"]]
+    assert out["push"] == "UploadFailed: the upload of model.safetensors failed; no version was created without it"
+    assert [n for n, _ in live(lk)] == [1, 2] and lk.app.faults.failed_uploads == []
+
+
+def test_a_create_over_the_private_dataset_quota_answers_ok_and_lands_nothing(local_kaggle, tmp_path):
+    lk = local_kaggle
+    start_dataset(lk, tmp_path)
+    lk.app.settings.private_dataset_quota_bytes = 300  # the README fits; a checkpoint of 300+ bytes does not
+    out = probe(lk, tmp_path, """
+        folder = publish.write_dataset_folder(work / "up", CKPT, "", publish.checkpoint_files(checkpoint(10)))
+        out["action"] = publish.push_dataset_folder(api, folder, CKPT, "over the quota", delete_old_versions=True)
+    """)
+    assert out["action"] == "versioned"  # no error: "Ok"
+    assert [n for n, _ in live(lk)] == [1]  # nothing landed, and nothing was deleted
+
+
+PUBLISH = """
+    plan = publish.PublishPlan(CKPT, delete_old_versions=True, verify_s=3.0, poll_s=(0.05, 0.2))
+    if {silent}:  # a client that drops a failed file silently (kaggle 2.2.4 without our check)
+        publish.failed_uploads_raise = lambda api: contextlib.nullcontext()
+    record, lines = {{}}, []
+    publish._publish(plan, checkpoint(20), 20, record, lines.append, work_dir=work / "upload")
+    out.update(record=record, lines=lines)
+"""
+
+
+def test_a_short_version_is_published_again_and_older_versions_go_only_after_one_is_proven_whole(
+        local_kaggle, tmp_path):
+    lk = local_kaggle
+    start_dataset(lk, tmp_path)
+    lk.app.inject("failed_upload", name="model.safetensors", count=1)
+    out = probe(lk, tmp_path, PUBLISH.format(silent=True))
+    record = out["record"]
+    assert (record["verified_version"], record["republished"], record["deleted_old_versions"]) == (4, True, True)
+    assert live(lk) == [(4, WHOLE)]  # version 2 (short) and 3 (whole, proven) went with the deleting version 4
+    assert out["lines"][1] == (f"warning: the publish to {CKPT} did not land (version 2 lacks model.safetensors); "
+                               "publishing the checkpoint again")
+    assert out["lines"][2] == f"publish: version 3 of {CKPT} is whole; publishing it again, deleting the older versions"
+
+
+def test_a_publish_never_proven_whole_deletes_nothing(local_kaggle, tmp_path):
+    lk = local_kaggle
+    start_dataset(lk, tmp_path)
+    lk.app.inject("failed_upload", name="optimizer.safetensors", count=2)  # the publish and its second try
+    out = probe(lk, tmp_path, PUBLISH.format(silent=True))
+    record = out["record"]
+    assert (record["verified_version"], record["republished"], record["deleted_old_versions"]) == (None, True, False)
+    short = ["checkpoint.json", "model.safetensors"]
+    assert live(lk) == [(1, ["README.md"]), (2, short), (3, short)]  # version 1 is still there
+
+
+def test_a_failed_upload_through_our_client_raises_before_any_version(local_kaggle, tmp_path):
+    lk = local_kaggle
+    start_dataset(lk, tmp_path)
+    lk.app.inject("failed_upload", name="model.safetensors", count=1)
+    body = "try:\n" + textwrap.indent(textwrap.dedent(PUBLISH.format(silent=False)), "    ") + \
+        "except Exception as err:\n    out['error'] = f'{type(err).__name__}: {err}'\n"
+    out = probe(lk, tmp_path, body)
+    assert out["error"] == "UploadFailed: the upload of model.safetensors failed; no version was created without it"
+    assert [n for n, _ in live(lk)] == [1]
+
+
+def test_a_quota_create_that_lands_nothing_is_not_accepted(local_kaggle, tmp_path):
+    lk = local_kaggle
+    start_dataset(lk, tmp_path)
+    lk.app.inject("lost_publish", dataset=CKPT, count=1)
+    out = probe(lk, tmp_path, PUBLISH.format(silent=False))
+    record = out["record"]
+    assert (record["verified_version"], record["republished"], record["deleted_old_versions"]) == (3, True, True)
+    assert out["lines"][1] == (f"warning: the publish to {CKPT} did not land (no version after 1 appeared); "
+                               "publishing the checkpoint again")
+    assert live(lk) == [(3, WHOLE)]
+
+
+# --- the chain's side: a session's version is proven too ---------------------------------------------------------
+
+SESSION = """
+    import hashlib
+    from pathlib import Path
+    weights = b"weights" * 10
+
+    def output(ref, dest, pattern=None, version=0):  # the session's output, as download_output leaves it
+        if not {in_output}:
+            return []
+        folder = Path(dest) / "train" / "checkpoints" / "step_000040"
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(weights)
+        files = {{"model.safetensors": {{"bytes": len(weights), "sha256": hashlib.sha256(weights).hexdigest()}}}}
+        (folder / "checkpoint.json").write_text(json.dumps({{"format": 1, "step": 40, "files": files}}))
+        return ["train/checkpoints/step_000040/model.safetensors"]
+
+    client.download_output = output
+    record = {{"dataset": CKPT, "step": 40, "start_step": 20, "published": True, "stable_step": None}}
+    chain.train.fetch_results = lambda ref, sess: (record, {{}})
+    ctx.state.data["checkpoint_versions"] = [1, 2]
+    sess = {{"n": 1, "key": "train-1", "version": 1, "ckpt_version": 1, "step_before": 20, "delete_old": True}}
+    out["after"] = list(chain.train.after_session("alice/unit-run-train", sess, CKPT)[:2])
+    out["live"] = ctx.state.data["checkpoint_versions"]
+"""
+
+
+def short_version(lk, tmp_path: Path) -> None:
+    """Version 1 holds step 20 whole; version 2, the session's, step 40 without its model file."""
+    model = {"model.safetensors": {"bytes": 70, "sha256": "-"}}
+    add_version(lk, tmp_path, CHAIN_CKPT, {"checkpoint.json": manifest(20, {"model.safetensors": {"bytes": 5,
+                                                                                                  "sha256": "-"}}),
+                                           "model.safetensors": "12345"})
+    add_version(lk, tmp_path, CHAIN_CKPT, {"checkpoint.json": manifest(40, model)})
+
+
+def test_the_chain_publishes_a_short_session_version_again_from_the_output_deleting_only_after_proof(
+        local_kaggle, tmp_path):
+    lk = local_kaggle
+    short_version(lk, tmp_path)
+    out, log = chain_probe(lk, tmp_path, SESSION.format(in_output=True))
+    assert out == {"after": [4, 40], "live": [4]}
+    assert "publishing step 40 from the kernel output (version 2 lacks model.safetensors)" in log
+    assert f"version 3 of {CHAIN_CKPT} is whole; publishing it again, deleting the older versions" in log
+    assert live_numbers(lk, CHAIN_CKPT) == [4]
+
+
+def test_a_short_session_version_with_no_copy_in_the_output_is_one_line_and_the_chain_resumes_from_the_last_whole(
+        local_kaggle, tmp_path):
+    lk = local_kaggle
+    short_version(lk, tmp_path)
+    out, log = chain_probe(lk, tmp_path, SESSION.format(in_output=False))
+    assert out == {"after": [1, 20], "live": [1, 2]}
+    assert (f"warning: version 2 of {CHAIN_CKPT} lacks model.safetensors, and the session's output holds no whole "
+            "copy: step 40 is lost; the next session resumes from version 1 (step 20)") in log
+    assert live_numbers(lk, CHAIN_CKPT) == [1, 2]  # nothing the run needs was deleted
