@@ -427,11 +427,11 @@ def test_a_fetch_may_take_only_what_is_left_of_the_sessions_deadline(monkeypatch
 
 
 @pytest.mark.parametrize("extend", [True, False])
-def test_with_extend_a_stale_mount_at_a_higher_step_is_fetched_not_trained_past(monkeypatch, tmp_path, extend):
+def test_a_stale_mount_at_a_higher_step_is_fetched_not_trained_past(monkeypatch, tmp_path, extend):
     """An extension trains on from its stable phase, below the run's end: its first publish (step 30) is newer than
     the version before it (step 40). A stale mount of that older version shows the higher step; with --extend the
-    trainer would pass it over and train from the stable phase again, so the session fetches the chain's version.
-    Without --extend a higher step is newer training, used as mounted."""
+    trainer would pass it over and train from the stable phase again. Without --extend a higher step than the chain
+    accepted is a version it refused (one short of a file). Either way the session fetches the chain's version."""
     import sys
     from types import SimpleNamespace
 
@@ -456,13 +456,11 @@ def test_with_extend_a_stale_mount_at_a_higher_step_is_fetched_not_trained_past(
     ckpt = {"dataset": CKPT, "resume_setting": "resume_from", "expect_step": 30, "expect_version": 5}
     step = bootstrap._stage_resume(ckpt, settings, paths, lines.append)
     staged = {p.name: (p / "model.safetensors").read_text() for p in Path(settings["resume_from"]).glob("step_*")}
-    if extend:
-        assert asked == [f"{CKPT}/versions/5"] and step == 30 and staged == {"step_000030": "weights 30"}
-        assert lines[0].startswith(f"notice: checkpoint dataset {CKPT} holds step 30, but this session sees step 40 in "
-                                   f"{mounted} (another version: --extend trains on below it); fetching version 5 ")
-    else:
-        assert asked == [] and step == 40 and staged == {"step_000040": "weights 40"}
-    assert lines[-1] == f"resuming from {CKPT} (step {step})"
+    assert asked == [f"{CKPT}/versions/5"] and step == 30 and staged == {"step_000030": "weights 30"}
+    assert lines[0].startswith(f"notice: checkpoint dataset {CKPT} holds step 30, but this session sees step 40 in "
+                               f"{mounted} (another version: one the chain did not accept, or the run's end before "
+                               "--extend trained on below it); fetching version 5 ")
+    assert lines[-1] == f"resuming from {CKPT} (step 30)"
 
 
 # --- a chain --------------------------------------------------------------------------------------------------
