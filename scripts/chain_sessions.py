@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--smoke", action="store_true",
                         help="first contact: a short chain of its own (one small tokenize part, two short train "
                              "sessions (~15 min for gpt2), an eval on a subset) that proves every link on your "
-                             "account and measures your TPU, then a readiness report; under 45 min of TPU quota for "
+                             "account and measures your TPU, then a readiness report; under 55 min of TPU quota for "
                              "gpt2")
     parser.add_argument("--total-steps", type=int, help="override the config's total_steps")
     parser.add_argument("--max-train-sessions", type=int, help="override the config's max_train_sessions")

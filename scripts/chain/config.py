@@ -355,16 +355,23 @@ def checkpoint_uploads(train: dict) -> int:
     return 2 if keeps_stable(train) else 1
 
 
+# A publish that deletes the older versions uploads its checkpoint twice: kept beside them first, then, once that
+# version is proven whole, again with deleteOldVersions (shared/kaggle/publish.py `_publish`, docs/kaggle-api.md).
+DELETING_PUBLISH_UPLOADS = 2
+
+
 def publish_needs_s(train: dict, size: int) -> float:
-    """The least a session's publish can take: its checkpoint uploads at the assumed rate, and for checkpoints in
-    /kaggle/temp the session's wait for its version."""
-    return checkpoint_uploads(train) * size / ASSUMED_UPLOAD_BYTES_PER_S + publish_verify_s(train)
+    """The least a session's publish can take: its checkpoint uploads at the assumed rate, twice where the publish
+    deletes the older versions (any session's may), and for checkpoints in /kaggle/temp the session's wait for its
+    version."""
+    uploads = DELETING_PUBLISH_UPLOADS * checkpoint_uploads(train)
+    return uploads * size / ASSUMED_UPLOAD_BYTES_PER_S + publish_verify_s(train)
 
 
 def _publish_words(train: dict, size: int) -> str:
-    uploads = checkpoint_uploads(train)
-    words = (f"{uploads} x " if uploads > 1 else "") + (f"{size / 1e9:.2g} GB at an assumed "
-                                                        f"{ASSUMED_UPLOAD_BYTES_PER_S / 1e6:g} MB/s")
+    uploads = DELETING_PUBLISH_UPLOADS * checkpoint_uploads(train)
+    words = f"{uploads} x " + (f"{size / 1e9:.2g} GB at an assumed {ASSUMED_UPLOAD_BYTES_PER_S / 1e6:g} MB/s "
+                               "(a deleting publish uploads twice)")
     if publish_verify_s(train):
         words += f" + the session's {publish_verify_s(train):.0f}-s wait for its version"
     return words

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from scripts.chain.config import (
+    DELETING_PUBLISH_UPLOADS,
     ChainConfig,
     checkpoint_uploads,
     checkpoints_in_temp,
@@ -318,10 +319,11 @@ def margins(cfg: ChainConfig, plan: dict) -> list[str]:
         spare = plan["tokenized_tokens"] - need
         out.append(f"tokens: {_tokens(plan['tokenized_tokens'])} tokenized for {_tokens(plan['train_tokens'])} "
                    f"trained + {_tokens(plan['validation_tokens'])} validation: {spare / need:+.1%}")
-    upload_s = plan["checkpoint_bytes"] * checkpoint_uploads(cfg.train) / ASSUMED_UPLOAD_BYTES_PER_S
+    upload_s = (plan["checkpoint_bytes"] * DELETING_PUBLISH_UPLOADS * checkpoint_uploads(cfg.train)
+                / ASSUMED_UPLOAD_BYTES_PER_S)
     out.append(f"session: {cfg.startup_margin_s:g} s for start-up (imports, data, compile); "
-               f"{cfg.publish_margin_s:g} s to publish, the upload alone ~{upload_s:.0f} s at an assumed "
-               f"{ASSUMED_UPLOAD_BYTES_PER_S / 1e6:g} MB/s")
+               f"{cfg.publish_margin_s:g} s to publish, the uploads alone ~{upload_s:.0f} s at an assumed "
+               f"{ASSUMED_UPLOAD_BYTES_PER_S / 1e6:g} MB/s (a deleting publish uploads twice)")
     if plan.get("quota_s") and plan.get("weekly_quota_s"):
         weeks = plan.get("weeks") or 1
         now = plan["weekly_quota_s"] if plan["quota_left_s"] is None else plan["quota_left_s"]

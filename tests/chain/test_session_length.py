@@ -14,7 +14,7 @@ from scripts.chain.sizing import session_length, session_measurements
 from shared.errors import UserError
 
 BASE = {"name": "unit-run", "token_datasets": ["alice/tokens"]}
-MEASURED = {**BASE, "session_limit_s": 300, "startup_margin_s": 60, "session_train_s": 30, "publish_margin_s": 12}
+MEASURED = {**BASE, "session_limit_s": 300, "startup_margin_s": 60, "session_train_s": 30, "publish_margin_s": 20}
 
 
 def test_a_fixed_session_stops_training_by_its_margins_and_never_past_its_limit_less_publishing():
@@ -33,25 +33,25 @@ def test_sessions_sized_from_measured_start_up_grow_with_the_longest_one_seen_up
     assert session_length(cfg, [{"n": 1, "step_s": 1.0}]).stop_after_steps == 10  # no start-up measured yet
     sessions = [{"n": 1, "startup_s": 38.9}, {"n": 2, "startup_s": 52.2}, {"n": 3}]
     # ceil(1.5 x 52.2 + 10) = 89: the longest start-up, with headroom for a busier machine.
-    assert session_length(cfg, sessions) == (131, "start-up 89 s (1.5 x the 52.2 s session 2's took, + 10 s) + "
-                                                   "30 s of training (session_train_s) + 12 s to publish", 0)
+    assert session_length(cfg, sessions) == (139, "start-up 89 s (1.5 x the 52.2 s session 2's took, + 10 s) + "
+                                                   "30 s of training (session_train_s) + 20 s to publish", 0)
     assert session_length(cfg, [{"n": 1, "startup_s": 250.0}])[0] == 300  # at most session_limit_s
     # Steps slow enough that 30 s would not hold 10 of them: training grows to 10 steps, the 2 that end a session
     # and 1.5 checkpoints, x1.5 (ceil(1.5 x (12 x 3.5 + 1.5 x 0.4)) = 64).
     slow = [{"n": 1, "startup_s": 55.4, "step_s": 3.5, "checkpoint_s": 0.4}, {"n": 2, "step_s": 1.0}]
-    assert session_length(cfg, slow) == (170, "start-up 94 s (1.5 x the 55.4 s session 1's took, + 10 s) + 64 s of "
+    assert session_length(cfg, slow) == (178, "start-up 94 s (1.5 x the 55.4 s session 1's took, + 10 s) + 64 s of "
                                               "training (10 steps at the 3.50 s a step session 1 took, x1.5, with the "
-                                              "steps and checkpoint that end a session) + 12 s to publish", 0)
-    assert session_length(cfg, [{"n": 1, "startup_s": 40.0, "step_s": 1.0, "checkpoint_s": 0.4}])[0] == 70 + 30 + 12
+                                              "steps and checkpoint that end a session) + 20 s to publish", 0)
+    assert session_length(cfg, [{"n": 1, "startup_s": 40.0, "step_s": 1.0, "checkpoint_s": 0.4}])[0] == 70 + 30 + 20
     # Only training's end by the deadline: the allowance is an estimate, and start-up eats training, not the limit.
-    assert cfg.session_clock(113) == {"time_budget": 101, "session_deadline": 101}
+    assert cfg.session_clock(113) == {"time_budget": 93, "session_deadline": 93}
 
 
 def test_session_train_s_must_fit_session_limit_s_with_the_margins():
     with pytest.raises(UserError) as err:
         config_from_dict({**MEASURED, "session_train_s": 250})
     assert str(err.value) == ("config: session_train_s 250 must be >= 0, and with startup_margin_s 60 + "
-                              "publish_margin_s 12 fit session_limit_s 300, the longest a session may be made")
+                              "publish_margin_s 20 fit session_limit_s 300, the longest a session may be made")
     with pytest.raises(UserError, match="session_deadline is set by the chain"):
         config_from_dict({**BASE, "train": {"session_deadline": 100}})
 
@@ -101,13 +101,13 @@ def test_a_session_that_trained_no_step_lengthens_the_next_or_stops_the_chain_in
     chain = chain_with_sessions(tmp_path / "a", MEASURED, [short], lines.append)
     assert chain.train.no_progress(short) == 0
     assert lines == ["  session 2 trained no step in its 102 s after a 95-s start-up: the next session is longer"]
-    assert session_length(chain.cfg, [short])[0] == 153 + 30 + 12 > 102
+    assert session_length(chain.cfg, [short])[0] == 153 + 30 + 20 > 102
     # Already at session_limit_s: no longer session would do better, so one line at once, naming the setting.
     capped = {"n": 4, "limit_s": 300, "startup_s": 290.0, "stop_reason": "too_short"}
     with pytest.raises(UserError) as err:
         chain_with_sessions(tmp_path / "b", MEASURED, [capped]).train.no_progress(capped)
     assert str(err.value) == ("stopping: train session 4 could not fit one step: its start-up took 290 s to the end "
-                              "of the first step, in a session of 300 s with publish_margin_s 12; raise "
+                              "of the first step, in a session of 300 s with publish_margin_s 20; raise "
                               "session_limit_s")
     # A session of the fixed length (a real Kaggle chain) that cannot fit a step: one line at once too.
     fixed = {**BASE, "session_limit_s": 3600, "startup_margin_s": 600, "publish_margin_s": 1200}
@@ -122,8 +122,8 @@ def test_a_session_that_trained_no_step_lengthens_the_next_or_stops_the_chain_in
     # at least the limit less publishing, and the next session allows for that.
     killed = {"n": 1, "limit_s": 132, "seconds": 133.2, "ended": 1.0, "step_before": 0, "step_after": 0}
     chain = chain_with_sessions(tmp_path / "d", MEASURED, [killed])
-    assert chain.train.no_progress(killed) == 0 and killed["startup_s"] == 120
-    assert session_length(chain.cfg, [killed])[0] == 190 + 30 + 12
+    assert chain.train.no_progress(killed) == 0 and killed["startup_s"] == 112
+    assert session_length(chain.cfg, [killed])[0] == 178 + 30 + 20
     # After a restart those sessions still do not count against the chain; only the others do.
     from scripts.chain.train_stage import _trailing_failures
 
