@@ -143,11 +143,12 @@ def session_publishes(ctx: StageContext, current: int, limit_s: float) -> tuple[
     """(whether the next session's final publish deletes the older versions, whether it publishes midway), from
     the versions live now and a session of `limit_s`, under the private-dataset quota (scripts/chain/storage.py).
     Kaggle deletes only every older version at once, so the publish after which more than keep_dataset_versions
-    would be live deletes them all (docs/kaggle-api.md, Checkpoint dataset versions). A midway version only where
-    it and the final one fit beside those live (a session killed before its final publish leaves one more)."""
+    would be live deletes them all, with a copy of its final version once that is proven (docs/kaggle-api.md, Old
+    versions). A midway version only where it, the final one and that copy fit beside those live (a session killed
+    before its final publish leaves one more)."""
     live = len(known_versions(ctx, current))
     plan = storage_plan(ctx.cfg, midway=ctx.cfg.midway_publish_s(limit_s) > 0)
-    midway = plan.midway and live + 2 <= ctx.cfg.dataset_room()
+    midway = plan.midway and live + 3 <= ctx.cfg.dataset_room()  # the midway, the final and its deleting copy
     return live + 1 + midway > plan.keep, midway
 
 

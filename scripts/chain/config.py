@@ -136,13 +136,14 @@ class ChainConfig:
 
     def dataset_room(self) -> int:
         """Checkpoint versions that fit the private-dataset quota at once (each the newest checkpoint and, for a wsd
-        run, the stable-phase one beside it). Fewer than two (the version kept and the next one) is an error."""
+        run, the stable-phase one beside it). Fewer than three is an error: the version kept, the next one, and the
+        copy of it that deletes the older once it is proven (shared/kaggle/publish.py `_publish`)."""
         size = checkpoint_uploads(self.train) * self.checkpoint_bytes
         room = int(self.dataset_quota_gb * 1e9) // size
-        if room < 2:
-            raise UserError(f"a checkpoint version is {size / 1e9:.1f} GB: two (the one kept and the next) do not fit "
-                            f"the {self.dataset_quota_gb:g} GB private-dataset quota (dataset_quota_gb); raise it if "
-                            "your account has more, or train a smaller model")
+        if room < 3:
+            raise UserError(f"a checkpoint version is {size / 1e9:.1f} GB: three (the one kept, the next, and its "
+                            f"copy that deletes the older) do not fit the {self.dataset_quota_gb:g} GB private-dataset "
+                            "quota (dataset_quota_gb); raise it if your account has more, or train a smaller model")
         return room
 
     @property

@@ -26,39 +26,42 @@ def gpt2_config(quota_versions: float, keep: int = 2, **more):
 
 def test_a_quota_with_room_keeps_what_the_config_asks_and_publishes_midway():
     plan = storage_plan(gpt2_config(100))
-    assert (plan.keep, plan.midway, plan.peak_versions, plan.lowered) == (2, True, 3, "")
-    assert plan.peak_bytes == 3 * plan.version_bytes
-    # keep 3 with a midway version: 1 live, +2 (3, no delete), then +2 with the delete: 5 at once.
-    assert storage_plan(gpt2_config(100, keep=3)).peak_versions == 5
-    assert storage_plan(gpt2_config(100, keep=3), midway=False).peak_versions == 4
-    # 0 keeps as many as fit: room for 10. From 1 live, +2 a session up to 7, then +2 with the delete: 9 at once;
-    # keeping 9 or 10 would reach 11.
+    # From 1 live, a session adds its midway and final versions (3 > 2 kept), so its final one, once proven, is
+    # published again deleting the older: 4 at once, before Kaggle deletes them.
+    assert (plan.keep, plan.midway, plan.peak_versions, plan.lowered) == (2, True, 4, "")
+    assert plan.peak_bytes == 4 * plan.version_bytes
+    # keep 3 with a midway version: 1 live, +2 (3, no delete), then +2 and the deleting copy: 6 at once.
+    assert storage_plan(gpt2_config(100, keep=3)).peak_versions == 6
+    assert storage_plan(gpt2_config(100, keep=3), midway=False).peak_versions == 5
+    # 0 keeps as many as fit: room for 10. From 1 live, +2 a session up to 7, then +2 and the copy: 10 at once;
+    # keeping 9 or 10 would reach 12.
     assert storage_plan(gpt2_config(10.5, keep=0)).keep == 8
 
 
 def test_a_tight_quota_keeps_fewer_versions_then_skips_the_midway_publish_and_says_so():
-    plan = storage_plan(gpt2_config(3.5, keep=4))
-    assert (plan.keep, plan.midway, plan.peak_versions) == (2, True, 3)
+    plan = storage_plan(gpt2_config(4.5, keep=4))
+    assert (plan.keep, plan.midway, plan.peak_versions) == (2, True, 4)
     assert plan.lowered == "keep_dataset_versions 2, not 4, to fit the quota"
-    plan = storage_plan(gpt2_config(2.5))
-    assert (plan.keep, plan.midway, plan.peak_versions) == (1, False, 2)
+    plan = storage_plan(gpt2_config(3.5))
+    assert (plan.keep, plan.midway, plan.peak_versions) == (1, False, 3)
     assert plan.lowered == "keep_dataset_versions 1, not 2 and no midway publish, to fit the quota"
     line = storage_line(plan)
-    assert line.startswith("at most 2 checkpoint versions live at once, 1.5 GB each: 3.0 GB of the 3.7")
+    assert line.startswith("at most 3 checkpoint versions live at once, 1.5 GB each: 4.5 GB of the 5.2")
     assert line.endswith(" GB private-dataset quota (dataset_quota_gb; keep_dataset_versions 1, not 2 and no midway "
-                         "publish, to fit the quota); a session adds 1, its final one deleting the older where more "
-                         "than 1 would stay (counted before Kaggle deletes them)")
+                         "publish, to fit the quota); a session adds 1, and where more than 1 would stay, a copy of "
+                         "its final one, once proven, deletes the older (counted before Kaggle deletes them)")
 
 
-def test_a_quota_that_cannot_hold_two_versions_is_refused_before_anything_is_pushed():
-    with pytest.raises(UserError, match=r"^config: a checkpoint version is 1\.5 GB: two \(the one kept and the next\) "
-                                        r"do not fit the 2\.2\d* GB private-dataset quota \(dataset_quota_gb\)"):
-        gpt2_config(1.5)
+def test_a_quota_that_cannot_hold_three_versions_is_refused_before_anything_is_pushed():
+    with pytest.raises(UserError, match=r"^config: a checkpoint version is 1\.5 GB: three \(the one kept, the next, "
+                                        r"and its copy that deletes the older\) do not fit the 4\.18\d* GB "
+                                        r"private-dataset quota \(dataset_quota_gb\)"):
+        gpt2_config(2.8)
     with pytest.raises(UserError, match=r"^config: dataset_quota_gb must be a number of GB > 0, got -1$"):
         config_from_dict({"token_datasets": ["a/b"], "dataset_quota_gb": -1})
 
 
-@pytest.mark.parametrize(("quota_versions", "keep"), [(100, 2), (100, 3), (3.5, 2), (2.5, 2), (6.2, 0), (4, 5)])
+@pytest.mark.parametrize(("quota_versions", "keep"), [(100, 2), (100, 3), (4.5, 2), (3.5, 2), (6.2, 0), (5, 5)])
 def test_sessions_never_hold_more_versions_than_the_plan_says_nor_than_the_quota_holds(quota_versions, keep):
     """Random sessions, some killed before their final publish (their midway version stays): the versions live at
     any moment (a create counted before Kaggle deletes the older) stay within the plan's peak while sessions end
@@ -79,10 +82,14 @@ def test_sessions_never_hold_more_versions_than_the_plan_says_nor_than_the_quota
                 if midway:
                     note_version(ctx, newest, False)
                 continue
-            newest += 1
-            most = max(most, len(live) + 1)  # the new version beside those it deletes
+            newest += 1  # the final version, kept beside the others until proven
+            live = live + [newest]
+            most = max(most, len(live))
+            if delete:  # then its copy, deleting the older: counted beside them
+                newest += 1
+                most = max(most, len(live) + 1)
             note_version(ctx, newest, delete)
-            assert ctx.state.data["checkpoint_versions"] == ([newest] if delete else live + [newest])
+            assert ctx.state.data["checkpoint_versions"] == ([newest] if delete else live)
         assert most <= room
         if not killed_share:
             assert most == plan.peak_versions and midways == (60 if plan.midway else 0)
