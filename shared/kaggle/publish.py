@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -215,9 +216,15 @@ def publish_checkpoint(api, ckpt_dir: str | os.PathLike, dataset: str, work_dir:
     files = checkpoint_files(ckpt_dir)
     if stable is not None:
         files += [(f, STABLE_PREFIX + name) for f, name in checkpoint_files(stable)]
-    folder = write_dataset_folder(Path(work_dir) / "gpt2k-publish", dataset, title, files)
-    action = push_dataset_folder(api, folder, dataset, notes or f"checkpoint at step {step}", delete_old_versions)
-    shutil.rmtree(folder, ignore_errors=True)
+    # A folder of its own each call: an upload given up at its time limit runs on in its thread, and a retry must
+    # not rebuild the folder that upload still reads.
+    Path(work_dir).mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix="gpt2k-publish-", dir=work_dir))
+    try:
+        write_dataset_folder(folder, dataset, title, files)
+        action = push_dataset_folder(api, folder, dataset, notes or f"checkpoint at step {step}", delete_old_versions)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     return {"dataset": dataset, "step": step, "action": action, "files": file_sizes(files),
             "stable_step": checkpoint_step(stable) if stable is not None else None}
 

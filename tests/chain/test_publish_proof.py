@@ -210,3 +210,43 @@ def test_a_short_session_version_with_no_copy_in_the_output_is_one_line_and_the_
     assert (f"warning: version 2 of {CHAIN_CKPT} lacks model.safetensors, and the session's output holds no whole "
             "copy: step 40 is lost; the next session resumes from version 1 (step 20)") in log
     assert live_numbers(lk, CHAIN_CKPT) == [1, 2]  # nothing the run needs was deleted
+
+
+def test_a_publish_given_up_at_its_limit_keeps_its_own_folder_while_the_retry_builds_another(tmp_path):
+    """An upload past its time limit runs on in its thread (shared/errors.py `within` cannot stop it): the retry
+    (with the key, or the republish) must not rebuild the folder that upload still reads."""
+    import threading
+    from types import SimpleNamespace
+
+    from shared.kaggle.publish import publish_checkpoint
+
+    ckpt = tmp_path / "step_000010"
+    ckpt.mkdir()
+    (ckpt / "checkpoint.json").write_text(json.dumps({"format": 1, "step": 10, "files": {}}))
+    (ckpt / "model.safetensors").write_bytes(b"weights")
+    first_reads, release, seen = threading.Event(), threading.Event(), []
+
+    class SlowThenFast:
+        def dataset_status(self, dataset):
+            return "ready"
+
+        def dataset_create_version(self, folder, notes, **kw):
+            files = sorted(p.name for p in Path(folder).iterdir())
+            seen.append((folder, files))
+            if len(seen) == 1:  # the hung upload: still reading its folder after the retry has run
+                first_reads.set()
+                release.wait(30)
+                seen.append((folder, sorted(p.name for p in Path(folder).iterdir())))
+            return SimpleNamespace(error=None)
+
+    api = SlowThenFast()
+    hung = threading.Thread(target=publish_checkpoint, args=(api, ckpt, "alice/run", tmp_path / "work"))
+    hung.start()
+    assert first_reads.wait(30)
+    retry = publish_checkpoint(api, ckpt, "alice/run", tmp_path / "work")
+    release.set()
+    hung.join(30)
+    (first, files), (second, files_again), (still_first, files_after) = seen[0], seen[1], seen[2]
+    assert first != second and still_first == first
+    assert files == files_again == files_after == ["checkpoint.json", "dataset-metadata.json", "model.safetensors"]
+    assert retry["action"] == "versioned" and list((tmp_path / "work").iterdir()) == []  # each folder went with it
