@@ -170,6 +170,12 @@ def _stage_resume(ckpt: dict, settings: dict, paths, log) -> int | None:
     # over and train the extension's steps again).
     if expect and (input_step or 0) != expect:
         folder, input_step = _fetch_expected(ckpt, folder, input_step, paths, log, settings.get("session_deadline"))
+    elif not expect and input_step and int(ckpt.get("expect_version") or 0):
+        # The chain accepted no checkpoint yet: one in the mount is a version it refused (a first publish short of
+        # a file), which would not load.
+        log(f"notice: checkpoint dataset {ckpt['dataset']} holds no checkpoint the chain accepted; step "
+            f"{input_step} in {folder} is not one; training from step 0")
+        folder, input_step = None, None
     root = stage_checkpoint(folder, paths.temp / "gpt2k-resume") if folder else None
     if root is not None:
         settings[ckpt["resume_setting"]] = str(root)

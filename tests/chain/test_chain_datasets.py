@@ -463,6 +463,28 @@ def test_a_stale_mount_at_a_higher_step_is_fetched_not_trained_past(monkeypatch,
     assert lines[-1] == f"resuming from {CKPT} (step 30)"
 
 
+def test_a_first_version_the_chain_refused_is_not_resumed_from(tmp_path):
+    """The first session's version came out short and the chain gave it up (no copy anywhere): the chain expects
+    the placeholder (step 0) again. The next session's mount shows that short version; it trains from step 0."""
+    from types import SimpleNamespace
+
+    from shared.kaggle import bootstrap
+
+    mounted = tmp_path / "input" / "unit-run-checkpoints"
+    mounted.mkdir(parents=True)
+    (mounted / "checkpoint.json").write_text(manifest(40))  # its model file never landed
+    paths = SimpleNamespace(temp=tmp_path / "temp", input_dir=lambda slug: mounted)
+    settings, lines = {}, []
+    ckpt = {"dataset": CKPT, "resume_setting": "resume_from", "expect_step": 0, "expect_version": 1}
+    assert bootstrap._stage_resume(ckpt, settings, paths, lines.append) is None
+    assert "resume_from" not in settings
+    assert lines == [f"notice: checkpoint dataset {CKPT} holds no checkpoint the chain accepted; step 40 in "
+                     f"{mounted} is not one; training from step 0"]
+    # A build without the chain's expectation (a kernel run by hand) resumes from what it mounts, as before.
+    settings, lines = {}, []
+    assert bootstrap._stage_resume({**ckpt, "expect_version": 0}, settings, paths, lines.append) == 40
+
+
 # --- a chain --------------------------------------------------------------------------------------------------
 
 def upload_tokens(lk, tmp_path: Path, ref: str, folder: Path) -> None:
