@@ -36,8 +36,9 @@ PROBE_TIMEOUT_S = 600.0
 # PROBE_FLOOR_S left, as one given less would stop a session whose kernel is merely slow to compile.
 PROBE_BUDGET_S = 900.0
 PROBE_FLOOR_S = 60.0
-# What turns each kernel off, for a session that stopped on its probe.
-KERNEL_SWITCHES = {"splash": "GPT2K_SPLASH_ATTENTION=0", "flash": "GPT2K_FLASH_ATTENTION=0"}
+# The attention setting (TrainConfig.attention; a chain's train.attention) that skips each kernel, for a session
+# that stopped on its probe.
+KERNEL_SWITCHES = {"splash": "--attention flash", "flash": "--attention sdpa"}
 
 
 class ProbeHung(UserError):
