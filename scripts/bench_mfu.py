@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from shared.config import ATTENTION_SETTINGS  # noqa: E402
 from shared.errors import UserError, run_cli  # noqa: E402
 
 CPU_NOTICE = "MFU is meaningless on CPU; figures only show the script runs"
@@ -52,29 +53,31 @@ def pick_backend(requested: str) -> str:
 CHAIN_CONFIG = Path(__file__).resolve().parents[1] / "examples" / "chain-gpt2-124m.json"
 
 
-def chain_step(devices: int, seq_len: int, generation: str | None = None) -> tuple[int, int]:
+def chain_step(devices: int, seq_len: int, generation: str | None = None,
+               attention: str | None = None) -> tuple[int, int]:
     """(micro-batch per device, accumulation) of the gpt2 chain config (examples/chain-gpt2-124m.json): what a
-    real session runs (`auto` as the session would choose it on TPU `generation`, with flash attention where the
-    generation compiles it)."""
+    real session runs (`auto` as the session would choose it on TPU `generation`, with the first attention kernel
+    it tries there for the `attention` setting, default the config's, passing its probe: shared/train/attention.py)."""
     import dataclasses
 
     from shared.config import AUTO, TrainConfig
-    from shared.tpu import TPU_GENERATIONS, micro_batch_for
+    from shared.tpu import micro_batch_for
+    from shared.train.attention import candidates
 
     train = json.loads(CHAIN_CONFIG.read_text())["train"]
-    cfg = TrainConfig(**{k: v for k, v in train.items() if k in ("micro_batch", "total_batch_tokens")},
-                      preset="gpt2", seq_len=seq_len)
+    kept = {k: v for k, v in train.items() if k in ("micro_batch", "total_batch_tokens", "attention")}
+    cfg = TrainConfig(**{**kept, **({"attention": attention} if attention else {})}, preset="gpt2", seq_len=seq_len)
     if cfg.micro_batch == AUTO:
-        gen = TPU_GENERATIONS.get(generation or "")
-        attention = "pallas-flash" if gen and gen.pallas_flash_attention else "sdpa"
-        cfg = dataclasses.replace(cfg, micro_batch=micro_batch_for(cfg, generation, attention, devices))
+        first = candidates(generation, seq_len, cfg.attention)[0]
+        cfg = dataclasses.replace(cfg, micro_batch=micro_batch_for(cfg, generation, first, devices))
     return max(1, cfg.micro_batch // devices), cfg.grad_accum_steps
 
 
-def default_settings(backend: str, on_tpu: bool, devices: int, seq_len: int,
-                     generation: str | None = None) -> tuple[int, int, int, int, str]:
+def default_settings(backend: str, on_tpu: bool, devices: int, seq_len: int, generation: str | None = None,
+                     attention: str | None = None) -> tuple[int, int, int, int, str]:
     """(micro-batch per device, accumulation, measured steps, warm-up steps, why) when the flags leave them
-    unset. Measured and warm-up steps are multiples of the log interval (10), as in a real session."""
+    unset (`attention`: the setting, as chain_step takes it). Measured and warm-up steps are multiples of the log
+    interval (10), as in a real session."""
     import torch
 
     if backend == "cuda":
@@ -82,7 +85,7 @@ def default_settings(backend: str, on_tpu: bool, devices: int, seq_len: int,
         micro = 32 if gib >= 60 else 16 if gib >= 30 else 8
         return micro, 1, 20, 10, f"CUDA defaults for {gib:.0f} GiB: micro-batch {micro}, 20 steps after 10 warm-up"
     if backend == "xla" and on_tpu:
-        micro, accum = chain_step(devices, seq_len, generation)
+        micro, accum = chain_step(devices, seq_len, generation, attention)
         return micro, accum, 20, 10, (f"TPU defaults: the gpt2 chain's step ({CHAIN_CONFIG.name}): micro-batch "
                                       f"{micro} per device x {accum} micro-steps, 20 steps after 10 warm-up")
     if backend == "xla":  # torch_xla's CPU devices: steps 1 and 2 compile
@@ -174,15 +177,11 @@ def reference_loop(model_cfg, runtime, micro: int, warmup: int, steps: int,
     import numpy as np
     import torch
 
-    import shared.train.model as shared_model
     from shared.config import GPT2_VOCAB_SIZE
     from shared.train.model import GPT
 
     torch.manual_seed(seed)
-    model = GPT(model_cfg).to(runtime.device)
-    # the trainer's runtime may have installed a TPU kernel (for one length, with its q, k, v layout)
-    saved_attention = (shared_model._attention_fn, shared_model._attention_len, shared_model._attention_qkv_layout)
-    shared_model.set_attention_kernel(None)  # the plain loop uses SDPA
+    model = GPT(model_cfg).to(runtime.device)  # SDPA: the runtime's kernel is the trainer's model's alone
     opt = torch.optim.AdamW(model.parameters(), lr=6e-4, weight_decay=0.1)
     scaler = torch.amp.GradScaler("cuda", enabled=runtime.device.type == "cuda"
                                   and runtime.amp_dtype == torch.float16)
@@ -214,7 +213,6 @@ def reference_loop(model_cfg, runtime, micro: int, warmup: int, steps: int,
             if i + 1 == warmup:
                 compiles = runtime.compile_count()
     finally:
-        shared_model.set_attention_kernel(*saved_attention)
         del model, opt
     return times, runtime.compile_count() - compiles if compiles is not None else 0
 
@@ -248,6 +246,9 @@ def main() -> None:
     parser.add_argument("--skip-reference", action="store_true", help="measure the trainer only")
     parser.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
                         help="the trainer's optimizer (default adamw; the reference loop always runs torch's AdamW)")
+    parser.add_argument("--attention", choices=ATTENTION_SETTINGS,
+                        help="the trainer's attention setting (default: the gpt2 chain config's, else auto: the "
+                        "first kernel a session tries; shared/train/attention.py); the reference loop runs SDPA")
     parser.add_argument("--torch-xla-accum", action="store_true",
                         help="XLA: torch_xla's gradient_accumulation helper (a device wait and a full re-trace per "
                              "step) instead of the project's loop, to compare")
@@ -273,8 +274,10 @@ def main() -> None:
     if runtime.name == "xla":
         runtime.accum_impl = accum_impl = "torch_xla" if args.torch_xla_accum else "own"
     on_tpu = runtime.name == "xla" and runtime._xr.device_type() == "TPU"
+    attention = args.attention or json.loads(CHAIN_CONFIG.read_text())["train"].get("attention", "auto")
     micro_d, accum_d, steps_d, warmup_d, why = default_settings(backend, on_tpu, runtime.num_devices, args.seq_len,
-                                                                runtime.tpu_generation and runtime.tpu_generation.name)
+                                                                runtime.tpu_generation and runtime.tpu_generation.name,
+                                                                attention)
     micro = args.micro_batch or micro_d
     accum = args.accum or accum_d
     log_every = max(1, args.log_every)
@@ -328,7 +331,7 @@ def main() -> None:
                           micro_batch=global_micro, total_batch_tokens=tokens_per_micro_step * accum,
                           max_steps=warmup + steps, warmup_steps=max(1, warmup + steps), log_every=log_every,
                           eval_every=0, checkpoint_every=0, keep_checkpoints=1, progress=False, wandb_project="",
-                          xla_cache=False, backend=backend, optimizer=args.optimizer)
+                          xla_cache=False, backend=backend, optimizer=args.optimizer, attention=attention)
         train(cfg, runtime, log=lambda msg, *a, **k: say(f"  [trainer] {msg}", flush=True))
         peak_mem = (torch.cuda.max_memory_allocated(runtime.device) / 2**30
                     if runtime.device.type == "cuda" else None)

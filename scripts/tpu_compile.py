@@ -13,14 +13,15 @@ a measurement.
 
 The step is traced with torch_xla on 8 CPU devices, never run (its state is placeholders), and compiled in the
 TPU compiler's virtualenv (.venv-tpu, made by scripts/setup.sh: jax and libtpu as Kaggle's TPU image pins them).
-Attention is the kernel a session on that TPU tries first at the step's sequence length (`--attention auto`, the
-default; shared/train/attention.py decides for both): jax's splash attention where its blocks tile the sequence,
-else torch_xla's Pallas flash kernel where its do, else SDPA (gpt2-demo's 32 tokens), a Pallas kernel lowered by jax
-for the TPU platform here, without a TPU (shared/train/step_trace.py); `micro_batch: auto` is resolved as a session
-whose probe of that kernel passes resolves it. `--attention flash` compiles the step a session falls back to where
-its splash probe fails, `--attention sdpa` the step where every probe fails; a kernel a session would not try at
-that length is not compiled, the one it would try instead is (the report's `attention` names it). `--plan` compiles
-the first, then each fallback. Results are cached by settings and versions.
+Attention is the kernel a session on that TPU tries first at the step's sequence length for the train setting
+`attention` (`--attention`; default: the config's, else auto; shared/train/attention.py decides for both): jax's
+splash attention where its blocks tile the sequence, else torch_xla's Pallas flash kernel where its do, else SDPA
+(gpt2-demo's 32 tokens), a Pallas kernel lowered by jax for the TPU platform here, without a TPU
+(shared/train/step_trace.py); `micro_batch: auto` is resolved as a session whose probe of that kernel passes
+resolves it. `--attention flash` compiles the step a session falls back to where its splash probe fails,
+`--attention sdpa` the step where every probe fails; a kernel a session would not try at that length is not
+compiled, the one it would try instead is (the report's `attention` names it). `--plan` compiles the first, then
+each fallback. Results are cached by settings and versions.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scripts.tpu_compile_report import check_tpu_python, compare_lines, mxu_lines  # noqa: E402
+from shared.config import ATTENTION_SETTINGS  # noqa: E402
 from shared.errors import UserError, run_cli  # noqa: E402
+from shared.train.attention import SDPA, SETTING_OF  # noqa: E402
 from shared.train.mosaic_version import libtpu_build_date, version_for_libtpu  # noqa: E402
 from shared.train.mosaic_version import readable_version as readable_mosaic_version  # noqa: E402
 from shared.train.step_trace import MOSAIC_VERSION_ENV  # noqa: E402
@@ -94,44 +97,43 @@ def cache_key(settings: dict, tpu: str, compiler: str) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-# --attention's steps: the kernel a session tries from (auto: the first it tries, GPT2K_* switches honoured).
-ATTENTION_STEPS = {"auto": "", "splash": "pallas-splash", "flash": "pallas-flash", "sdpa": "sdpa"}
-
-
-def traced_attention(settings: dict, generation: str, attention: str = "auto") -> str:
-    """The kernel the step of train `settings` is traced with on TPU `generation` for --attention `attention`: the
-    first a session tries at its sequence length from that step's kernel on (shared/train/attention.py), so a step
-    no session runs (flash at 32 tokens) is never traced: the one it runs instead is."""
+def traced_attention(settings: dict, generation: str) -> str:
+    """The kernel the step of train `settings` is traced with on TPU `generation`: the first a session tries at its
+    sequence length for the settings' `attention` (shared/train/attention.py), so a step no session runs (flash at
+    32 tokens) is never traced: the one it runs instead is."""
     from shared.config import TrainConfig
-    from shared.train.attention import attention_candidates
+    from shared.train.attention import candidates
 
-    env = None if attention == "auto" else {}  # an explicit step: not the GPT2K_* switches of this shell
-    seq_len = TrainConfig(**settings).model.block_size
-    return attention_candidates(generation, seq_len, ATTENTION_STEPS[attention], env=env)[0]
+    cfg = TrainConfig(**settings)
+    return candidates(generation, cfg.model.block_size, cfg.attention)[0]
 
 
 def compile_step(settings: dict, tpu: str, log=print, cache_dir: Path = CACHE_DIR, keep: Path | None = None,
-                 attention: str = "auto", trace_only: Path | None = None, python: Path | None = None) -> dict:
+                 attention: str | None = None, trace_only: Path | None = None, python: Path | None = None) -> dict:
     """The compiler's report on the step of train `settings` (TrainConfig fields) on Kaggle's `tpu` ("v5e-8"),
-    cached. `attention`: "auto", the step a session runs where the first kernel it tries passes its probe;
-    "splash", "flash" or "sdpa", the step where that kernel's does (flash: splash's failed; sdpa: every probe
-    failed), each the kernel a session would try in its place where the sequence length rules it out
-    (`traced_attention`). With `keep`, compiled afresh and its trace
-    (the optimized HLO text among it) copied to keep/<tpu>.
+    cached. `attention`: the train setting (default: the settings' own, else auto): "auto", the step a session runs
+    where the first kernel it tries passes its probe; "splash", "flash" or "sdpa", the step where that kernel's
+    does (flash: splash's failed; sdpa: every probe failed), each the kernel a session would try in its place where
+    the sequence length rules it out (`traced_attention`). With `keep`, compiled afresh and its trace (the
+    optimized HLO text among it) copied to keep/<tpu>.
     With `trace_only`, only traced, into trace_only/<tpu> (returns {}): a larger machine compiles it
     (scripts/tpu_compile_libtpu.py) and `--analyse` reads it back.
     `python`: the TPU compiler's interpreter (another virtualenv's jax and libtpu), else compiler_python()'s.
     Raises UserError where the TPU compiler is not installed or the step does not compile."""
     from shared.config import TrainConfig
 
+    if attention is not None:
+        settings = {**settings, "attention": attention}
     TrainConfig(**settings)  # bad settings are one line before anything is traced
     python = python or compiler_python()
     if python is None:
         raise UserError("the TPU compiler is not installed (.venv-tpu: jax and libtpu as Kaggle's image pins them); "
                         "run bash scripts/setup.sh")
     target = TPUS[tpu]
-    attention = traced_attention(settings, target["generation"], attention)
-    key = cache_key({**settings, "attention": attention}, tpu, _versions(python))
+    attention = traced_attention(settings, target["generation"])
+    # Traced from that kernel on, as the session that runs it: settings that trace the same step share a report.
+    settings = {**settings, "attention": SETTING_OF[attention]}
+    key = cache_key(settings, tpu, _versions(python))
     cached = cache_dir / key / "report.json"
     if cached.exists() and keep is None and trace_only is None:
         return {**json.loads(cached.read_text()), "cached": True}
@@ -140,15 +142,14 @@ def compile_step(settings: dict, tpu: str, log=print, cache_dir: Path = CACHE_DI
         (work / "settings.json").write_text(json.dumps(settings))
         log(f"tracing the step for {tpu} (torch_xla, {chips(target)} CPU devices, nothing run) ...")
         env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(chips(target)),
-               "PYTHONPATH": str(REPO), "GPT2K_FLASH_ATTENTION": "0" if attention == "sdpa" else "1",
-               "GPT2K_SPLASH_ATTENTION": "1" if attention == "pallas-splash" else "0"}
+               "PYTHONPATH": str(REPO)}
         trace = [sys.executable, "-m", "shared.train.step_trace", str(work / "settings.json"), str(work / "trace"),
                  target["generation"]]
         bounds = ",".join(str(b) for b in target["chips_per_host"])
         compile_cmd = [str(python), str(REPO / "scripts" / "tpu_compile_libtpu.py"), str(work / "trace"),
                        target["topology"], bounds]
         # The version jax would serialize Pallas kernels at on a TPU with this libtpu (here it has no TPU to ask).
-        mosaic_version = compiler_mosaic_version(python) if attention != "sdpa" else None
+        mosaic_version = compiler_mosaic_version(python) if attention != SDPA else None
         if mosaic_version is not None:
             env[MOSAIC_VERSION_ENV] = str(mosaic_version)
         _run(trace, env, "tracing the step")
@@ -325,10 +326,11 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int)
     parser.add_argument("--fsdp", action="store_true")
     parser.add_argument("--activation-checkpointing", choices=("on", "off", "auto"))
-    parser.add_argument("--attention", default="auto", choices=tuple(ATTENTION_STEPS),
-                        help="auto: the kernel a session tries first at this sequence length (the default; splash, "
-                        "else flash, else SDPA, where their blocks tile it); flash: the step where the splash probe "
-                        "fails; sdpa: where every probe fails; splash: the splash step where it tiles the length")
+    parser.add_argument("--attention", choices=ATTENTION_SETTINGS,
+                        help="the train setting attention (default: the config's, else auto): auto, the kernel a "
+                        "session tries first at this sequence length (splash, else flash, else SDPA, where their "
+                        "blocks tile it); flash: the step where the splash probe fails; sdpa: where every probe "
+                        "fails; splash: the splash step where it tiles the length")
     parser.add_argument("--tpu", default="v5e-8", choices=(*TPUS, "all"), help="all: Kaggle's, v5e-8 and v6e-8")
     parser.add_argument("--json", action="store_true", help="print the reports as JSON")
     parser.add_argument("--tpu-python", type=Path, metavar="PYTHON", help="compile the step a second time with "
@@ -361,7 +363,7 @@ def main() -> None:
         settings = {**chain.train, "max_steps": chain.total_steps}
     else:  # as the example chains set it: auto, resolved as a session on that TPU resolves it
         settings = {"preset": args.preset, "micro_batch": "auto"}
-    for name in ("micro_batch", "total_batch_tokens", "seq_len", "activation_checkpointing"):
+    for name in ("micro_batch", "total_batch_tokens", "seq_len", "activation_checkpointing", "attention"):
         value = getattr(args, name)
         if value is not None:
             settings[name] = int(value) if name == "micro_batch" and value != "auto" else value
@@ -371,13 +373,13 @@ def main() -> None:
     for tpu in (KAGGLE_TPUS if args.tpu == "all" else [args.tpu]):
         started = time.monotonic()
         report = compile_step(settings, tpu, log=lambda msg: print(msg, file=sys.stderr, flush=True),
-                              keep=args.keep, attention=args.attention, trace_only=args.trace_only)
+                              keep=args.keep, trace_only=args.trace_only)
         if not report:
             continue
         reports.append(report)
         if args.tpu_python:
             report["tpu_python"] = compile_step(
-                settings, tpu, log=lambda msg: print(msg, file=sys.stderr, flush=True), attention=args.attention,
+                settings, tpu, log=lambda msg: print(msg, file=sys.stderr, flush=True),
                 keep=args.keep / "tpu-python" if args.keep else None, python=args.tpu_python)
         if not args.json:
             print("\n".join(report_lines(report)))

@@ -34,6 +34,8 @@ CORPUS_TOKENS = {("HuggingFaceFW/fineweb-edu", "sample-10BT"): 10_000_000_000,
                  ("HuggingFaceFW/fineweb-edu", "sample-100BT"): 100_000_000_000,
                  ("HuggingFaceFW/fineweb-edu", "sample-350BT"): 350_000_000_000}
 BACKENDS = ("auto", "xla", "cuda", "cpu")
+# The attention setting's words: auto, or the kernel a session tries first (shared/train/attention.py owns the order).
+ATTENTION_SETTINGS = ("auto", "splash", "flash", "sdpa")
 AUTO = "auto"
 
 
@@ -191,6 +193,10 @@ class TrainConfig:
         default="auto", metadata={"help": "XLA: compile one block for the whole stack (torch_xla scan; needs jax and "
                                   "torchax): on, off, or auto (on a TPU with SDPA attention, 24+ layers)"}
     )
+    attention: str = field(default="auto", metadata={
+        "help": "the attention kernel a TPU session tries first, each probed and the next tried where it fails: auto "
+                "(splash, then flash, then SDPA), splash, flash (skips splash) or sdpa (no Pallas kernel); a kernel "
+                "the TPU or the sequence length rules out is skipped (shared/train/attention.py)"})
 
     # --- the session: where it writes, how long it runs, its checkpoints --------------------------------------------
     out_dir: str = field(default="runs/demo", metadata={"help": "checkpoints, metrics.jsonl and plots go here"})
@@ -291,6 +297,7 @@ class TrainConfig:
         one_of(self, "cooldown_shape", ("linear", "1-sqrt"))
         one_of(self, "muon_scale", ("shape", "max_dim"))
         one_of(self, "backend", BACKENDS)
+        one_of(self, "attention", ATTENTION_SETTINGS)
         one_of(self, "on_data_change", ("error", "new-epoch"))
         if self.min_lr_ratio > 1:
             raise UserError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")

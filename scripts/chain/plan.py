@@ -36,6 +36,7 @@ from scripts.chain.sizing import MIN_STEPS
 from scripts.chain.storage import storage_line, storage_plan
 from shared.config import AUTO, HELLASWAG_VALIDATION_EXAMPLES, EvalConfig, TokenizeConfig, TrainConfig
 from shared.errors import UserError
+from shared.train.attention import FLASH, SDPA, SETTING_OF, SPLASH, candidates, untiled_kernels
 
 REPO = Path(__file__).resolve().parents[2]
 # What --smoke measured, one record per run (newest last); the plan counts sessions with the newest that matches.
@@ -53,8 +54,7 @@ HELLASWAG_ROWS, HELLASWAG_TOKENS_PER_ROW = HELLASWAG_VALIDATION_EXAMPLES * 4, 10
 
 # The attention kernels (shared/train/attention.py) as the plan names their steps, and as scripts/tpu_compile.py
 # names them.
-STEP_NAMES = {"pallas-splash": "splash", "pallas-flash": "flash", "sdpa": "SDPA"}
-COMPILE_STEPS = {"pallas-splash": "splash", "pallas-flash": "flash", "sdpa": "sdpa"}
+STEP_NAMES = {SPLASH: "splash", FLASH: "flash", SDPA: "SDPA"}  # each attention kernel's step, as the plan says it
 
 
 @dataclasses.dataclass
@@ -111,11 +111,10 @@ def planned_train(cfg: ChainConfig) -> tuple[TrainConfig, str]:
     if train.micro_batch != AUTO:
         return train, ""
     from shared.tpu import micro_batch_for  # standard library only at import
-    from shared.train.attention import attention_candidates
 
     generation = SHAPE_GENERATION.get(running_shape(cfg.accelerator))
     devices = session_devices(cfg.accelerator, train.backend)
-    first, *fallbacks = attention_candidates(generation, train.model.block_size)
+    first, *fallbacks = candidates(generation, train.model.block_size, train.attention)
     chosen = micro_batch_for(train, generation, first, devices)
     note = f"auto: {chosen} on {generation or 'no TPU'} with {first} attention"
     for attention in fallbacks:
@@ -393,13 +392,12 @@ def check_arithmetic_fit(cfg: ChainConfig, generation: str) -> None:
     """One UserError naming the fix where even one sequence per chip cannot fit by shared/tpu.py's arithmetic (the
     compiler, where installed, is the finer check)."""
     from shared.tpu import activation_checkpointing_on, smallest_step_bytes
-    from shared.train.attention import attention_candidates
 
     train, _ = planned_train(cfg)
     model = train.model
     checkpointing = activation_checkpointing_on(train.activation_checkpointing, model.n_layer, generation)
     devices = session_devices(cfg.accelerator, train.backend)
-    attention = attention_candidates(generation, model.block_size)[0]  # the kernel a session tries first
+    attention = candidates(generation, model.block_size, train.attention)[0]  # the kernel a session tries first
     need = smallest_step_bytes(generation, attention, model, model.block_size, devices, checkpointing, train.fsdp)
     if need is not None and need[0] > need[1]:
         raise UserError(f"the train step cannot fit a {generation} chip's HBM: {need[0] / 2**30:.1f} GiB a chip at "
@@ -416,7 +414,6 @@ def compiled_fit(cfg: ChainConfig, log=print) -> tuple[dict | None, str]:
     does not compile is a clause of the line (the primary's: HBM checked by arithmetic instead). Without a TPU board,
     or without the compiler, (None, why)."""
     from scripts.tpu_compile import KAGGLE_TPUS, TPUS, compile_step, compiler_python
-    from shared.train.attention import attention_candidates, untiled_kernels
 
     generation = SHAPE_GENERATION.get(running_shape(cfg.accelerator))
     tpu = next((name for name in KAGGLE_TPUS if TPUS[name]["generation"] == generation), None)
@@ -428,16 +425,17 @@ def compiled_fit(cfg: ChainConfig, log=print) -> tuple[dict | None, str]:
         check_arithmetic_fit(cfg, generation)
         return None, f"the TPU compiler {why}: HBM checked by arithmetic only"
     settings = {**cfg.train, "max_steps": cfg.total_steps}
-    seq_len = TrainConfig(**settings).model.block_size
-    candidates = attention_candidates(generation, seq_len)
-    untiled = untiled_kernels(generation, seq_len) if candidates == ("sdpa",) else []
+    train = TrainConfig(**settings)
+    seq_len = train.model.block_size
+    tried = candidates(generation, seq_len, train.attention)
+    untiled = untiled_kernels(generation, seq_len, train.attention) if tried == (SDPA,) else []
     why_sdpa = f", what a session runs at T={seq_len}: the {' and '.join(untiled)} kernels' blocks do not tile it" \
         if untiled else ""
     try:
-        report = compile_step(settings, tpu, log, attention=COMPILE_STEPS[candidates[0]])
+        report = compile_step(settings, tpu, log, attention=SETTING_OF[tried[0]])
     except Exception as err:  # the tool's failure, not the step's: the plan goes on with the arithmetic
         check_arithmetic_fit(cfg, generation)
-        return None, (f"{tpu}: the {STEP_NAMES[candidates[0]]} step did not compile ({_one_line(err)}): HBM checked "
+        return None, (f"{tpu}: the {STEP_NAMES[tried[0]]} step did not compile ({_one_line(err)}): HBM checked "
                       "by arithmetic only")
     hbm = f"{report['peak_bytes'] / 2**30:.1f} GiB of {report['hbm_bytes'] / 2**30:.0f} GiB"
     step = STEP_NAMES.get(report["attention"], report["attention"])
@@ -453,10 +451,10 @@ def compiled_fit(cfg: ChainConfig, log=print) -> tuple[dict | None, str]:
             f"{sum(g['bytes'] for g in in_loop) / 1e6:.1f} MB per micro-step; MFU ceiling "
             f"{report['mfu_ceiling']:.1%} (roofline estimate)")
     # The steps a session trains with where its probes fail, in the order it tries them.
-    for failed, attention in zip(candidates, candidates[1:], strict=False):
+    for failed, attention in zip(tried, tried[1:], strict=False):
         line += f"; if the {STEP_NAMES[failed]} probe fails, {STEP_NAMES[attention]}"
         try:
-            fallback = compile_step(settings, tpu, log, attention=COMPILE_STEPS[attention])
+            fallback = compile_step(settings, tpu, log, attention=SETTING_OF[attention])
         except Exception as err:  # one clause; the plan goes on
             line += f": did not compile ({_one_line(err)})"
             continue

@@ -172,17 +172,18 @@ def roofline_row(settings: dict, start: dict, throughput: Throughput | None, loc
         return Row(link, None, "local Kaggle: its CPUs are no TPU")
     if throughput is None or not start.get("tpu") or not settings:
         return Row(link, None, "no TPU step measured")
-    from scripts.chain.plan import COMPILE_STEPS, STEP_NAMES
+    from scripts.chain.plan import STEP_NAMES
     from scripts.tpu_compile import KAGGLE_TPUS, TPUS
     from scripts.tpu_compile import compile_step as compile_tool
     from shared.config import TrainConfig
+    from shared.train.attention import SDPA, SETTING_OF
 
     tpu = next((name for name in KAGGLE_TPUS if TPUS[name]["generation"] == start["tpu"]), None)
     if tpu is None:
         return Row(link, None, f"no compiler target for TPU {start['tpu']}")
-    attention = start.get("attention") or "sdpa"
+    attention = start.get("attention") or SDPA
     try:
-        report = (compile_step or compile_tool)(settings, tpu, lambda _: None, attention=COMPILE_STEPS[attention])
+        report = (compile_step or compile_tool)(settings, tpu, lambda _: None, attention=SETTING_OF[attention])
     except Exception as err:  # noqa: BLE001 - no compiler here, or it failed: the row says so, the report goes on
         return Row(link, None, f"not compared: {one_line(str(err))}")
     measured_s = TrainConfig(**settings).total_batch_tokens / throughput.tokens_per_s

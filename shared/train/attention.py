@@ -1,21 +1,32 @@
-"""Which attention kernels a session on a TPU generation tries at a sequence length, in order: one decision, taken
-here by the session (`XlaRuntime.select_attention`, which probes each and keeps the first that passes), the step
-tracer (`shared.train.step_trace`, which traces the first: it cannot probe) and `--plan` (scripts/chain/plan.py,
-which compiles the first and then each fallback). Pure: the generation's name, the length and the environment's
-switches in, kernel names out; whether jax and torchax import is the session's to find out.
+"""The one owner of attention: which kernels a session tries on a TPU generation at a sequence length, in order,
+for the `attention` setting (TrainConfig.attention: auto, splash, flash, sdpa), and the choice a model is built
+with (`AttentionChoice`). One decision, asked by the session (`XlaRuntime.select_attention`, which probes each
+candidate, shared/train/attention_probe.py, and keeps the first that passes), the step tracer
+(`shared.train.step_trace`, which traces the first: it cannot probe), `--plan` (scripts/chain/plan.py, which
+compiles the first and then each fallback), scripts/tpu_compile.py and scripts/bench_mfu.py. Pure: the
+generation's name, the length and the setting in, kernel names out; whether jax and torchax import is the
+session's to find out.
 
 Stdlib only: --plan asks here without importing torch.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from shared.tpu import TPU_GENERATIONS
 
-# Every kernel in the order a session tries them: jax's splash attention, torch_xla's Pallas flash attention, SDPA.
-KERNELS = ("pallas-splash", "pallas-flash", "sdpa")
+# The kernels, as the runtime, the logs and the compiler's reports name them: jax's splash attention, torch_xla's
+# Pallas flash attention, torch's SDPA.
+SPLASH, FLASH, SDPA = "pallas-splash", "pallas-flash", "sdpa"
+KERNELS = (SPLASH, FLASH, SDPA)  # the order a session tries them in, SDPA last (it always runs)
+# Each kernel's word in the `attention` setting; `auto` starts from the first of KERNELS.
+SETTING_OF = {SPLASH: "splash", FLASH: "flash", SDPA: "sdpa"}
+FIRST_KERNEL = {"auto": KERNELS[0], **{word: kernel for kernel, word in SETTING_OF.items()}}
+# The layout each Pallas kernel reads q, k and v in, which the attention makes them in (shared/train/model.py):
+# splash reads them sequence-minor (shared/train/splash.py), torch_xla's flash kernel (B, H, T, D).
+QKV_LAYOUTS = {SPLASH: "BHDT", FLASH: "BHTD"}
 # Splash's query and key blocks (shared/train/splash.py): the causal mask's blocks above the diagonal are skipped whole.
 SPLASH_BLOCK = 512
 # torch_xla's flash wrapper takes each block as min(its default, T) (torch_xla 2.8.0 and 2.9.0,
@@ -44,31 +55,52 @@ def flash_fits(seq_len: int) -> bool:
     return seq_len > 0 and all(b % LANES == 0 for b in keys) and all(seq_len % b == 0 for b in blocks)
 
 
-def attention_candidates(generation: str | None, seq_len: int, first: str = "",
-                         env: Mapping[str, str] | None = None) -> tuple[str, ...]:
+TILES = {SPLASH: splash_fits, FLASH: flash_fits, SDPA: lambda seq_len: True}
+
+
+def candidates(generation: str | None, seq_len: int, setting: str = "auto") -> tuple[str, ...]:
     """The kernels a session on TPU `generation` ("v5e"; None: no TPU) tries at `seq_len` tokens, in order, SDPA
-    last: the Pallas kernels where the generation compiles them (not v2/v3) and GPT2K_FLASH_ATTENTION is not 0;
-    splash where GPT2K_SPLASH_ATTENTION is not 0 and its blocks tile the sequence, flash where its blocks do.
-    `first`: none before that kernel (a second selection starts from the kernel the first kept). `env`: the
-    switches (default: this process's environment)."""
-    allowed = _switched_on(generation, env)
-    start = KERNELS.index(first) if first else 0
-    return tuple(name for name in KERNELS[start:] if allowed[name] and TILES[name](seq_len))
+    last: from the one `setting` names on (auto: splash), the Pallas kernels where the generation compiles them
+    (not v2/v3) and their blocks tile the sequence. A second selection (auto's micro-batch) passes the setting of
+    the kernel the first kept: none before it is tried again."""
+    return tuple(name for name in _from_setting(generation, setting) if TILES[name](seq_len))
 
 
-def untiled_kernels(generation: str | None, seq_len: int, env: Mapping[str, str] | None = None) -> list[str]:
-    """The Pallas kernels ("splash", "flash") a session on `generation` would try but for their blocks, which do
-    not tile `seq_len`: why it runs SDPA at gpt2-demo's 32 tokens."""
-    allowed = _switched_on(generation, env)
-    return [name.removeprefix("pallas-") for name in KERNELS[:-1] if allowed[name] and not TILES[name](seq_len)]
+def untiled_kernels(generation: str | None, seq_len: int, setting: str = "auto") -> list[str]:
+    """The Pallas kernels ("splash", "flash") a session on `generation` would try for `setting` but for their
+    blocks, which do not tile `seq_len`: why it runs SDPA at gpt2-demo's 32 tokens."""
+    return [SETTING_OF[name] for name in _from_setting(generation, setting) if not TILES[name](seq_len)]
 
 
-def _switched_on(generation: str | None, env: Mapping[str, str] | None) -> dict[str, bool]:
-    env = os.environ if env is None else env
+def _from_setting(generation: str | None, setting: str) -> tuple[str, ...]:
     gen = TPU_GENERATIONS.get(generation or "")
-    pallas = bool(gen and gen.pallas_flash_attention) and env.get("GPT2K_FLASH_ATTENTION", "1") != "0"
-    return {"pallas-splash": pallas and env.get("GPT2K_SPLASH_ATTENTION", "1") != "0", "pallas-flash": pallas,
-            "sdpa": True}
+    pallas = bool(gen and gen.pallas_flash_attention)
+    start = KERNELS.index(FIRST_KERNEL[setting])
+    return tuple(name for name in KERNELS[start:] if pallas or name == SDPA)
 
 
-TILES = {"pallas-splash": splash_fits, "pallas-flash": flash_fits, "sdpa": lambda seq_len: True}
+@dataclass(frozen=True)
+class AttentionChoice:
+    """The attention a model runs, given to it when built (shared/train/model.py `GPT(cfg, attention)`): `kind`
+    (one of KERNELS), the causal `kernel` (q, k, v) -> out of shape (B, H, T, D) (None: SDPA), the `seq_len` it
+    runs at (the length its probe passed at; other lengths, such as the in-training HellaSwag eval's rows, take
+    SDPA, as a Pallas kernel's blocks may not tile them; None: any), and `qkv_layout`, the memory layout the
+    kernel reads q, k and v in ("BHTD", or "BHDT": the sequence minor; None: the projection's own), which the
+    attention then makes them in straight from the projection."""
+
+    kind: str = SDPA
+    kernel: Callable | None = None
+    seq_len: int | None = None
+    qkv_layout: str | None = None
+
+    def kernel_for(self, seq_len: int) -> Callable | None:
+        """The kernel where it runs at `seq_len`, else None (SDPA)."""
+        return self.kernel if self.kernel is not None and self.seq_len in (None, seq_len) else None
+
+
+SDPA_CHOICE = AttentionChoice()
+
+
+def kernel_choice(kind: str, kernel: Callable, seq_len: int) -> AttentionChoice:
+    """Pallas kernel `kind` (its probe passed at `seq_len`), with the q, k, v layout it reads."""
+    return AttentionChoice(kind, kernel, seq_len, QKV_LAYOUTS[kind])

@@ -1,7 +1,9 @@
 """Is a candidate attention kernel (flash attention on a TPU) right here, on this device and these shapes? Its
 output and gradients against SDPA's, and its forward without gradients (an eval's), once, before a session trusts
 it; all of a session's probes within one budget (`ProbeBudget`), and a probe that outlasts it stops the session
-(`ProbeHung`: docs/tpu-throughput.md, "The kernel probes' budget")."""
+(`ProbeHung`: docs/tpu-throughput.md, "The kernel probes' budget"). The loop that probes shared/train/attention.py's
+candidates in order within this budget, keeping the first that passes as the session's `AttentionChoice`, is
+`XlaRuntime.select_attention` (it makes the kernels, which need its mesh)."""
 
 from __future__ import annotations
 
@@ -36,8 +38,9 @@ PROBE_TIMEOUT_S = 600.0
 # PROBE_FLOOR_S left, as one given less would stop a session whose kernel is merely slow to compile.
 PROBE_BUDGET_S = 900.0
 PROBE_FLOOR_S = 60.0
-# What turns each kernel off, for a session that stopped on its probe.
-KERNEL_SWITCHES = {"splash": "GPT2K_SPLASH_ATTENTION=0", "flash": "GPT2K_FLASH_ATTENTION=0"}
+# The attention setting (TrainConfig.attention; a chain's train.attention) that skips each kernel, for a session
+# that stopped on its probe.
+KERNEL_SWITCHES = {"splash": "--attention flash", "flash": "--attention sdpa"}
 
 
 class ProbeHung(UserError):

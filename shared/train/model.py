@@ -15,33 +15,15 @@ import torch.nn.functional as F
 
 from shared.config import GPT2_VOCAB_SIZE, ModelConfig
 from shared.errors import UserError
+from shared.train.attention import SDPA_CHOICE, AttentionChoice
 from shared.train.checkpoint import different_shape_error
 from shared.train.loss_head import head_loss
 
-# The one place attention is chosen: SDPA everywhere, or a kernel installed by the device layer (a Pallas kernel
-# on a real TPU: jax's splash or torch_xla's flash attention). It takes q, k, v of shape (B, H, T, D).
-_attention_fn = None
-_attention_len: int | None = None  # the sequence length the kernel was probed at (None: any)
-_attention_qkv_layout: str | None = None  # how the kernel reads q, k and v: "BHTD", "BHDT" (sequence minor), None
 
-
-def set_attention_kernel(fn, seq_len: int | None = None, qkv_layout: str | None = None) -> None:
-    """Install a causal attention function (q, k, v) -> out, for sequences of `seq_len` only where given (the
-    length its probe passed at: a Pallas kernel's blocks may not tile another, such as the in-training HellaSwag
-    eval's rows, which then take SDPA); None restores SDPA. `qkv_layout`: the memory layout the kernel reads q, k
-    and v in, "BHTD" or "BHDT" (the sequence minor), which the attention then makes them in straight from the
-    projection (any layout gives the same values; the kernel's own saves XLA's copies between the two)."""
-    global _attention_fn, _attention_len, _attention_qkv_layout
-    _attention_fn, _attention_len, _attention_qkv_layout = fn, seq_len, qkv_layout
-
-
-def attention_kernel_for(seq_len: int):
-    """The installed attention kernel where it runs at `seq_len`, else None (SDPA)."""
-    return _attention_fn if _attention_fn is not None and _attention_len in (None, seq_len) else None
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    kernel = attention_kernel_for(q.shape[-2])
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     attention: AttentionChoice = SDPA_CHOICE) -> torch.Tensor:
+    """Causal attention over q, k, v (B, H, T, D): `attention`'s kernel where it runs at T, else SDPA."""
+    kernel = attention.kernel_for(q.shape[-2])
     if kernel is not None:
         return kernel(q, k, v)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -74,20 +56,22 @@ class _EmbeddingGradApart(torch.autograd.Function):
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, attention: AttentionChoice = SDPA_CHOICE):
         super().__init__()
         self.n_head = cfg.n_head
+        self.attention = attention  # the kernel (or SDPA) chosen for this session's shapes
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.c_proj.residual_scaled_init = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        if _attention_qkv_layout and attention_kernel_for(T) is not None:
-            return self._forward_heads(x, _attention_qkv_layout)
+        layout = self.attention.qkv_layout
+        if layout and self.attention.kernel_for(T) is not None:
+            return self._forward_heads(x, layout)
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = causal_attention(q, k, v)
+        y = causal_attention(q, k, v, self.attention)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
     def _forward_heads(self, x: torch.Tensor, layout: str) -> torch.Tensor:
@@ -106,7 +90,7 @@ class CausalSelfAttention(nn.Module):
         else:
             qkv = torch.einsum("btc,shdc->sbhtd", x, weight)
             qkv = _plus_bias(qkv, self.c_attn.bias.view(3, 1, self.n_head, 1, D))
-        y = causal_attention(*qkv.unbind(0))
+        y = causal_attention(*qkv.unbind(0), self.attention)
         return _plus_bias(torch.einsum("bhtd,chd->btc", y, self.c_proj.weight.view(C, self.n_head, D)),
                           self.c_proj.bias)
 
@@ -128,10 +112,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, attention: AttentionChoice = SDPA_CHOICE):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd)
-        self.attn = CausalSelfAttention(cfg)
+        self.attn = CausalSelfAttention(cfg, attention)
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
         self.mlp = MLP(cfg)
 
@@ -141,14 +125,17 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, attention: AttentionChoice = SDPA_CHOICE):
+        """`attention`: the kernel the runtime chose for this session's shapes (`Runtime.attention_choice`,
+        shared/train/attention.py); SDPA by default."""
         super().__init__()
         self.config = cfg
+        self.attention = attention
         self.transformer = nn.ModuleDict(
             dict(
                 wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
                 wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
-                h=nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer)),
+                h=nn.ModuleList(Block(cfg, attention) for _ in range(cfg.n_layer)),
                 ln_f=nn.LayerNorm(cfg.n_embd),
             )
         )

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from shared.tpu import TpuGeneration
+from shared.train.attention import SDPA_CHOICE, AttentionChoice
 
 # bf16 peak FLOP/s per GPU, matched against torch.cuda.get_device_name.
 PEAK_BF16_FLOPS = {
@@ -62,12 +63,22 @@ class Runtime:
 
     tpu_generation: TpuGeneration | None = None  # set on a TPU whose generation is known
     tpu_generation_source = ""  # where the generation was read, or what was seen instead
-    attention = "sdpa"  # or "pallas-splash" / "pallas-flash" where the device layer installed a TPU kernel
+    # The attention the session's model is built with (shared/train/attention.py): SDPA, or a TPU kernel the
+    # device layer chose and probed (select_attention).
+    attention_choice: AttentionChoice = SDPA_CHOICE
 
-    def select_attention(self, batch: int, n_head: int, seq_len: int, head_dim: int, first: str = "") -> None:
-        """Choose the attention kernel for a model of these shapes, `batch` sequences per micro-step over all
-        devices (the trainer calls this once the model config is known); `first`: the kernel to start from (one
-        chosen before at another batch: those before it failed then). Here: SDPA."""
+    @property
+    def attention(self) -> str:
+        """The chosen kernel's name: "sdpa", "pallas-splash" or "pallas-flash"."""
+        return self.attention_choice.kind
+
+    def select_attention(self, batch: int, n_head: int, seq_len: int, head_dim: int, setting: str = "auto",
+                         again: bool = False) -> None:
+        """Choose the attention kernel (`attention_choice`) for a model of these shapes, `batch` sequences per
+        micro-step over all devices (the trainer calls this once the model config is known, before the model is
+        built); `setting`: TrainConfig.attention, the kernel to start from. `again`: the session's second selection
+        (auto's micro-batch), from the kernel the first kept (those before it failed then), its probes within what
+        is left of the first's time. Here: SDPA."""
 
     def no_grad_sync(self, model: torch.nn.Module, skip: bool):
         """Inside gradient accumulation, skip the cross-process gradient reduction (DDP only)."""

@@ -14,6 +14,7 @@ import torch
 from shared.config import AUTO, TrainConfig
 from shared.errors import UserError
 from shared.tpu import activation_checkpointing_on, micro_batch_for
+from shared.train.attention import SDPA, SETTING_OF
 from shared.train.optim import clip_grad_norm, lr_at, make_optimizer, muon_momentum_at
 from shared.train.runtime import Runtime
 
@@ -57,7 +58,7 @@ def plan_step(cfg: TrainConfig, runtime: Runtime, scan_available: bool | None = 
         raise UserError("--scan-layers on computes wrong losses inside torch_xla's gradient-accumulation loop; "
                         "add --no-grad-accum-loop (a graph per micro-step), or use one micro-step per step")
     if cfg.scan_layers == "auto":
-        scan = wanted and scan_available and runtime.attention == "sdpa" and not loop
+        scan = wanted and scan_available and runtime.attention == SDPA and not loop
     else:
         scan = cfg.scan_layers == "on"
     return StepPlan(accum_loop=loop, activation_checkpointing=checkpointing, scan_layers=scan)
@@ -70,15 +71,15 @@ def select_attention_and_micro_batch(cfg: TrainConfig, runtime: Runtime, log=pri
     m = cfg.model
     shape = (m.n_head, m.block_size, m.n_embd // m.n_head)
     if cfg.micro_batch != AUTO:
-        runtime.select_attention(cfg.micro_batch, *shape)
+        runtime.select_attention(cfg.micro_batch, *shape, cfg.attention)
         return cfg
-    runtime.select_attention(runtime.num_devices, *shape)
+    runtime.select_attention(runtime.num_devices, *shape, cfg.attention)
     generation = runtime.tpu_generation.name if runtime.tpu_generation else None
     chosen = micro_batch_for(cfg, generation, runtime.attention, runtime.num_devices)
-    if runtime.attention != "sdpa" and chosen != runtime.num_devices:
-        runtime.select_attention(chosen, *shape, first=runtime.attention)  # not those that failed at the first
-        if runtime.attention == "sdpa":  # the kernel failed at the larger batch: size it for SDPA instead
-            chosen = micro_batch_for(cfg, generation, "sdpa", runtime.num_devices)
+    if runtime.attention != SDPA and chosen != runtime.num_devices:  # not those that failed at the first batch
+        runtime.select_attention(chosen, *shape, SETTING_OF[runtime.attention], again=True)
+        if runtime.attention == SDPA:  # the kernel failed at the larger batch: size it for SDPA instead
+            chosen = micro_batch_for(cfg, generation, SDPA, runtime.num_devices)
     log(f"micro-batch auto: {chosen} ({chosen // runtime.num_devices} a device; TPU {generation or 'none'}, "
         f"{runtime.attention} attention)")
     return dataclasses.replace(cfg, micro_batch=chosen)

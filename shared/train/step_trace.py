@@ -6,13 +6,13 @@ module (before optimization, shardings on its parameters) with what the compiler
 
 Run in a process whose torch_xla has as many CPU devices as the TPU has chips (`PJRT_DEVICE=CPU
 CPU_NUM_DEVICES=8`): `python -m shared.train.step_trace SETTINGS.json OUT_DIR TPU` (scripts/tpu_compile.py does).
-Attention is the first kernel a session on that TPU tries at the step's sequence length (shared/train/attention.py,
-which the session asks too), as it runs when its probe passes: jax's splash attention (through call_jax, with
-torchax), else torch_xla's Pallas flash-attention kernel, where the generation compiles them, their blocks tile the
-sequence and jax is here (lowered by jax for the TPU platform, which this process does not have:
-`lower_pallas_for_tpu`), else SDPA. A step no session runs is not traced: gpt2-demo's 32 tokens, which neither
-kernel tiles, trace SDPA. `GPT2K_SPLASH_ATTENTION=0` traces the step a failed splash probe falls back to, and
-`GPT2K_FLASH_ATTENTION=0` the SDPA step.
+Attention is the first kernel a session on that TPU tries at the step's sequence length for the settings'
+`attention` (shared/train/attention.py, which the session asks too), as it runs when its probe passes: jax's
+splash attention (through call_jax, with torchax), else torch_xla's Pallas flash-attention kernel, where the
+generation compiles them, their blocks tile the sequence and jax is here (lowered by jax for the TPU platform,
+which this process does not have: `lower_pallas_for_tpu`), else SDPA. A step no session runs is not traced:
+gpt2-demo's 32 tokens, which neither kernel tiles, trace SDPA. `"attention": "flash"` traces the step a failed
+splash probe falls back to, and `"attention": "sdpa"` the SDPA step.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 
 from shared.config import TrainConfig
 from shared.train.mosaic_version import pin_version as pin_mosaic_version
-from shared.train.xla_runtime import QKV_LAYOUTS, XlaRuntime
+from shared.train.xla_runtime import XlaRuntime
 
 HLO_FILE, SPEC_FILE = "step.hlo.pb", "step.json"
 MOSAIC_VERSION_ENV = "GPT2K_MOSAIC_VERSION"
@@ -55,27 +55,25 @@ class TraceRuntime(XlaRuntime):
         self.inputs: list[dict] = []
         self._placeholders: set[int] = set()
 
-    def select_attention(self, batch: int, n_head: int, seq_len: int, head_dim: int, first: str = "") -> None:
-        """The first kernel a session on this TPU tries at `seq_len` (from `first`'s on), without its probe (which
-        runs the kernel); a kernel whose jax or torchax does not import here gives way to the next, as in a
-        session."""
-        from shared.train.attention import attention_candidates
-        from shared.train.model import set_attention_kernel
+    def select_attention(self, batch: int, n_head: int, seq_len: int, head_dim: int, setting: str = "auto",
+                         again: bool = False) -> None:
+        """The first kernel a session on this TPU tries at `seq_len` for `setting` (shared/train/attention.py),
+        without its probe (which runs the kernel); a kernel whose jax or torchax does not import here gives way to
+        the next, as in a session."""
+        from shared.train.attention import SDPA, SDPA_CHOICE, SPLASH, candidates, kernel_choice
 
-        set_attention_kernel(None)
-        self.attention = "sdpa"
-        for name in attention_candidates(self.tpu_generation.name, seq_len, first):
-            if name == "sdpa":
+        self.attention_choice = SDPA_CHOICE
+        for name in candidates(self.tpu_generation.name, seq_len, setting):
+            if name == SDPA:
                 return
             kernel = self._flash_attention_kernel()
             if kernel is None:  # no jax here: no Pallas kernel either
                 return
-            if name == "pallas-splash":
+            if name == SPLASH:
                 kernel = self._splash_attention_kernel()
             if kernel is not None:
                 lower_pallas_for_tpu()
-                self.attention = name
-                set_attention_kernel(kernel, seq_len, QKV_LAYOUTS[name])
+                self.attention_choice = kernel_choice(name, kernel, seq_len)
                 return
 
     def _record(self, tensor: torch.Tensor, spec: tuple) -> None:
@@ -181,7 +179,7 @@ def trace_step(cfg: TrainConfig, generation: str) -> tuple[bytes, dict]:
     cfg.validate(runtime.num_devices)
     cfg = select_attention_and_micro_batch(cfg, runtime, log=lambda _: None)
     with torch.device("meta"):
-        model = GPT(cfg.model)
+        model = GPT(cfg.model, runtime.attention_choice)
     step = build_step(cfg, runtime, model, start_step=1)
     state = step.state_tensors()
     tokens = np.zeros((cfg.grad_accum_steps, cfg.micro_batch, cfg.model.block_size + 1), dtype=np.int32)

@@ -184,10 +184,10 @@ def make_loaders(cfg: TrainConfig, train_shards: list, val_shards: list, resumed
 
 
 def make_model(cfg: TrainConfig, runtime: Runtime, resumed: LoadedCheckpoint | None) -> GPT:
-    """The model, initialised on the CPU from the seed so every backend starts identically; or the checkpoint's
-    weights and RNG state when resuming."""
+    """The model with the runtime's attention, initialised on the CPU from the seed so every backend starts
+    identically; or the checkpoint's weights and RNG state when resuming."""
     torch.manual_seed(cfg.seed)
-    model = GPT(cfg.model)
+    model = GPT(cfg.model, runtime.attention_choice)  # the kernel select_attention chose for these shapes
     if cfg.zero_init_projections and not resumed:
         model.zero_output_projections()
     if resumed:

@@ -14,6 +14,7 @@ import torch
 
 from shared.errors import UserError, describe_error, within
 from shared.tpu import TPU_GENERATIONS, default_xla_env, detect_tpu_generation
+from shared.train.attention import FLASH, SDPA_CHOICE, SETTING_OF, candidates, kernel_choice
 from shared.train.attention_probe import (
     PROBE_TIMEOUT_S,
     ProbeBudget,
@@ -26,10 +27,6 @@ from shared.train.mosaic_version import pin_version as pin_mosaic_version
 from shared.train.mosaic_version import readable_version as readable_mosaic_version
 from shared.train.runtime import Runtime
 from shared.train.xla_notices import quiet_known_messages
-
-# The layout each Pallas kernel reads q, k and v in, which the attention makes them in (shared/train/model.py):
-# splash reads them sequence-minor (shared/train/splash.py), torch_xla's flash kernel (B, H, T, D).
-QKV_LAYOUTS = {"pallas-splash": "BHDT", "pallas-flash": "BHTD"}
 
 
 class XlaRuntime(Runtime):
@@ -86,45 +83,39 @@ class XlaRuntime(Runtime):
                                                                  tpu_type=tpu.get_tpu_type)
         self.tpu_generation = TPU_GENERATIONS.get(name or "")
 
-    def select_attention(self, batch: int, n_head: int, seq_len: int, head_dim: int, first: str = "") -> None:
-        from shared.train.attention import attention_candidates
-        from shared.train.model import set_attention_kernel
-
-        set_attention_kernel(None)  # the runtime is process-wide: a previous session's choice does not carry over
-        self.attention = "sdpa"
+    def select_attention(self, batch: int, n_head: int, seq_len: int, head_dim: int, setting: str = "auto",
+                         again: bool = False) -> None:
         # The image's jax may not be the one this torch_xla was built against (Kaggle's TPU image pairs torch_xla
         # 2.8.0 with jax 0.7.x, docs/kaggle-tpu.md), and Mosaic compiles a kernel per shape: each kernel runs
         # forward and backward at this session's own shapes, sharded as training shards them, and is kept only if
         # it runs and agrees with SDPA, rather than dying (or training wrong) at the first step. Which kernels, in
         # which order, is shared/train/attention.py's (the step tracer and --plan ask the same): splash first (the
         # lighter on HBM traffic, shared/train/splash.py), then flash, then SDPA, each where its blocks tile the
-        # sequence. Flash's import (jax, bounded) comes first: where it fails or hangs, splash, which needs jax too,
-        # is not tried.
+        # sequence, from the one `setting` names. Flash's import (jax, bounded) comes first: where it fails or
+        # hangs, splash, which needs jax too, is not tried.
+        self.attention_choice = SDPA_CHOICE  # the runtime is process-wide: a previous session's does not carry over
         generation = self.tpu_generation.name if self.tpu_generation else None
-        candidates = attention_candidates(generation, seq_len, first)
+        tried = candidates(generation, seq_len, setting)
         shape = (batch, n_head, seq_len, head_dim)
-        flash = self._flash_attention_kernel() if len(candidates) > 1 else None
+        flash = self._flash_attention_kernel() if len(tried) > 1 else None
         if flash is None:
             return
         kernels = []  # (name, kernel or None where it does not import, what a failed probe leads to)
-        for name, then in zip(candidates, candidates[1:], strict=False):
-            instead = "trying the flash-attention kernel" if then == "pallas-flash" else "using SDPA"
-            kernels.append((name, flash if name == "pallas-flash" else self._splash_attention_kernel(instead), instead))
-        self._start_probing([name.removeprefix("pallas-") for name, kernel, _ in kernels if kernel], first)
+        for name, then in zip(tried, tried[1:], strict=False):
+            instead = "trying the flash-attention kernel" if then == FLASH else "using SDPA"
+            kernels.append((name, flash if name == FLASH else self._splash_attention_kernel(instead), instead))
+        self._start_probing([SETTING_OF[name] for name, kernel, _ in kernels if kernel], again)
         for name, kernel, instead in kernels:
-            if kernel is not None and self._passes_probe(name.removeprefix("pallas-"), kernel, shape, instead):
-                set_attention_kernel(kernel, seq_len, QKV_LAYOUTS[name])
-                self.attention = name
+            if kernel is not None and self._passes_probe(SETTING_OF[name], kernel, shape, instead):
+                self.attention_choice = kernel_choice(name, kernel, seq_len)
                 return
 
     _probe_budget: ProbeBudget | None = None
 
-    def _start_probing(self, kernels: list[str], first: str = "") -> None:
+    def _start_probing(self, kernels: list[str], again: bool = False) -> None:
         """Say which kernels this selection probes, and in what time: a session's first selection starts the
-        budget all its probes share; a later one (`first` set: auto's micro-batch) goes on with what is left."""
-        if first and self._probe_budget is not None:
-            again = True
-        else:
+        budget all its probes share; a later one (`again`: auto's micro-batch) goes on with what is left."""
+        if not again or self._probe_budget is None:
             self._probe_budget, again = ProbeBudget(), False
         if kernels:
             print(self._probe_budget.start_line(kernels, again), flush=True)

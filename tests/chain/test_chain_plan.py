@@ -399,7 +399,7 @@ def test_plan_compiles_the_splash_step_and_says_what_the_flash_and_sdpa_fallback
                     "ceiling 54.3% (roofline estimate); " + says)
 
 
-def test_with_splash_switched_off_plan_compiles_the_flash_step_first(monkeypatch):
+def test_with_the_attention_setting_flash_plan_compiles_the_flash_step_first(monkeypatch):
     import scripts.tpu_compile as tpu_compile
     from scripts.chain.plan import compiled_fit
 
@@ -411,8 +411,8 @@ def test_with_splash_switched_off_plan_compiles_the_flash_step_first(monkeypatch
 
     monkeypatch.setattr(tpu_compile, "compile_step", compile_step)
     monkeypatch.setattr(tpu_compile, "compiler_python", lambda: Path("/venv-tpu/bin/python"))
-    monkeypatch.setenv("GPT2K_SPLASH_ATTENTION", "0")  # as a session with it switched off tries flash first
     raw = json.loads((REPO / "examples" / "chain-gpt2-124m.json").read_text())
+    raw["train"]["attention"] = "flash"  # as a session with it set tries flash first
     report, line = compiled_fit(config_from_dict({k: v for k, v in raw.items() if not k.startswith("_")}))
     assert asked == ["flash", "sdpa"] and report["attention"] == "pallas-flash"
     assert line.startswith("v5e-8 by libtpu 0.0.17 (the flash step, micro-batch 128): HBM per chip 11.4 GiB")

@@ -12,11 +12,10 @@ def xla_runtime_first(suite_xla_runtime):
 @pytest.fixture
 def xla_runtime():
     """The suite's XLA runtime (8 CPU devices), its attention restored to SDPA afterwards."""
+    from shared.train.attention import SDPA_CHOICE
     from shared.train.device import make_runtime
-    from shared.train.model import set_attention_kernel
 
     runtime = make_runtime("xla")
     runtime._probe_budget = None  # each test's probing is a session of its own
     yield runtime
-    set_attention_kernel(None)
-    runtime.attention = "sdpa"
+    runtime.attention_choice = SDPA_CHOICE

@@ -86,38 +86,37 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients():
 
 @pytest.mark.parametrize("layout", ["BHTD", "BHDT"])
 def test_for_a_kernels_layout_the_attention_makes_q_k_v_by_einsum_with_the_same_loss_and_gradients(layout):
-    from shared.train.model import set_attention_kernel
+    from shared.train.attention import AttentionChoice
 
-    torch.manual_seed(0)
-    model = GPT(SMALL)
-    with torch.no_grad():  # biases off zero (GPT-2's init), so a wrong bias view shows in the forward too
-        for block in model.transformer.h:
-            block.attn.c_attn.bias.normal_()
-            block.attn.c_proj.bias.normal_()
-    idx = torch.randint(0, GPT2_VOCAB_SIZE, (2, 25))  # T = 24, not D = 16: a swapped (T, D) fails to broadcast
-    _, plain_loss = model(idx[:, :-1], idx[:, 1:])
-    plain_loss.backward()
-    plain_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
     seen = []
 
     def kernel(q, k, v):
         seen.append((q.dtype, k.dtype, v.dtype))  # the matmul's dtype: an fp32 bias must not promote them
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
+    torch.manual_seed(0)
+    model = GPT(SMALL, AttentionChoice("pallas-flash", kernel, 24, layout))  # the model given the kernel
+    plain = GPT(SMALL)  # SDPA, by default
+    with torch.no_grad():  # biases off zero (GPT-2's init), so a wrong bias view shows in the forward too
+        for block in model.transformer.h:
+            block.attn.c_attn.bias.normal_()
+            block.attn.c_proj.bias.normal_()
+    idx = torch.randint(0, GPT2_VOCAB_SIZE, (2, 25))  # T = 24, not D = 16: a swapped (T, D) fails to broadcast
+    plain.load_state_dict(model.state_dict())  # the same weights
+    _, plain_loss = plain(idx[:, :-1], idx[:, 1:])
+    plain_loss.backward()
+    plain_grads = {n: p.grad.clone() for n, p in plain.named_parameters()}
+    assert seen == []
     linear_calls = []  # this path makes q, k, v by einsum over c_attn's weight, not by calling c_attn
     for block in model.transformer.h:
         block.attn.c_attn.register_forward_hook(lambda *_: linear_calls.append(1))
-    set_attention_kernel(kernel, 24, qkv_layout=layout)
-    try:
-        _, loss = model(idx[:, :-1], idx[:, 1:])
-        loss.backward()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            model(idx[:, :-1], idx[:, 1:])
-        assert linear_calls == []
-        model(idx[:, :8], idx[:, 1:9])  # another length: SDPA, the projections as nn.Linear makes them
-    finally:
-        set_attention_kernel(None)
+    _, loss = model(idx[:, :-1], idx[:, 1:])
+    loss.backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(idx[:, :-1], idx[:, 1:])
+    assert linear_calls == []
+    model(idx[:, :8], idx[:, 1:9])  # another length: SDPA, the projections as nn.Linear makes them
+    assert plain.attention.kernel is None and all(b.attn.attention.kernel is None for b in plain.transformer.h)
     assert len(linear_calls) == SMALL.n_layer
     assert seen == [(torch.float32,) * 3] * SMALL.n_layer + [(torch.bfloat16,) * 3] * SMALL.n_layer
     assert loss.item() == pytest.approx(plain_loss.item(), rel=1e-6)

@@ -114,7 +114,6 @@ def hanging_kernel(released: threading.Event, calls: list):
 def test_a_probe_that_hangs_costs_at_most_the_budget_and_stops_the_session_before_training(
         xla_runtime, monkeypatch, capsys):
     import shared.train.attention_probe as attention_probe
-    import shared.train.model as model
     import shared.train.xla_runtime as runtime_module
     from shared.train.attention_probe import ProbeHung
 
@@ -140,11 +139,11 @@ def test_a_probe_that_hangs_costs_at_most_the_budget_and_stops_the_session_befor
     assert str(stopped.value).startswith(
         "stopping before training: the splash-attention kernel's probe gave no answer within 0.5 s (what was left "
         "of the session's budget for its kernel probes); its compile or run may still hold the TPU")
-    assert "\n" not in str(stopped.value) and str(stopped.value).endswith("(GPT2K_SPLASH_ATTENTION=0 skips it)")
+    assert "\n" not in str(stopped.value) and str(stopped.value).endswith("(--attention flash skips it)")
     # One probe, given the whole budget; flash's kernel was made (its jax import comes first) but never probed.
     assert len(limits) == 2 and all(0 < limit <= 0.5 for limit in limits)
     assert calls == ["flash", "splash"] * 2 and guards == [1]
-    assert (xla_runtime.attention, model._attention_fn) == ("sdpa", None)
+    assert (xla_runtime.attention, xla_runtime.attention_choice.kernel) == ("sdpa", None)
     assert capsys.readouterr().out == "probing attention kernels: splash, then flash, at most 0.5 s in all\n" * 2
 
 
@@ -172,7 +171,7 @@ def test_a_spent_budget_skips_the_later_probes_with_a_notice_and_keeps_sdpa(xla_
     monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", lambda: flash)
     xla_runtime.select_attention(*SHAPE)
     assert xla_runtime.attention == "sdpa" and set(probed) == {"splash"}
-    xla_runtime.select_attention(*SHAPE, first="pallas-flash")
+    xla_runtime.select_attention(*SHAPE, "flash", again=True)
     assert xla_runtime.attention == "sdpa" and "flash" not in probed
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "probing attention kernels: splash, then flash, at most 15 minutes in all"

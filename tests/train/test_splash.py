@@ -62,21 +62,19 @@ def test_without_gradients_splash_runs_its_plain_forward_and_writes_no_logsumexp
 @pytest.mark.slow
 def test_a_step_with_splash_attention_gives_sdpas_loss_and_gradients(xla_runtime):
     from shared.config import TrainConfig
-    from shared.train.model import GPT, set_attention_kernel
+    from shared.train.attention import SDPA_CHOICE, SPLASH, kernel_choice
+    from shared.train.model import GPT
 
     cfg = TrainConfig(preset="tiny", seq_len=256)
     tokens = np.random.default_rng(0).integers(0, 50257, (2, 8, 257)).astype(np.int32)  # 2 micro-steps of 8
     results = []
-    for kernel in (splash_attention(xla_runtime.mesh, interpret=True), None):
-        set_attention_kernel(kernel, qkv_layout="BHDT" if kernel else None)  # as a session installs it
-        try:
-            torch.manual_seed(0)
-            model = xla_runtime.prepare_model(GPT(cfg.model), fsdp=False)
-            loss = xla_runtime.forward_backward(model, tokens, bf16=False, scaler=None)
-            xla_runtime.sync()
-            results.append((loss.item(), [p.grad.detach().cpu() for p in model.parameters()]))
-        finally:
-            set_attention_kernel(None)
+    splash = kernel_choice(SPLASH, splash_attention(xla_runtime.mesh, interpret=True), 256)  # as a session's
+    for attention in (splash, SDPA_CHOICE):
+        torch.manual_seed(0)
+        model = xla_runtime.prepare_model(GPT(cfg.model, attention), fsdp=False)
+        loss = xla_runtime.forward_backward(model, tokens, bf16=False, scaler=None)
+        xla_runtime.sync()
+        results.append((loss.item(), [p.grad.detach().cpu() for p in model.parameters()]))
     (loss, grads), (want_loss, want_grads) = results
     assert loss == pytest.approx(want_loss, rel=1e-5)
     for g, w in zip(grads, want_grads, strict=True):
@@ -96,18 +94,13 @@ def wrong_dv(q, k, v):
 ])
 def test_a_session_tries_splash_then_flash_then_sdpa_keeping_the_first_that_passes_its_probe(
         xla_runtime, monkeypatch, capsys, splash_kernel, flash_kernel, attention, notice):
-    import shared.train.model as model
-
     kernels = {"right": sdpa_causal, "wrong": wrong_dv, None: None}
     monkeypatch.setattr(xla_runtime, "tpu_generation", TPU_GENERATIONS["v5e"])
     monkeypatch.setattr(xla_runtime, "_splash_attention_kernel", lambda instead: kernels[splash_kernel])
     monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", lambda: kernels[flash_kernel])
-    try:
-        xla_runtime.select_attention(*SHAPE)
-        assert xla_runtime.attention == attention
-        assert model._attention_fn is (None if attention == "sdpa" else sdpa_causal)
-    finally:
-        model.set_attention_kernel(None)
+    xla_runtime.select_attention(*SHAPE)
+    assert xla_runtime.attention == attention
+    assert xla_runtime.attention_choice.kernel is (None if attention == "sdpa" else sdpa_causal)
     out = capsys.readouterr().out
     if flash_kernel:  # first the line that says which kernels are probed, and in what time
         start, out = out.split("\n", 1)
@@ -126,11 +119,9 @@ def test_on_a_host_whose_kernels_cannot_run_both_probes_fail_in_a_line_each_and_
                                                                                            monkeypatch, capsys):
     # The real kernels, lowered for a TPU, on the CPU devices: Mosaic cannot run them, as a TPU whose jax and
     # libtpu disagree could not. Each probe says so in one line, and the session goes on with SDPA.
-    import shared.train.model as model
-
     monkeypatch.setattr(xla_runtime, "tpu_generation", TPU_GENERATIONS["v6e"])
     xla_runtime.select_attention(*SHAPE)
-    assert (xla_runtime.attention, model._attention_fn) == ("sdpa", None)
+    assert (xla_runtime.attention, xla_runtime.attention_choice.kernel) == ("sdpa", None)
     lines = capsys.readouterr().out.splitlines()[1:]  # after the line that starts the probing
     assert [line.split(" failed its probe")[0] for line in lines] == [
         "notice: the Pallas splash-attention kernel", "notice: the Pallas flash-attention kernel"]
@@ -204,18 +195,16 @@ def test_the_kernel_runs_only_at_the_length_its_probe_passed_and_sdpa_takes_the_
     monkeypatch.setattr(xla_runtime, "tpu_generation", TPU_GENERATIONS["v5e"])
     monkeypatch.setattr(xla_runtime, "_splash_attention_kernel", lambda instead: recording)
     monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", lambda: sdpa_causal)
-    try:
-        xla_runtime.select_attention(*SHAPE)
-        assert xla_runtime.attention == "pallas-splash" and calls == [256] * 2  # its probe: with gradients, without
-        q, k, v = (torch.randn(2, 2, 192, 64) for _ in range(3))
-        out = model.causal_attention(q, k, v)
-        assert calls == [256] * 2
-        torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
-        q, k, v = (torch.randn(2, 2, 256, 64) for _ in range(3))
-        model.causal_attention(q, k, v)
-        assert calls == [256] * 3
-    finally:
-        model.set_attention_kernel(None)
+    xla_runtime.select_attention(*SHAPE)
+    assert xla_runtime.attention == "pallas-splash" and calls == [256] * 2  # its probe: with gradients, without
+    chosen = xla_runtime.attention_choice
+    q, k, v = (torch.randn(2, 2, 192, 64) for _ in range(3))
+    out = model.causal_attention(q, k, v, chosen)
+    assert calls == [256] * 2
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+    q, k, v = (torch.randn(2, 2, 256, 64) for _ in range(3))
+    model.causal_attention(q, k, v, chosen)
+    assert calls == [256] * 3
 
 
 def test_a_second_selection_at_autos_micro_batch_starts_from_the_kernel_chosen_at_the_first(xla_runtime,
@@ -226,11 +215,11 @@ def test_a_second_selection_at_autos_micro_batch_starts_from_the_kernel_chosen_a
     monkeypatch.setattr(xla_runtime, "tpu_generation", TPU_GENERATIONS["v5e"])
     monkeypatch.setattr(xla_runtime, "_splash_attention_kernel", not_again)
     monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", lambda: sdpa_causal)
-    xla_runtime.select_attention(*SHAPE, first="pallas-flash")
+    xla_runtime.select_attention(*SHAPE, "flash", again=True)
     assert xla_runtime.attention == "pallas-flash"
     assert capsys.readouterr().out == "probing attention kernels: flash, at most 15 minutes in all\n"
     monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", not_again)
-    xla_runtime.select_attention(*SHAPE, first="sdpa")
+    xla_runtime.select_attention(*SHAPE, "sdpa", again=True)
     assert xla_runtime.attention == "sdpa"
 
 
@@ -255,13 +244,12 @@ def test_training_with_splash_compiles_nothing_after_step_two_and_follows_sdpas_
     # from the forward's residuals), the kernel run by Pallas's interpreter on the 8 XLA CPU devices.
     from helpers import small_config, train_in_process
 
+    from shared.train.attention import SPLASH, kernel_choice
     from shared.train.metrics import read_metrics
-    from shared.train.model import set_attention_kernel
-    from shared.train.xla_runtime import QKV_LAYOUTS, XlaRuntime
+    from shared.train.xla_runtime import XlaRuntime
 
-    def install_splash(self, batch, n_head, seq_len, head_dim, first=""):
-        set_attention_kernel(splash_attention(self.mesh, interpret=True), seq_len, QKV_LAYOUTS["pallas-splash"])
-        self.attention = "pallas-splash"
+    def install_splash(self, batch, n_head, seq_len, head_dim, setting="auto", again=False):
+        self.attention_choice = kernel_choice(SPLASH, splash_attention(self.mesh, interpret=True), seq_len)
 
     losses = {}
     for attention in ("splash", "sdpa"):
@@ -270,10 +258,7 @@ def test_training_with_splash_compiles_nothing_after_step_two_and_follows_sdpas_
         with monkeypatch.context() as patch:
             if attention == "splash":
                 patch.setattr(XlaRuntime, "select_attention", install_splash)
-            try:
-                result, _ = train_in_process(cfg)
-            finally:
-                set_attention_kernel(None)
+            result, _ = train_in_process(cfg)
         assert result.step == 5
         records = {r["step"]: r for r in read_metrics(out / "metrics.jsonl") if "loss" in r}
         assert records[5]["compiles"] == records[2]["compiles"], attention

@@ -168,10 +168,9 @@ FLASH_SHAPE = (8, 2, 128, 16)  # the same at a length the flash kernel's blocks 
 
 @pytest.fixture
 def flash_host(xla_runtime, monkeypatch):
-    """The suite's runtime as a session that tries the flash kernel (shared/train/attention.py): on a TPU that
-    compiles it (a v5e), with splash switched off (GPT2K_SPLASH_ATTENTION=0), at FLASH_SHAPE."""
+    """The suite's runtime on a TPU that compiles the flash kernel (a v5e): a session that tries it
+    (shared/train/attention.py) at FLASH_SHAPE with the setting "flash" (splash skipped)."""
     monkeypatch.setattr(xla_runtime, "tpu_generation", TPU_GENERATIONS["v5e"])
-    monkeypatch.setenv("GPT2K_SPLASH_ATTENTION", "0")
     return xla_runtime
 
 
@@ -289,12 +288,10 @@ def test_an_import_of_jax_that_hangs_leaves_sdpa_with_one_line(xla_runtime, monk
 
 
 def test_the_runtime_keeps_sdpa_with_a_notice_when_the_kernel_is_wrong(flash_host, monkeypatch, capsys):
-    import shared.train.model as model
-
     xla_runtime = flash_host
     monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", lambda: wrong_dk_kernel(1.5))
-    xla_runtime.select_attention(*FLASH_SHAPE)
-    assert (xla_runtime.attention, model._attention_fn) == ("sdpa", None)
+    xla_runtime.select_attention(*FLASH_SHAPE, "flash")
+    assert (xla_runtime.attention, xla_runtime.attention_choice.kernel) == ("sdpa", None)
     start, out = capsys.readouterr().out.split("\n", 1)
     assert start == "probing attention kernels: flash, at most 15 minutes in all"
     assert out.count("\n") == 1 and out.startswith(
@@ -303,11 +300,11 @@ def test_the_runtime_keeps_sdpa_with_a_notice_when_the_kernel_is_wrong(flash_hos
     assert out.endswith("; using SDPA\n")
     # Where the kernel agrees it is installed; a later session's probe that fails puts SDPA back.
     monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", lambda: manual_attention)
-    xla_runtime.select_attention(*FLASH_SHAPE)
-    assert (xla_runtime.attention, model._attention_fn) == ("pallas-flash", manual_attention)
+    xla_runtime.select_attention(*FLASH_SHAPE, "flash")
+    assert (xla_runtime.attention, xla_runtime.attention_choice.kernel) == ("pallas-flash", manual_attention)
     monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", lambda: wrong_dk_kernel(1.5))
-    xla_runtime.select_attention(*FLASH_SHAPE)
-    assert (xla_runtime.attention, model._attention_fn) == ("sdpa", None)
+    xla_runtime.select_attention(*FLASH_SHAPE, "flash")
+    assert (xla_runtime.attention, xla_runtime.attention_choice.kernel) == ("sdpa", None)
 
 
 def test_the_trainer_probes_the_kernel_at_its_own_shapes_sharded_per_device(flash_host, monkeypatch, tmp_path):
@@ -330,8 +327,8 @@ def test_the_trainer_probes_the_kernel_at_its_own_shapes_sharded_per_device(flas
 
     select_attention = XlaRuntime.select_attention
 
-    def select_then_stop(self, *shapes):
-        select_attention(self, *shapes)
+    def select_then_stop(self, *shapes, **settings):
+        select_attention(self, *shapes, **settings)
         raise Probed(self.attention)  # the probe is what this test is about: no training step
 
     monkeypatch.setattr(flash_host, "_flash_attention_kernel", lambda: recording_kernel)
@@ -339,7 +336,7 @@ def test_the_trainer_probes_the_kernel_at_its_own_shapes_sharded_per_device(flas
     write_shard(tmp_path / "t_train_000000.bin", np.arange(20_000) % 1000)
     cfg = TrainConfig(preset="tiny", data_dir=str(tmp_path), out_dir=str(tmp_path / "out"), seq_len=128,
                       micro_batch=16, total_batch_tokens=16 * 128, eval_every=0, progress=False, wandb_project="",
-                      xla_cache=False)
+                      xla_cache=False, attention="flash")
     with pytest.raises(Probed, match="pallas-flash"):
         train(cfg, flash_host, log=lambda *a: None)
     # The tiny preset's 4 heads of 128 / 4 = 32 over 128 tokens; 16 sequences, 2 on each of the 8 devices. Called
@@ -464,7 +461,8 @@ class _ProbedRuntime:
         self.tpu_generation = TPU_GENERATIONS.get(generation or "")
         self.num_devices, self.flash_up_to, self.attention, self.probed = num_devices, flash_up_to, "sdpa", []
 
-    def select_attention(self, batch: int, n_head: int, seq_len: int, head_dim: int, first: str = "") -> None:
+    def select_attention(self, batch: int, n_head: int, seq_len: int, head_dim: int, setting: str = "auto",
+                         again: bool = False) -> None:
         self.probed.append(batch)
         flash = self.tpu_generation is not None and self.tpu_generation.pallas_flash_attention
         self.attention = "pallas-flash" if flash and batch <= self.flash_up_to else "sdpa"
@@ -500,7 +498,6 @@ def test_a_kernel_libtpu_refuses_for_its_mosaic_version_is_lowered_at_the_versio
     # in a long error, until jax's hook says 4.
     import jax._src.tpu_custom_call as tpu_custom_call
 
-    import shared.train.model as model
     from shared.train.attention_probe import sdpa_causal
 
     monkeypatch.setattr(tpu_custom_call, "get_ir_version", lambda ctx: 7)  # restored after the test
@@ -515,8 +512,8 @@ def test_a_kernel_libtpu_refuses_for_its_mosaic_version_is_lowered_at_the_versio
 
     xla_runtime = flash_host
     monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", lambda: kaggle_flash)
-    xla_runtime.select_attention(*FLASH_SHAPE)
-    assert (xla_runtime.attention, model._attention_fn) == ("pallas-flash", kaggle_flash)
+    xla_runtime.select_attention(*FLASH_SHAPE, "flash")
+    assert (xla_runtime.attention, xla_runtime.attention_choice.kernel) == ("pallas-flash", kaggle_flash)
     assert calls[0] == 7 and set(calls[1:]) == {4}  # refused once, then probed (forward and backward) at 4
     assert capsys.readouterr().out == (
         "probing attention kernels: flash, at most 15 minutes in all\n"
@@ -535,7 +532,7 @@ def test_a_kernel_that_fails_at_the_pinned_version_too_leaves_sdpa_with_libtpus_
 
     xla_runtime = flash_host
     monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", lambda: refused)
-    xla_runtime.select_attention(*FLASH_SHAPE)
+    xla_runtime.select_attention(*FLASH_SHAPE, "flash")
     assert xla_runtime.attention == "sdpa" and tpu_custom_call.get_ir_version(None) == 3
     lines = capsys.readouterr().out.splitlines()[1:]  # after the line that starts the probing
     assert len(lines) == 2 and lines[1].startswith("notice: the Pallas flash-attention kernel failed its probe")
