@@ -62,8 +62,8 @@ def test_tpu_python_compiles_the_step_twice_and_prints_both_reports_and_the_comp
     python.write_text("")
     calls = []
 
-    def fake_compile(settings, tpu, log=print, keep=None, attention="flash", trace_only=None, python=None):
-        calls.append((tpu, attention, keep, python))
+    def fake_compile(settings, tpu, log=print, keep=None, attention=None, trace_only=None, python=None):
+        calls.append((tpu, attention or settings.get("attention"), keep, python))  # --attention: the train setting
         return dict(NEW if python else OLD)
 
     monkeypatch.setattr(tool, "compile_step", fake_compile)
