@@ -134,6 +134,7 @@ def test_the_local_kaggle_issues_a_token_without_write_scope_that_says_so_and_ma
 
 # --- sessions against the local Kaggle --------------------------------------------------------------------------
 
+@pytest.mark.slow  # a session each (the decision's unit tests above stay in the quick loop)
 def test_a_token_expiring_before_the_deadline_and_no_key_stop_the_session_before_training_in_one_line(
         local_kaggle, tmp_path):
     local_kaggle.app.notebook_token_lifetime_s = HOUR  # the session may publish until 2 h 10 min
@@ -147,6 +148,7 @@ def test_a_token_expiring_before_the_deadline_and_no_key_stop_the_session_before
     assert versions == [1]
 
 
+@pytest.mark.slow  # a session each (the decision's unit tests above stay in the quick loop)
 def test_a_token_expiring_before_the_deadline_leaves_the_publish_to_the_attached_key(local_kaggle, tmp_path):
     local_kaggle.app.notebook_token_lifetime_s = HOUR
     status, lines, record, versions = run_session(local_kaggle, tmp_path, secrets=True, session=DEADLINE_SESSION)
@@ -156,6 +158,7 @@ def test_a_token_expiring_before_the_deadline_leaves_the_publish_to_the_attached
     assert record["published"] is True and versions == [1, 2]
 
 
+@pytest.mark.slow  # a session each (the decision's unit tests above stay in the quick loop)
 def test_a_token_that_expires_mid_session_publishes_with_the_attached_key(local_kaggle, tmp_path, monkeypatch):
     monkeypatch.setenv("CRED_TEST_GATE", str(tmp_path / "gate"))
     status, lines, record, versions = run_session(
