@@ -351,6 +351,21 @@ def test_a_session_mounting_an_older_version_fetches_the_expected_one_or_stops_i
     assert "ATTACH HTTPError 403" in log and "attaching a datasource is refused in a batch session" in log
 
 
+@pytest.mark.slow
+def test_a_stale_mount_at_a_higher_step_is_fetched_in_a_session_on_the_local_kaggle(local_kaggle, tmp_path):
+    """An extension's first version (step 15, trained on from the stable phase) is newer than the run's end (step
+    20). The local Kaggle mounts the version before it, at the higher step: the session fetches the chain's."""
+    lk = local_kaggle
+    for step in (20, 15):
+        add_version(lk, tmp_path, CKPT, {"checkpoint.json": manifest(step), "model.safetensors": f"weights {step}"})
+    lk.app.inject("stale_mount", dataset=CKPT, count=1)
+    log = resume_kernel(lk, tmp_path / "k", expect_step=15, expect_version=2)
+    assert f"notice: checkpoint dataset {CKPT} holds step 15, but this session sees step 20 in " in log
+    assert ("(another version: one the chain did not accept, or the run's end before --extend trained on below it); "
+            "fetching version 2 with kagglehub") in log
+    assert f"resuming from {CKPT} (step 15)" in log and "STAGED step_000015 weights 15" in log
+
+
 ATTACH_KERNEL = """
 import kagglehub
 try:
