@@ -112,8 +112,9 @@ def test_chain_end_to_end_resumes_bit_exactly_and_survives_a_kill(local_kaggle, 
     files = chain_script().make_demo_corpus(tmp_path / "corpus", 400_000)
     upload(lk, tmp_path, "alice/gpt2-demo-corpus", {f.name: f.read_bytes() for f in files})
     # Sessions sized as the demo's are: the first up to session_limit_s and 10 steps, each later one its start-up
-    # as measured, 20 s of training (more where 10 steps take longer), 10 s to publish (session_train_s).
-    config = write_config(tmp_path / "chain.json", publish_margin_s=10, session_train_s=20)
+    # as measured, 20 s of training (more where 10 steps take longer), 20 s to publish (session_train_s: 82 MB at
+    # the assumed 10 MB/s, twice where the publish deletes the older versions).
+    config = write_config(tmp_path / "chain.json", publish_margin_s=20, session_train_s=20)
     assert DEMO["startup_margin_s"] == 90
     workdir = tmp_path / "chain"
     # First contact: the chain saves the train notebook without running it, names the secrets to attach on its
@@ -401,7 +402,7 @@ def test_bad_input_gives_one_line_errors_and_loses_nothing(local_kaggle, tmp_pat
     lk = local_kaggle
     upload(lk, tmp_path, "alice/some-tokens", {"x_train_000001.bin": b"\0" * 64})
     base = dict(tokenize={}, token_datasets=["alice/some-tokens"], eval={"enabled": False}, session_limit_s=65,
-                startup_margin_s=20, publish_margin_s=10)
+                startup_margin_s=20, publish_margin_s=20)
 
     no_creds = client_env(lk.app, tmp_path / "nocreds", user=None, key=None)
     proc = run_chain(lk, write_config(tmp_path / "a.json", **base), tmp_path / "w1", env=no_creds)

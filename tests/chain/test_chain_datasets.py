@@ -527,9 +527,10 @@ def test_a_finished_wsd_chain_extends_from_its_stable_phase_checkpoint_carried_i
     # evals only at the key steps (each session's start, the stable phase's end, the last step): the projection
     train = {**DEMO["train"], "micro_batch": 8, "schedule": "wsd", "warmup_steps": 1, "cooldown_frac": 0.5,
              "eval_every": 1000, "eval_batches": 2}
-    # 20 s to publish: two checkpoints of 82 MB at the assumed 10 MB/s (the demo's 12 s is one's).
+    # 40 s to publish: two checkpoints of 82 MB at the assumed 10 MB/s, twice where the publish deletes the older
+    # versions (the demo's 20 s is one checkpoint's).
     common = dict(name="ext-run", tokenize={}, eval={"enabled": False}, token_datasets=["alice/ext-tokens"],
-                  session_limit_s=300, publish_margin_s=20)
+                  session_limit_s=300, publish_margin_s=40)
 
     def dataset_steps() -> tuple[int, int | None]:
         """(checkpoint step, stable-phase checkpoint step) of the dataset's newest version."""
