@@ -171,13 +171,14 @@ SESSION_VERSIONS_DATASET = textwrap.dedent(
     from shared.kaggle.secrets import get_secret
     os.environ["KAGGLE_USERNAME"] = get_secret("KAGGLE_USERNAME")
     os.environ["KAGGLE_KEY"] = get_secret("KAGGLE_KEY")
-    from kaggle.api.kaggle_api_extended import KaggleApi
-    api = KaggleApi()
     folder = kaggle_paths().temp / "ckpt"
     folder.mkdir()
     (folder / "step.txt").write_text("step 100")
     (folder / "dataset-metadata.json").write_text(json.dumps({"id": "alice/run-ckpt"}))
     try:
+        # `import kaggle` signs in (kaggle 2.0.2 on the CPU image too), so the import can meet the network
+        from kaggle.api.kaggle_api_extended import KaggleApi
+        api = KaggleApi()
         api.authenticate()  # the session's own token first: introspected over the API (kaggle 2.2.4)
         print("status before:", api.dataset_status("alice/run-ckpt"))
         r = api.dataset_create_version(str(folder), "checkpoint at step 100", quiet=True)
