@@ -337,7 +337,10 @@ def test_the_midway_publish_never_copies_the_stable_checkpoint_it_carries_from_a
     monkeypatch.setattr(shutil, "copy2", lambda src, dst, **kw: copied.append(str(src)))
     uploaded = {}
 
+    staged_seen = threading.Event()  # the upload waits until the staging is read (its links would add to it)
+
     def fake_publish(plan, snapshot, step, record, log, work_dir=None, stable=None):
+        staged_seen.wait(30)
         folder = publish.write_dataset_folder(work_dir, plan.dataset, "", publish.checkpoint_files(snapshot) + [
             (f, "stable__" + n) for f, n in publish.checkpoint_files(stable)])
         uploaded.update({f.name: (f.is_symlink(), f.read_text()) for f in folder.iterdir()
@@ -352,6 +355,7 @@ def test_the_midway_publish_never_copies_the_stable_checkpoint_it_carries_from_a
     assert (staged / "stable" / "model.safetensors").resolve() == mount / "stable__model.safetensors"
     assert (staged / "stable" / "xla_cache" / "graph").is_symlink()
     assert os.stat(staged / "checkpoint" / "model.safetensors").st_nlink == 2  # a hard link: rotation-proof
+    staged_seen.set()
     midway.wait()
     # (only the stable's files count: a thread an earlier test left running may copy its own)
     assert [c for c in copied if c.startswith(str(tmp_path))] == [] and midway.record == {"published": True}
