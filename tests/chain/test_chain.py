@@ -132,8 +132,9 @@ def test_chain_end_to_end_resumes_bit_exactly_and_survives_a_kill(local_kaggle, 
     assert lk.app.accounts.secrets_of("alice/gpt2-demo-train") == {}
     lk.app.attach_secret("alice/gpt2-demo-train", "KAGGLE_USERNAME", USER)
     lk.app.attach_secret("alice/gpt2-demo-train", "KAGGLE_KEY", KEY)
-    # Session 1 cannot version the checkpoint dataset itself: the chain publishes it from the session's output.
-    lk.app.inject("http", match="CreateDatasetVersion", status=400, message="Injected refusal", count=1)
+    # Session 1 cannot version the checkpoint dataset itself, with its token nor then with the attached key: the
+    # chain publishes it from the session's output.
+    lk.app.inject("http", match="CreateDatasetVersion", status=400, message="Injected refusal", count=2)
     out_log = open(tmp_path / "first.log", "w")
     first = subprocess.Popen([sys.executable, str(REPO / "scripts/chain_sessions.py"), "--config", str(config),
                               "--workdir", str(workdir)], env=lk.env, cwd=REPO, stdout=out_log, stderr=out_log)
@@ -213,8 +214,12 @@ def test_chain_end_to_end_resumes_bit_exactly_and_survives_a_kill(local_kaggle, 
         steps.append(state["train_sessions"][n - 1]["step_after"])
     assert steps[1] < steps[2] < steps[3] == state["final_step"]
     versions = lk.app.state["datasets"]["alice/gpt2-demo-checkpoints"]["versions"]
-    assert [v["notes"] for v in versions] == ["Initial release", f"checkpoint at step {steps[1]} (published by the "
-                                              "chain)"] + [f"checkpoint at step {s}" for s in steps[2:]]
+    # Session 2's publish would leave 3 versions (keep_dataset_versions 2): it publishes keeping them, proves that
+    # version whole, then publishes the same checkpoint again deleting the older ones.
+    assert [(v["notes"], bool(v.get("deleted"))) for v in versions] == [
+        ("Initial release", True), (f"checkpoint at step {steps[1]} (published by the chain)", True),
+        (f"checkpoint at step {steps[2]}", True), (f"checkpoint at step {steps[2]}", False),
+        (f"checkpoint at step {steps[3]}", False)]
 
     # The sessions ran in the images' interpreters (train and eval: TPU; tokenize: CPU), installed what those lack
     # into their own temp folders, and left the images as they were.
@@ -401,7 +406,7 @@ def test_config_errors_are_one_line(tmp_path):
 def test_bad_input_gives_one_line_errors_and_loses_nothing(local_kaggle, tmp_path):
     lk = local_kaggle
     upload(lk, tmp_path, "alice/some-tokens", {"x_train_000001.bin": b"\0" * 64})
-    base = dict(tokenize={}, token_datasets=["alice/some-tokens"], eval={"enabled": False}, session_limit_s=65,
+    base = dict(tokenize={}, token_datasets=["alice/some-tokens"], eval={"enabled": False}, session_limit_s=75,
                 startup_margin_s=20, publish_margin_s=20)
 
     no_creds = client_env(lk.app, tmp_path / "nocreds", user=None, key=None)
