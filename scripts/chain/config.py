@@ -138,7 +138,7 @@ class ChainConfig:
         """Checkpoint versions that fit the private-dataset quota at once (each the newest checkpoint and, for a wsd
         run, the stable-phase one beside it). Fewer than three is an error: the version kept, the next one, and the
         copy of it that deletes the older once it is proven (shared/kaggle/publish.py `_publish`)."""
-        size = checkpoint_uploads(self.train) * self.checkpoint_bytes
+        size = self.version_bytes
         room = int(self.dataset_quota_gb * 1e9) // size
         if room < 3:
             raise UserError(f"a checkpoint version is {size / 1e9:.1f} GB: three (the one kept, the next, and its "
@@ -190,6 +190,11 @@ class ChainConfig:
     @property
     def checkpoint_bytes(self) -> int:
         return TrainConfig(**self.train).model.checkpoint_bytes()  # the keys were checked by check_settings
+
+    @property
+    def version_bytes(self) -> int:
+        """A checkpoint dataset version's size: the newest checkpoint and, for a wsd run, the stable-phase one."""
+        return checkpoint_uploads(self.train) * self.checkpoint_bytes
 
 
 def check_hellaswag_source(source: str, where: str) -> None:
@@ -365,8 +370,12 @@ def publish_needs_s(train: dict, size: int) -> float:
     """The least a session's publish can take: its checkpoint uploads at the assumed rate, twice where the publish
     deletes the older versions (any session's may), and for checkpoints in /kaggle/temp the session's wait for its
     version."""
-    uploads = DELETING_PUBLISH_UPLOADS * checkpoint_uploads(train)
-    return uploads * size / ASSUMED_UPLOAD_BYTES_PER_S + publish_verify_s(train)
+    return upload_s(train, size) + publish_verify_s(train)
+
+
+def upload_s(train: dict, size: int) -> float:
+    """A session's publish uploads at the assumed rate: its checkpoints, twice where it deletes the older versions."""
+    return DELETING_PUBLISH_UPLOADS * checkpoint_uploads(train) * size / ASSUMED_UPLOAD_BYTES_PER_S
 
 
 def _publish_words(train: dict, size: int) -> str:

@@ -18,12 +18,11 @@ import time
 from pathlib import Path
 
 from scripts.chain.config import (
-    DELETING_PUBLISH_UPLOADS,
     ChainConfig,
-    checkpoint_uploads,
     checkpoints_in_temp,
     keeps_stable,
     publish_verify_s,
+    upload_s,
 )
 from scripts.chain.limits import (
     ASSUMED_UPLOAD_BYTES_PER_S,
@@ -124,7 +123,7 @@ def planned_train(cfg: ChainConfig) -> tuple[TrainConfig, str]:
     return dataclasses.replace(train, micro_batch=chosen), note
 
 
-def _tokenize_config(cfg: ChainConfig) -> TokenizeConfig:
+def tokenize_config(cfg: ChainConfig) -> TokenizeConfig:
     return TokenizeConfig(**{**cfg.tokenize.get("settings", {}), "part": 0})
 
 
@@ -149,7 +148,7 @@ def make_plan(cfg: ChainConfig, quota: tuple[float, float, str] | None = None,
     """The plan's figures (the printed lines come from these; tests assert them)."""
     train, _ = planned_train(cfg)
     model = train.model
-    tok = _tokenize_config(cfg)
+    tok = tokenize_config(cfg)
     parts = int(cfg.tokenize.get("parts") or 0)
     kind = MACHINE_SHAPES.get(cfg.accelerator)
     train_tokens = cfg.total_steps * train.total_batch_tokens
@@ -218,7 +217,7 @@ def plan_lines(cfg: ChainConfig, plan: dict, source: str = "") -> list[str]:
     lines = [f"plan for chain {cfg.name}{f' ({source})' if source else ''}: nothing is pushed", ""]
     tok_shape = cfg.tokenize.get("accelerator", "") or "CPU"
     if plan["parts"]:
-        tok = _tokenize_config(cfg)
+        tok = tokenize_config(cfg)
         corpus = tok.data_files or f"{tok.dataset} {tok.config}".strip()
         lines.append(f"tokenize  {tok_shape}, internet on: {plan['parts']} part(s) x {_tokens(tok.tokens_per_part)} "
                      f"tokens = {_tokens(plan['tokenized_tokens'])} tokens of {corpus}, shards of "
@@ -318,10 +317,9 @@ def margins(cfg: ChainConfig, plan: dict) -> list[str]:
         spare = plan["tokenized_tokens"] - need
         out.append(f"tokens: {_tokens(plan['tokenized_tokens'])} tokenized for {_tokens(plan['train_tokens'])} "
                    f"trained + {_tokens(plan['validation_tokens'])} validation: {spare / need:+.1%}")
-    upload_s = (plan["checkpoint_bytes"] * DELETING_PUBLISH_UPLOADS * checkpoint_uploads(cfg.train)
-                / ASSUMED_UPLOAD_BYTES_PER_S)
+    uploads_s = upload_s(cfg.train, plan["checkpoint_bytes"])
     out.append(f"session: {cfg.startup_margin_s:g} s for start-up (imports, data, compile); "
-               f"{cfg.publish_margin_s:g} s to publish, the uploads alone ~{upload_s:.0f} s at an assumed "
+               f"{cfg.publish_margin_s:g} s to publish, the uploads alone ~{uploads_s:.0f} s at an assumed "
                f"{ASSUMED_UPLOAD_BYTES_PER_S / 1e6:g} MB/s (a deleting publish uploads twice)")
     if plan.get("quota_s") and plan.get("weekly_quota_s"):
         weeks = plan.get("weeks") or 1

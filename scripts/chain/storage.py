@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from scripts.chain.config import ChainConfig, checkpoint_uploads
+from scripts.chain.config import ChainConfig
 
 
 class StoragePlan(NamedTuple):
@@ -35,7 +35,7 @@ def storage_plan(cfg: ChainConfig, midway: bool | None = None) -> StoragePlan:
     """The most versions kept under the quota, with keep_dataset_versions (0: as many as fit) as the ceiling; a
     midway publish only where one more version still fits beside those. `midway`: whether the chain's sessions
     publish midway (default: a session of session_limit_s does)."""
-    room, size = cfg.dataset_room(), checkpoint_uploads(cfg.train) * cfg.checkpoint_bytes
+    room, size = cfg.dataset_room(), cfg.version_bytes
     wanted = cfg.midway_publish_s(cfg.session_limit_s) > 0 if midway is None else midway
     asked = cfg.keep_dataset_versions or room
     keep = _most_kept(asked, wanted, room)
