@@ -199,7 +199,8 @@ def mean_curve(curves: list[list[tuple[int, float]]]) -> list[tuple[int, float, 
             for (t, _), m, lo, hi in zip(curves[0], losses.mean(0), losses.min(0), losses.max(0), strict=True)]
 
 
-def plot_curves(curves: dict[str, list[list[tuple[int, float]]]], target: float, path: Path, title: str) -> Path:
+def plot_curves(curves: dict[str, list[list[tuple[int, float]]]], target: float, path: Path, title: str,
+                target_label: str = "the best control's final") -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -210,11 +211,11 @@ def plot_curves(curves: dict[str, list[list[tuple[int, float]]]], target: float,
         points = mean_curve(runs)[1:]
         tokens = [t / 1e6 for t, *_ in points]
         line, = ax.plot(tokens, [m for _, m, _, _ in points], marker=".", label=name,
-                        linestyle="--" if name.startswith("AdamW") else "-")
+                        linestyle="--" if name.lower().startswith("adamw") else "-")
         ax.fill_between(tokens, [lo for *_, lo, _ in points], [hi for *_, hi in points], alpha=0.2,
                         color=line.get_color())
     ax.axhline(target, color="gray", linestyle=":", linewidth=1,
-               label=f"the best control's final, mean {target:.3f}")
+               label=f"{target_label}, mean {target:.3f}")
     ax.set(xlabel="training tokens (millions)", ylabel="validation loss", title=title)
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)

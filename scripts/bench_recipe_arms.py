@@ -1,0 +1,254 @@
+"""The shipped one-session recipe against one change at a time, on a GPT-2-shaped model (GELU, LayerNorm with gains,
+biases, learned positions, tied head: the project's own model, trained by its own trainer) on real text, several
+paired seeds, long enough to get well below the first plateau (issue 48).
+
+    python scripts/bench_recipe_arms.py                 # 7 arms x 2 seeds, 500 steps each (docs/recipe.md 4b)
+    python scripts/bench_recipe_arms.py --seeds 3 --steps 800
+
+The arms, each the shipped settings (examples/chain-gpt2-124m-muon.json's optimizer and schedule, read from the
+file, so the bench runs what ships) with one change:
+
+- `shipped`: as shipped (Muon at the 2024-10-10 record's settings; AdamW 0.0036 for the rest, no warm-up, no clip,
+  no decay of any kind).
+- `aux-lr-6e-4`: the token and position embeddings (so the tied head), biases and gains at build-nanogpt's 6e-4.
+- `warmup`: a linear warm-up over build-nanogpt's share of the run (715 of 19,073 steps).
+- `muon-decay`: Muon's matrices decay as Moonlight's do (lambda 0.1 at its LR, whose steps have RMS 0.2 x LR: 0.5 in
+  this project's `max_dim` convention at the shipped Muon LR), at the same timescale per run (1 / (LR x decay) the
+  same fraction of the run as at gpt2's 13,352 steps), since a 500-step bench would otherwise hardly decay at all.
+- `attn-scale`: every attention output multiplied by 1/sqrt(2 x n_layer), as the record's blocks do (1/sqrt(24) at 12
+  layers). A scaled initialisation would not do it: Muon's steps have a fixed size whatever the weights' scale.
+- `clip`: the gradient's global norm clipped at 1.0.
+- `adamw-build-nanogpt`: no Muon: AdamW at build-nanogpt's settings (6e-4 everywhere, decay 0.1 on matrices, clip
+  1.0, that warm-up, cosine to 10%).
+
+Each run checkpoints at every eval; the bench reads the RMS of every block matrix from them (weight_rms.json per run)
+and deletes them. Output: a table (final val loss, mean ± sd, and each arm minus `shipped` per seed), the val loss
+curves and the weight RMS per layer over the run as PNGs, in --out-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from scripts.bench_recipe import build_corpus, plot_curves, remap_vocabulary, run, spread  # noqa: E402
+from shared.errors import UserError, run_cli  # noqa: E402
+
+SHIPPED_EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "chain-gpt2-124m-muon.json"
+OPTIMIZER_KEYS = ("optimizer", "lr", "weight_decay", "aux_lr", "matrix_lr", "muon_lr", "muon_scale", "muon_momentum",
+                  "muon_momentum_warmup_steps", "muon_weight_decay", "grad_clip", "schedule", "warmup_steps",
+                  "cooldown_frac", "cooldown_shape", "min_lr_ratio")
+GPT2_RECIPE_STEPS = 13_352  # the shipped run's length, for the decay's timescale
+BUILD_NANOGPT_LR = 6e-4
+BUILD_NANOGPT_WARMUP_SHARE = 715 / 19_073
+# Moonlight: W -= eta (0.2 sqrt(max dim) O + 0.1 W). Ours (max_dim): W -= muon_lr (sqrt(max dim) O + wd W), so
+# muon_lr = 0.2 eta and wd = 0.1 eta / muon_lr = 0.5, whatever the LR.
+MOONLIGHT_DECAY = 0.5
+
+
+def shipped_settings(path: Path = SHIPPED_EXAMPLE) -> dict:
+    """The optimizer and schedule settings the shipped example gives its train kernel, with the trainer's defaults
+    for the ones it leaves out (so a key added to the example is benched as shipped)."""
+    from shared.config import TrainConfig
+
+    train = json.loads(path.read_text())["train"]
+    defaults = TrainConfig()
+    return {key: train.get(key, getattr(defaults, key)) for key in OPTIMIZER_KEYS}
+
+
+def recipe_arms(shipped: dict, steps: int, n_layer: int) -> dict[str, tuple[dict, float]]:
+    """Each arm's settings and its attention-output multiplier (1.0: none), keyed by the run folders' names."""
+    warmup = max(1, round(steps * BUILD_NANOGPT_WARMUP_SHARE))
+    decay = MOONLIGHT_DECAY * GPT2_RECIPE_STEPS / steps
+    adamw = {**shipped, "optimizer": "adamw", "lr": BUILD_NANOGPT_LR, "aux_lr": 0.0, "matrix_lr": 0.0,
+             "weight_decay": 0.1, "grad_clip": 1.0, "schedule": "cosine", "warmup_steps": warmup, "min_lr_ratio": 0.1}
+    return {
+        "shipped": (shipped, 1.0),
+        "aux-lr-6e-4": ({**shipped, "lr": BUILD_NANOGPT_LR, "aux_lr": BUILD_NANOGPT_LR}, 1.0),
+        "warmup": ({**shipped, "warmup_steps": warmup}, 1.0),
+        "muon-decay": ({**shipped, "muon_weight_decay": round(decay, 4)}, 1.0),
+        "attn-scale": (shipped, (2 * n_layer) ** -0.5),
+        "clip": ({**shipped, "grad_clip": 1.0}, 1.0),
+        "adamw-build-nanogpt": (adamw, 1.0),
+    }
+
+
+@contextlib.contextmanager
+def attention_output_scaled(scale: float):
+    """Every CausalSelfAttention's output multiplied by scale while inside (this process only)."""
+    from shared.train.model import CausalSelfAttention
+
+    if scale == 1.0:
+        yield
+        return
+    original = CausalSelfAttention.forward
+    CausalSelfAttention.forward = lambda self, x: original(self, x) * scale
+    try:
+        yield
+    finally:
+        CausalSelfAttention.forward = original
+
+
+def block_matrix_rms(model_file: Path) -> dict[str, float]:
+    """The RMS of every transformer block's matrix in a checkpoint's model.safetensors, by parameter name."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(model_file))
+    return {name: float(t.float().pow(2).mean().sqrt()) for name, t in sorted(tensors.items())
+            if t.dim() == 2 and ".h." in f".{name}"}
+
+
+def weight_rms_trace(out: Path) -> list[dict]:
+    """[{step, rms: {name: value}}] from a finished run's checkpoints (kept in weight_rms.json; the checkpoints are
+    deleted once read)."""
+    from shared.checkpoint_names import MODEL_FILE
+    from shared.train.checkpoint import _step_of, list_checkpoints
+
+    trace_file = out / "weight_rms.json"
+    if trace_file.exists():
+        return json.loads(trace_file.read_text())
+    checkpoints = out / "checkpoints"
+    trace = [{"step": _step_of(path), "rms": block_matrix_rms(path / MODEL_FILE)}
+             for path in list_checkpoints(checkpoints)]
+    if not trace:
+        raise UserError(f"{out}: no checkpoints to read the weight RMS from")
+    trace_file.write_text(json.dumps(trace))
+    shutil.rmtree(checkpoints)
+    return trace
+
+
+def layer_kind(name: str) -> tuple[int, str]:
+    """('transformer.h.3.attn.c_proj.weight') -> (3, 'attn.c_proj')."""
+    parts = name.split(".")
+    index = parts.index("h") + 1
+    return int(parts[index]), ".".join(parts[index + 1:-1])
+
+
+def plot_weight_rms(traces: dict[str, list[dict]], path: Path, title: str) -> Path:
+    """One panel per matrix kind (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj), the RMS over steps of each
+    arm, the mean over layers solid and the layers' min to max as a band (the first seed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = sorted({layer_kind(name)[1] for name in next(iter(traces.values()))[0]["rms"]})
+    fig, axes = plt.subplots(1, len(kinds), figsize=(4 * len(kinds), 4), dpi=100, sharex=True)
+    for ax, kind in zip(axes, kinds, strict=True):
+        for arm, trace in traces.items():
+            steps = [point["step"] for point in trace]
+            per_step = [[v for n, v in point["rms"].items() if layer_kind(n)[1] == kind] for point in trace]
+            line, = ax.plot(steps, [statistics.mean(v) for v in per_step], label=arm,
+                            linestyle="--" if arm.startswith("adamw") else "-")
+            ax.fill_between(steps, [min(v) for v in per_step], [max(v) for v in per_step], alpha=0.15,
+                            color=line.get_color())
+        ax.set(title=kind, xlabel="step", ylabel="weight RMS")
+        ax.grid(alpha=0.3)
+    axes[-1].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def final_rms_by_kind(trace: list[dict]) -> dict[str, float]:
+    """The last checkpoint's RMS per matrix kind, averaged over layers."""
+    by_kind: dict[str, list[float]] = {}
+    for name, value in trace[-1]["rms"].items():
+        by_kind.setdefault(layer_kind(name)[1], []).append(value)
+    return {kind: statistics.mean(values) for kind, values in sorted(by_kind.items())}
+
+
+def report(finals: dict[str, list[float]], rms: dict[str, dict[str, float]], seeds: int) -> str:
+    """The table: each arm's final val loss, its difference from `shipped` seed by seed, and its block matrices'
+    final RMS per kind (the first seed)."""
+    shipped = finals["shipped"]
+    kinds = list(next(iter(rms.values())))
+    lines = [f"| arm | final val loss: mean ± sd (min–max), {seeds} seeds | minus shipped's, per seed | "
+             + " | ".join(f"{k} RMS" for k in kinds) + " |", "| --- | --- | --- |" + " --- |" * len(kinds)]
+    for arm, values in finals.items():
+        diffs = "—" if arm == "shipped" else ", ".join(f"{v - s:+.4f}" for v, s in zip(values, shipped, strict=True))
+        lines.append(f"| {arm} | {spread(values)} | {diffs} | " + " | ".join(f"{rms[arm][k]:.4f}" for k in kinds)
+                     + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out-dir", default="runs/bench-recipe-arms")
+    parser.add_argument("--corpus-dir", default="data/bench-corpus")
+    parser.add_argument("--text-dir", default=None, help="documents to use instead of Debian's documentation")
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--n-embd", type=int, default=128)
+    parser.add_argument("--n-head", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=2048, help="the most frequent tokens kept (0: GPT-2's all)")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch-tokens", type=int, default=2048, help="tokens per optimizer step")
+    parser.add_argument("--micro-batch", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=500, help="optimizer steps per run")
+    parser.add_argument("--seeds", type=int, default=2, help="paired seeds (each gives every arm the same start)")
+    parser.add_argument("--first-seed", type=int, default=1337,
+                        help="the first seed (two processes on different seeds share the work; a run that is "
+                             "already finished in --out-dir is read, not run again)")
+    parser.add_argument("--evals", type=int, default=10, help="validation evals per run (and checkpoints)")
+    parser.add_argument("--eval-batches", type=int, default=16, help="micro-batches per validation eval")
+    parser.add_argument("--arms", default="", help="comma-separated subset of the arms (default: all)")
+    args = parser.parse_args()
+
+    from shared.config import MODEL_PRESETS, PADDED_VOCAB_SIZE, ModelConfig, TrainConfig
+
+    corpus = build_corpus(Path(args.corpus_dir), Path(args.text_dir) if args.text_dir else None)
+    data_dir = remap_vocabulary(Path(args.corpus_dir), args.vocab) if args.vocab else Path(args.corpus_dir)
+    MODEL_PRESETS["bench"] = ModelConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+                                         block_size=args.seq_len, vocab_size=args.vocab or PADDED_VOCAB_SIZE)
+    if args.steps * args.batch_tokens > corpus["train_tokens"]:
+        raise UserError(f"--steps {args.steps} x --batch-tokens {args.batch_tokens} is more than one pass over the "
+                        f"corpus ({corpus['train_tokens']:,} tokens)")
+    arms = recipe_arms(shipped_settings(), args.steps, args.n_layer)
+    if args.arms:
+        unknown = set(args.arms.split(",")) - set(arms)
+        if unknown:
+            raise UserError(f"--arms: no arm {', '.join(sorted(unknown))}; the arms are {', '.join(arms)}")
+        arms = {name: arm for name, arm in arms.items() if name in args.arms.split(",") or name == "shipped"}
+    eval_every = max(1, args.steps // args.evals)
+    base = TrainConfig(preset="bench", micro_batch=args.micro_batch, total_batch_tokens=args.batch_tokens,
+                       data_dir=str(data_dir), backend="cpu", bf16=False, eval_batches=args.eval_batches,
+                       eval_every=eval_every, checkpoint_every=eval_every, keep_checkpoints=args.evals + 2,
+                       keep_stable=False, progress=True, wandb_project="", xla_cache=False, time_budget=1e9,
+                       log_every=10, max_steps=args.steps, seed=args.first_seed)
+    out_root = Path(args.out_dir)
+    print(f"corpus: {corpus['train_tokens']:,} train tokens; {len(arms)} arms x {args.seeds} seeds x {args.steps} "
+          f"steps of {args.batch_tokens:,} tokens")
+    curves: dict[str, list] = {name: [] for name in arms}
+    traces: dict[str, list] = {name: [] for name in arms}
+    for index in range(args.seeds):
+        seed = base.seed + index
+        for name, (settings, attn_scale) in arms.items():
+            with attention_output_scaled(attn_scale):
+                curves[name].append(run(f"{name}-seed{seed}", replace(base, seed=seed, **settings), out_root))
+            traces[name].append(weight_rms_trace(out_root / f"{name}-seed{seed}"))
+    finals = {name: [curve[-1][1] for curve in runs] for name, runs in curves.items()}
+    rms = {name: final_rms_by_kind(runs[0]) for name, runs in traces.items()}
+    table = report(finals, rms, args.seeds)
+    title = f"GPT-2 {args.n_layer}L/{args.n_embd}d, {args.steps} steps x {args.batch_tokens:,} tokens"
+    loss_png = plot_curves(curves, statistics.mean(finals["shipped"]), out_root / "val_loss.png",
+                           f"{title}, {args.seeds} seeds, band: min to max", target_label="shipped's final")
+    rms_png = plot_weight_rms({name: runs[0] for name, runs in traces.items()}, out_root / "weight_rms.png",
+                              f"{title}: block matrices' RMS (seed {base.seed}; band: the layers' min to max)")
+    (out_root / "report.md").write_text(f"{table}\n\n![val loss]({loss_png.name})\n\n![weight RMS]({rms_png.name})\n")
+    print(table)
+    print(f"plots: {loss_png}, {rms_png}")
+
+
+if __name__ == "__main__":
+    run_cli(main)
