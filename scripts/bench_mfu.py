@@ -23,8 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from shared.config import ATTENTION_SETTINGS  # noqa: E402
 from shared.errors import UserError, run_cli  # noqa: E402
+from shared.train_sections import ATTENTION_SETTINGS  # noqa: E402
 
 CPU_NOTICE = "MFU is meaningless on CPU; figures only show the script runs"
 

@@ -41,12 +41,12 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scripts.tpu_compile_report import check_tpu_python, compare_lines, mxu_lines  # noqa: E402
-from shared.config import ATTENTION_SETTINGS  # noqa: E402
 from shared.errors import UserError, run_cli  # noqa: E402
 from shared.train.attention import SDPA, SETTING_OF  # noqa: E402
 from shared.train.mosaic_version import libtpu_build_date, version_for_libtpu  # noqa: E402
 from shared.train.mosaic_version import readable_version as readable_mosaic_version  # noqa: E402
 from shared.train.step_trace import MOSAIC_VERSION_ENV  # noqa: E402
+from shared.train_sections import ATTENTION_SETTINGS  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE_DIR = Path(os.environ.get("TPU_COMPILE_CACHE") or Path.home() / ".cache" / "gpt2-on-kaggle" / "tpu-compile")

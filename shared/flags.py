@@ -50,17 +50,23 @@ def one_of(config, name: str, allowed: tuple[str, ...]) -> None:
 
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
-    """One flag per dataclass field (`micro_batch` -> `--micro-batch`), typed from the annotation."""
+    """One flag per dataclass field (`micro_batch` -> `--micro-batch`), typed from the annotation; a class with
+    `SECTIONS` ({name: section dataclass}) lists its flags in --help under each section's name and summary."""
     hints = typing.get_type_hints(cls)
+    groups = {}
+    for name, section in getattr(cls, "SECTIONS", {}).items():
+        group = parser.add_argument_group(name, (section.__doc__ or "").split("\n\n")[0].replace("\n    ", " "))
+        groups.update({f.name: group for f in dataclasses.fields(section)})
     for f in dataclasses.fields(cls):
         kind = hints[f.name]
+        target = groups.get(f.name, parser)
         help_text = f"{f.metadata.get('help', '')} (default: {f.default!r})"
         if kind is bool:
-            parser.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+            target.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
         elif kind == int | str:  # a number, or a word such as auto
-            parser.add_argument(flag(f.name), type=_int_or_word, default=f.default, help=help_text)
+            target.add_argument(flag(f.name), type=_int_or_word, default=f.default, help=help_text)
         else:
-            parser.add_argument(flag(f.name), type=kind, default=f.default, help=help_text)
+            target.add_argument(flag(f.name), type=kind, default=f.default, help=help_text)
 
 
 def _int_or_word(text: str) -> int | str:

@@ -9,10 +9,11 @@ import types
 
 import pytest
 
-from shared.config import ATTENTION_SETTINGS, TrainConfig
+from shared.config import TrainConfig
 from shared.errors import UserError
 from shared.tpu import TPU_GENERATIONS
 from shared.train.attention import FIRST_KERNEL, SETTING_OF, candidates, flash_fits, splash_fits, untiled_kernels
+from shared.train_sections import ATTENTION_SETTINGS
 
 S, F, D = "pallas-splash", "pallas-flash", "sdpa"
 # Where each Pallas kernel's blocks tile the sequence: splash's 512 (or T below it) a multiple of 128 dividing T;

@@ -1,0 +1,81 @@
+"""TrainConfig in sections: every field in exactly one, --help grouped by them, settings accepted flat or nested,
+and each section's checks run however the config is built."""
+
+import argparse
+import dataclasses
+
+import pytest
+
+from shared.config import TRAIN_SECTIONS, TrainConfig
+from shared.errors import UserError
+from shared.flags import add_dataclass_args
+
+
+def test_every_train_setting_lives_in_exactly_one_section_in_help_order():
+    owners: dict[str, list[str]] = {}
+    for name, section in TRAIN_SECTIONS.items():
+        for f in dataclasses.fields(section):
+            owners.setdefault(f.name, []).append(name)
+    assert {k: v for k, v in owners.items() if len(v) > 1} == {}
+    train_fields = [f.name for f in dataclasses.fields(TrainConfig)]
+    assert set(train_fields) == set(owners)
+    # the flags run section by section, in TRAIN_SECTIONS' order
+    assert [owners[name][0] for name in train_fields] == sorted(
+        (owners[name][0] for name in train_fields), key=list(TRAIN_SECTIONS).index)
+    assert train_fields[:2] == ["preset", "seq_len"] and train_fields[-1] == "profile_steps"
+
+
+def test_help_lists_each_flag_under_its_section():
+    parser = argparse.ArgumentParser()
+    add_dataclass_args(parser, TrainConfig)
+    groups = {g.title: {a.dest for a in g._group_actions} for g in parser._action_groups}
+    assert {"model", "data", "optim", "lr_schedule", "step", "session", "evals", "logging"} <= set(groups)
+    assert {"lr", "muon_lr", "grad_clip"} <= groups["optim"]
+    assert "preset" in groups["model"] and "preset" not in groups["optim"]
+    assert {"warmup_steps", "cooldown_frac", "max_steps"} <= groups["lr_schedule"]
+    assert groups["step"] >= {"micro_batch", "attention"}
+    help_text = parser.format_help()
+    body = help_text[help_text.index("\noptions:"):]  # past the usage line, which lists every flag
+    assert body.index("\noptim:") < body.index("--muon-lr MUON_LR ") < body.index("\nlr_schedule:")
+
+
+def test_nested_and_flat_settings_build_the_same_config():
+    flat = {"preset": "tiny", "lr": 0.0036, "optimizer": "muon", "muon_lr": 0.00036, "warmup_steps": 0,
+            "schedule": "wsd", "eval_every": 50, "micro_batch": 8}
+    nested = {"model": {"preset": "tiny"}, "optim": {"lr": 0.0036, "optimizer": "muon", "muon_lr": 0.00036},
+              "lr_schedule": {"warmup_steps": 0, "schedule": "wsd"}, "evals": {"eval_every": 50}, "micro_batch": 8}
+    built = TrainConfig.from_settings(nested, max_steps=99)
+    assert built == TrainConfig.from_settings(flat, max_steps=99) == TrainConfig(**flat, max_steps=99)
+    assert (built.lr, built.muon_lr, built.schedule, built.eval_every, built.max_steps) == (0.0036, 0.00036, "wsd", 50,
+                                                                                            99)
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"optim": {"preset": "gpt2"}}, "train.optim: preset is not a setting of this section; it belongs in train.model"),
+    ({"optim": {"lr": 1e-3}, "lr": 2e-3}, "train: lr is set twice (train.lr and train.optim.lr)"),
+    ({"optim": 0.001}, "train.optim: a section of settings"),
+    ({"optim": {"learning_rate": 1e-3}}, "train.optim: learning_rate is not a setting of this section"),
+    ({"learning_rate": 1e-3}, "train: unknown setting(s) learning_rate"),
+])
+def test_a_misplaced_or_doubled_nested_setting_is_a_one_line_error(settings, message):
+    with pytest.raises(UserError) as err:
+        TrainConfig.from_settings(settings)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"cooldown_frac": 0.0}, "--cooldown-frac must be in (0, 1], got 0.0"),
+    ({"muon_momentum": 1.0}, "--muon-momentum must be in [0, 1), got 1.0"),
+    ({"on_data_change": "ignore"}, "--on-data-change"),
+    ({"keep_checkpoints": 0}, "--keep-checkpoints"),
+    ({"log_every": 0}, "--log-every"),
+    ({"eval_batches": 0}, "--eval-batches"),
+    ({"seq_len": 2048, "preset": "gpt2"}, "--seq-len 2048 exceeds gpt2's block size 1024"),
+    ({"total_batch_tokens": 1000, "micro_batch": 4}, "--total-batch-tokens 1000 is not a multiple"),
+])
+def test_each_sections_checks_run_however_the_config_is_built(changes, message):
+    for build in (lambda: TrainConfig(**changes), lambda: dataclasses.replace(TrainConfig(), **changes),
+                  lambda: TrainConfig.from_settings(changes)):
+        with pytest.raises(UserError) as err:
+            build()
+        assert message in str(err.value)
