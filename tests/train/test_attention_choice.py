@@ -86,11 +86,11 @@ def _kernels(monkeypatch, runtime, probed: list[str], passing: str):
 
     def probe(name, kernel, *args, **kwargs):
         probed.append(name)
-        return name == passing
+        return None if name == passing else "it differs from SDPA"
 
     monkeypatch.setattr(runtime, "_flash_attention_kernel", lambda: flash)
     monkeypatch.setattr(runtime, "_splash_attention_kernel", lambda *args: splash)
-    monkeypatch.setattr(runtime, "_passes_probe", probe)
+    monkeypatch.setattr(runtime, "_probe", probe)
 
 
 @pytest.mark.parametrize("setting", ATTENTION_SETTINGS)
@@ -118,6 +118,7 @@ def test_the_session_probes_the_candidates_in_order_and_keeps_the_first_that_pas
 @pytest.mark.parametrize("setting", ATTENTION_SETTINGS)
 def test_the_step_tracer_traces_the_first_candidate(monkeypatch, setting):
     import shared.train.step_trace as step_trace
+    from shared.train.xla_runtime import XlaRuntime
 
     lowered = []
     monkeypatch.setattr(step_trace, "lower_pallas_for_tpu", lambda: lowered.append(True))
@@ -128,6 +129,7 @@ def test_the_step_tracer_traces_the_first_candidate(monkeypatch, setting):
                                            types.SimpleNamespace(name=generation),
                                            _flash_attention_kernel=lambda: "flash",
                                            _splash_attention_kernel=lambda *args: "splash")
+            tracer._attention_kernel = types.MethodType(XlaRuntime._attention_kernel, tracer)
             step_trace.TraceRuntime.select_attention(tracer, 8, 2, seq_len, 64, setting)
             first = expected(generation, seq_len, setting)[0]
             assert tracer.attention_choice.kind == first, (generation, seq_len)
