@@ -1,18 +1,19 @@
 """The one owner of attention: which kernels a session tries on a TPU generation at a sequence length, in order,
-for the `attention` setting (TrainConfig.attention: auto, splash, flash, sdpa), and the choice a model is built
-with (`AttentionChoice`). One decision, asked by the session (`XlaRuntime.select_attention`, which probes each
-candidate, shared/train/attention_probe.py, and keeps the first that passes), the step tracer
-(`shared.train.step_trace`, which traces the first: it cannot probe), `--plan` (scripts/chain/plan.py, which
-compiles the first and then each fallback), scripts/tpu_compile.py and scripts/bench_mfu.py. Pure: the
-generation's name, the length and the setting in, kernel names out; whether jax and torchax import is the
-session's to find out.
+for the `attention` setting (TrainConfig.attention: auto, splash, flash, sdpa) (`candidates`), the loop that tries
+them (`choose`: each made, probed, the first that passes kept, why the others did not said), and the choice a model
+is built with (`AttentionChoice`). One decision, asked by the session (`XlaRuntime.select_attention`, which gives
+`choose` its mesh's kernels and its probe, shared/train/attention_probe.py), the step tracer
+(`shared.train.step_trace`, which gives it no probe: it traces the first kernel made), `--plan`
+(scripts/chain/plan.py, which compiles the first and then each fallback), scripts/tpu_compile.py and
+scripts/bench_mfu.py. `candidates` is pure: the generation's name, the length and the setting in, kernel names out;
+whether jax and torchax import, and whether a kernel passes its probe, is the session's to find out.
 
 Stdlib only: --plan asks here without importing torch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from shared.tpu import TPU_GENERATIONS
@@ -104,3 +105,51 @@ SDPA_CHOICE = AttentionChoice()
 def kernel_choice(kind: str, kernel: Callable, seq_len: int) -> AttentionChoice:
     """Pallas kernel `kind` (its probe passed at `seq_len`), with the q, k, v layout it reads."""
     return AttentionChoice(kind, kernel, seq_len, QKV_LAYOUTS[kind])
+
+
+def fallback_text(then: str) -> str:
+    """What a session does where a kernel fails, `then` the next candidate: the end of the line that says so."""
+    return "trying the flash-attention kernel" if then == FLASH else "using SDPA"
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def choose(kinds: Sequence[str], shape: tuple[int, int, int, int], make: Callable[[str, str], Callable | None],
+           probe: Callable[[str, Callable, str], str | bool | None] | None = None,
+           start: Callable[[list[str]], None] = lambda settings: None, devices: int = 1,
+           log: Callable[[str], None] = _say) -> AttentionChoice:
+    """The attention a session runs at `shape` (B, H, T, D; B over all `devices`): the first of `kinds`
+    (`candidates`, SDPA last) whose kernel is made and passes its probe; else SDPA.
+
+    `make(kind, instead)`: the kernel, or None where it does not import (it says so, ending with `instead`, what the
+    session does then). The flash kernel's (its jax) is made first: where it is not, no other is tried. `start(words)`:
+    told the settings' words ("splash", "flash") of the kernels made, in order, before the first probe.
+    `probe(word, kernel, instead)`: None where the kernel runs and agrees with SDPA; else why not (a line, said here
+    with the shapes and `instead`), or False where it was not probed (it said why: the probes' budget spent). Its
+    errors (ProbeHung: a probe that hung) stop the selection. No `probe` (the step tracer, which cannot run a
+    kernel): the first kernel made is kept."""
+    if len(kinds) < 2:  # SDPA alone
+        return SDPA_CHOICE
+    flash = make(FLASH, fallback_text(SDPA))  # jax, which every Pallas kernel needs: bounded, and first
+    if flash is None:
+        return SDPA_CHOICE
+    made = []  # (kind, kernel or None where it does not import, what a failure leads to)
+    for kind, then in zip(kinds, kinds[1:], strict=False):
+        instead = fallback_text(then)
+        made.append((kind, flash if kind == FLASH else make(kind, instead), instead))
+    start([SETTING_OF[kind] for kind, kernel, _ in made if kernel is not None])
+    batch, n_head, seq_len, head_dim = shape
+    for kind, kernel, instead in made:
+        if kernel is None:
+            continue
+        failure = None if probe is None else probe(SETTING_OF[kind], kernel, instead)
+        if failure is False:  # not probed: said
+            continue
+        if not failure:
+            return kernel_choice(kind, kernel, seq_len)
+        log(f"notice: the Pallas {SETTING_OF[kind]}-attention kernel failed its probe at this session's shapes "
+            f"({batch // devices} sequences x {n_head} heads x {seq_len} tokens x {head_dim} per device): "
+            f"{failure}; {instead}")
+    return SDPA_CHOICE

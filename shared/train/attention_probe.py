@@ -1,9 +1,9 @@
 """Is a candidate attention kernel (flash attention on a TPU) right here, on this device and these shapes? Its
 output and gradients against SDPA's, and its forward without gradients (an eval's), once, before a session trusts
 it; all of a session's probes within one budget (`ProbeBudget`), and a probe that outlasts it stops the session
-(`ProbeHung`: docs/tpu-throughput.md, "The kernel probes' budget"). The loop that probes shared/train/attention.py's
-candidates in order within this budget, keeping the first that passes as the session's `AttentionChoice`, is
-`XlaRuntime.select_attention` (it makes the kernels, which need its mesh)."""
+(`ProbeHung`: docs/tpu-throughput.md, "The kernel probes' budget"). The loop that probes the candidates in order,
+keeping the first that passes as the session's `AttentionChoice`, is shared/train/attention.py `choose`;
+`XlaRuntime.select_attention` gives it the kernels (which need its mesh) and their probe within this budget."""
 
 from __future__ import annotations
 

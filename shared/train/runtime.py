@@ -78,7 +78,8 @@ class Runtime:
         micro-step over all devices (the trainer calls this once the model config is known, before the model is
         built); `setting`: TrainConfig.attention, the kernel to start from. `again`: the session's second selection
         (auto's micro-batch), from the kernel the first kept (those before it failed then), its probes within what
-        is left of the first's time. Here: SDPA."""
+        is left of the first's time. Which kernels, and the loop that tries them, are shared/train/attention.py's
+        (`candidates`, `choose`); here, without a TPU, it has SDPA alone."""
 
     def no_grad_sync(self, model: torch.nn.Module, skip: bool):
         """Inside gradient accumulation, skip the cross-process gradient reduction (DDP only)."""

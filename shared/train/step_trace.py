@@ -57,24 +57,15 @@ class TraceRuntime(XlaRuntime):
 
     def select_attention(self, batch: int, n_head: int, seq_len: int, head_dim: int, setting: str = "auto",
                          again: bool = False) -> None:
-        """The first kernel a session on this TPU tries at `seq_len` for `setting` (shared/train/attention.py),
-        without its probe (which runs the kernel); a kernel whose jax or torchax does not import here gives way to
-        the next, as in a session."""
-        from shared.train.attention import SDPA, SDPA_CHOICE, SPLASH, candidates, kernel_choice
+        """The first kernel a session on this TPU tries at `seq_len` for `setting`, by the session's own loop
+        (shared/train/attention.py `choose`) without its probe (which runs the kernel): a kernel whose jax or
+        torchax does not import here gives way to the next, as in a session."""
+        from shared.train.attention import candidates, choose
 
-        self.attention_choice = SDPA_CHOICE
-        for name in candidates(self.tpu_generation.name, seq_len, setting):
-            if name == SDPA:
-                return
-            kernel = self._flash_attention_kernel()
-            if kernel is None:  # no jax here: no Pallas kernel either
-                return
-            if name == SPLASH:
-                kernel = self._splash_attention_kernel()
-            if kernel is not None:
-                lower_pallas_for_tpu()
-                self.attention_choice = kernel_choice(name, kernel, seq_len)
-                return
+        self.attention_choice = choose(candidates(self.tpu_generation.name, seq_len, setting),
+                                       (batch, n_head, seq_len, head_dim), self._attention_kernel)
+        if self.attention_choice.kernel is not None:
+            lower_pallas_for_tpu()
 
     def _record(self, tensor: torch.Tensor, spec: tuple) -> None:
         self.inputs.append({"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."),

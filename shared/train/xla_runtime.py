@@ -14,7 +14,7 @@ import torch
 
 from shared.errors import UserError, describe_error, within
 from shared.tpu import TPU_GENERATIONS, default_xla_env, detect_tpu_generation
-from shared.train.attention import FLASH, SDPA_CHOICE, SETTING_OF, candidates, kernel_choice
+from shared.train.attention import FLASH, SDPA_CHOICE, candidates, choose
 from shared.train.attention_probe import (
     PROBE_TIMEOUT_S,
     ProbeBudget,
@@ -89,26 +89,19 @@ class XlaRuntime(Runtime):
         # 2.8.0 with jax 0.7.x, docs/kaggle-tpu.md), and Mosaic compiles a kernel per shape: each kernel runs
         # forward and backward at this session's own shapes, sharded as training shards them, and is kept only if
         # it runs and agrees with SDPA, rather than dying (or training wrong) at the first step. Which kernels, in
-        # which order, is shared/train/attention.py's (the step tracer and --plan ask the same): splash first (the
-        # lighter on HBM traffic, shared/train/splash.py), then flash, then SDPA, each where its blocks tile the
-        # sequence, from the one `setting` names. Flash's import (jax, bounded) comes first: where it fails or
-        # hangs, splash, which needs jax too, is not tried.
+        # which order, and the loop that tries them, are shared/train/attention.py's (the step tracer and --plan
+        # ask the same); here, the kernels over this mesh and their probe within the session's budget.
         self.attention_choice = SDPA_CHOICE  # the runtime is process-wide: a previous session's does not carry over
         generation = self.tpu_generation.name if self.tpu_generation else None
-        tried = candidates(generation, seq_len, setting)
         shape = (batch, n_head, seq_len, head_dim)
-        flash = self._flash_attention_kernel() if len(tried) > 1 else None
-        if flash is None:
-            return
-        kernels = []  # (name, kernel or None where it does not import, what a failed probe leads to)
-        for name, then in zip(tried, tried[1:], strict=False):
-            instead = "trying the flash-attention kernel" if then == FLASH else "using SDPA"
-            kernels.append((name, flash if name == FLASH else self._splash_attention_kernel(instead), instead))
-        self._start_probing([SETTING_OF[name] for name, kernel, _ in kernels if kernel], again)
-        for name, kernel, instead in kernels:
-            if kernel is not None and self._passes_probe(SETTING_OF[name], kernel, shape, instead):
-                self.attention_choice = kernel_choice(name, kernel, seq_len)
-                return
+        self.attention_choice = choose(
+            candidates(generation, seq_len, setting), shape, self._attention_kernel,
+            probe=lambda name, kernel, instead: self._probe(name, kernel, shape, instead),
+            start=lambda kernels: self._start_probing(kernels, again), devices=self.num_devices)
+
+    def _attention_kernel(self, kind: str, instead: str) -> Callable | None:
+        """Pallas kernel `kind` over this mesh, or None (said) where it does not import."""
+        return self._flash_attention_kernel() if kind == FLASH else self._splash_attention_kernel(instead)
 
     _probe_budget: ProbeBudget | None = None
 
@@ -120,10 +113,11 @@ class XlaRuntime(Runtime):
         if kernels:
             print(self._probe_budget.start_line(kernels, again), flush=True)
 
-    def _passes_probe(self, name: str, kernel: Callable, shape: tuple[int, int, int, int], instead: str) -> bool:
-        """Whether `kernel` runs and agrees with SDPA at `shape`; else a one-line notice ending with `instead`.
-        Within what is left of the session's probe budget: none left, a notice and False; a probe that outlasts
-        it stops the session (ProbeHung: its graph may hold the device, docs/tpu-throughput.md)."""
+    def _probe(self, name: str, kernel: Callable, shape: tuple[int, int, int, int], instead: str) -> str | None | bool:
+        """None where `kernel` runs and agrees with SDPA at `shape`; else why not, in a line (the attention loop,
+        shared/train/attention.py `choose`, says it). Within what is left of the session's probe budget: none left,
+        a notice ending with `instead` and False; a probe that outlasts it stops the session (ProbeHung: its graph
+        may hold the device, docs/tpu-throughput.md)."""
         budget = self._probe_budget = self._probe_budget or ProbeBudget()
         try:
             failure = self._probe_within(budget, name, kernel, shape, instead)
@@ -138,14 +132,7 @@ class XlaRuntime(Runtime):
             if self._hardware == "TPU":  # the exit must not wait for the device either
                 end_at_exit_without_device_wait()
             raise ProbeHung(hung_line(name, err)) from None
-        if failure is False:  # too little of the budget left: said
-            return False
-        if failure:
-            batch, n_head, seq_len, head_dim = shape
-            print(f"notice: the Pallas {name}-attention kernel failed its probe at this session's shapes "
-                  f"({batch // self.num_devices} sequences x {n_head} heads x {seq_len} tokens x {head_dim} per "
-                  f"device): {failure}; {instead}", flush=True)
-        return not failure
+        return failure
 
     def _probe_within(self, budget: ProbeBudget, name: str, kernel: Callable, shape: tuple[int, int, int, int],
                       instead: str) -> str | None | bool:

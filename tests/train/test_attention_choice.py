@@ -1,7 +1,8 @@
 """Which attention kernels a session tries, in order, is one decision (shared/train/attention.py): the table of
 TPU generation x sequence length x the `attention` setting, and the session's runtime (`XlaRuntime.select_attention`,
-its probes faked), the step tracer (`TraceRuntime.select_attention`, which --plan's compiles run), --plan's
-micro-batch, the compile tool's traced kernel and bench_mfu's default step following it."""
+its probes faked, with the micro-batch auto picks then), the step tracer (`TraceRuntime.select_attention`, which
+--plan's compiles run), --plan's micro-batch, the compile tool's traced kernel and bench_mfu's default step following
+it; and the loop that tries them (`choose`), with fake kernels and probes."""
 
 from __future__ import annotations
 
@@ -12,7 +13,15 @@ import pytest
 from shared.config import TrainConfig
 from shared.errors import UserError
 from shared.tpu import TPU_GENERATIONS
-from shared.train.attention import FIRST_KERNEL, SETTING_OF, candidates, flash_fits, splash_fits, untiled_kernels
+from shared.train.attention import (
+    FIRST_KERNEL,
+    SDPA_CHOICE,
+    SETTING_OF,
+    candidates,
+    flash_fits,
+    splash_fits,
+    untiled_kernels,
+)
 from shared.train_sections import ATTENTION_SETTINGS
 
 S, F, D = "pallas-splash", "pallas-flash", "sdpa"
@@ -56,14 +65,19 @@ def test_the_candidates_over_generation_and_sequence_length(setting):
                 assert candidates(generation, seq_len, SETTING_OF[kept]) == got[i:], (generation, seq_len, kept)
 
 
-def test_plan_compile_tool_and_bench_pick_the_step_a_session_tries_first():
-    # --plan's micro-batch (the first kernel's), the compile tool's traced kernel and bench_mfu's default step,
-    # each over generation x length x setting, against the table.
+def test_the_session_plan_compile_tool_and_bench_pick_the_same_step(xla_runtime, monkeypatch):
+    # The session's kernel and micro-batch (its probes all passing), --plan's micro-batch (the first kernel's), the
+    # compile tool's traced kernel and bench_mfu's default step, each over generation x length x setting, against
+    # the table.
     from scripts.bench_mfu import chain_step
     from scripts.chain.config import ChainConfig
     from scripts.chain.plan import planned_train
     from scripts.tpu_compile import traced_attention
     from shared.tpu import micro_batch_for
+    from shared.train.step import select_attention_and_micro_batch
+
+    assert xla_runtime.num_devices == 8  # as the v5e-8 and v6e-8 machines
+    _kernels(monkeypatch, xla_runtime, [], passing=("splash", "flash"))
 
     for setting in ATTENTION_SETTINGS:
         for generation, accelerator in (("v5e", "TpuV5E8"), ("v6e", "TpuV6E8")):
@@ -76,9 +90,12 @@ def test_plan_compile_tool_and_bench_pick_the_step_a_session_tries_first():
                 planned, _ = planned_train(ChainConfig(accelerator=accelerator, train=train))
                 assert planned.micro_batch == want, (setting, generation, seq_len)
                 assert chain_step(8, seq_len, generation, setting)[0] == want // 8
+                monkeypatch.setattr(xla_runtime, "tpu_generation", TPU_GENERATIONS[generation])
+                session = select_attention_and_micro_batch(cfg, xla_runtime, log=lambda line: None)
+                assert (xla_runtime.attention, session.micro_batch) == (first, want), (setting, generation, seq_len)
 
 
-def _kernels(monkeypatch, runtime, probed: list[str], passing: str):
+def _kernels(monkeypatch, runtime, probed: list[str], passing: tuple[str, ...]):
     def flash(q, k, v):
         raise AssertionError("not run: the probe is faked")
 
@@ -87,11 +104,11 @@ def _kernels(monkeypatch, runtime, probed: list[str], passing: str):
 
     def probe(name, kernel, *args, **kwargs):
         probed.append(name)
-        return name == passing
+        return None if name in passing else "it differs from SDPA"
 
     monkeypatch.setattr(runtime, "_flash_attention_kernel", lambda: flash)
     monkeypatch.setattr(runtime, "_splash_attention_kernel", lambda *args: splash)
-    monkeypatch.setattr(runtime, "_passes_probe", probe)
+    monkeypatch.setattr(runtime, "_probe", probe)
 
 
 @pytest.mark.parametrize("setting", ATTENTION_SETTINGS)
@@ -103,12 +120,12 @@ def test_the_session_probes_the_candidates_in_order_and_keeps_the_first_that_pas
             want = expected(generation, seq_len, setting)
             pallas = [k.removeprefix("pallas-") for k in want[:-1]]
             probed: list[str] = []
-            _kernels(monkeypatch, xla_runtime, probed, passing="")  # every probe fails
+            _kernels(monkeypatch, xla_runtime, probed, passing=())  # every probe fails
             xla_runtime.select_attention(8, 2, seq_len, 64, setting)
             assert (probed, xla_runtime.attention) == (pallas, D), (generation, seq_len)
             for passing in pallas:  # the first that passes is kept, none after it probed
                 probed = []
-                _kernels(monkeypatch, xla_runtime, probed, passing)
+                _kernels(monkeypatch, xla_runtime, probed, (passing,))
                 xla_runtime.select_attention(8, 2, seq_len, 64, setting)
                 assert probed == pallas[:pallas.index(passing) + 1], (generation, seq_len)
                 choice = xla_runtime.attention_choice
@@ -119,6 +136,7 @@ def test_the_session_probes_the_candidates_in_order_and_keeps_the_first_that_pas
 @pytest.mark.parametrize("setting", ATTENTION_SETTINGS)
 def test_the_step_tracer_traces_the_first_candidate(monkeypatch, setting):
     import shared.train.step_trace as step_trace
+    from shared.train.xla_runtime import XlaRuntime
 
     lowered = []
     monkeypatch.setattr(step_trace, "lower_pallas_for_tpu", lambda: lowered.append(True))
@@ -129,8 +147,89 @@ def test_the_step_tracer_traces_the_first_candidate(monkeypatch, setting):
                                            types.SimpleNamespace(name=generation),
                                            _flash_attention_kernel=lambda: "flash",
                                            _splash_attention_kernel=lambda *args: "splash")
+            tracer._attention_kernel = types.MethodType(XlaRuntime._attention_kernel, tracer)
             step_trace.TraceRuntime.select_attention(tracer, 8, 2, seq_len, 64, setting)
             first = expected(generation, seq_len, setting)[0]
             assert tracer.attention_choice.kind == first, (generation, seq_len)
             assert lowered == ([True] if first != D else [])  # a Pallas kernel is lowered for the TPU
             assert tracer.attention_choice.kernel == {S: "splash", F: "flash", D: None}[first]
+
+
+class _Loop:
+    """Fakes for shared/train/attention.py `choose`: kernels by name (None: it does not import), probe answers by
+    the setting's word (None: passes; a line: why not; False: not probed), and what the loop asked and said."""
+
+    def __init__(self, kernels: dict, answers: dict):
+        self.kernels, self.answers, self.calls, self.started, self.lines = kernels, answers, [], [], []
+
+    def make(self, kind, instead):
+        self.calls.append(("make", kind, instead))
+        return self.kernels.get(kind)
+
+    def probe(self, word, kernel, instead):
+        self.calls.append(("probe", word, kernel, instead))
+        answer = self.answers[word]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def choose(self, kinds=(S, F, D), probe=True):
+        from shared.train.attention import choose
+
+        return choose(kinds, (16, 12, 1024, 64), self.make, self.probe if probe else None, start=self.started.append,
+                      devices=8, log=self.lines.append)
+
+
+WHERE = "at this session's shapes (2 sequences x 12 heads x 1024 tokens x 64 per device)"
+
+
+def test_the_loop_keeps_the_second_kernel_where_the_first_fails_its_probe_and_says_why():
+    loop = _Loop({F: "flash-kernel", S: "splash-kernel"}, {"splash": "it differs from SDPA: dv by 0.5", "flash": None})
+    choice = loop.choose()
+    assert (choice.kind, choice.kernel, choice.seq_len, choice.qkv_layout) == (F, "flash-kernel", 1024, "BHTD")
+    assert loop.calls == [  # flash's (its jax) made first, then splash's; each probed in order
+        ("make", F, "using SDPA"), ("make", S, "trying the flash-attention kernel"),
+        ("probe", "splash", "splash-kernel", "trying the flash-attention kernel"),
+        ("probe", "flash", "flash-kernel", "using SDPA")]
+    assert loop.started == [["splash", "flash"]]
+    assert loop.lines == [f"notice: the Pallas splash-attention kernel failed its probe {WHERE}: it differs from "
+                          "SDPA: dv by 0.5; trying the flash-attention kernel"]
+
+
+def test_the_loop_falls_back_to_sdpa_where_every_probe_fails_or_is_not_run():
+    loop = _Loop({F: "flash-kernel", S: "splash-kernel"}, {"splash": "RuntimeError: Mosaic", "flash": "it differs"})
+    assert loop.choose() == SDPA_CHOICE
+    assert loop.lines == [
+        f"notice: the Pallas splash-attention kernel failed its probe {WHERE}: RuntimeError: Mosaic; trying the "
+        "flash-attention kernel",
+        f"notice: the Pallas flash-attention kernel failed its probe {WHERE}: it differs; using SDPA"]
+    # A probe not run (the budget spent: the probe said so) is no failure to say, and no pass.
+    loop = _Loop({F: "flash-kernel", S: "splash-kernel"}, {"splash": "it differs", "flash": False})
+    assert loop.choose() == SDPA_CHOICE and len(loop.lines) == 1 and loop.lines[0].startswith("notice: the Pallas s")
+
+
+def test_the_loop_tries_no_kernel_without_flashs_jax_and_skips_one_that_does_not_import():
+    loop = _Loop({S: "splash-kernel"}, {})  # flash's jax does not import: no splash either, no probe
+    assert loop.choose() == SDPA_CHOICE
+    assert (loop.calls, loop.started, loop.lines) == ([("make", F, "using SDPA")], [], [])
+    loop = _Loop({F: "flash-kernel"}, {"flash": None})  # splash's torchax does not: flash is probed
+    assert loop.choose().kind == F and loop.started == [["flash"]]
+    assert [call[:2] for call in loop.calls] == [("make", F), ("make", S), ("probe", "flash")]
+    loop = _Loop({F: "flash-kernel", S: "splash-kernel"}, {})
+    assert loop.choose((D,)) == SDPA_CHOICE and loop.calls == []  # SDPA alone: nothing made
+    loop = _Loop({F: "flash-kernel", S: "splash-kernel"}, {})  # (splash, SDPA): flash's jax made all the same
+    assert loop.choose((S, D), probe=False).kernel == "splash-kernel"
+    assert loop.calls == [("make", F, "using SDPA"), ("make", S, "using SDPA")]
+
+
+def test_the_loop_keeps_the_first_kernel_made_without_a_probe_and_stops_on_a_probe_that_hangs():
+    loop = _Loop({F: "flash-kernel", S: None}, {})  # the step tracer's: no probe
+    choice = loop.choose(probe=False)
+    assert (choice.kind, choice.kernel, loop.started) == (F, "flash-kernel", [["flash"]])
+    from shared.train.attention_probe import ProbeHung
+
+    hung = ProbeHung("stopping before training: the splash-attention kernel's probe gave no answer")
+    loop = _Loop({F: "flash-kernel", S: "splash-kernel"}, {"splash": hung, "flash": None})
+    with pytest.raises(ProbeHung, match="^stopping before training: the splash-attention"):
+        loop.choose()
+    assert loop.calls[-1][:2] == ("probe", "splash") and loop.lines == []

@@ -1,4 +1,4 @@
-"""The attention kernels' probes as a session runs them (shared/train/attention_probe.py, XlaRuntime._passes_probe):
+"""The attention kernels' probes as a session runs them (shared/train/attention_probe.py, XlaRuntime._probe):
 one budget for all of them, a probe that hangs stopping the session (and its exit not waiting for the device), the
 forward without gradients probed too, the Mosaic re-pin lowering the kernel afresh, and the versions a session
 logs against those --plan compiled with."""
@@ -77,7 +77,7 @@ def test_a_repin_after_libtpu_refuses_the_version_lowers_the_kernel_afresh(xla_r
         return sdpa_causal(q, k, v)
 
     xla_runtime._start_probing(["flash"])
-    assert xla_runtime._passes_probe("flash", kaggle_flash, SHAPE, "using SDPA")
+    assert xla_runtime._probe("flash", kaggle_flash, SHAPE, "using SDPA") is None
     assert payloads[0] == 7 and payloads[1:] and set(payloads[1:]) == {4}  # each call after the pin lowered anew
     from shared.train.runtime import runtime_versions
 
