@@ -21,8 +21,8 @@ import torch
 from shared.config import TrainConfig
 from shared.data import LoaderState, TokenLoader, find_shards
 from shared.errors import UserError
+from shared.session_clock import SessionClock, default_time_budget, estimate_checkpoint_seconds
 from shared.train.checkpoint import METRICS_FILE, CheckpointTimer, LoadedCheckpoint
-from shared.train.clock import SessionClock, default_time_budget, estimate_checkpoint_seconds
 from shared.train.device import make_runtime
 from shared.train.metrics import BackgroundCalls, MetricsLogger, plot_loss
 from shared.train.model import GPT
