@@ -26,8 +26,8 @@ def main() -> None:
     import torch
 
     from shared.config import NINE_HOURS, TrainConfig
+    from shared.session_clock import default_time_budget, estimate_checkpoint_seconds
     from shared.train.checkpoint import latest_checkpoint, save_checkpoint
-    from shared.train.clock import default_time_budget, estimate_checkpoint_seconds
     from shared.train.model import GPT
     from shared.train.optim import make_optimizer, optimizer_tensors
     from shared.train.runtime import Runtime

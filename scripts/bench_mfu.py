@@ -249,9 +249,6 @@ def main() -> None:
     parser.add_argument("--attention", choices=ATTENTION_SETTINGS,
                         help="the trainer's attention setting (default: the gpt2 chain config's, else auto: the "
                         "first kernel a session tries; shared/train/attention.py); the reference loop runs SDPA")
-    parser.add_argument("--torch-xla-accum", action="store_true",
-                        help="XLA: torch_xla's gradient_accumulation helper (a device wait and a full re-trace per "
-                             "step) instead of the project's loop, to compare")
     args = parser.parse_args()
 
     backend = pick_backend(args.backend)
@@ -270,9 +267,6 @@ def main() -> None:
     if backend == "cuda" and not torch.cuda.is_available():
         raise UserError("--backend cuda: no CUDA device found")
     runtime = make_runtime(backend)
-    accum_impl = "n/a"
-    if runtime.name == "xla":
-        runtime.accum_impl = accum_impl = "torch_xla" if args.torch_xla_accum else "own"
     on_tpu = runtime.name == "xla" and runtime._xr.device_type() == "TPU"
     attention = args.attention or json.loads(CHAIN_CONFIG.read_text())["train"].get("attention", "auto")
     micro_d, accum_d, steps_d, warmup_d, why = default_settings(backend, on_tpu, runtime.num_devices, args.seq_len,
@@ -386,8 +380,7 @@ def main() -> None:
                 f"{counts['compiles']} compilations during the {measured} measured steps")
             say(f"trainer timing per step: host trace {counts['host_trace_ms']:.1f} ms, device execute "
                 f"{counts['device_ms']:.1f} ms, sync (waiting for the previous step, launching) "
-                f"{counts['sync_ms']:.1f} ms; device busy {100 * counts['device_busy']:.1f}% of wall time "
-                f"(accumulation loop: {accum_impl})")
+                f"{counts['sync_ms']:.1f} ms; device busy {100 * counts['device_busy']:.1f}% of wall time")
             say(f"trainer compilation over the session: {counts['compile_s']} s for {counts['session_compiles']} "
                 f"graphs (session_end)")
         if len(rows) == 2:

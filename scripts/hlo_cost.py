@@ -291,7 +291,8 @@ def collective_seconds(collective: Collective, devices: int, ici_bytes_per_s: fl
 
 def main() -> None:
     """`python scripts/hlo_cost.py DIR/v5e-8/optimized.hlo.txt [--top 20]`: a kept step's roofline
-    (scripts/tpu_compile.py --keep DIR) and the ops that take the most of it. The chip's figures default to a v5e
+    (scripts/tpu_compile.py --keep DIR), its collectives inside and outside the loops, and the ops that take the
+    most of it. The chip's figures default to a v5e
     chip's (scripts/tpu_compile.py TPUS); for a v6e chip: --peak-tflops 918 --hbm-gbps 1640."""
     import argparse
 
@@ -306,6 +307,11 @@ def main() -> None:
     print(f"per chip a run: {cost.flops / 1e12:.2f} TFLOP in the HLO, HBM traffic {cost.hbm_bytes / 1e9:.1f} GB, "
           f"ops {cost.roofline_ops_s * 1e3:.1f} ms at peak or HBM bandwidth; Pallas kernels: {cost.kernel_calls} "
           f"calls, {cost.kernel_bytes / 1e9:.1f} GB")
+    for in_loop, per in ((True, "each run of the loop's body"), (False, "a run")):
+        found = [c for c in cost.collectives if c.in_loop == in_loop]
+        kinds = ", ".join(f"{kind} {n}" for kind in COLLECTIVES if (n := sum(c.kind == kind for c in found)))
+        print(f"collectives {'inside' if in_loop else 'outside'} the loops: {kinds or 'none'}; "
+              f"{sum(c.bytes for c in found) / 1e6:.1f} MB {per}")
     for op in top_ops(cost, args.top):
         print(f"{op.roofline_s * 1e3:8.1f} ms {op.hbm_bytes / 1e9:7.1f} GB {op.flops / 1e12:6.2f} TFLOP x{op.runs:<4d} "
               f"{op.op:<12s} {op.name}  {op.shape[:80]}")

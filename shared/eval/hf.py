@@ -1,6 +1,8 @@
 """Hugging Face folders both ways: export our model so `GPT2LMHeadModel.from_pretrained`,
 `AutoTokenizer.from_pretrained` and `pipeline("text-generation")` load it, and load an HF GPT-2 folder
-(config.json + model.safetensors or pytorch_model.bin) as our model.
+(config.json + model.safetensors or pytorch_model.bin) as our model. The conversion itself is here too: our tensors
+under `GPT2LMHeadModel`'s names and back (`to_hf_state_dict`, `from_hf_state_dict`) and a `GPT2Config` for ours
+(`hf_config_dict`).
 
 The tokenizer files (vocab.json, merges.txt) are derived from GPT-2's tiktoken ranks (see shared.tokenize.tokenizer),
 so an export needs no download: GPT-2's token ids are its BPE ranks, and each merge is recovered by running
@@ -16,9 +18,86 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from shared.config import GPT2_VOCAB_SIZE, PADDED_VOCAB_SIZE, ModelConfig
 from shared.errors import UserError
 from shared.train.checkpoint import MANIFEST_FILE, latest_checkpoint, load_checkpoint
-from shared.train.model import GPT, from_hf_state_dict, hf_config_dict, to_hf_state_dict
+from shared.train.model import GPT
+
+# HF's GPT-2 uses Conv1D (weights stored as in x out); ours are nn.Linear (out x in): these four transpose.
+_HF_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def to_hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
+    """Our parameters under `GPT2LMHeadModel`'s names, vocabulary trimmed to 50257, on the CPU in fp32."""
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue  # tied to wte; HF ties it back on load
+        t = tensor.detach().to("cpu", torch.float32)
+        if name.endswith(_HF_TRANSPOSED):
+            t = t.t()
+        if name == "transformer.wte.weight":
+            t = t[:GPT2_VOCAB_SIZE]
+        out[name] = t.contiguous()
+    return out
+
+
+def hf_config_dict(cfg: ModelConfig) -> dict:
+    """A `GPT2Config`-compatible dict for our model."""
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": GPT2_VOCAB_SIZE,
+        "n_positions": cfg.block_size,
+        "n_ctx": cfg.block_size,
+        "n_embd": cfg.n_embd,
+        "n_layer": cfg.n_layer,
+        "n_head": cfg.n_head,
+        "n_inner": None,
+        "activation_function": "gelu_new",
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "layer_norm_epsilon": 1e-5,
+        "initializer_range": 0.02,
+        "scale_attn_weights": True,
+        "use_cache": True,
+        "tie_word_embeddings": True,
+        "bos_token_id": 50256,
+        "eos_token_id": 50256,
+        "torch_dtype": "float32",
+    }
+
+
+def from_hf_state_dict(hf_state: dict[str, torch.Tensor], hf_config: dict, vocab_size: int | None = None) -> GPT:
+    """Build our GPT from a `GPT2LMHeadModel` state dict and config dict (vocabulary padded again)."""
+    cfg = ModelConfig(
+        n_layer=hf_config["n_layer"],
+        n_head=hf_config["n_head"],
+        n_embd=hf_config["n_embd"],
+        block_size=hf_config["n_positions"],
+        vocab_size=vocab_size or PADDED_VOCAB_SIZE,
+    )
+    model = GPT(cfg)
+    ours = model.state_dict()
+    with torch.no_grad():
+        for name, target in ours.items():
+            if name == "lm_head.weight":
+                continue
+            src = hf_state.get(name)
+            if src is None:  # a GPT2Model (no head) names its tensors without "transformer."
+                src = hf_state.get(name.removeprefix("transformer."))
+            if src is None:
+                raise KeyError(f"the state dict lacks {name}")
+            src = src.to(torch.float32)
+            if name.endswith(_HF_TRANSPOSED):
+                src = src.t()
+            if name == "transformer.wte.weight":
+                target.zero_()
+                target[: src.shape[0]].copy_(src)
+            else:
+                target.copy_(src)
+    return model
 
 
 def export_hf(model: GPT, out_dir: str | os.PathLike, tokenizer: bool = False,

@@ -22,7 +22,6 @@ import os
 import platform
 import shutil
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -276,16 +275,3 @@ def check_same_shape(ckpt: LoadedCheckpoint, model_config: dict) -> None:
     differences = {k: (saved.get(k), v) for k, v in model_config.items() if saved.get(k) != v}
     if differences:
         raise different_shape_error(ckpt.path, differences)
-
-
-class CheckpointTimer:
-    """Measures checkpoint writes, so the time budget can keep a margin sized from real numbers."""
-
-    def __init__(self, estimate: float):
-        self.seconds = estimate
-
-    def time(self, fn, *args, **kwargs):
-        start = time.perf_counter()
-        result = fn(*args, **kwargs)
-        self.seconds = time.perf_counter() - start
-        return result

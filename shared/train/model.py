@@ -1,6 +1,6 @@
 """GPT-2 (nanoGPT-sized and readable): learned positions, pre-LN blocks, GELU(tanh), tied embeddings.
 
-The vocabulary is padded to 50304 for faster matmuls; `to_hf_state_dict` trims it back to GPT-2's 50257.
+The vocabulary is padded to 50304 for faster matmuls; the 🤗 export (shared/eval/hf.py) trims it back to GPT-2's 50257.
 """
 
 from __future__ import annotations
@@ -260,83 +260,3 @@ class GPT(nn.Module):
         # With targets only the loss comes back, made a chunk of positions at a time (shared/train/loss_head.py):
         # no [tokens x vocab] logits are kept for the backward pass or as an output of the step.
         return None, head_loss(x, self.lm_head.weight, targets, self.vocab_padding)
-
-
-# --- Hugging Face GPT-2 compatibility -------------------------------------------------------------------
-# HF's GPT-2 uses Conv1D (weights stored as in x out); ours are nn.Linear (out x in): these four transpose.
-_HF_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-
-
-def to_hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
-    """Our parameters under `GPT2LMHeadModel`'s names, vocabulary trimmed to 50257, on the CPU in fp32."""
-    out = {}
-    for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight":
-            continue  # tied to wte; HF ties it back on load
-        t = tensor.detach().to("cpu", torch.float32)
-        if name.endswith(_HF_TRANSPOSED):
-            t = t.t()
-        if name == "transformer.wte.weight":
-            t = t[:GPT2_VOCAB_SIZE]
-        out[name] = t.contiguous()
-    return out
-
-
-def hf_config_dict(cfg: ModelConfig) -> dict:
-    """A `GPT2Config`-compatible dict for our model."""
-    return {
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "vocab_size": GPT2_VOCAB_SIZE,
-        "n_positions": cfg.block_size,
-        "n_ctx": cfg.block_size,
-        "n_embd": cfg.n_embd,
-        "n_layer": cfg.n_layer,
-        "n_head": cfg.n_head,
-        "n_inner": None,
-        "activation_function": "gelu_new",
-        "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0,
-        "attn_pdrop": 0.0,
-        "layer_norm_epsilon": 1e-5,
-        "initializer_range": 0.02,
-        "scale_attn_weights": True,
-        "use_cache": True,
-        "tie_word_embeddings": True,
-        "bos_token_id": 50256,
-        "eos_token_id": 50256,
-        "torch_dtype": "float32",
-    }
-
-
-def from_hf_state_dict(hf_state: dict[str, torch.Tensor], hf_config: dict, vocab_size: int | None = None) -> GPT:
-    """Build our GPT from a `GPT2LMHeadModel` state dict and config dict (vocabulary padded again)."""
-    from shared.config import PADDED_VOCAB_SIZE
-
-    cfg = ModelConfig(
-        n_layer=hf_config["n_layer"],
-        n_head=hf_config["n_head"],
-        n_embd=hf_config["n_embd"],
-        block_size=hf_config["n_positions"],
-        vocab_size=vocab_size or PADDED_VOCAB_SIZE,
-    )
-    model = GPT(cfg)
-    ours = model.state_dict()
-    with torch.no_grad():
-        for name, target in ours.items():
-            if name == "lm_head.weight":
-                continue
-            src = hf_state.get(name)
-            if src is None:  # a GPT2Model (no head) names its tensors without "transformer."
-                src = hf_state.get(name.removeprefix("transformer."))
-            if src is None:
-                raise KeyError(f"the state dict lacks {name}")
-            src = src.to(torch.float32)
-            if name.endswith(_HF_TRANSPOSED):
-                src = src.t()
-            if name == "transformer.wte.weight":
-                target.zero_()
-                target[: src.shape[0]].copy_(src)
-            else:
-                target.copy_(src)
-    return model

@@ -1,9 +1,9 @@
-"""The session around the step: where it resumes from, when it evaluates and checkpoints, what it writes into a
-checkpoint, and the metric lines it logs. `shared.train.trainer.train` calls each by name."""
+"""The session around the step: where it resumes from, when it evaluates, the metric lines it logs and the
+profiler; its checkpoint writes are shared/train/checkpoint_writer.py's. `shared.train.trainer.train` calls each by
+name."""
 
 from __future__ import annotations
 
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,13 +15,9 @@ from shared.config import TrainConfig
 from shared.data import TokenLoader
 from shared.errors import UserError
 from shared.train.checkpoint import (
-    METRICS_FILE,
-    CheckpointTimer,
     LoadedCheckpoint,
     check_same_shape,
-    checkpoint_name,
     latest_checkpoint,
-    save_checkpoint,
     saved_state,
     set_aside_checkpoint,
 )
@@ -29,17 +25,13 @@ from shared.train.metrics import BackgroundCalls, MetricsLogger, read_metrics
 from shared.train.model import GPT
 from shared.train.optim import (
     optimizer_of_state,
-    optimizer_tensors,
     same_schedule_until,
     saved_schedule,
     stable_phase_end,
 )
 from shared.train.projection import project, projection_lines, projection_record
 from shared.train.runtime import Runtime
-from shared.train.step import TrainStep
 from shared.train.validation import periodic_eval
-
-XLA_CACHE_DIR = "xla_cache"  # inside out_dir, and inside each checkpoint (XLA's persistent compilation cache)
 
 
 def step_timing(per_step: dict[str, float], host_trace_s: float, sync_s: float, step_s: float) -> dict:
@@ -55,18 +47,6 @@ def step_timing(per_step: dict[str, float], host_trace_s: float, sync_s: float, 
                       device_busy=round(min(1.0, per_step["execute_s"] / max(step_s, 1e-9)), 4),
                       device_waits=round(per_step["device_waits"], 3))
     return record
-
-
-def restore_compile_cache(resumed, out_dir: Path) -> Path:
-    """`<out_dir>/xla_cache`, seeded with the compiled graphs that travelled in the resumed checkpoint."""
-    cache = out_dir / XLA_CACHE_DIR
-    cache.mkdir(parents=True, exist_ok=True)
-    saved = resumed.path / XLA_CACHE_DIR if resumed else None
-    if saved and saved.is_dir():
-        for file in saved.iterdir():
-            if file.is_file() and not (cache / file.name).exists():
-                shutil.copyfile(file, cache / file.name)
-    return cache
 
 
 def resume_point(cfg: TrainConfig, ckpt_root: Path, log=print) -> LoadedCheckpoint | None:
@@ -232,84 +212,6 @@ def log_projection(cfg: TrainConfig, logger: MetricsLogger, at_step: int, stable
     for line in projection_lines(found, cfg):
         logger.log(line)
     logger.write({"step": at_step, "event": "projection", **projection_record(found)})
-
-
-# Called after each checkpoint of the rotation with (step, path); None: nothing.
-OnSave = Callable[[int, Path], None] | None
-
-
-class Checkpointer:
-    """Decides when to write a checkpoint and times each write: every `checkpoint_every` steps, where a wsd
-    run's stable phase ends (apart, in <root>/stable/, out of rotation: --extend trains on from it), and at the
-    session's end. `write(root, step, keep)` is the trainer's: it gathers the tensors and saves them."""
-
-    def __init__(self, cfg: TrainConfig, root: Path, step: int, timer: CheckpointTimer,
-                 write: Callable[[Path, int, int], Path], on_save: OnSave = None):
-        """on_save(step, path): called after each checkpoint of the rotation (not the stable phase's, not the
-        session's last), e.g. to publish one midway through a session (shared/kaggle/publish.py MidwayPublish)."""
-        self.cfg, self.root, self.timer, self.write, self.on_save = cfg, root, timer, write, on_save
-        self.stable_end = stable_phase_end(cfg) if cfg.keep_stable else None
-        self.saved_step = step
-
-    def maybe_save(self, step: int) -> None:
-        every = self.cfg.checkpoint_every
-        if every and step % every == 0 and step < self.cfg.max_steps:
-            path = self.write(self.root, step, self.cfg.keep_checkpoints)
-            self.saved_step = step
-            if self.on_save is not None:
-                self.on_save(step, path)
-        if step == self.stable_end:
-            self.write(self.root / STABLE_DIR, step, 1)
-
-    def seconds_after(self, step: int) -> float:
-        """The writes still to come after `step` that the time budget must leave room for: the stable-phase one
-        if the next step makes it, and the final one, with half again as margin."""
-        stable = self.timer.seconds if step + 1 == self.stable_end else 0.0
-        return stable + 1.5 * self.timer.seconds
-
-    def final_save(self, step: int, start_step: int, resumed: LoadedCheckpoint | None) -> Path | None:
-        """The session's last checkpoint: written unless this step's is already on disk."""
-        if step != self.saved_step:
-            return self.write(self.root, step, self.cfg.keep_checkpoints)
-        if step > start_step:
-            return self.root / checkpoint_name(step)
-        return resumed.path if resumed else None  # nothing trained: the run was already complete
-
-
-class CheckpointWriter:
-    """Writes one checkpoint: the model's and optimizer's tensors gathered to the host (the checkpoint's
-    device-to-host transfer, off the step path), the loader's position, RNG, config, timings and the XLA
-    compile cache beside them, and logs it. Under DDP every process holds the same tensors; one writes them."""
-
-    def __init__(self, cfg: TrainConfig, runtime: Runtime, model: GPT, train_step: TrainStep, loader: TokenLoader,
-                 timer: CheckpointTimer, compile_cache: Path | None, logger: MetricsLogger,
-                 background: BackgroundCalls, ckpt_root: Path, session_start: float):
-        self.cfg, self.runtime, self.model, self.train_step, self.loader = cfg, runtime, model, train_step, loader
-        self.timer, self.compile_cache, self.logger, self.background = timer, compile_cache, logger, background
-        self.ckpt_root, self.session_start = ckpt_root, session_start
-        self.metrics_path = Path(cfg.out_dir) / METRICS_FILE
-
-    def __call__(self, root: Path, step: int, keep: int) -> Path:
-        self.background.flush()  # the logged steps before the checkpoint's record
-        model_tensors = self.model.checkpoint_tensors()
-        opt_tensors = optimizer_tensors(self.train_step.opt, self.train_step.named_params)
-        tokens, scaler = step * self.cfg.total_batch_tokens, self.train_step.scaler
-        path = root / checkpoint_name(step)
-        if self.runtime.is_main:
-            state = {"loader": self.loader.state.to_dict(), "rng": self.runtime.rng_state(), "config": {
-                "train": self.cfg.to_dict(), "model": self.cfg.model.to_dict()},
-                "timings": {"checkpoint_seconds": self.timer.seconds}, "tokens": tokens,
-                "grad_scaler": scaler.state_dict() if scaler.is_enabled() else None}
-            extra = ({XLA_CACHE_DIR: self.compile_cache} if self.compile_cache and self.runtime.name == "xla"
-                     else None)
-            path = self.timer.time(save_checkpoint, root, step, model_tensors, opt_tensors, state,
-                                   self.metrics_path, keep, extra)
-        self.runtime.barrier()
-        self.logger.write({"event": "checkpoint", "step": step, "tokens": tokens,
-                           "checkpoint_s": round(self.timer.seconds, 3),
-                           **({"stable": True} if root != self.ckpt_root else {}),
-                           "elapsed_s": round(time.monotonic() - self.session_start, 3)})
-        return path
 
 
 class StepProfiler:

@@ -2,8 +2,8 @@
 
 A session trains until max_steps, its time budget, SIGTERM, or --stop-after-steps, then writes a checkpoint;
 the next session (a new process, maybe on another machine) resumes from it bit-exactly. `train` reads as set up,
-resume, the loop, end; each part is a call with a name, here (setting up) or in `shared.train.session` (the
-session around the step: resume point, evals, checkpoints, metric lines).
+resume, the loop, end; each part is a call with a name, here (setting up), in `shared.train.session` (the
+session around the step: resume point, evals, metric lines) or in `shared.train.checkpoint_writer` (checkpoints).
 """
 
 from __future__ import annotations
@@ -21,24 +21,21 @@ import torch
 from shared.config import TrainConfig
 from shared.data import LoaderState, TokenLoader, find_shards
 from shared.errors import UserError
-from shared.train.checkpoint import METRICS_FILE, CheckpointTimer, LoadedCheckpoint
-from shared.train.clock import SessionClock, default_time_budget, estimate_checkpoint_seconds
+from shared.session_clock import SessionClock, default_time_budget, estimate_checkpoint_seconds
+from shared.train.checkpoint import METRICS_FILE, LoadedCheckpoint
+from shared.train.checkpoint_writer import (
+    Checkpointer,
+    CheckpointTimer,
+    CheckpointWriter,
+    OnSave,
+    restore_compile_cache,
+)
 from shared.train.device import make_runtime
 from shared.train.metrics import BackgroundCalls, MetricsLogger, plot_loss
 from shared.train.model import GPT
 from shared.train.optim import stable_phase_end
 from shared.train.runtime import Runtime, plan_versions_notice, runtime_versions
-from shared.train.session import (
-    Checkpointer,
-    CheckpointWriter,
-    Evaluator,
-    OnSave,
-    StepLog,
-    StepProfiler,
-    log_projection,
-    restore_compile_cache,
-    resume_point,
-)
+from shared.train.session import Evaluator, StepLog, StepProfiler, log_projection, resume_point
 from shared.train.step import build_step, select_attention_and_micro_batch
 from shared.train.xla_notices import runtime_notices
 

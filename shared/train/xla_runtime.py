@@ -52,7 +52,6 @@ class XlaRuntime(Runtime):
         self.mesh = xs.Mesh(np.arange(self.num_devices), (self.num_devices,), ("data",))
         self._fsdp = False
         self._accum_loop: tuple | None = None  # (model, bf16, AccumulationLoop) of the last step
-        self.accum_impl = "own"  # or "torch_xla": its gradient_accumulation helper (bench_mfu --torch-xla-accum)
         self.tpu_generation, self.tpu_generation_source = None, ""
         # The hardware the runtime's own client reports for its devices ("TPU", "CPU"): xr.device_type() only
         # echoes the PJRT_DEVICE setting (torch_xla/runtime.py `device_type`), which a session's device check
@@ -214,7 +213,7 @@ class XlaRuntime(Runtime):
                          accum_loop: bool = True) -> torch.Tensor:
         """One optimizer step's gradients as one graph: the (accum, B, T+1) tokens go to the device once and the
         micro-steps run as an XLA While loop over their first dimension (`shared.train.accum_loop`: traced on the
-        first step, no device wait; `accum_impl = "torch_xla"` runs torch_xla's gradient_accumulation instead).
+        first step, no device wait).
         accum_loop=False: one graph per micro-step, each micro-batch sent on its own (the earlier structure)."""
         accum = tokens.shape[0]
         if accum == 1 or not accum_loop:
@@ -225,10 +224,6 @@ class XlaRuntime(Runtime):
             with self.autocast(bf16):
                 return model(batch[:, :-1], batch[:, 1:])[1]
 
-        if self.accum_impl == "torch_xla":  # torch_xla's own helper (a device wait per step), to measure against
-            from torch_xla.experimental.gradient_accumulation import gradient_accumulation
-
-            return gradient_accumulation(micro_step, (tokens_on_device,), model)
         # It divides each micro-step's loss by accum and sums: the returned loss is the step's mean. The loop is
         # traced on the first step and reused after; it is kept per model and autocast setting.
         if self._accum_loop is None or self._accum_loop[:2] != (model, bf16):
@@ -376,8 +371,8 @@ _device_waits = [0]
 
 
 def count_device_waits() -> int:
-    """Explicit waits for the device (torch_xla's `wait_device_ops`, as `xm.wait_device_ops` and torch_xla's
-    gradient_accumulation call it) since the first call, which installs the counting wrapper."""
+    """Explicit waits for the device (torch_xla's `wait_device_ops`, as `xm.wait_device_ops` calls it) since the
+    first call, which installs the counting wrapper."""
     import torch_xla
 
     wait = torch_xla._XLAC._xla_wait_device_ops

@@ -1,6 +1,6 @@
-"""The session's clock: training stops by --time-budget (from training's start) or --session-deadline (from the
-session's start, start-up included), whichever comes first; start-up is measured by part; torch_xla's known
-harmless messages are said once."""
+"""The session's clock (shared/session_clock.py): training stops by --time-budget (from training's start) or
+--session-deadline (from the session's start, start-up included), whichever comes first; start-up is measured by
+part; torch_xla's known harmless messages are said once."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from helpers import REPO, SMALL_ARGS, error_lines, run_script, small_config, train_in_process
 
 from shared.errors import UserError
-from shared.train.clock import SessionClock, startup_line
+from shared.session_clock import SessionClock, startup_line
 from shared.train.metrics import read_metrics
 from shared.train.xla_notices import PALLAS_NOTICE, _SayOnce, runtime_notices
 
@@ -42,6 +42,14 @@ def test_process_start_is_when_the_process_began_not_when_it_is_asked():
     age = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                                cwd=REPO).stdout)
     assert 1.5 <= age < 120
+
+
+def test_the_session_clock_loads_with_the_standard_library_only():
+    """The bootstrap and the tokenizer read the process's start before any package is installed or torch imported."""
+    code = ("import sys; import shared.session_clock; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'numpy', 'safetensors', 'kaggle'}))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert proc.stdout.strip() == "[]"
 
 
 @pytest.mark.slow

@@ -257,3 +257,31 @@ def test_the_report_gives_the_ceiling_both_ways_with_the_kernels_slower_by_the_h
     assert lines[-1].startswith(f"MFU ceiling with the Pallas kernels' matmuls at head dim 32's share of a "
                                 f"{128 if tpu == 'v5e-8' else 256}-wide MXU ({1 / factor:.0%}; ")
     assert f": {r['mfu_ceiling_mxu']:.1%} (kernels" in lines[-1]
+
+
+def test_a_collective_reached_through_a_call_from_a_loop_body_whose_header_holds_a_comment_is_inside_the_loop():
+    """A body's header with a `/*index=5*/` comment (XLA writes them in long tuples) and an all-reduce in a
+    computation the body calls: both are the loop's."""
+    hlo = """HloModule step
+%add (a: f32[], b: f32[]) -> f32[] {
+  ROOT %r = f32[] add(f32[] %a, f32[] %b)
+}
+%inner (p: f32[768,2304]) -> f32[768,2304] {
+  ROOT %ar.1 = f32[768,2304]{1,0} all-reduce(f32[768,2304]{1,0} %p), replica_groups={}, to_apply=%add
+}
+%body (t: (s32[], f32[], f32[], f32[], f32[], /*index=5*/f32[768,2304])) -> (s32[], f32[768,2304]) {
+  %c = f32[768,2304]{1,0} call(f32[768,2304]{1,0} %x), to_apply=%inner
+  %ar.2 = bf16[10]{0} all-reduce(bf16[10]{0} %y), to_apply=%add
+  ROOT %t2 = (s32[], f32[768,2304]) tuple(%i, %c)
+}
+%cond (t: (s32[], f32[768,2304])) -> pred[] {
+  ROOT %lt = pred[] compare(s32[] %i, s32[] %n), direction=LT
+}
+ENTRY %main (a: f32[768]) -> f32[768] {
+  %w = (s32[], f32[768,2304]) while((s32[], f32[768,2304]) %init), condition=%cond, body=%body
+  ROOT %ar.3 = f32[768]{0} all-reduce(f32[768]{0} %a), to_apply=%add
+}
+"""
+    cost = step_cost(hlo, peak_flops=1e12, hbm_bytes_per_s=1e9)
+    assert [(c.kind, c.bytes, c.in_loop) for c in cost.collectives] == [
+        ("all-reduce", 768 * 2304 * 4, True), ("all-reduce", 10 * 2, True), ("all-reduce", 768 * 4, False)]

@@ -439,7 +439,7 @@ def test_a_momentum_tensor_moved_between_steps_steps_as_the_constants_would():
 
 def test_zero_initialised_projections_start_each_block_as_the_identity_and_still_learn():
     from shared.config import MODEL_PRESETS
-    from shared.train.model import to_hf_state_dict
+    from shared.eval.hf import to_hf_state_dict
 
     torch.manual_seed(0)
     model = GPT(MODEL_PRESETS["tiny"])

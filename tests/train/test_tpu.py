@@ -419,39 +419,6 @@ def test_micro_batch_auto_with_default_settings_matches_the_docs_table(generatio
         assert auto_micro_batch(generation, attention, cfg.model, 1024, 8, step.activation_checkpointing) == size
 
 
-def test_count_allreduce_attributes_reduces_to_the_loop_or_the_step():
-    import importlib.util
-
-    from helpers import REPO
-
-    spec = importlib.util.spec_from_file_location("count_allreduce", REPO / "scripts" / "count_allreduce.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    hlo = """HloModule step
-%add (a: f32[], b: f32[]) -> f32[] {
-  ROOT %r = f32[] add(f32[] %a, f32[] %b)
-}
-%inner (p: f32[768,2304]) -> f32[768,2304] {
-  ROOT %ar.1 = f32[768,2304]{1,0} all-reduce(f32[768,2304]{1,0} %p), replica_groups={}, to_apply=%add
-}
-%body (t: (s32[], f32[], f32[], f32[], f32[], /*index=5*/f32[768,2304])) -> (s32[], f32[768,2304]) {
-  %c = f32[768,2304]{1,0} call(f32[768,2304]{1,0} %x), to_apply=%inner
-  %ar.2 = bf16[10]{0} all-reduce(bf16[10]{0} %y), to_apply=%add
-  ROOT %t2 = (s32[], f32[768,2304]) tuple(%i, %c)
-}
-%cond (t: (s32[], f32[768,2304])) -> pred[] {
-  ROOT %lt = pred[] compare(s32[] %i, s32[] %n), direction=LT
-}
-ENTRY %main (a: f32[768]) -> f32[768] {
-  %w = (s32[], f32[768,2304]) while((s32[], f32[768,2304]) %init), condition=%cond, body=%body
-  ROOT %ar.3 = f32[768]{0} all-reduce(f32[768]{0} %a), to_apply=%add
-}
-"""
-    counts = module.count_all_reduces(hlo)
-    assert counts == {"loops": 1, "in_loop": 2, "in_loop_mb": (768 * 2304 * 4 + 20) / 1e6, "outside": 1,
-                      "outside_mb": 768 * 4 / 1e6}
-
-
 class _ProbedRuntime:
     """A runtime whose flash kernel passes its probe only up to `flash_up_to` sequences a micro-step."""
 

@@ -2,6 +2,7 @@
 bounded compilation, the time budget, SIGTERM, FSDP, and one-line errors for bad input."""
 
 import json
+import math
 import shutil
 import signal
 import subprocess
@@ -295,47 +296,29 @@ def test_step_structures_train_the_same_model(demo_data, tmp_path):
 
 
 @pytest.mark.slow
-def test_own_accumulation_loop_equals_torch_xlas_helper_and_is_traced_once():
-    # The project's loop (traced on the first step, reused after, no device wait) against torch_xla's
-    # gradient_accumulation (a device wait and a full re-trace every step): the same tokens give bit-identical
-    # losses and parameters, and the body is built once. Except wte's last bits: the loop sums the token
-    # lookup's gradient apart from the tied head's and adds the two after it (so that XLA can all-reduce each
-    # once a step), torch_xla's helper adds them every micro-step: fp32 rounding, nothing more.
+def test_the_accumulation_loop_is_traced_once_and_never_waits_for_the_device():
+    # The project's loop (shared/train/accum_loop.py) is traced on the first step and reused after: three steps
+    # build its body once and wait for the device (wait_device_ops) not once.
     from shared.train.device import make_runtime
     from shared.train.model import GPT
     from shared.train.xla_runtime import count_device_waits
 
     runtime = make_runtime("xla")
-    cfg = TrainConfig(preset="tiny", seq_len=32)
-    results = {}
-    try:
-        for impl in ("torch_xla", "own"):
-            runtime.accum_impl = impl
-            torch.manual_seed(0)
-            model = runtime.prepare_model(GPT(cfg.model), fsdp=False)
-            runtime.sync()
-            rng, losses, waits = np.random.default_rng(0), [], count_device_waits()
-            for _ in range(3):
-                tokens = rng.integers(0, 50257, (4, 8, 33)).astype(np.int32)
-                loss = runtime.forward_backward(model, tokens, bf16=True, scaler=None)
-                with torch.no_grad():
-                    for p in model.parameters():
-                        p.sub_(0.01 * p.grad)
-                        p.grad = None
-                runtime.sync()
-                losses.append(loss.item())
-            results[impl] = (losses, [p.detach().cpu() for p in model.parameters()], count_device_waits() - waits)
-    finally:
-        runtime.accum_impl = "own"
-    (ref_losses, ref_params, ref_waits), (losses, params, waits) = results["torch_xla"], results["own"]
-    names = [name for name, _ in GPT(cfg.model).named_parameters()]
-    assert losses == ref_losses
-    for name, a, b in zip(names, params, ref_params, strict=True):
-        if name == "transformer.wte.weight":
-            assert (a - b).abs().max().item() < 1e-7 * b.abs().max().item(), name
-        else:
-            assert torch.equal(a, b), name
-    assert ref_waits == 3 and waits == 0  # torch_xla's helper waits for the device once per step
+    torch.manual_seed(0)
+    model = runtime.prepare_model(GPT(TrainConfig(preset="tiny", seq_len=32).model), fsdp=False)
+    runtime.sync()
+    rng, losses, waits = np.random.default_rng(0), [], count_device_waits()
+    for _ in range(3):
+        tokens = rng.integers(0, 50257, (4, 8, 33)).astype(np.int32)
+        loss = runtime.forward_backward(model, tokens, bf16=True, scaler=None)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sub_(0.01 * p.grad)
+                p.grad = None
+        runtime.sync()
+        losses.append(loss.item())
+    assert all(math.isfinite(loss) for loss in losses)
+    assert count_device_waits() - waits == 0
     assert runtime._accum_loop[2].builds == 1
 
 
