@@ -17,7 +17,6 @@ from scripts.chain.limits import (
     MIDWAY_PUBLISH_MIN_S,
     OUTPUT_LIMIT_BYTES,
     SESSION_MAX_S,
-    session_devices,
 )
 from shared.config import NINE_HOURS, TokenizeConfig, TrainConfig
 from shared.errors import UserError
@@ -260,8 +259,7 @@ def config_from_dict(raw: dict, where: str = "config") -> ChainConfig:
     for key in ("data_dir", "out_dir", "resume_from", "max_steps", "time_budget", "session_deadline", "wandb_run_id"):
         if key in cfg.train:
             raise UserError(f"{where}: train.{key} is set by the chain; remove it")
-    devices = session_devices(cfg.accelerator, cfg.train.get("backend", "auto"))
-    check_settings("train", {**cfg.train, "max_steps": cfg.total_steps}, f"{where}: train", devices)
+    check_settings("train", {**cfg.train, "max_steps": cfg.total_steps}, f"{where}: train", cfg.accelerator)
     _place_checkpoints(cfg, where)
     if not 0 <= cfg.fill_session <= 1:
         raise UserError(f"{where}: fill_session must be a share of the session between 0 (off) and 1, got "
@@ -290,10 +288,8 @@ def config_from_dict(raw: dict, where: str = "config") -> ChainConfig:
         if extra:
             raise UserError(f"{where}: unknown {section} key(s) {', '.join(extra)}; known: {', '.join(sorted(keys))}")
     check_settings("tokenize", cfg.tokenize.get("settings", {}), f"{where}: tokenize.settings")
-    eval_shape = cfg.eval.get("accelerator", cfg.accelerator)
     _check_eval_limit(cfg, where)
-    check_settings("eval", cfg.eval.get("settings", {}), f"{where}: eval.settings",
-                   session_devices(eval_shape, cfg.eval.get("settings", {}).get("backend", "auto")))
+    check_settings("eval", cfg.eval.get("settings", {}), f"{where}: eval.settings")
     parts = cfg.tokenize.get("parts", 0)
     if not isinstance(parts, int) or isinstance(parts, bool) or parts < 0:
         raise UserError(f"{where}: tokenize.parts must be a whole number >= 0, got {parts!r}")
