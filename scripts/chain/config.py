@@ -1,10 +1,13 @@
 """The chain's config: one dataclass read from JSON or TOML and checked field by field, so a mistake is a
 one-line error before anything is pushed. It flows one way: the stages read it, and the client gets its slice
-(`ChainConfig.client`)."""
+(`ChainConfig.client`). Its train, tokenize and eval sections come as the file gives them (dicts: a kernel is built
+with the settings the user set, not every default) and typed (`train_config`, `tokenize_section`, `eval_section`:
+every default filled, in one place), built from them once."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -18,7 +21,8 @@ from scripts.chain.limits import (
     OUTPUT_LIMIT_BYTES,
     SESSION_MAX_S,
 )
-from shared.config import NINE_HOURS, TokenizeConfig, TrainConfig
+from scripts.chain.sections import EvalSection, TokenizeSection, section_keys
+from shared.config import NINE_HOURS, TrainConfig
 from shared.errors import UserError
 from shared.flags import check_field_types
 from shared.kaggle.publish import TEMP_PUBLISH_VERIFY_S
@@ -56,14 +60,8 @@ class ClientConfig:
     poll_max_s: float
 
 
-def _check_eval_limit(cfg: ChainConfig, where: str) -> None:
-    limit = cfg.eval.get("session_limit_s", cfg.session_limit_s)
-    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0:
-        raise UserError(f"{where}: eval.session_limit_s must be a number of seconds > 0, got {limit!r}")
-    longest = SESSION_MAX_S[cfg.eval_kind]
-    if limit > longest:
-        raise UserError(f"{where}: eval.session_limit_s {limit:g} is over the {longest / 3600:g} h Kaggle allows a "
-                        f"{cfg.eval_kind.upper()} session ({cfg.eval.get('accelerator', cfg.accelerator) or 'CPU'})")
+# What ChainConfig builds from its fields once, on first use (functools.cached_property).
+_BUILT = ("train_config", "tokenize_section", "eval_section")
 
 
 @dataclasses.dataclass
@@ -105,11 +103,13 @@ class ChainConfig:
     # Training tokens/s that `--plan` counts sessions with (0: the newest --smoke measurement on this accelerator
     # and preset, else an estimate from the TPU's peak: scripts/chain/plan.py).
     plan_tokens_per_s: float = 0
-    train: dict = dataclasses.field(default_factory=dict)  # TrainConfig settings (model, batch, lr, ...)
-    tokenize: dict = dataclasses.field(default_factory=dict)  # parts, settings, inputs, accelerator, hf_token
+    train: dict = dataclasses.field(default_factory=dict)  # TrainConfig settings (model, batch, lr, ...): train_config
+    # parts, settings, inputs, accelerator, hf_token (scripts/chain/sections.py TokenizeSection: tokenize_section)
+    tokenize: dict = dataclasses.field(default_factory=dict)
     token_datasets: list = dataclasses.field(default_factory=list)  # existing datasets of shards (instead/as well)
     token_kernels: list = dataclasses.field(default_factory=list)  # existing kernels whose output holds shards
-    # enabled, settings, inputs, accelerator, session_limit_s (the eval session's limit; default session_limit_s)
+    # enabled, settings, inputs, accelerator, session_limit_s (the eval session's limit; default session_limit_s):
+    # eval_section
     eval: dict = dataclasses.field(default_factory=dict)
     slugs: dict = dataclasses.field(default_factory=dict)  # tokenize, train, eval, checkpoints
     smoke: dict = dataclasses.field(default_factory=dict)  # --smoke's sizes and limits (scripts/chain/smoke.py)
@@ -123,6 +123,32 @@ class ChainConfig:
     stale_status_s: float = 600.0
     retry_attempts: int = 6
     retry_base_s: float = 5.0
+
+    def __setattr__(self, name: str, value) -> None:
+        """A field set after the sections were built (a test's probe sets `train`) drops them: they are built again
+        from the new values when next read."""
+        object.__setattr__(self, name, value)
+        for built in _BUILT:
+            self.__dict__.pop(built, None)
+
+    @property
+    def train_settings(self) -> dict:
+        """A train session's settings before the session's own (its data, folders, clock): the config's `train`, as
+        loading placed its checkpoints, and total_steps as max_steps."""
+        return {**self.train, "max_steps": self.total_steps}
+
+    @functools.cached_property
+    def train_config(self) -> TrainConfig:
+        """`train_settings` typed, every default filled: what the chain reads the run's settings from."""
+        return TrainConfig(**self.train_settings)
+
+    @functools.cached_property
+    def tokenize_section(self) -> TokenizeSection:
+        return TokenizeSection.of(self.tokenize)
+
+    @functools.cached_property
+    def eval_section(self) -> EvalSection:
+        return EvalSection.of(self.eval, self.accelerator, self.session_limit_s)
 
     def slug(self, what: str) -> str:
         """The slug of a kernel (tokenize, train, eval; `tokenize-part-N`: part N's notebook) or of the checkpoint
@@ -173,14 +199,14 @@ class ChainConfig:
 
     @property
     def eval_kind(self) -> str:
-        return MACHINE_SHAPES.get(self.eval.get("accelerator", self.accelerator), "cpu")
+        return self.eval_section.kind
 
     @property
     def eval_session_limit_s(self) -> float:
         """The eval session's limit: its own where set, since an eval's length is its work, not a training
         budget (a demo whose train sessions last 1.5-2.5 minutes still needs its eval to finish); else
         session_limit_s."""
-        return float(self.eval.get("session_limit_s", self.session_limit_s))
+        return self.eval_section.session_limit_s
 
     @property
     def client(self) -> ClientConfig:
@@ -188,12 +214,12 @@ class ChainConfig:
 
     @property
     def checkpoint_bytes(self) -> int:
-        return TrainConfig(**self.train).model.checkpoint_bytes()  # the keys were checked by check_settings
+        return self.train_config.model.checkpoint_bytes()
 
     @property
     def version_bytes(self) -> int:
         """A checkpoint dataset version's size: the newest checkpoint and, for a wsd run, the stable-phase one."""
-        return checkpoint_uploads(self.train) * self.checkpoint_bytes
+        return checkpoint_uploads(self.train_config) * self.checkpoint_bytes
 
 
 def check_hellaswag_source(source: str, where: str) -> None:
@@ -202,11 +228,6 @@ def check_hellaswag_source(source: str, where: str) -> None:
         return
     if not Path(source).is_file():
         raise UserError(f"{where}: hellaswag {source!r} is not download, demo or an existing jsonl file")
-
-
-
-_TOKENIZE_KEYS = {"parts", "settings", "inputs", "accelerator", "hf_token"}
-_EVAL_KEYS = {"enabled", "settings", "inputs", "accelerator", "session_limit_s"}
 
 
 def load_config(path: str | os.PathLike, overrides: dict | None = None) -> ChainConfig:
@@ -259,7 +280,7 @@ def config_from_dict(raw: dict, where: str = "config") -> ChainConfig:
     for key in ("data_dir", "out_dir", "resume_from", "max_steps", "time_budget", "session_deadline", "wandb_run_id"):
         if key in cfg.train:
             raise UserError(f"{where}: train.{key} is set by the chain; remove it")
-    check_settings("train", {**cfg.train, "max_steps": cfg.total_steps}, f"{where}: train", cfg.accelerator)
+    check_settings("train", cfg.train_settings, f"{where}: train", cfg.accelerator)
     _place_checkpoints(cfg, where)
     if not 0 <= cfg.fill_session <= 1:
         raise UserError(f"{where}: fill_session must be a share of the session between 0 (off) and 1, got "
@@ -270,9 +291,9 @@ def config_from_dict(raw: dict, where: str = "config") -> ChainConfig:
         cfg.dataset_room()
     except UserError as err:
         raise UserError(f"{where}: {err}") from None
-    if cfg.train.get("extend") and not keeps_stable(cfg.train):
+    if cfg.train_config.extend and not keeps_stable(cfg.train_config):
         why = ("the checkpoints of a model this large live in /kaggle/temp, where none is kept"
-               if checkpoints_in_temp(cfg.train) else "train.keep_stable is false")
+               if checkpoints_in_temp(cfg.train_config) else "train.keep_stable is false")
         raise UserError(f"{where}: train.extend trains on from the checkpoint where the stable phase ended, and {why}; "
                         "before the decay starts, raise total_steps instead (docs/recipe.md section 6)")
     if cfg.time_budget <= 0:
@@ -283,27 +304,27 @@ def config_from_dict(raw: dict, where: str = "config") -> ChainConfig:
         raise UserError(f"{where}: session_train_s {cfg.session_train_s:g} must be >= 0, and with startup_margin_s "
                         f"{cfg.startup_margin_s:g} + publish_margin_s {cfg.publish_margin_s:g} fit session_limit_s "
                         f"{cfg.session_limit_s:g}, the longest a session may be made")
-    for section, keys in (("tokenize", _TOKENIZE_KEYS), ("eval", _EVAL_KEYS)):
+    for section, typed in (("tokenize", TokenizeSection), ("eval", EvalSection)):
+        keys = section_keys(typed)
         extra = sorted(set(getattr(cfg, section)) - keys)
         if extra:
             raise UserError(f"{where}: unknown {section} key(s) {', '.join(extra)}; known: {', '.join(sorted(keys))}")
     check_settings("tokenize", cfg.tokenize.get("settings", {}), f"{where}: tokenize.settings")
-    _check_eval_limit(cfg, where)
-    check_settings("eval", cfg.eval.get("settings", {}), f"{where}: eval.settings")
+    _check_eval(cfg, where)
     parts = cfg.tokenize.get("parts", 0)
     if not isinstance(parts, int) or isinstance(parts, bool) or parts < 0:
         raise UserError(f"{where}: tokenize.parts must be a whole number >= 0, got {parts!r}")
     try:
-        TokenizeConfig(**{**cfg.tokenize.get("settings", {}), "part": 0}).check_parts(parts)
+        cfg.tokenize_section.config.check_parts(parts)
     except UserError as err:
         raise UserError(f"{where}: {err}") from None
     if not isinstance(cfg.tokenize.get("hf_token", False), bool):
         raise UserError(f"{where}: tokenize.hf_token must be true or false (the parts read the Hub with the "
                         f"HF_TOKEN secret), got {cfg.tokenize['hf_token']!r}")
-    shape = cfg.tokenize.get("accelerator", "")
+    shape = cfg.tokenize_section.accelerator
     if shape and shape not in MACHINE_SHAPES:
         raise UserError(f"{where}: unknown tokenize.accelerator {shape!r}")
-    if not cfg.tokenize.get("parts") and not cfg.token_datasets and not cfg.token_kernels:
+    if not cfg.tokenize_section.parts and not cfg.token_datasets and not cfg.token_kernels:
         raise UserError(f"{where}: no training data: set tokenize.parts, token_datasets or token_kernels")
     unknown_slugs = sorted(set(cfg.slugs) - {"tokenize", "train", "eval", "checkpoints"})
     if unknown_slugs:
@@ -316,23 +337,70 @@ def config_from_dict(raw: dict, where: str = "config") -> ChainConfig:
     return cfg
 
 
-def checkpoints_in_temp(train: dict) -> bool:
+def _check_eval(cfg: ChainConfig, where: str) -> None:
+    """The eval section as given, then its typed form (cfg.eval_section): its session's limit on its machine."""
+    if "session_limit_s" in cfg.eval:  # else the train sessions', checked above
+        limit = cfg.eval["session_limit_s"]
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0:
+            raise UserError(f"{where}: eval.session_limit_s must be a number of seconds > 0, got {limit!r}")
+    if not isinstance(cfg.eval.get("enabled", True), bool):
+        raise UserError(f"{where}: eval.enabled must be true or false, got {cfg.eval['enabled']!r}")
+    check_settings("eval", cfg.eval.get("settings", {}), f"{where}: eval.settings")
+    ev = cfg.eval_section
+    longest = SESSION_MAX_S[ev.kind]
+    if ev.session_limit_s > longest:
+        raise UserError(f"{where}: eval.session_limit_s {ev.session_limit_s:g} is over the {longest / 3600:g} h Kaggle "
+                        f"allows a {ev.kind.upper()} session ({ev.accelerator or 'CPU'})")
+
+
+def checkpoints_in_temp(train: TrainConfig) -> bool:
     """Whether the train sessions keep their checkpoints in /kaggle/temp (gone with the session, not in its
     output): the session's own publish is then the only copy."""
-    return str(train.get("checkpoint_dir", "")).startswith("{temp}")
+    return train.checkpoint_dir.startswith("{temp}")
 
 
-def publish_verify_s(train: dict) -> float:
+def publish_verify_s(train: TrainConfig) -> float:
     """How long a train session waits for its own new checkpoint version, publishing again if that failed
     (shared.kaggle.publish `verify_publish`): only for checkpoints in /kaggle/temp, which the chain cannot publish
     from the output, so a failed version after a deleting publish would leave none anywhere."""
     return TEMP_PUBLISH_VERIFY_S if checkpoints_in_temp(train) else 0.0
 
 
-def keeps_stable(train: dict) -> bool:
+def keeps_stable(train: TrainConfig) -> bool:
     """Whether the run keeps (and the checkpoint dataset carries) the checkpoint where a wsd schedule's stable
     phase ends (train.keep_stable, for --extend)."""
-    return train.get("schedule") == "wsd" and train.get("keep_stable", True) is not False
+    return train.schedule == "wsd" and train.keep_stable
+
+
+def checkpoint_uploads(train: TrainConfig) -> int:
+    """Checkpoints a session's publish uploads: the newest, and for a wsd run the stable-phase one beside it."""
+    return 2 if keeps_stable(train) else 1
+
+
+# A publish that deletes the older versions uploads its checkpoint twice: kept beside them first, then, once that
+# version is proven whole, again with deleteOldVersions (shared/kaggle/publish.py `_publish`, docs/kaggle-api.md).
+DELETING_PUBLISH_UPLOADS = 2
+
+
+def publish_needs_s(train: TrainConfig, size: int) -> float:
+    """The least a session's publish can take: its checkpoint uploads at the assumed rate, twice where the publish
+    deletes the older versions (any session's may), and for checkpoints in /kaggle/temp the session's wait for its
+    version."""
+    return upload_s(train, size) + publish_verify_s(train)
+
+
+def upload_s(train: TrainConfig, size: int) -> float:
+    """A session's publish uploads at the assumed rate: its checkpoints, twice where it deletes the older versions."""
+    return DELETING_PUBLISH_UPLOADS * checkpoint_uploads(train) * size / ASSUMED_UPLOAD_BYTES_PER_S
+
+
+def _publish_words(train: TrainConfig, size: int) -> str:
+    uploads = DELETING_PUBLISH_UPLOADS * checkpoint_uploads(train)
+    words = f"{uploads} x " + (f"{size / 1e9:.2g} GB at an assumed {ASSUMED_UPLOAD_BYTES_PER_S / 1e6:g} MB/s "
+                               "(a deleting publish uploads twice)")
+    if publish_verify_s(train):
+        words += f" + the session's {publish_verify_s(train):.0f}-s wait for its version"
+    return words
 
 
 def _place_checkpoints(cfg: ChainConfig, where: str) -> None:
@@ -343,55 +411,23 @@ def _place_checkpoints(cfg: ChainConfig, where: str) -> None:
     live in /kaggle/temp with the session's wait for its version (TEMP_PUBLISH_VERIFY_S)."""
     size = cfg.checkpoint_bytes
     _place_in_output(cfg, where, size)
-    needed = publish_needs_s(cfg.train, size)
+    needed = publish_needs_s(cfg.train_config, size)
     if not cfg.publish_margin_s:
         cfg.publish_margin_s = max(1200.0, 600.0 + needed)
     elif cfg.publish_margin_s < needed:
         # The session is killed mid-upload with its output unsaved: the session's training is lost.
         raise UserError(f"{where}: publish_margin_s {cfg.publish_margin_s:g} is shorter than publishing takes: "
-                        f"{_publish_words(cfg.train, size)}, ~{needed:.0f} s; raise it or set 0 (sized for you)")
-
-
-def checkpoint_uploads(train: dict) -> int:
-    """Checkpoints a session's publish uploads: the newest, and for a wsd run the stable-phase one beside it."""
-    return 2 if keeps_stable(train) else 1
-
-
-# A publish that deletes the older versions uploads its checkpoint twice: kept beside them first, then, once that
-# version is proven whole, again with deleteOldVersions (shared/kaggle/publish.py `_publish`, docs/kaggle-api.md).
-DELETING_PUBLISH_UPLOADS = 2
-
-
-def publish_needs_s(train: dict, size: int) -> float:
-    """The least a session's publish can take: its checkpoint uploads at the assumed rate, twice where the publish
-    deletes the older versions (any session's may), and for checkpoints in /kaggle/temp the session's wait for its
-    version."""
-    return upload_s(train, size) + publish_verify_s(train)
-
-
-def upload_s(train: dict, size: int) -> float:
-    """A session's publish uploads at the assumed rate: its checkpoints, twice where it deletes the older versions."""
-    return DELETING_PUBLISH_UPLOADS * checkpoint_uploads(train) * size / ASSUMED_UPLOAD_BYTES_PER_S
-
-
-def _publish_words(train: dict, size: int) -> str:
-    uploads = DELETING_PUBLISH_UPLOADS * checkpoint_uploads(train)
-    words = f"{uploads} x " + (f"{size / 1e9:.2g} GB at an assumed {ASSUMED_UPLOAD_BYTES_PER_S / 1e6:g} MB/s "
-                               "(a deleting publish uploads twice)")
-    if publish_verify_s(train):
-        words += f" + the session's {publish_verify_s(train):.0f}-s wait for its version"
-    return words
+                        f"{_publish_words(cfg.train_config, size)}, ~{needed:.0f} s; raise it or set 0 (sized for you)")
 
 
 def _place_in_output(cfg: ChainConfig, where: str, size: int) -> None:
-    ckpt_dir = str(cfg.train.get("checkpoint_dir", ""))
-    keep = int(cfg.train.get("keep_checkpoints", 2))
-    if checkpoints_in_temp(cfg.train):
+    ckpt_dir, keep = cfg.train_config.checkpoint_dir, cfg.train_config.keep_checkpoints
+    if checkpoints_in_temp(cfg.train_config):
         cfg.train = {**cfg.train, "keep_stable": False}  # it would go with the session
         return
     if ckpt_dir and not ckpt_dir.startswith("{working}"):
         raise UserError(f"{where}: train.checkpoint_dir {ckpt_dir!r} must be under {{working}} or {{temp}}")
-    stable = int(keeps_stable(cfg.train))
+    stable = int(keeps_stable(cfg.train_config))
     peak = (keep + 1 + stable) * size
     if peak <= OUTPUT_LIMIT_BYTES:
         return
