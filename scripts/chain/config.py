@@ -252,12 +252,22 @@ def load_config(path: str | os.PathLike, overrides: dict | None = None) -> Chain
 
 
 def config_from_dict(raw: dict, where: str = "config") -> ChainConfig:
-    """A checked ChainConfig from a dict of its fields; `where` starts every error message."""
+    """A checked ChainConfig from a dict of its fields: what the dict gives is checked, the config built from it
+    (its checkpoints placed, its publish margin sized: `_built`), then what needs the built config is checked;
+    nothing is changed while it is checked. `where` starts every error message."""
     fields = {f.name: f for f in dataclasses.fields(ChainConfig)}
     unknown = sorted(set(raw) - set(fields))
     if unknown:
         raise UserError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(fields)}")
-    cfg = ChainConfig(**raw)
+    given = ChainConfig(**raw)
+    _check_given(given, where)
+    cfg = _built(given)
+    _check_built(cfg, where)
+    return cfg
+
+
+def _check_given(cfg: ChainConfig, where: str) -> None:
+    """The fields as given, the train settings among them, and that their checkpoints can be placed."""
     try:
         check_field_types(cfg, name=str)
     except UserError as err:
@@ -281,7 +291,28 @@ def config_from_dict(raw: dict, where: str = "config") -> ChainConfig:
         if key in cfg.train:
             raise UserError(f"{where}: train.{key} is set by the chain; remove it")
     check_settings("train", cfg.train_settings, f"{where}: train", cfg.accelerator)
-    _place_checkpoints(cfg, where)
+    _check_checkpoint_room(cfg, where)
+
+
+def _built(cfg: ChainConfig) -> ChainConfig:
+    """`cfg` (checked as given) with its checkpoints placed (`_placed_train`) and, where 0, its publish margin sized
+    from the checkpoint's upload: 600 s + what publishing needs, at least 1200 s."""
+    placed = dataclasses.replace(cfg, train=_placed_train(cfg))
+    if placed.publish_margin_s:
+        return placed
+    needed = publish_needs_s(placed.train_config, placed.checkpoint_bytes)
+    return dataclasses.replace(placed, publish_margin_s=max(1200.0, 600.0 + needed))
+
+
+def _check_built(cfg: ChainConfig, where: str) -> None:
+    """What needs the config built (the publish margin, the versions the quota holds, the training time), then the
+    rest of it, the tokenize and eval sections among it."""
+    size, train = cfg.checkpoint_bytes, cfg.train_config
+    needed = publish_needs_s(train, size)
+    if cfg.publish_margin_s < needed:
+        # The session is killed mid-upload with its output unsaved: the session's training is lost.
+        raise UserError(f"{where}: publish_margin_s {cfg.publish_margin_s:g} is shorter than publishing takes: "
+                        f"{_publish_words(train, size)}, ~{needed:.0f} s; raise it or set 0 (sized for you)")
     if not 0 <= cfg.fill_session <= 1:
         raise UserError(f"{where}: fill_session must be a share of the session between 0 (off) and 1, got "
                         f"{cfg.fill_session:g}")
@@ -291,9 +322,9 @@ def config_from_dict(raw: dict, where: str = "config") -> ChainConfig:
         cfg.dataset_room()
     except UserError as err:
         raise UserError(f"{where}: {err}") from None
-    if cfg.train_config.extend and not keeps_stable(cfg.train_config):
+    if train.extend and not keeps_stable(train):
         why = ("the checkpoints of a model this large live in /kaggle/temp, where none is kept"
-               if checkpoints_in_temp(cfg.train_config) else "train.keep_stable is false")
+               if checkpoints_in_temp(train) else "train.keep_stable is false")
         raise UserError(f"{where}: train.extend trains on from the checkpoint where the stable phase ended, and {why}; "
                         "before the decay starts, raise total_steps instead (docs/recipe.md section 6)")
     if cfg.time_budget <= 0:
@@ -311,6 +342,20 @@ def config_from_dict(raw: dict, where: str = "config") -> ChainConfig:
             raise UserError(f"{where}: unknown {section} key(s) {', '.join(extra)}; known: {', '.join(sorted(keys))}")
     check_settings("tokenize", cfg.tokenize.get("settings", {}), f"{where}: tokenize.settings")
     _check_eval(cfg, where)
+    _check_tokenize(cfg, where)
+    if not cfg.tokenize_section.parts and not cfg.token_datasets and not cfg.token_kernels:
+        raise UserError(f"{where}: no training data: set tokenize.parts, token_datasets or token_kernels")
+    unknown_slugs = sorted(set(cfg.slugs) - {"tokenize", "train", "eval", "checkpoints"})
+    if unknown_slugs:
+        raise UserError(f"{where}: unknown slugs key(s) {', '.join(unknown_slugs)}")
+    check_hellaswag_source(cfg.hellaswag, where)
+    unknown_smoke = sorted(set(cfg.smoke) - set(SMOKE_DEFAULTS))
+    if unknown_smoke:
+        raise UserError(f"{where}: unknown smoke key(s) {', '.join(unknown_smoke)}; known: {', '.join(SMOKE_DEFAULTS)}")
+
+
+def _check_tokenize(cfg: ChainConfig, where: str) -> None:
+    """The tokenize section as given (its settings were checked), then its typed form (cfg.tokenize_section)."""
     parts = cfg.tokenize.get("parts", 0)
     if not isinstance(parts, int) or isinstance(parts, bool) or parts < 0:
         raise UserError(f"{where}: tokenize.parts must be a whole number >= 0, got {parts!r}")
@@ -318,23 +363,12 @@ def config_from_dict(raw: dict, where: str = "config") -> ChainConfig:
         cfg.tokenize_section.config.check_parts(parts)
     except UserError as err:
         raise UserError(f"{where}: {err}") from None
-    if not isinstance(cfg.tokenize.get("hf_token", False), bool):
+    if not isinstance(cfg.tokenize_section.hf_token, bool):
         raise UserError(f"{where}: tokenize.hf_token must be true or false (the parts read the Hub with the "
-                        f"HF_TOKEN secret), got {cfg.tokenize['hf_token']!r}")
+                        f"HF_TOKEN secret), got {cfg.tokenize_section.hf_token!r}")
     shape = cfg.tokenize_section.accelerator
     if shape and shape not in MACHINE_SHAPES:
         raise UserError(f"{where}: unknown tokenize.accelerator {shape!r}")
-    if not cfg.tokenize_section.parts and not cfg.token_datasets and not cfg.token_kernels:
-        raise UserError(f"{where}: no training data: set tokenize.parts, token_datasets or token_kernels")
-    unknown_slugs = sorted(set(cfg.slugs) - {"tokenize", "train", "eval", "checkpoints"})
-    if unknown_slugs:
-        raise UserError(f"{where}: unknown slugs key(s) {', '.join(unknown_slugs)}")
-    check_hellaswag_source(cfg.hellaswag, where)
-
-    unknown_smoke = sorted(set(cfg.smoke) - set(SMOKE_DEFAULTS))
-    if unknown_smoke:
-        raise UserError(f"{where}: unknown smoke key(s) {', '.join(unknown_smoke)}; known: {', '.join(SMOKE_DEFAULTS)}")
-    return cfg
 
 
 def _check_eval(cfg: ChainConfig, where: str) -> None:
@@ -403,38 +437,39 @@ def _publish_words(train: TrainConfig, size: int) -> str:
     return words
 
 
-def _place_checkpoints(cfg: ChainConfig, where: str) -> None:
-    """Checkpoints must fit the session's 20 GB output, with one more being written before the oldest goes:
-    models too large for that keep one checkpoint in /kaggle/temp (the session publishes it from there); a
-    setting that would overflow the output is an error here, not a full disk hours into a session. The publish
-    margin grows with the upload (the stable-phase checkpoint travels beside the newest), and where checkpoints
-    live in /kaggle/temp with the session's wait for its version (TEMP_PUBLISH_VERIFY_S)."""
-    size = cfg.checkpoint_bytes
-    _place_in_output(cfg, where, size)
-    needed = publish_needs_s(cfg.train_config, size)
-    if not cfg.publish_margin_s:
-        cfg.publish_margin_s = max(1200.0, 600.0 + needed)
-    elif cfg.publish_margin_s < needed:
-        # The session is killed mid-upload with its output unsaved: the session's training is lost.
-        raise UserError(f"{where}: publish_margin_s {cfg.publish_margin_s:g} is shorter than publishing takes: "
-                        f"{_publish_words(cfg.train_config, size)}, ~{needed:.0f} s; raise it or set 0 (sized for you)")
+# Checkpoints must fit the session's 20 GB output, with one more being written before the oldest goes: models too
+# large for that keep one checkpoint in /kaggle/temp (the session publishes it from there); a setting that would
+# overflow the output is an error at load, not a full disk hours into a session. The publish margin grows with the
+# upload (the stable-phase checkpoint travels beside the newest), and where checkpoints live in /kaggle/temp with
+# the session's wait for its version (TEMP_PUBLISH_VERIFY_S).
+
+def _output_peak(train: TrainConfig, size: int) -> int:
+    """What the checkpoints hold in the output at most: those kept, the one being written, the stable-phase one."""
+    return (train.keep_checkpoints + 1 + int(keeps_stable(train))) * size
 
 
-def _place_in_output(cfg: ChainConfig, where: str, size: int) -> None:
-    ckpt_dir, keep = cfg.train_config.checkpoint_dir, cfg.train_config.keep_checkpoints
-    if checkpoints_in_temp(cfg.train_config):
-        cfg.train = {**cfg.train, "keep_stable": False}  # it would go with the session
+def _check_checkpoint_room(cfg: ChainConfig, where: str) -> None:
+    train, size = cfg.train_config, cfg.checkpoint_bytes
+    if checkpoints_in_temp(train):
         return
-    if ckpt_dir and not ckpt_dir.startswith("{working}"):
-        raise UserError(f"{where}: train.checkpoint_dir {ckpt_dir!r} must be under {{working}} or {{temp}}")
-    stable = int(keeps_stable(cfg.train_config))
-    peak = (keep + 1 + stable) * size
-    if peak <= OUTPUT_LIMIT_BYTES:
-        return
-    if "checkpoint_dir" in cfg.train or "keep_checkpoints" in cfg.train:
+    if train.checkpoint_dir and not train.checkpoint_dir.startswith("{working}"):
+        raise UserError(f"{where}: train.checkpoint_dir {train.checkpoint_dir!r} must be under {{working}} or {{temp}}")
+    peak = _output_peak(train, size)
+    if peak > OUTPUT_LIMIT_BYTES and ("checkpoint_dir" in cfg.train or "keep_checkpoints" in cfg.train):
+        keep, stable = train.keep_checkpoints, keeps_stable(train)
         also = " and the stable-phase one" if stable else ""
         raise UserError(f"{where}: {keep} kept checkpoints of {size / 1e9:.1f} GB ({keep + 1} while one is written"
                         f"{also}, {peak / 1e9:.1f} GB) overflow the session's {OUTPUT_LIMIT_BYTES / 1e9:g} GB output; "
                         "set train.checkpoint_dir to \"{temp}/checkpoints\" and train.keep_checkpoints to 1")
-    # In /kaggle/temp a stable-phase checkpoint would go with the session: none is kept there.
-    cfg.train = {**cfg.train, "checkpoint_dir": "{temp}/checkpoints", "keep_checkpoints": 1, "keep_stable": False}
+
+
+def _placed_train(cfg: ChainConfig) -> dict:
+    """The config's train settings with its checkpoints placed (checked by `_check_checkpoint_room`): where they
+    overflow the output, one kept in /kaggle/temp; in /kaggle/temp no stable-phase one (it would go with the
+    session)."""
+    train = cfg.train_config
+    if checkpoints_in_temp(train):
+        return {**cfg.train, "keep_stable": False}
+    if _output_peak(train, cfg.checkpoint_bytes) <= OUTPUT_LIMIT_BYTES:
+        return cfg.train
+    return {**cfg.train, "checkpoint_dir": "{temp}/checkpoints", "keep_checkpoints": 1, "keep_stable": False}
