@@ -124,7 +124,7 @@ def test_plan_of_every_example_config_counts_its_sessions_and_tpu_hours(example,
     cfg = load_config(example)
     lines: list[str] = []
     plan = print_plan(cfg, log=lines.append, with_quota=False, measured_path=_no_measurement(tmp_path))
-    assert plan["kernels_built"] == int(cfg.tokenize.get("parts") or 0) + 2  # every kernel built and checked
+    assert plan["kernels_built"] == cfg.tokenize_section.parts + 2  # every kernel built and checked
     train, _ = planned_train(cfg)
     # The estimate: 30% of a v5e-8's 8 x 197 TFLOP/s over the model's FLOPs per token (docs/tpu-throughput.md
     # section 2 lists 549,702 tokens/s for gpt2 at 30%).
