@@ -54,9 +54,10 @@ sys.path.insert(0, os.path.dirname(_KERNELS_DIR))
 """
 
 
-def check_settings(kernel: str, settings: dict, where: str, num_devices: int = 1) -> None:
+def check_settings(kernel: str, settings: dict, where: str, shape: str = "") -> None:
     """The kernel's own settings class (shared/config.py KERNEL_SETTINGS) built from `settings`: the checks the
-    session runs at its start, run here first. A train config also splits its micro-batch over `num_devices`."""
+    session runs at its start, run here first. A train config also splits its micro-batch over the devices of a
+    session on machine `shape` ('': CPU) with its backend."""
     cls = KERNEL_SETTINGS[kernel]
     fields = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(settings) - set(fields))
@@ -65,7 +66,7 @@ def check_settings(kernel: str, settings: dict, where: str, num_devices: int = 1
     try:
         config = cls(**settings)
         if kernel == "train":
-            config.validate(num_devices)
+            config.validate(session_devices(shape, config.backend))
     except UserError as err:
         raise UserError(f"{where}: {err}") from None
 
@@ -235,7 +236,7 @@ def build_kernel(kernel: str, out_dir: str | os.PathLike, *, user: str, slug: st
                          kernel_type=kernel_type, accelerator=accelerator, internet=internet,
                          dataset_sources=dataset_sources, kernel_sources=kernel_sources)
     shape = meta.get("machine_shape") or ""
-    check_settings(kernel, settings, f"{kernel} settings", session_devices(shape, settings.get("backend", "auto")))
+    check_settings(kernel, settings, f"{kernel} settings", shape)
     build = {"kernel": kernel, "code_file": code_file, "settings": settings, "push_id": push_id,
              "accelerator": meta.get("machine_shape") or ""}
     if checkpoint_dataset:

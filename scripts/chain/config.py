@@ -1,10 +1,13 @@
 """The chain's config: one dataclass read from JSON or TOML and checked field by field, so a mistake is a
 one-line error before anything is pushed. It flows one way: the stages read it, and the client gets its slice
-(`ChainConfig.client`)."""
+(`ChainConfig.client`). Its train, tokenize and eval sections come as the file gives them (dicts: a kernel is built
+with the settings the user set, not every default) and typed (`train_config`, `tokenize_section`, `eval_section`:
+every default filled, in one place), built from them once."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -17,9 +20,9 @@ from scripts.chain.limits import (
     MIDWAY_PUBLISH_MIN_S,
     OUTPUT_LIMIT_BYTES,
     SESSION_MAX_S,
-    session_devices,
 )
-from shared.config import NINE_HOURS, TokenizeConfig, TrainConfig
+from scripts.chain.sections import EvalSection, TokenizeSection, section_keys
+from shared.config import NINE_HOURS, TrainConfig
 from shared.errors import UserError
 from shared.flags import check_field_types
 from shared.kaggle.publish import TEMP_PUBLISH_VERIFY_S
@@ -57,14 +60,8 @@ class ClientConfig:
     poll_max_s: float
 
 
-def _check_eval_limit(cfg: ChainConfig, where: str) -> None:
-    limit = cfg.eval.get("session_limit_s", cfg.session_limit_s)
-    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0:
-        raise UserError(f"{where}: eval.session_limit_s must be a number of seconds > 0, got {limit!r}")
-    longest = SESSION_MAX_S[cfg.eval_kind]
-    if limit > longest:
-        raise UserError(f"{where}: eval.session_limit_s {limit:g} is over the {longest / 3600:g} h Kaggle allows a "
-                        f"{cfg.eval_kind.upper()} session ({cfg.eval.get('accelerator', cfg.accelerator) or 'CPU'})")
+# What ChainConfig builds from its fields once, on first use (functools.cached_property).
+_BUILT = ("train_config", "tokenize_section", "eval_section")
 
 
 @dataclasses.dataclass
@@ -106,11 +103,13 @@ class ChainConfig:
     # Training tokens/s that `--plan` counts sessions with (0: the newest --smoke measurement on this accelerator
     # and preset, else an estimate from the TPU's peak: scripts/chain/plan.py).
     plan_tokens_per_s: float = 0
-    train: dict = dataclasses.field(default_factory=dict)  # TrainConfig settings (model, batch, lr, ...)
-    tokenize: dict = dataclasses.field(default_factory=dict)  # parts, settings, inputs, accelerator, hf_token
+    train: dict = dataclasses.field(default_factory=dict)  # TrainConfig settings (model, batch, lr, ...): train_config
+    # parts, settings, inputs, accelerator, hf_token (scripts/chain/sections.py TokenizeSection: tokenize_section)
+    tokenize: dict = dataclasses.field(default_factory=dict)
     token_datasets: list = dataclasses.field(default_factory=list)  # existing datasets of shards (instead/as well)
     token_kernels: list = dataclasses.field(default_factory=list)  # existing kernels whose output holds shards
-    # enabled, settings, inputs, accelerator, session_limit_s (the eval session's limit; default session_limit_s)
+    # enabled, settings, inputs, accelerator, session_limit_s (the eval session's limit; default session_limit_s):
+    # eval_section
     eval: dict = dataclasses.field(default_factory=dict)
     slugs: dict = dataclasses.field(default_factory=dict)  # tokenize, train, eval, checkpoints
     smoke: dict = dataclasses.field(default_factory=dict)  # --smoke's sizes and limits (scripts/chain/smoke.py)
@@ -124,6 +123,32 @@ class ChainConfig:
     stale_status_s: float = 600.0
     retry_attempts: int = 6
     retry_base_s: float = 5.0
+
+    def __setattr__(self, name: str, value) -> None:
+        """A field set after the sections were built (a test's probe sets `train`) drops them: they are built again
+        from the new values when next read."""
+        object.__setattr__(self, name, value)
+        for built in _BUILT:
+            self.__dict__.pop(built, None)
+
+    @property
+    def train_settings(self) -> dict:
+        """A train session's settings before the session's own (its data, folders, clock): the config's `train`, as
+        loading placed its checkpoints, and total_steps as max_steps."""
+        return {**self.train, "max_steps": self.total_steps}
+
+    @functools.cached_property
+    def train_config(self) -> TrainConfig:
+        """`train_settings` typed, every default filled: what the chain reads the run's settings from."""
+        return TrainConfig(**self.train_settings)
+
+    @functools.cached_property
+    def tokenize_section(self) -> TokenizeSection:
+        return TokenizeSection.of(self.tokenize)
+
+    @functools.cached_property
+    def eval_section(self) -> EvalSection:
+        return EvalSection.of(self.eval, self.accelerator, self.session_limit_s)
 
     def slug(self, what: str) -> str:
         """The slug of a kernel (tokenize, train, eval; `tokenize-part-N`: part N's notebook) or of the checkpoint
@@ -174,14 +199,14 @@ class ChainConfig:
 
     @property
     def eval_kind(self) -> str:
-        return MACHINE_SHAPES.get(self.eval.get("accelerator", self.accelerator), "cpu")
+        return self.eval_section.kind
 
     @property
     def eval_session_limit_s(self) -> float:
         """The eval session's limit: its own where set, since an eval's length is its work, not a training
         budget (a demo whose train sessions last 1.5-2.5 minutes still needs its eval to finish); else
         session_limit_s."""
-        return float(self.eval.get("session_limit_s", self.session_limit_s))
+        return self.eval_section.session_limit_s
 
     @property
     def client(self) -> ClientConfig:
@@ -189,12 +214,12 @@ class ChainConfig:
 
     @property
     def checkpoint_bytes(self) -> int:
-        return TrainConfig(**self.train).model.checkpoint_bytes()  # the keys were checked by check_settings
+        return self.train_config.model.checkpoint_bytes()
 
     @property
     def version_bytes(self) -> int:
         """A checkpoint dataset version's size: the newest checkpoint and, for a wsd run, the stable-phase one."""
-        return checkpoint_uploads(self.train) * self.checkpoint_bytes
+        return checkpoint_uploads(self.train_config) * self.checkpoint_bytes
 
 
 def check_hellaswag_source(source: str, where: str) -> None:
@@ -203,11 +228,6 @@ def check_hellaswag_source(source: str, where: str) -> None:
         return
     if not Path(source).is_file():
         raise UserError(f"{where}: hellaswag {source!r} is not download, demo or an existing jsonl file")
-
-
-
-_TOKENIZE_KEYS = {"parts", "settings", "inputs", "accelerator", "hf_token"}
-_EVAL_KEYS = {"enabled", "settings", "inputs", "accelerator", "session_limit_s"}
 
 
 def load_config(path: str | os.PathLike, overrides: dict | None = None) -> ChainConfig:
@@ -232,12 +252,22 @@ def load_config(path: str | os.PathLike, overrides: dict | None = None) -> Chain
 
 
 def config_from_dict(raw: dict, where: str = "config") -> ChainConfig:
-    """A checked ChainConfig from a dict of its fields; `where` starts every error message."""
+    """A checked ChainConfig from a dict of its fields: what the dict gives is checked, the config built from it
+    (its checkpoints placed, its publish margin sized: `_built`), then what needs the built config is checked;
+    nothing is changed while it is checked. `where` starts every error message."""
     fields = {f.name: f for f in dataclasses.fields(ChainConfig)}
     unknown = sorted(set(raw) - set(fields))
     if unknown:
         raise UserError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(fields)}")
-    cfg = ChainConfig(**raw)
+    given = ChainConfig(**raw)
+    _check_given(given, where)
+    cfg = _built(given)
+    _check_built(cfg, where)
+    return cfg
+
+
+def _check_given(cfg: ChainConfig, where: str) -> None:
+    """The fields as given, the train settings among them, and that their checkpoints can be placed."""
     try:
         check_field_types(cfg, name=str)
     except UserError as err:
@@ -260,9 +290,29 @@ def config_from_dict(raw: dict, where: str = "config") -> ChainConfig:
     for key in ("data_dir", "out_dir", "resume_from", "max_steps", "time_budget", "session_deadline", "wandb_run_id"):
         if key in cfg.train:
             raise UserError(f"{where}: train.{key} is set by the chain; remove it")
-    devices = session_devices(cfg.accelerator, cfg.train.get("backend", "auto"))
-    check_settings("train", {**cfg.train, "max_steps": cfg.total_steps}, f"{where}: train", devices)
-    _place_checkpoints(cfg, where)
+    check_settings("train", cfg.train_settings, f"{where}: train", cfg.accelerator)
+    _check_checkpoint_room(cfg, where)
+
+
+def _built(cfg: ChainConfig) -> ChainConfig:
+    """`cfg` (checked as given) with its checkpoints placed (`_placed_train`) and, where 0, its publish margin sized
+    from the checkpoint's upload: 600 s + what publishing needs, at least 1200 s."""
+    placed = dataclasses.replace(cfg, train=_placed_train(cfg))
+    if placed.publish_margin_s:
+        return placed
+    needed = publish_needs_s(placed.train_config, placed.checkpoint_bytes)
+    return dataclasses.replace(placed, publish_margin_s=max(1200.0, 600.0 + needed))
+
+
+def _check_built(cfg: ChainConfig, where: str) -> None:
+    """What needs the config built (the publish margin, the versions the quota holds, the training time), then the
+    rest of it, the tokenize and eval sections among it."""
+    size, train = cfg.checkpoint_bytes, cfg.train_config
+    needed = publish_needs_s(train, size)
+    if cfg.publish_margin_s < needed:
+        # The session is killed mid-upload with its output unsaved: the session's training is lost.
+        raise UserError(f"{where}: publish_margin_s {cfg.publish_margin_s:g} is shorter than publishing takes: "
+                        f"{_publish_words(train, size)}, ~{needed:.0f} s; raise it or set 0 (sized for you)")
     if not 0 <= cfg.fill_session <= 1:
         raise UserError(f"{where}: fill_session must be a share of the session between 0 (off) and 1, got "
                         f"{cfg.fill_session:g}")
@@ -272,9 +322,9 @@ def config_from_dict(raw: dict, where: str = "config") -> ChainConfig:
         cfg.dataset_room()
     except UserError as err:
         raise UserError(f"{where}: {err}") from None
-    if cfg.train.get("extend") and not keeps_stable(cfg.train):
+    if train.extend and not keeps_stable(train):
         why = ("the checkpoints of a model this large live in /kaggle/temp, where none is kept"
-               if checkpoints_in_temp(cfg.train) else "train.keep_stable is false")
+               if checkpoints_in_temp(train) else "train.keep_stable is false")
         raise UserError(f"{where}: train.extend trains on from the checkpoint where the stable phase ended, and {why}; "
                         "before the decay starts, raise total_steps instead (docs/recipe.md section 6)")
     if cfg.time_budget <= 0:
@@ -285,78 +335,78 @@ def config_from_dict(raw: dict, where: str = "config") -> ChainConfig:
         raise UserError(f"{where}: session_train_s {cfg.session_train_s:g} must be >= 0, and with startup_margin_s "
                         f"{cfg.startup_margin_s:g} + publish_margin_s {cfg.publish_margin_s:g} fit session_limit_s "
                         f"{cfg.session_limit_s:g}, the longest a session may be made")
-    for section, keys in (("tokenize", _TOKENIZE_KEYS), ("eval", _EVAL_KEYS)):
+    for section, typed in (("tokenize", TokenizeSection), ("eval", EvalSection)):
+        keys = section_keys(typed)
         extra = sorted(set(getattr(cfg, section)) - keys)
         if extra:
             raise UserError(f"{where}: unknown {section} key(s) {', '.join(extra)}; known: {', '.join(sorted(keys))}")
     check_settings("tokenize", cfg.tokenize.get("settings", {}), f"{where}: tokenize.settings")
-    eval_shape = cfg.eval.get("accelerator", cfg.accelerator)
-    _check_eval_limit(cfg, where)
-    check_settings("eval", cfg.eval.get("settings", {}), f"{where}: eval.settings",
-                   session_devices(eval_shape, cfg.eval.get("settings", {}).get("backend", "auto")))
-    parts = cfg.tokenize.get("parts", 0)
-    if not isinstance(parts, int) or isinstance(parts, bool) or parts < 0:
-        raise UserError(f"{where}: tokenize.parts must be a whole number >= 0, got {parts!r}")
-    try:
-        TokenizeConfig(**{**cfg.tokenize.get("settings", {}), "part": 0}).check_parts(parts)
-    except UserError as err:
-        raise UserError(f"{where}: {err}") from None
-    if not isinstance(cfg.tokenize.get("hf_token", False), bool):
-        raise UserError(f"{where}: tokenize.hf_token must be true or false (the parts read the Hub with the "
-                        f"HF_TOKEN secret), got {cfg.tokenize['hf_token']!r}")
-    shape = cfg.tokenize.get("accelerator", "")
-    if shape and shape not in MACHINE_SHAPES:
-        raise UserError(f"{where}: unknown tokenize.accelerator {shape!r}")
-    if not cfg.tokenize.get("parts") and not cfg.token_datasets and not cfg.token_kernels:
+    _check_eval(cfg, where)
+    _check_tokenize(cfg, where)
+    if not cfg.tokenize_section.parts and not cfg.token_datasets and not cfg.token_kernels:
         raise UserError(f"{where}: no training data: set tokenize.parts, token_datasets or token_kernels")
     unknown_slugs = sorted(set(cfg.slugs) - {"tokenize", "train", "eval", "checkpoints"})
     if unknown_slugs:
         raise UserError(f"{where}: unknown slugs key(s) {', '.join(unknown_slugs)}")
     check_hellaswag_source(cfg.hellaswag, where)
-
     unknown_smoke = sorted(set(cfg.smoke) - set(SMOKE_DEFAULTS))
     if unknown_smoke:
         raise UserError(f"{where}: unknown smoke key(s) {', '.join(unknown_smoke)}; known: {', '.join(SMOKE_DEFAULTS)}")
-    return cfg
 
 
-def checkpoints_in_temp(train: dict) -> bool:
+def _check_tokenize(cfg: ChainConfig, where: str) -> None:
+    """The tokenize section as given (its settings were checked), then its typed form (cfg.tokenize_section)."""
+    parts = cfg.tokenize.get("parts", 0)
+    if not isinstance(parts, int) or isinstance(parts, bool) or parts < 0:
+        raise UserError(f"{where}: tokenize.parts must be a whole number >= 0, got {parts!r}")
+    try:
+        cfg.tokenize_section.config.check_parts(parts)
+    except UserError as err:
+        raise UserError(f"{where}: {err}") from None
+    if not isinstance(cfg.tokenize_section.hf_token, bool):
+        raise UserError(f"{where}: tokenize.hf_token must be true or false (the parts read the Hub with the "
+                        f"HF_TOKEN secret), got {cfg.tokenize_section.hf_token!r}")
+    shape = cfg.tokenize_section.accelerator
+    if shape and shape not in MACHINE_SHAPES:
+        raise UserError(f"{where}: unknown tokenize.accelerator {shape!r}")
+
+
+def _check_eval(cfg: ChainConfig, where: str) -> None:
+    """The eval section as given, then its typed form (cfg.eval_section): its session's limit on its machine."""
+    if "session_limit_s" in cfg.eval:  # else the train sessions', checked above
+        limit = cfg.eval["session_limit_s"]
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0:
+            raise UserError(f"{where}: eval.session_limit_s must be a number of seconds > 0, got {limit!r}")
+    if not isinstance(cfg.eval.get("enabled", True), bool):
+        raise UserError(f"{where}: eval.enabled must be true or false, got {cfg.eval['enabled']!r}")
+    check_settings("eval", cfg.eval.get("settings", {}), f"{where}: eval.settings")
+    ev = cfg.eval_section
+    longest = SESSION_MAX_S[ev.kind]
+    if ev.session_limit_s > longest:
+        raise UserError(f"{where}: eval.session_limit_s {ev.session_limit_s:g} is over the {longest / 3600:g} h Kaggle "
+                        f"allows a {ev.kind.upper()} session ({ev.accelerator or 'CPU'})")
+
+
+def checkpoints_in_temp(train: TrainConfig) -> bool:
     """Whether the train sessions keep their checkpoints in /kaggle/temp (gone with the session, not in its
     output): the session's own publish is then the only copy."""
-    return str(train.get("checkpoint_dir", "")).startswith("{temp}")
+    return train.checkpoint_dir.startswith("{temp}")
 
 
-def publish_verify_s(train: dict) -> float:
+def publish_verify_s(train: TrainConfig) -> float:
     """How long a train session waits for its own new checkpoint version, publishing again if that failed
     (shared.kaggle.publish `verify_publish`): only for checkpoints in /kaggle/temp, which the chain cannot publish
     from the output, so a failed version after a deleting publish would leave none anywhere."""
     return TEMP_PUBLISH_VERIFY_S if checkpoints_in_temp(train) else 0.0
 
 
-def keeps_stable(train: dict) -> bool:
+def keeps_stable(train: TrainConfig) -> bool:
     """Whether the run keeps (and the checkpoint dataset carries) the checkpoint where a wsd schedule's stable
     phase ends (train.keep_stable, for --extend)."""
-    return train.get("schedule") == "wsd" and train.get("keep_stable", True) is not False
+    return train.schedule == "wsd" and train.keep_stable
 
 
-def _place_checkpoints(cfg: ChainConfig, where: str) -> None:
-    """Checkpoints must fit the session's 20 GB output, with one more being written before the oldest goes:
-    models too large for that keep one checkpoint in /kaggle/temp (the session publishes it from there); a
-    setting that would overflow the output is an error here, not a full disk hours into a session. The publish
-    margin grows with the upload (the stable-phase checkpoint travels beside the newest), and where checkpoints
-    live in /kaggle/temp with the session's wait for its version (TEMP_PUBLISH_VERIFY_S)."""
-    size = cfg.checkpoint_bytes
-    _place_in_output(cfg, where, size)
-    needed = publish_needs_s(cfg.train, size)
-    if not cfg.publish_margin_s:
-        cfg.publish_margin_s = max(1200.0, 600.0 + needed)
-    elif cfg.publish_margin_s < needed:
-        # The session is killed mid-upload with its output unsaved: the session's training is lost.
-        raise UserError(f"{where}: publish_margin_s {cfg.publish_margin_s:g} is shorter than publishing takes: "
-                        f"{_publish_words(cfg.train, size)}, ~{needed:.0f} s; raise it or set 0 (sized for you)")
-
-
-def checkpoint_uploads(train: dict) -> int:
+def checkpoint_uploads(train: TrainConfig) -> int:
     """Checkpoints a session's publish uploads: the newest, and for a wsd run the stable-phase one beside it."""
     return 2 if keeps_stable(train) else 1
 
@@ -366,19 +416,19 @@ def checkpoint_uploads(train: dict) -> int:
 DELETING_PUBLISH_UPLOADS = 2
 
 
-def publish_needs_s(train: dict, size: int) -> float:
+def publish_needs_s(train: TrainConfig, size: int) -> float:
     """The least a session's publish can take: its checkpoint uploads at the assumed rate, twice where the publish
     deletes the older versions (any session's may), and for checkpoints in /kaggle/temp the session's wait for its
     version."""
     return upload_s(train, size) + publish_verify_s(train)
 
 
-def upload_s(train: dict, size: int) -> float:
+def upload_s(train: TrainConfig, size: int) -> float:
     """A session's publish uploads at the assumed rate: its checkpoints, twice where it deletes the older versions."""
     return DELETING_PUBLISH_UPLOADS * checkpoint_uploads(train) * size / ASSUMED_UPLOAD_BYTES_PER_S
 
 
-def _publish_words(train: dict, size: int) -> str:
+def _publish_words(train: TrainConfig, size: int) -> str:
     uploads = DELETING_PUBLISH_UPLOADS * checkpoint_uploads(train)
     words = f"{uploads} x " + (f"{size / 1e9:.2g} GB at an assumed {ASSUMED_UPLOAD_BYTES_PER_S / 1e6:g} MB/s "
                                "(a deleting publish uploads twice)")
@@ -387,22 +437,39 @@ def _publish_words(train: dict, size: int) -> str:
     return words
 
 
-def _place_in_output(cfg: ChainConfig, where: str, size: int) -> None:
-    ckpt_dir = str(cfg.train.get("checkpoint_dir", ""))
-    keep = int(cfg.train.get("keep_checkpoints", 2))
-    if checkpoints_in_temp(cfg.train):
-        cfg.train = {**cfg.train, "keep_stable": False}  # it would go with the session
+# Checkpoints must fit the session's 20 GB output, with one more being written before the oldest goes: models too
+# large for that keep one checkpoint in /kaggle/temp (the session publishes it from there); a setting that would
+# overflow the output is an error at load, not a full disk hours into a session. The publish margin grows with the
+# upload (the stable-phase checkpoint travels beside the newest), and where checkpoints live in /kaggle/temp with
+# the session's wait for its version (TEMP_PUBLISH_VERIFY_S).
+
+def _output_peak(train: TrainConfig, size: int) -> int:
+    """What the checkpoints hold in the output at most: those kept, the one being written, the stable-phase one."""
+    return (train.keep_checkpoints + 1 + int(keeps_stable(train))) * size
+
+
+def _check_checkpoint_room(cfg: ChainConfig, where: str) -> None:
+    train, size = cfg.train_config, cfg.checkpoint_bytes
+    if checkpoints_in_temp(train):
         return
-    if ckpt_dir and not ckpt_dir.startswith("{working}"):
-        raise UserError(f"{where}: train.checkpoint_dir {ckpt_dir!r} must be under {{working}} or {{temp}}")
-    stable = int(keeps_stable(cfg.train))
-    peak = (keep + 1 + stable) * size
-    if peak <= OUTPUT_LIMIT_BYTES:
-        return
-    if "checkpoint_dir" in cfg.train or "keep_checkpoints" in cfg.train:
+    if train.checkpoint_dir and not train.checkpoint_dir.startswith("{working}"):
+        raise UserError(f"{where}: train.checkpoint_dir {train.checkpoint_dir!r} must be under {{working}} or {{temp}}")
+    peak = _output_peak(train, size)
+    if peak > OUTPUT_LIMIT_BYTES and ("checkpoint_dir" in cfg.train or "keep_checkpoints" in cfg.train):
+        keep, stable = train.keep_checkpoints, keeps_stable(train)
         also = " and the stable-phase one" if stable else ""
         raise UserError(f"{where}: {keep} kept checkpoints of {size / 1e9:.1f} GB ({keep + 1} while one is written"
                         f"{also}, {peak / 1e9:.1f} GB) overflow the session's {OUTPUT_LIMIT_BYTES / 1e9:g} GB output; "
                         "set train.checkpoint_dir to \"{temp}/checkpoints\" and train.keep_checkpoints to 1")
-    # In /kaggle/temp a stable-phase checkpoint would go with the session: none is kept there.
-    cfg.train = {**cfg.train, "checkpoint_dir": "{temp}/checkpoints", "keep_checkpoints": 1, "keep_stable": False}
+
+
+def _placed_train(cfg: ChainConfig) -> dict:
+    """The config's train settings with its checkpoints placed (checked by `_check_checkpoint_room`): where they
+    overflow the output, one kept in /kaggle/temp; in /kaggle/temp no stable-phase one (it would go with the
+    session)."""
+    train = cfg.train_config
+    if checkpoints_in_temp(train):
+        return {**cfg.train, "keep_stable": False}
+    if _output_peak(train, cfg.checkpoint_bytes) <= OUTPUT_LIMIT_BYTES:
+        return cfg.train
+    return {**cfg.train, "checkpoint_dir": "{temp}/checkpoints", "keep_checkpoints": 1, "keep_stable": False}

@@ -17,8 +17,8 @@ class EvalStage:
         self.ctx = ctx
 
     def run(self) -> None:
-        ctx, ev = self.ctx, self.ctx.cfg.eval
-        if ev.get("enabled", True) is False:
+        ctx = self.ctx
+        if not ctx.cfg.eval_section.enabled:
             return
         if (ctx.state.data.get("eval") or {}).get("status") == "COMPLETE":
             return
@@ -52,16 +52,16 @@ class EvalStage:
 
     def build(self, push_id: str) -> Path:
         """The eval kernel on the checkpoint dataset, with the first token part's validation shards."""
-        ctx, cfg, ev = self.ctx, self.ctx.cfg, self.ctx.cfg.eval
+        ctx, cfg, ev = self.ctx, self.ctx.cfg, self.ctx.cfg.eval_section
         ckpt_ref = ctx.ref(cfg.slug("checkpoints"))
         _datasets, kernels, _ = data_sources(ctx)
-        settings = {"out_dir": "{working}", **ev.get("settings", {})}
+        settings = {"out_dir": "{working}", **ev.settings}
         if kernels and "data_dir" not in settings:
             settings["data_dir"] = "{input:" + kernels[0] + "}"
         return build_kernel("eval", ctx.workdir / "build" / "eval", user=ctx.client.user, slug=cfg.slug("eval"),
                             settings=settings, kernel_type=cfg.kernel_type,
-                            accelerator=ev.get("accelerator", cfg.accelerator), internet=True,
-                            dataset_sources=[ckpt_ref] + list(ev.get("inputs", [])), kernel_sources=kernels[:1],
+                            accelerator=ev.accelerator, internet=True,
+                            dataset_sources=[ckpt_ref] + list(ev.inputs), kernel_sources=kernels[:1],
                             checkpoint_dataset={"dataset": ckpt_ref, "resume_setting": "checkpoint",
                                                 **self.expected_checkpoint()},
                             push_id=push_id)

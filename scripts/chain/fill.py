@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from scripts.chain.config import ChainConfig, config_from_dict
-from scripts.chain.plan import MEASURED_THROUGHPUT, make_plan, planned_train, tokenize_config
+from scripts.chain.plan import MEASURED_THROUGHPUT, make_plan, planned_train
 
 
 class Fill(NamedTuple):
@@ -72,7 +72,7 @@ def _tokens_per_part(cfg: ChainConfig, plan: dict, tokens: int) -> int:
     parts = plan["parts"]
     if not parts:
         return 0
-    shard = tokenize_config(cfg).shard_size
+    shard = cfg.tokenize_section.config.shard_size
     needed = math.ceil((tokens + plan["validation_tokens"]) / parts / shard) * shard
     return needed if needed < plan["tokens_per_part"] else 0
 

@@ -26,18 +26,18 @@ KAGGLE_CODE_URL = "https://www.kaggle.com/code/"
 
 def needed_secrets(cfg) -> dict[str, list[str]]:
     """{kernel name: the secrets it reads} for the kernels of this config that read any."""
+    # The user's own project only: TrainConfig's default one is used where a key exists, none asked for.
     wandb = bool(cfg.train.get("wandb_project"))
     needs = {"train": [*CREDENTIAL_NAMES] + ([WANDB_SECRET] if wandb else [])}
-    ev = cfg.eval
-    if ev.get("enabled", True) is not False:
-        settings = ev.get("settings", {})
-        names = list(CREDENTIAL_NAMES) if settings.get("kaggle_model") else []
-        if settings.get("wandb_project", "") or wandb:
+    ev = cfg.eval_section
+    if ev.enabled:
+        names = list(CREDENTIAL_NAMES) if ev.config.kaggle_model else []
+        if ev.config.wandb_project or wandb:
             names.append(WANDB_SECRET)
         if names:
             needs["eval"] = names
-    if cfg.tokenize.get("hf_token"):  # each part is a notebook of its own
-        for part in range(int(cfg.tokenize.get("parts") or 0)):
+    if cfg.tokenize_section.hf_token:  # each part is a notebook of its own
+        for part in range(cfg.tokenize_section.parts):
             needs[f"tokenize-part-{part}"] = [HF_SECRET]
     return needs
 

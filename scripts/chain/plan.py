@@ -33,7 +33,7 @@ from scripts.chain.limits import (
 )
 from scripts.chain.sizing import MIN_STEPS
 from scripts.chain.storage import storage_line, storage_plan
-from shared.config import AUTO, HELLASWAG_VALIDATION_EXAMPLES, EvalConfig, TokenizeConfig, TrainConfig
+from shared.config import AUTO, HELLASWAG_VALIDATION_EXAMPLES, TrainConfig
 from shared.errors import UserError
 from shared.train.attention import FLASH, SDPA, SETTING_OF, SPLASH, candidates, untiled_kernels
 
@@ -106,7 +106,7 @@ def planned_train(cfg: ChainConfig) -> tuple[TrainConfig, str]:
     """The train settings a session will run with, `micro_batch: auto` resolved as the session would on the
     chain's machine (with the first attention kernel it tries there, shared/train/attention.py, passing its
     probe), and a note saying so, with what a fallback kernel would take where it differs ('' if not auto)."""
-    train = TrainConfig(**{**cfg.train, "max_steps": cfg.total_steps})
+    train = cfg.train_config
     if train.micro_batch != AUTO:
         return train, ""
     from shared.tpu import micro_batch_for  # standard library only at import
@@ -121,14 +121,6 @@ def planned_train(cfg: ChainConfig) -> tuple[TrainConfig, str]:
         if fallback != chosen:
             note += f", {fallback} if it falls back to {STEP_NAMES[attention]}"
     return dataclasses.replace(train, micro_batch=chosen), note
-
-
-def tokenize_config(cfg: ChainConfig) -> TokenizeConfig:
-    return TokenizeConfig(**{**cfg.tokenize.get("settings", {}), "part": 0})
-
-
-def _eval_config(cfg: ChainConfig) -> EvalConfig:
-    return EvalConfig(**cfg.eval.get("settings", {}))
 
 
 def _hours(seconds: float) -> str:
@@ -148,8 +140,8 @@ def make_plan(cfg: ChainConfig, quota: tuple[float, float, str] | None = None,
     """The plan's figures (the printed lines come from these; tests assert them)."""
     train, _ = planned_train(cfg)
     model = train.model
-    tok = tokenize_config(cfg)
-    parts = int(cfg.tokenize.get("parts") or 0)
+    tok = cfg.tokenize_section.config
+    parts = cfg.tokenize_section.parts
     kind = MACHINE_SHAPES.get(cfg.accelerator)
     train_tokens = cfg.total_steps * train.total_batch_tokens
     made_tokens = tok.tokens_in_parts(parts)
@@ -179,8 +171,8 @@ def make_plan(cfg: ChainConfig, quota: tuple[float, float, str] | None = None,
         plan.update(train_seconds=train_s, sessions=sessions,
                     session_tokens=cfg.time_budget * speed.tokens_per_s / (1 + eval_share),
                     train_quota_s=min(train_s, sessions * cfg.time_budget) + overhead_s)
-        plan["eval_quota_s"] = _eval_seconds(cfg, speed.tokens_per_s) if cfg.eval.get("enabled", True) else 0.0
-        eval_kind = MACHINE_SHAPES.get(cfg.eval.get("accelerator", cfg.accelerator))
+        plan["eval_quota_s"] = _eval_seconds(cfg, speed.tokens_per_s) if cfg.eval_section.enabled else 0.0
+        eval_kind = MACHINE_SHAPES.get(cfg.eval_section.accelerator)
         plan["quota_s"] = plan["train_quota_s"] + (plan["eval_quota_s"] if eval_kind == kind else 0.0)
     weekly = quota[1] if quota else WEEKLY_QUOTA_S.get(kind) if kind else None
     plan["weekly_quota_s"], plan["quota_left_s"] = weekly, quota[0] if quota else None
@@ -203,7 +195,7 @@ def hellaswag_every_steps(train: TrainConfig) -> int:
 
 def _eval_seconds(cfg: ChainConfig, train_tokens_per_s: float) -> float:
     """An eval session: start-up, then forward passes at three times the training rate (forward only)."""
-    ev = _eval_config(cfg)
+    ev = cfg.eval_section.config
     rows = 0 if ev.hellaswag == "off" else ev.hellaswag_examples * 4 or HELLASWAG_ROWS
     forward_tokens = ev.val_tokens + rows * HELLASWAG_TOKENS_PER_ROW
     return cfg.startup_margin_s + forward_tokens / (3 * train_tokens_per_s)
@@ -215,9 +207,9 @@ def plan_lines(cfg: ChainConfig, plan: dict, source: str = "") -> list[str]:
     model, user = train.model, cfg.user or "<you>"
     shape = cfg.accelerator or "CPU"
     lines = [f"plan for chain {cfg.name}{f' ({source})' if source else ''}: nothing is pushed", ""]
-    tok_shape = cfg.tokenize.get("accelerator", "") or "CPU"
+    tok_shape = cfg.tokenize_section.accelerator or "CPU"
     if plan["parts"]:
-        tok = tokenize_config(cfg)
+        tok = cfg.tokenize_section.config
         corpus = tok.data_files or f"{tok.dataset} {tok.config}".strip()
         lines.append(f"tokenize  {tok_shape}, internet on: {plan['parts']} part(s) x {_tokens(tok.tokens_per_part)} "
                      f"tokens = {_tokens(plan['tokenized_tokens'])} tokens of {corpus}, shards of "
@@ -246,9 +238,9 @@ def plan_lines(cfg: ChainConfig, plan: dict, source: str = "") -> list[str]:
         lines.append("          train.extend: a finished or decaying run trains on from the stable-phase checkpoint "
                      "its dataset carries (the chain names the step before pushing); the steps and hours here "
                      "count the whole run from step 0")
-    if cfg.eval.get("enabled", True):
-        ev = _eval_config(cfg)
-        lines.append(f"eval      {cfg.eval.get('accelerator', cfg.accelerator) or 'CPU'}: validation loss on "
+    if cfg.eval_section.enabled:
+        ev = cfg.eval_section.config
+        lines.append(f"eval      {cfg.eval_section.accelerator or 'CPU'}: validation loss on "
                      f"{_tokens(ev.val_tokens) if ev.val_tokens else 'all'} tokens, HellaSwag {ev.hellaswag}, "
                      f"samples, HF export {'on' if ev.export else 'off'}; a session of at most "
                  f"{_hours(cfg.eval_session_limit_s)}")
@@ -284,21 +276,21 @@ def plan_lines(cfg: ChainConfig, plan: dict, source: str = "") -> list[str]:
         lines.append(f"quota       {left}: {now}{plan.get('sessions_per_week', 0)} session(s) a week"
                      + (f" -> {weeks} week(s)" if weeks else ""))
     size = plan["checkpoint_bytes"]
-    ckpt_dir = cfg.train.get("checkpoint_dir") or "{working}/train/checkpoints"
-    keep = int(cfg.train.get("keep_checkpoints", 2))
+    ckpt_dir = train.checkpoint_dir or "{working}/train/checkpoints"
+    keep = train.keep_checkpoints
     storage = storage_plan(cfg)
     versions = f"at most {storage.keep} versions kept"
-    if checkpoints_in_temp(cfg.train):
-        versions += (f"; with no copy in the output, a session waits up to {publish_verify_s(cfg.train):.0f} s for "
+    if checkpoints_in_temp(train):
+        versions += (f"; with no copy in the output, a session waits up to {publish_verify_s(train):.0f} s for "
                      "its version and publishes again if it failed")
     midway_s = cfg.midway_publish_s(cfg.session_limit_s) if storage.midway else 0.0
     if midway_s:
         versions += (f"; each session also publishes its first checkpoint past {_hours(midway_s)} in, while it "
                      "trains, for a kill before its end")
     stable = (", and from the end of the stable phase the checkpoint kept there beside it (train.extend trains on "
-              f"from it): {_gb(2 * size)} a version") if keeps_stable(cfg.train) else ""
+              f"from it): {_gb(2 * size)} a version") if keeps_stable(train) else ""
     room = (f"not in the session's output, which holds {OUTPUT_LIMIT_BYTES / 1e9:g} GB"
-            if checkpoints_in_temp(cfg.train) else
+            if checkpoints_in_temp(train) else
             f"{_gb((keep + 1) * size)} while one is written; the output holds {OUTPUT_LIMIT_BYTES / 1e9:g} GB")
     lines.append(f"checkpoint  {_gb(size)} (fp32 weights + AdamW moments), {keep} kept in {ckpt_dir} "
                  f"({room}), published to dataset {user}/{cfg.slug('checkpoints')} "
@@ -317,7 +309,7 @@ def margins(cfg: ChainConfig, plan: dict) -> list[str]:
         spare = plan["tokenized_tokens"] - need
         out.append(f"tokens: {_tokens(plan['tokenized_tokens'])} tokenized for {_tokens(plan['train_tokens'])} "
                    f"trained + {_tokens(plan['validation_tokens'])} validation: {spare / need:+.1%}")
-    uploads_s = upload_s(cfg.train, plan["checkpoint_bytes"])
+    uploads_s = upload_s(cfg.train_config, plan["checkpoint_bytes"])
     out.append(f"session: {cfg.startup_margin_s:g} s for start-up (imports, data, compile); "
                f"{cfg.publish_margin_s:g} s to publish, the uploads alone ~{uploads_s:.0f} s at an assumed "
                f"{ASSUMED_UPLOAD_BYTES_PER_S / 1e6:g} MB/s (a deleting publish uploads twice)")
@@ -377,13 +369,13 @@ def check_builds(cfg: ChainConfig) -> int:
             from scripts.chain.hellaswag import hellaswag_ref
 
             chain.state.data["hellaswag_dataset"] = hellaswag_ref(chain.ctx)
-        parts = int(cfg.tokenize.get("parts") or 0)
+        parts = cfg.tokenize_section.parts
         for part in range(parts):
             chain.tokenize.build(part, "plan")
         chain.train.build("plan", 0)
-        if cfg.eval.get("enabled", True):
+        if cfg.eval_section.enabled:
             chain.eval.build("plan")
-        return parts + 1 + int(cfg.eval.get("enabled", True))
+        return parts + 1 + int(cfg.eval_section.enabled)
 
 
 def check_arithmetic_fit(cfg: ChainConfig, generation: str) -> None:
@@ -422,8 +414,7 @@ def compiled_fit(cfg: ChainConfig, log=print) -> tuple[dict | None, str]:
                "is not installed (bash scripts/setup.sh makes .venv-tpu)")
         check_arithmetic_fit(cfg, generation)
         return None, f"the TPU compiler {why}: HBM checked by arithmetic only"
-    settings = {**cfg.train, "max_steps": cfg.total_steps}
-    train = TrainConfig(**settings)
+    settings, train = cfg.train_settings, cfg.train_config
     seq_len = train.model.block_size
     tried = candidates(generation, seq_len, train.attention)
     untiled = untiled_kernels(generation, seq_len, train.attention) if tried == (SDPA,) else []

@@ -41,11 +41,13 @@ def smoke_config(cfg: ChainConfig) -> ChainConfig:
     one small tokenize part, an eval on a subset; checked like any config."""
     s = {**SMOKE_DEFAULTS, **cfg.smoke}  # the keys were checked with the config
     raw = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-    train = {**cfg.train, "profile_steps": int(s["profile_steps"])}  # a trace to hold against the roofline
-    if keeps_stable(train) and not train.get("extend"):
-        train["keep_stable"] = False  # two short sessions never reach the end of a wsd run's stable phase
+    changes = {"profile_steps": int(s["profile_steps"])}  # a trace to hold against the roofline
+    if keeps_stable(cfg.train_config) and not cfg.train_config.extend:
+        changes["keep_stable"] = False  # two short sessions never reach the end of a wsd run's stable phase
+    train = {**cfg.train, **changes}
     # With checkpoints in /kaggle/temp (gpt2-large/xl) the session also waits for its own version to settle.
-    publish = s["publish_margin_s"] or max(120.0, 60.0 + publish_needs_s(train, cfg.checkpoint_bytes))
+    publish = s["publish_margin_s"] or max(120.0, 60.0 + publish_needs_s(
+        dataclasses.replace(cfg.train_config, **changes), cfg.checkpoint_bytes))
     limit = s["session_limit_s"] or math.ceil(s["startup_margin_s"] + publish + s["train_s"])
     if limit <= s["startup_margin_s"] + publish:
         raise UserError(f"{cfg.name}: smoke.session_limit_s {limit:g} leaves no training time after the smoke's "
@@ -54,14 +56,14 @@ def smoke_config(cfg: ChainConfig) -> ChainConfig:
     raw.update(name=f"{cfg.name}-smoke", slugs={k: f"{v}-smoke" for k, v in cfg.slugs.items()},
                train=train, max_train_sessions=2, max_failed_sessions=1, session_limit_s=limit, session_train_s=0,
                startup_margin_s=s["startup_margin_s"], publish_margin_s=publish, smoke={})
-    if cfg.tokenize.get("parts"):
-        settings = dict(cfg.tokenize.get("settings", {}))
-        shard = min(int(settings.get("shard_size", s["shard_size"])), int(s["shard_size"]))
+    tok = cfg.tokenize_section
+    if tok.parts:
+        shard = min(tok.config.shard_size, int(s["shard_size"]))
         raw["tokenize"] = {**cfg.tokenize, "parts": 1,
-                           "settings": {**settings, "tokens_per_part": int(s["tokens"]), "shard_size": shard}}
-    ev = dict(cfg.eval.get("settings", {}))
-    ev.update(val_tokens=int(s["val_tokens"]), kaggle_model="", samples_per_prompt=1, max_new_tokens=16)
-    if ev.get("hellaswag", "auto") != "off":
+                           "settings": {**tok.settings, "tokens_per_part": int(s["tokens"]), "shard_size": shard}}
+    ev = {**cfg.eval_section.settings, "val_tokens": int(s["val_tokens"]), "kaggle_model": "",
+          "samples_per_prompt": 1, "max_new_tokens": 16}
+    if cfg.eval_section.config.hellaswag != "off":
         ev["hellaswag_examples"] = int(s["hellaswag_examples"])
     raw["eval"] = {**cfg.eval, "settings": ev,
                    "session_limit_s": min(cfg.eval_session_limit_s,
@@ -74,8 +76,7 @@ def quota_cost_s(smoke: ChainConfig) -> float:
     kind = MACHINE_SHAPES.get(smoke.accelerator)
     if not kind:
         return 0.0
-    eval_on_it = smoke.eval.get("enabled", True) and MACHINE_SHAPES.get(smoke.eval.get("accelerator",
-                                                                                      smoke.accelerator)) == kind
+    eval_on_it = smoke.eval_section.enabled and MACHINE_SHAPES.get(smoke.eval_section.accelerator) == kind
     return smoke.max_train_sessions * smoke.session_limit_s + int(bool(eval_on_it)) * smoke.eval_session_limit_s
 
 
@@ -123,10 +124,10 @@ def readiness_rows(smoke: ChainConfig, workdir: Path, failure: str = "", rooflin
     facts = _read_json(folders[0] / FACTS_FILE) if folders else {}
     local = bool(facts.get("session", {}).get("local_kaggle"))
     rows = []
-    if smoke.tokenize.get("parts"):
+    if smoke.tokenize_section.parts:
         done = state.get("tokenize", {}).get("0") == "COMPLETE"
         secs = state.get("tokenize_seconds", {}).get("0")
-        rows.append(Row("tokenize part", done, f"{smoke.tokenize['settings']['tokens_per_part']:,} tokens"
+        rows.append(Row("tokenize part", done, f"{smoke.tokenize_section.config.tokens_per_part:,} tokens"
                         + (f" in {secs:.0f} s" if secs else "") if done else "not complete"))
     rows.append(_packages_row(facts))
     rows.append(_secrets_row(facts))
@@ -276,7 +277,7 @@ def _publish_row(sessions: list[dict], folders: list[Path]) -> Row:
 
 
 def _eval_row(smoke: ChainConfig, state: dict, workdir: Path) -> Row:
-    if smoke.eval.get("enabled", True) is False:
+    if not smoke.eval_section.enabled:
         return Row("eval", None, "off in the config")
     ev = state.get("eval") or {}
     if ev.get("status") != "COMPLETE":
@@ -334,7 +335,7 @@ def run_smoke(cfg: ChainConfig, workdir: Path, make_chain, log=print) -> list[Ro
     except UserError as err:
         failure = str(err)
         log(f"the smoke run stopped: {failure}")
-    rows, measured = readiness_rows(smoke, workdir, failure, {**cfg.train, "max_steps": cfg.total_steps})
+    rows, measured = readiness_rows(smoke, workdir, failure, cfg.train_settings)
     lines = report_lines(rows)
     for line in lines:
         log(line)

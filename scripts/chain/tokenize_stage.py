@@ -20,7 +20,7 @@ def token_part_ref(ctx: StageContext, part: int) -> str:
 
 def data_sources(ctx: StageContext) -> tuple[list[str], list[str], str]:
     """(token datasets, kernels whose output holds token parts, the train kernel's data_dir naming them all)."""
-    parts = int(ctx.cfg.tokenize.get("parts") or 0)
+    parts = ctx.cfg.tokenize_section.parts
     kernels = [token_part_ref(ctx, p) for p in range(parts)] + list(ctx.cfg.token_kernels)
     datasets = list(ctx.cfg.token_datasets)
     data_dir = ",".join("{input:" + r + "}" for r in kernels + datasets)
@@ -33,7 +33,7 @@ class TokenizeStage:
 
     def run(self) -> None:
         ctx = self.ctx
-        parts = int(ctx.cfg.tokenize.get("parts") or 0)
+        parts = ctx.cfg.tokenize_section.parts
         done = ctx.state.data.setdefault("tokenize", {})
         for part in range(parts):
             if done.get(str(part)) == "COMPLETE":
@@ -94,8 +94,8 @@ class TokenizeStage:
                                 f"(last: {error or message or status}); see {logs}")
 
     def build(self, part: int, push_id: str) -> Path:
-        ctx, t = self.ctx, self.ctx.cfg.tokenize
-        settings = {"progress": False, **t.get("settings", {}), "part": part, "out_dir": "{working}"}
+        ctx, t = self.ctx, self.ctx.cfg.tokenize_section
+        settings = {"progress": False, **t.settings, "part": part, "out_dir": "{working}"}
         kernel_sources = []
         if part > 0:
             prev = token_part_ref(ctx, part - 1)
@@ -103,5 +103,5 @@ class TokenizeStage:
             kernel_sources.append(prev)
         return build_kernel("tokenize", ctx.workdir / "build" / f"tokenize-part-{part}", user=ctx.client.user,
                             slug=token_part_ref(ctx, part).split("/")[1], settings=settings,
-                            kernel_type=ctx.cfg.kernel_type, accelerator=t.get("accelerator", ""),
-                            dataset_sources=t.get("inputs", []), kernel_sources=kernel_sources, push_id=push_id)
+                            kernel_type=ctx.cfg.kernel_type, accelerator=t.accelerator,
+                            dataset_sources=list(t.inputs), kernel_sources=kernel_sources, push_id=push_id)

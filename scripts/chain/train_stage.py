@@ -54,7 +54,7 @@ class TrainStage:
         if step >= self.cfg.total_steps and not self.ctx.state.data["train_sessions"]:
             raise UserError(f"nothing to train: checkpoint dataset {ckpt_ref} already holds step {step} of "
                             f"total_steps {self.cfg.total_steps} (raise total_steps to train further)")
-        if self.cfg.train.get("extend") and step:
+        if self.cfg.train_config.extend and step:
             start = extend_start(self.ctx, ckpt_ref, version, self.cfg)
             if start < step and start != self.extend_from:
                 self.extend_from = start
@@ -176,7 +176,7 @@ class TrainStage:
                             checkpoint_dataset={"dataset": ckpt, "resume_setting": "resume_from", "publish": True,
                                                 "title": f"{cfg.name} checkpoints", "expect_step": expect_step,
                                                 "expect_version": expect_version, "delete_old_versions": delete_old,
-                                                "verify_s": publish_verify_s(cfg.train),
+                                                "verify_s": publish_verify_s(cfg.train_config),
                                                 "publish_s": cfg.publish_margin_s,
                                                 "midway_s": cfg.midway_publish_s(limit_s or cfg.session_limit_s)
                                                 if midway else 0.0,
@@ -331,10 +331,9 @@ def extend_start(ctx: StageContext, ref: str, version: int, cfg: ChainConfig) ->
     """The step a train.extend session resumes from, as its trainer will choose it (shared/train/trainer.py
     `resume_point`): the newer of version `version`'s checkpoint and the stable-phase one it carries that agrees
     with the longer schedule. Neither agreeing is one line here, before any session is pushed."""
-    from shared.config import TrainConfig
     from shared.train.optim import same_schedule_until, saved_schedule
 
-    train = TrainConfig(**{**cfg.train, "max_steps": cfg.total_steps})
+    train = cfg.train_config
     seen = []
     for prefix in ("", STABLE_PREFIX):
         state_file = ctx.workdir / "dataset-probe" / f"{prefix}{STATE_FILE}"

@@ -594,9 +594,9 @@ def test_a_checkpoint_kept_only_in_temp_deletes_older_versions_and_its_session_v
         from shared.kaggle.publish import publish_checkpoint
         from scripts.chain.config import publish_verify_s
         ctx.state.data["checkpoint_versions"] = [1, 2]
-        out["working"] = (session_publishes(ctx, 2, 1800)[0], publish_verify_s(ctx.cfg.train))
+        out["working"] = (session_publishes(ctx, 2, 1800)[0], publish_verify_s(ctx.cfg.train_config))
         ctx.cfg.train = {**ctx.cfg.train, "checkpoint_dir": "{temp}/checkpoints", "keep_checkpoints": 1}
-        out["temp"] = (session_publishes(ctx, 2, 1800)[0], publish_verify_s(ctx.cfg.train))
+        out["temp"] = (session_publishes(ctx, 2, 1800)[0], publish_verify_s(ctx.cfg.train_config))
         ckpt = ctx.workdir / "temp" / "step_000030"
         ckpt.mkdir(parents=True)
         (ckpt / "checkpoint.json").write_text(json.dumps({"format": 1, "step": 30, "files": {}}))

@@ -4,6 +4,7 @@ checkpoint sizes are checked at config load; outputs stream to disk; one W&B run
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -16,8 +17,8 @@ from kaggle_fixtures import USER, write_kernel
 
 from scripts.chain.chain import Chain
 from scripts.chain.client import ApiFailure
-from scripts.chain.config import config_from_dict
-from shared.config import MODEL_PRESETS
+from scripts.chain.config import _check_built, config_from_dict
+from shared.config import MODEL_PRESETS, EvalConfig, TokenizeConfig, TrainConfig
 from shared.errors import UserError
 
 BASE = {"name": "unit-run", "token_datasets": ["alice/tokens"]}
@@ -206,6 +207,37 @@ def test_checkpoints_are_placed_where_they_fit_and_the_publish_margin_grows_with
         "to 1")
     assert "checkpoint_dir" not in config_from_dict({**BASE, "train": {**wsd, "keep_stable": False}}).train
     assert config_from_dict({**BASE, "publish_margin_s": 30}).publish_margin_s == 30  # an explicit margin stays
+
+
+def test_a_config_is_built_then_checked_unchanged_and_the_stages_read_its_typed_sections():
+    """Loading checks what the file gives, builds the config (checkpoints placed, the publish margin sized) and checks
+    the built one without changing it; the file's sections stay dicts as given (what the kernels are built with), and
+    their typed forms, every default filled, are built once, and again from a field set later."""
+    raw = {**BASE, "train": {"preset": "gpt2-xl"}, "tokenize": {"parts": 2, "settings": {"shard_size": 1000}},
+           "eval": {"settings": {"val_tokens": 4096}, "inputs": ["alice/hs"]}}
+    xl = config_from_dict(raw)
+    assert raw["train"] == {"preset": "gpt2-xl"} and raw["eval"] == {"settings": {"val_tokens": 4096},
+                                                                     "inputs": ["alice/hs"]}
+    built = dataclasses.asdict(xl)
+    _check_built(xl, "config")
+    assert dataclasses.asdict(xl) == built
+    train = xl.train_config
+    assert (train.checkpoint_dir, train.keep_checkpoints, train.keep_stable) == ("{temp}/checkpoints", 1, False)
+    assert (train.max_steps, train.lr, train.schedule) == (xl.total_steps, TrainConfig().lr, "cosine")
+    assert xl.train_config is train  # built once
+    tok = xl.tokenize_section
+    assert (tok.parts, tok.settings, tok.inputs, tok.accelerator, tok.hf_token) == (2, {"shard_size": 1000}, (), "",
+                                                                                   False)
+    assert (tok.config.shard_size, tok.config.tokens_per_part) == (1000, TokenizeConfig().tokens_per_part)
+    ev = xl.eval_section
+    assert (ev.enabled, ev.settings, ev.inputs) == (True, {"val_tokens": 4096}, ("alice/hs",))
+    assert (ev.accelerator, ev.session_limit_s, ev.kind) == (xl.accelerator, xl.session_limit_s, "tpu")
+    assert (ev.config.val_tokens, ev.config.hellaswag) == (4096, EvalConfig().hellaswag)
+    xl.train = {**xl.train, "schedule": "wsd"}  # a field set later (a test's probe does): built again from it
+    assert xl.train_config.schedule == "wsd" and xl.version_bytes == xl.checkpoint_bytes  # none kept in temp
+    with pytest.raises(UserError) as err:
+        config_from_dict({**BASE, "eval": {"enabled": 0}})
+    assert str(err.value) == "config: eval.enabled must be true or false, got 0"
 
 
 def test_an_explicit_publish_margin_shorter_than_the_publish_is_refused_at_load():

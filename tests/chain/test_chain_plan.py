@@ -3,6 +3,7 @@ will do before anything is pushed (issue 18)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -123,7 +124,7 @@ def test_plan_of_every_example_config_counts_its_sessions_and_tpu_hours(example,
     cfg = load_config(example)
     lines: list[str] = []
     plan = print_plan(cfg, log=lines.append, with_quota=False, measured_path=_no_measurement(tmp_path))
-    assert plan["kernels_built"] == int(cfg.tokenize.get("parts") or 0) + 2  # every kernel built and checked
+    assert plan["kernels_built"] == cfg.tokenize_section.parts + 2  # every kernel built and checked
     train, _ = planned_train(cfg)
     # The estimate: 30% of a v5e-8's 8 x 197 TFLOP/s over the model's FLOPs per token (docs/tpu-throughput.md
     # section 2 lists 549,702 tokens/s for gpt2 at 30%).
@@ -194,8 +195,7 @@ def test_plan_counts_with_the_newest_smoke_measurement_on_that_machine(tmp_path)
     assert plan["tokens_per_s"] == 250_000.0 and plan["tokens_per_s_source"].startswith("measured by --smoke (c")
     # 10.0B tokens at 250K tokens/s: 11.1 h of training, two 8.5-h sessions
     assert plan["sessions"] == 2
-    assert make_plan(cfg.__class__(**{**cfg.__dict__, "plan_tokens_per_s": 1e6}),
-                     measured_path=measured)["tokens_per_s"] == 1e6
+    assert make_plan(dataclasses.replace(cfg, plan_tokens_per_s=1e6), measured_path=measured)["tokens_per_s"] == 1e6
 
 
 def test_plan_warns_when_the_tokenize_parts_are_shorter_than_training(tmp_path):

@@ -173,7 +173,7 @@ def test_the_readiness_report_marks_a_missing_secret_a_wrong_tpu_and_a_wrong_res
 
 def test_the_readiness_report_sets_the_measured_step_time_beside_the_compilers_roofline_for_that_step(tmp_path):
     cfg = load_config(REPO / "examples" / "chain-gpt2-124m.json")
-    settings = {**cfg.train, "max_steps": cfg.total_steps}
+    settings = cfg.train_settings
     asked = []
 
     def compile_step(settings, tpu, log, attention):  # the compile tool's report (its fields as analyse gives them)
