@@ -258,7 +258,7 @@ def flatten_sections(settings: dict, sections: dict[str, type], where: str = "tr
             raise UserError(f"{where}.{name}: a section of settings ({{\"key\": value, ...}}), got {nested!r}")
         for key, value in nested.items():
             if owner.get(key) != name:
-                home = f"; it belongs in {where}.{owner[key]}" if key in owner else ""
+                home = f"; it belongs in the {owner[key]} section" if key in owner else ""
                 raise UserError(f"{where}.{name}: {key} is not a setting of this section{home}")
             if key in flat:
                 raise UserError(f"{where}: {key} is set twice ({where}.{key} and {where}.{name}.{key})")

@@ -22,10 +22,11 @@ from scripts.chain.limits import (
     SESSION_MAX_S,
 )
 from scripts.chain.sections import EvalSection, TokenizeSection, section_keys
-from shared.config import NINE_HOURS, TrainConfig
+from shared.config import NINE_HOURS, TRAIN_SECTIONS, TrainConfig
 from shared.errors import UserError
 from shared.flags import check_field_types
 from shared.kaggle.publish import TEMP_PUBLISH_VERIFY_S
+from shared.train_sections import flatten_sections
 
 # --smoke's sizes and limits; a config's `smoke` section may change any of them (scripts/chain/smoke.py)
 SMOKE_DEFAULTS = {
@@ -259,6 +260,8 @@ def config_from_dict(raw: dict, where: str = "config") -> ChainConfig:
     unknown = sorted(set(raw) - set(fields))
     if unknown:
         raise UserError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(fields)}")
+    if isinstance(raw.get("train"), dict):  # written flat or in TrainConfig's sections: flat from here on
+        raw = {**raw, "train": flatten_sections(raw["train"], TRAIN_SECTIONS, f"{where}: train")}
     given = ChainConfig(**raw)
     _check_given(given, where)
     cfg = _built(given)

@@ -51,7 +51,8 @@ def test_nested_and_flat_settings_build_the_same_config():
 
 
 @pytest.mark.parametrize("settings, message", [
-    ({"optim": {"preset": "gpt2"}}, "train.optim: preset is not a setting of this section; it belongs in train.model"),
+    ({"optim": {"preset": "gpt2"}},
+     "train.optim: preset is not a setting of this section; it belongs in the model section"),
     ({"optim": {"lr": 1e-3}, "lr": 2e-3}, "train: lr is set twice (train.lr and train.optim.lr)"),
     ({"optim": 0.001}, "train.optim: a section of settings"),
     ({"optim": {"learning_rate": 1e-3}}, "train.optim: learning_rate is not a setting of this section"),
@@ -79,3 +80,26 @@ def test_each_sections_checks_run_however_the_config_is_built(changes, message):
         with pytest.raises(UserError) as err:
             build()
         assert message in str(err.value)
+
+
+def test_a_chain_config_may_write_its_train_settings_in_sections():
+    import json
+
+    from scripts.chain.config import config_from_dict
+    from shared.config import TRAIN_SECTIONS
+    from shared.train_sections import section_fields
+
+    raw = {k: v for k, v in json.loads(open("examples/chain-gpt2-124m-muon.json").read()).items()
+           if not k.startswith("_")}
+    owner = section_fields(TRAIN_SECTIONS)
+    nested: dict = {}
+    for key, value in raw["train"].items():
+        nested.setdefault(owner[key], {})[key] = value
+    assert {"model", "optim", "lr_schedule", "step", "evals", "logging"} <= set(nested)
+    flat_cfg, nested_cfg = config_from_dict(raw), config_from_dict({**raw, "train": nested})
+    assert nested_cfg.train == flat_cfg.train and nested_cfg.train_config == flat_cfg.train_config
+    assert (nested_cfg.train_config.muon_lr, nested_cfg.train_config.cooldown_frac) == (0.00036, 0.29)
+    with pytest.raises(UserError) as err:
+        config_from_dict({**raw, "train": {**nested, "optim": {**nested["optim"], "eval_every": 100}}}, "c.json")
+    assert str(err.value) == ("c.json: train.optim: eval_every is not a setting of this section; it belongs in the "
+                              "evals section")
