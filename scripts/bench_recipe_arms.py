@@ -17,7 +17,7 @@ file, so the bench runs what ships) with one change:
   same fraction of the run as at gpt2's 13,352 steps), since a 500-step bench would otherwise hardly decay at all.
 - `attn-scale`: every attention output multiplied by 1/sqrt(2 x n_layer), as the record's blocks do (1/sqrt(24) at 12
   layers). A scaled initialisation would not do it: Muon's steps have a fixed size whatever the weights' scale.
-- `clip`: the gradient's global norm clipped at 1.0.
+- `clip` (or `no-clip` where the example clips): the gradient's global norm clipped at 1.0 (or not at all).
 - `adamw-build-nanogpt`: no Muon: AdamW at build-nanogpt's settings (6e-4 everywhere, decay 0.1 on matrices, clip
   1.0, that warm-up, cosine to 10%).
 
@@ -69,6 +69,7 @@ def recipe_arms(shipped: dict, steps: int, n_layer: int) -> dict[str, tuple[dict
     """Each arm's settings and its attention-output multiplier (1.0: none), keyed by the run folders' names."""
     warmup = max(1, round(steps * BUILD_NANOGPT_WARMUP_SHARE))
     decay = MOONLIGHT_DECAY * GPT2_RECIPE_STEPS / steps
+    clip_arm = "no-clip" if shipped["grad_clip"] else "clip"  # the other side of the example's choice
     adamw = {**shipped, "optimizer": "adamw", "lr": BUILD_NANOGPT_LR, "aux_lr": 0.0, "matrix_lr": 0.0,
              "weight_decay": 0.1, "grad_clip": 1.0, "schedule": "cosine", "warmup_steps": warmup, "min_lr_ratio": 0.1}
     return {
@@ -77,7 +78,7 @@ def recipe_arms(shipped: dict, steps: int, n_layer: int) -> dict[str, tuple[dict
         "warmup": ({**shipped, "warmup_steps": warmup}, 1.0),
         "muon-decay": ({**shipped, "muon_weight_decay": round(decay, 4)}, 1.0),
         "attn-scale": (shipped, (2 * n_layer) ** -0.5),
-        "clip": ({**shipped, "grad_clip": 1.0}, 1.0),
+        clip_arm: ({**shipped, "grad_clip": 0.0 if shipped["grad_clip"] else 1.0}, 1.0),
         "adamw-build-nanogpt": (adamw, 1.0),
     }
 
@@ -203,6 +204,8 @@ def main() -> None:
     parser.add_argument("--evals", type=int, default=10, help="validation evals per run (and checkpoints)")
     parser.add_argument("--eval-batches", type=int, default=16, help="micro-batches per validation eval")
     parser.add_argument("--arms", default="", help="comma-separated subset of the arms (default: all)")
+    parser.add_argument("--example", default=str(SHIPPED_EXAMPLE),
+                        help="the chain config whose train settings are the `shipped` arm (default: the shipped one)")
     args = parser.parse_args()
 
     from shared.config import MODEL_PRESETS, PADDED_VOCAB_SIZE, ModelConfig, TrainConfig
@@ -214,7 +217,7 @@ def main() -> None:
     if args.steps * args.batch_tokens > corpus["train_tokens"]:
         raise UserError(f"--steps {args.steps} x --batch-tokens {args.batch_tokens} is more than one pass over the "
                         f"corpus ({corpus['train_tokens']:,} tokens)")
-    arms = recipe_arms(shipped_settings(), args.steps, args.n_layer)
+    arms = recipe_arms(shipped_settings(Path(args.example)), args.steps, args.n_layer)
     if args.arms:
         unknown = set(args.arms.split(",")) - set(arms)
         if unknown:

@@ -32,16 +32,18 @@ def test_the_shipped_arm_is_the_example_files_optimizer_and_schedule(tmp_path):
 def test_each_arm_changes_only_its_own_settings():
     shipped = shipped_settings()
     arms = recipe_arms(shipped, steps=500, n_layer=4)
-    assert list(arms) == ["shipped", "aux-lr-6e-4", "warmup", "muon-decay", "attn-scale", "clip",
+    assert list(arms) == ["shipped", "aux-lr-6e-4", "warmup", "muon-decay", "attn-scale", "no-clip",
                           "adamw-build-nanogpt"]
     changes = {name: {k: v for k, v in settings.items() if shipped[k] != v} for name, (settings, _) in arms.items()}
     assert changes["shipped"] == {} and changes["attn-scale"] == {}
     assert changes["aux-lr-6e-4"] == {"lr": 6e-4, "aux_lr": 6e-4}
     assert changes["warmup"] == {"warmup_steps": 19}  # 715 of 19,073 steps
     assert changes["muon-decay"] == {"muon_weight_decay": round(0.5 * 13352 / 500, 4)}
-    assert changes["clip"] == {"grad_clip": 1.0}
+    assert changes["no-clip"] == {"grad_clip": 0.0}  # the example clips at 1.0: the arm is the other side
     assert changes["adamw-build-nanogpt"] == {"optimizer": "adamw", "lr": 6e-4, "weight_decay": 0.1,
-                                              "grad_clip": 1.0, "schedule": "cosine", "warmup_steps": 19}
+                                              "schedule": "cosine", "warmup_steps": 19}
+    unclipped = recipe_arms({**shipped, "grad_clip": 0.0}, steps=500, n_layer=4)  # as the bench ran it
+    assert "clip" in unclipped and unclipped["clip"][0]["grad_clip"] == 1.0
     assert arms["attn-scale"][1] == pytest.approx(8 ** -0.5) and {a[1] for n, a in arms.items() if n != "attn-scale"} \
         == {1.0}
     for settings, _ in arms.values():  # every arm is a config the trainer accepts
