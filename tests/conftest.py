@@ -3,6 +3,7 @@ starts only in the folders that train or evaluate in this process: train/ and ev
 package index, a real-text corpus in llm.c shards, one uninterrupted training run, the Kaggle image
 stand-ins, and a busy core beside a test. Plain helpers live in helpers.py."""
 
+import json
 import os
 import subprocess
 import sys
@@ -18,7 +19,7 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 # (tests/train/test_tpu_compile.py) turn the TPU compiler on.
 os.environ.setdefault("TPU_COMPILER_PYTHON", "off")
 
-from helpers import IMAGE_PYTHONS, made_once, train_cli  # noqa: E402
+from helpers import IMAGE_PYTHONS, long_tests_first, made_once, run_lock, train_cli  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -71,10 +72,54 @@ def image_pythons() -> dict[str, Path]:
 
 
 @pytest.fixture
-def cpu_hog():
+def cpu_hog(tmp_path_factory):
     """A busy loop on one core beside the test (a laptop busy with something else), from the test's start until
-    the test kills it (`cpu_hog.kill()`) or ends."""
-    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    yield hog
-    hog.kill()
-    hog.wait()
+    the test kills it (`cpu_hog.kill()`) or ends. One such test runs at a time: two at once on a 2-core machine
+    would be four loads on two cores, and the suite's time would depend on that chance. The tests that use it
+    share an xdist group (one worker runs them in turn, see `pytest_collection_modifyitems`); the lock holds that
+    however the suite is run."""
+    with run_lock(tmp_path_factory, "busy-core"):
+        hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        yield hog
+        hog.kill()
+        hog.wait()
+
+
+# Where the suite's time goes: each test's measured seconds (setup, call and teardown), from an idle run of the
+# whole suite on 2 cores (`pytest -n 2 --record-durations tests/durations.json`). The longest start first, so
+# that a two-worker run does not end with one worker alone on a 7-minute test; the rest keep their order.
+DURATIONS = Path(__file__).parent / "durations.json"
+LONG_TEST_S = 30.0
+
+
+def pytest_addoption(parser):
+    parser.addoption("--record-durations", metavar="PATH", default=None,
+                     help="write each test's measured seconds (setup + call + teardown) to PATH as JSON")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist adds the group to the test's id
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "cpu_hog" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("busy_core"))
+    measured = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    items[:] = long_tests_first(items, measured, LONG_TEST_S)
+
+
+def pytest_configure(config):
+    path = config.getoption("--record-durations")
+    if path and not hasattr(config, "workerinput"):  # the controller writes, from every worker's reports
+        config.pluginmanager.register(DurationRecorder(Path(path)), "duration-recorder")
+
+
+class DurationRecorder:
+    def __init__(self, path: Path):
+        self.path, self.seconds = path, {}
+
+    def pytest_runtest_logreport(self, report):
+        nodeid = report.nodeid.split("@", 1)[0]  # xdist's loadgroup appends "@group"
+        self.seconds[nodeid] = self.seconds.get(nodeid, 0.0) + report.duration
+
+    def pytest_sessionfinish(self, session):
+        rounded = {k: round(v, 1) for k, v in sorted(self.seconds.items(), key=lambda kv: -kv[1])}
+        self.path.write_text(json.dumps(rounded, indent=0) + "\n")

@@ -8,7 +8,8 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -93,17 +94,35 @@ def train_cli(data_dir, out_dir, *extra, timeout=300):
                       *extra, timeout=timeout)
 
 
+def run_folder(tmp_path_factory) -> Path:
+    """This test run's folder, which every xdist worker shares (each worker's own basetemp lies under it)."""
+    root = tmp_path_factory.getbasetemp()
+    return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+
+
+@contextmanager
+def run_lock(tmp_path_factory, name: str) -> Iterator[None]:
+    """Held by one test of the run at a time, across xdist workers: the others wait at the `with`."""
+    folder = run_folder(tmp_path_factory) / "made-once"
+    folder.mkdir(exist_ok=True)
+    with open(folder / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def long_tests_first(items: list, seconds: dict[str, float], at_least: float) -> list:
+    """The tests measured at `at_least` seconds or more, longest first, then the others in their own order."""
+    long = sorted((i for i in items if seconds.get(i.nodeid, 0.0) >= at_least), key=lambda i: -seconds[i.nodeid])
+    return long + [i for i in items if seconds.get(i.nodeid, 0.0) < at_least]
+
+
 def made_once(tmp_path_factory, name: str, make: Callable[[Path], None]) -> Path:
     """The folder `name`, filled by `make` once per test run: under xdist the workers share it (the first to
     come makes it while the others wait on a lock), so a training run that tests on both workers read is not
     run twice. A `make` that fails leaves nothing behind, and the next test to ask tries again."""
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # the run's folder, above each worker's own
+    root = run_folder(tmp_path_factory)
     out, done = root / "made-once" / name, root / "made-once" / f"{name}.done"
-    out.parent.mkdir(exist_ok=True)
-    with open(out.parent / f"{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with run_lock(tmp_path_factory, name):
         if not done.exists():
             shutil.rmtree(out, ignore_errors=True)
             out.mkdir()

@@ -1,0 +1,75 @@
+"""The suite's own time: its busy-core tests never run at once, the longest tests start first, and a run can
+record where its time went (tests/conftest.py)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+from helpers import REPO, long_tests_first
+
+# Two tests with a busy core beside them and two without, each noting when it ran and on which worker; the busy
+# ones first, where two free workers would each take one.
+BUSY_SUITE = '''
+import os, time
+from pathlib import Path
+
+def note(name):
+    start = time.monotonic()
+    time.sleep(1.5)
+    Path(name + ".json").write_text(repr((os.environ.get("PYTEST_XDIST_WORKER"), start, time.monotonic())))
+
+def test_busy_a(cpu_hog):
+    note("busy_a")
+
+def test_busy_b(cpu_hog):
+    note("busy_b")
+
+def test_plain_a():
+    note("plain_a")
+
+def test_plain_b():
+    note("plain_b")
+'''
+
+
+def test_the_busy_core_tests_run_in_turn_on_one_worker_while_the_other_worker_runs_the_rest(tmp_path):
+    # The repo's own conftest and pytest settings (pyproject's addopts), over a suite of four tests.
+    (tmp_path / "conftest.py").write_text(
+        "import importlib.util, sys\n"
+        f"sys.path.insert(0, {str(REPO / 'tests')!r})\n"
+        f"spec = importlib.util.spec_from_file_location('repo_conftest', {str(REPO / 'tests' / 'conftest.py')!r})\n"
+        "module = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(module)\n"
+        "globals().update({k: v for k, v in vars(module).items() if not k.startswith('__')})\n")
+    (tmp_path / "test_busy.py").write_text(BUSY_SUITE)
+    record = tmp_path / "durations.json"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-c", str(REPO / "pyproject.toml"), "--rootdir",
+                           str(tmp_path), "-q", "-n", "2", "-p", "no:cacheprovider", "--record-durations",
+                           str(record), str(tmp_path / "test_busy.py")],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ran = {name: eval((tmp_path / f"{name}.json").read_text())
+           for name in ("busy_a", "busy_b", "plain_a", "plain_b")}
+    (worker_a, start_a, end_a), (worker_b, start_b, end_b) = ran["busy_a"], ran["busy_b"]
+    assert worker_a == worker_b and worker_a is not None
+    assert end_a <= start_b or end_b <= start_a
+    seconds = json.loads(record.read_text())
+    assert sorted(seconds) == sorted(f"test_busy.py::test_{n}" for n in ("busy_a", "busy_b", "plain_a", "plain_b"))
+    assert all(1.5 <= s < 60 for s in seconds.values())
+
+
+def test_the_tests_measured_long_start_first_longest_first_and_the_rest_keep_their_order():
+    items = [SimpleNamespace(nodeid=n) for n in ("a", "b", "c", "d", "e")]
+    seconds = {"b": 40.0, "d": 400.0, "e": 29.9, "a": 1.0}
+    assert [i.nodeid for i in long_tests_first(items, seconds, 30.0)] == ["d", "b", "a", "c", "e"]
+
+
+def test_the_recorded_durations_name_only_tests_that_exist():
+    recorded = json.loads((REPO / "tests" / "durations.json").read_text())
+    for nodeid in recorded:
+        path = nodeid.split("::", 1)[0]
+        assert (REPO / path).exists(), nodeid
+        name = nodeid.split("::", 1)[1].split("[", 1)[0]
+        assert f"def {name}(" in Path(REPO / path).read_text(), nodeid
