@@ -114,24 +114,35 @@ def test_the_training_loop_reads_in_at_most_100_lines():
     assert train.end_lineno - train.lineno + 1 <= 100
 
 
-def readme_layout_paths() -> list[str]:
-    """The paths the README's layout table names: each row's first cell, one or more `path`s (a folder ends in /,
+def layout_table_paths() -> list[str]:
+    """The paths docs/layout.md's table names: each row's first cell, one or more `path`s (a folder ends in /,
     `bench_*.py` is a pattern)."""
-    readme = (SHARED.parent / "README.md").read_text()
-    table = readme.split("\n## Layout", 1)[1].split("\n## ", 1)[0]
     paths = []
-    for line in table.splitlines():
+    for line in (SHARED.parent / "docs" / "layout.md").read_text().splitlines():
         cells = line.split("|")
         if line.startswith("| `") and len(cells) > 2:
             paths += re.findall(r"`([^`]+)`", cells[1])
     return paths
 
 
-def test_the_readmes_layout_table_names_every_module_and_only_files_that_exist():
+def test_the_layout_table_names_every_module_and_only_files_that_exist():
     root = SHARED.parent
-    named = readme_layout_paths()
+    named = layout_table_paths()
     assert [p for p in named if not list(root.glob(p.rstrip("/")))] == []  # nothing named that is gone
     modules = [p.relative_to(root).as_posix() for folder in ("shared", "scripts", "kernels")
                for p in sorted((root / folder).rglob("*.py")) if p.name != "__init__.py"]
     unnamed = [m for m in modules if not any(fnmatch.fnmatch(m, p) for p in named)]
     assert unnamed == []
+
+
+def test_the_readme_is_a_quick_start_with_the_demo_and_test_commands_and_every_page_it_points_to_exists():
+    root = SHARED.parent
+    readme = (root / "README.md").read_text()
+    assert len(readme.splitlines()) <= 160
+    commands = re.findall(r"```bash\n(.*?)```", readme, re.S)
+    assert "bash scripts/setup.sh && .venv/bin/python scripts/chain_sessions.py --local-demo\n" in commands
+    assert "bash scripts/setup.sh --kaggle-image && .venv/bin/ruff check . && .venv/bin/python -m pytest -q -n 2\n" \
+        in commands
+    pages = set(re.findall(r"\bdocs/[\w./-]+\.md", readme))
+    assert {"docs/usage.md", "docs/layout.md"} <= pages
+    assert [p for p in sorted(pages) if not (root / p).exists()] == []
