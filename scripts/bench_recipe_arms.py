@@ -1,20 +1,24 @@
 """The shipped one-session recipe against one change at a time, on a GPT-2-shaped model (GELU, LayerNorm with gains,
 biases, learned positions, tied head: the project's own model, trained by its own trainer) on real text, several
-paired seeds, long enough to get well below the first plateau (issue 48).
+paired seeds, long enough to get well below the first plateau.
 
-    python scripts/bench_recipe_arms.py                 # 7 arms x 2 seeds, 500 steps each (docs/recipe.md 4b)
-    python scripts/bench_recipe_arms.py --seeds 3 --steps 800
+    python scripts/bench_recipe_arms.py                 # 7 arms x 4 seeds, 500 steps each (docs/recipe.md 4b)
+    python scripts/bench_recipe_arms.py --seeds 6 --steps 800
+
+A seed sets the initialisation and the data: each seed reads a window of the corpus's training tokens of its own
+(no token read by two seeds), and every arm of a seed reads the same window from the same start. So seeds differ
+as two real runs would, and the difference between an arm and `shipped` is paired seed by seed.
 
 The arms, each the shipped settings (examples/chain-gpt2-124m-muon.json's optimizer and schedule, read from the
 file, so the bench runs what ships) with one change:
 
 - `shipped`: as shipped (Muon at the 2024-10-10 record's settings; AdamW 0.0036 for the rest, no warm-up, no clip,
   no decay of any kind).
-- `aux-lr-6e-4`: the token and position embeddings (so the tied head), biases and gains at build-nanogpt's 6e-4.
+- `aux-lr-6e-4`: the position embeddings, biases and gains at build-nanogpt's 6e-4; the token embedding (so the
+  tied head) keeps the shipped LR.
 - `warmup`: a linear warm-up over build-nanogpt's share of the run (715 of 19,073 steps).
-- `muon-decay`: Muon's matrices decay as Moonlight's do (lambda 0.1 at its LR, whose steps have RMS 0.2 x LR: 0.5 in
-  this project's `max_dim` convention at the shipped Muon LR), at the same timescale per run (1 / (LR x decay) the
-  same fraction of the run as at gpt2's 13,352 steps), since a 500-step bench would otherwise hardly decay at all.
+- `muon-decay`: Muon's matrices decay as Moonlight's do, at its strength per step (lambda 0.1 at its LR, whose
+  steps have RMS 0.2 x LR: 0.5 in this project's `max_dim` convention at the shipped Muon LR).
 - `attn-scale`: every attention output multiplied by 1/sqrt(2 x n_layer), as the record's blocks do (1/sqrt(24) at 12
   layers). A scaled initialisation would not do it: Muon's steps have a fixed size whatever the weights' scale.
 - `clip` (or `no-clip` where the example clips): the gradient's global norm clipped at 1.0 (or not at all).
@@ -22,8 +26,9 @@ file, so the bench runs what ships) with one change:
   1.0, that warm-up, cosine to 10%).
 
 Each run checkpoints at every eval; the bench reads the RMS of every block matrix from them (weight_rms.json per run)
-and deletes them. Output: a table (final val loss, mean ± sd, and each arm minus `shipped` per seed), the val loss
-curves and the weight RMS per layer over the run as PNGs, in --out-dir.
+and deletes them. Output: a table (final val loss, mean ± sd; each arm minus `shipped`, its mean with a paired 95%
+interval, whether that interval leaves out zero, and each seed's difference), the val loss curves and the weight RMS
+per layer over the run as PNGs, in --out-dir.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shutil
 import statistics
@@ -47,7 +53,6 @@ SHIPPED_EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "chain-g
 OPTIMIZER_KEYS = ("optimizer", "lr", "weight_decay", "aux_lr", "matrix_lr", "muon_lr", "muon_scale", "muon_momentum",
                   "muon_momentum_warmup_steps", "muon_weight_decay", "grad_clip", "schedule", "warmup_steps",
                   "cooldown_frac", "cooldown_shape", "min_lr_ratio")
-GPT2_RECIPE_STEPS = 13_352  # the shipped run's length, for the decay's timescale
 BUILD_NANOGPT_LR = 6e-4
 BUILD_NANOGPT_WARMUP_SHARE = 715 / 19_073
 # Moonlight: W -= eta (0.2 sqrt(max dim) O + 0.1 W). Ours (max_dim): W -= muon_lr (sqrt(max dim) O + wd W), so
@@ -68,19 +73,70 @@ def shipped_settings(path: Path = SHIPPED_EXAMPLE) -> dict:
 def recipe_arms(shipped: dict, steps: int, n_layer: int) -> dict[str, tuple[dict, float]]:
     """Each arm's settings and its attention-output multiplier (1.0: none), keyed by the run folders' names."""
     warmup = max(1, round(steps * BUILD_NANOGPT_WARMUP_SHARE))
-    decay = MOONLIGHT_DECAY * GPT2_RECIPE_STEPS / steps
     clip_arm = "no-clip" if shipped["grad_clip"] else "clip"  # the other side of the example's choice
     adamw = {**shipped, "optimizer": "adamw", "lr": BUILD_NANOGPT_LR, "aux_lr": 0.0, "matrix_lr": 0.0,
              "weight_decay": 0.1, "grad_clip": 1.0, "schedule": "cosine", "warmup_steps": warmup, "min_lr_ratio": 0.1}
     return {
         "shipped": (shipped, 1.0),
-        "aux-lr-6e-4": ({**shipped, "lr": BUILD_NANOGPT_LR, "aux_lr": BUILD_NANOGPT_LR}, 1.0),
+        "aux-lr-6e-4": ({**shipped, "aux_lr": BUILD_NANOGPT_LR}, 1.0),  # `lr` is the tied embedding's: kept
         "warmup": ({**shipped, "warmup_steps": warmup}, 1.0),
-        "muon-decay": ({**shipped, "muon_weight_decay": round(decay, 4)}, 1.0),
+        "muon-decay": ({**shipped, "muon_weight_decay": MOONLIGHT_DECAY}, 1.0),
         "attn-scale": (shipped, (2 * n_layer) ** -0.5),
         clip_arm: ({**shipped, "grad_clip": 0.0 if shipped["grad_clip"] else 1.0}, 1.0),
         "adamw-build-nanogpt": (adamw, 1.0),
     }
+
+
+def seed_data_dirs(data_dir: Path, out_root: Path, seeds: int, tokens: int) -> list[Path]:
+    """A data folder per seed: one training shard holding the seed's own window of `tokens` training tokens (the
+    corpus's shards read end to end; no token in two windows), beside links to the corpus's validation shards,
+    which every seed shares. Written once, kept beside the runs."""
+    import numpy as np
+
+    from shared.data import find_shards, read_shard, write_shard
+
+    train = np.concatenate([read_shard(path) for path in find_shards(str(data_dir), "train")])
+    if seeds * tokens > train.size:
+        raise UserError(f"{seeds} seeds x {tokens:,} tokens each is more than the corpus's {train.size:,} training "
+                        "tokens: fewer --seeds, --steps or --batch-tokens")
+    folders = []
+    for index in range(seeds):
+        folder = out_root / "data" / f"window{index}-of-{tokens}"
+        shard = folder / "bench_train_000000.bin"
+        if not shard.exists():
+            folder.mkdir(parents=True, exist_ok=True)
+            for val in find_shards(str(data_dir), "val"):
+                (folder / val.name).unlink(missing_ok=True)
+                (folder / val.name).symlink_to(val.resolve())
+            write_shard(shard, train[index * tokens:(index + 1) * tokens])
+        folders.append(folder)
+    return folders
+
+
+def t_quantile_975(df: int) -> float:
+    """Student's t at 0.975 with `df` degrees of freedom (a two-sided 95% interval's multiplier): its CDF, the
+    density integrated by Simpson's rule, solved by bisection."""
+    log_norm = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+
+    def cdf(x: float, n: int = 4000) -> float:
+        h = x / n
+        density = [math.exp(log_norm - (df + 1) / 2 * math.log1p((i * h) ** 2 / df)) for i in range(n + 1)]
+        return 0.5 + h / 3 * (density[0] + density[-1] + 4 * sum(density[1:-1:2]) + 2 * sum(density[2:-1:2]))
+
+    low, high = 0.0, 100.0
+    for _ in range(50):
+        mid = (low + high) / 2
+        low, high = (mid, high) if cdf(mid) < 0.975 else (low, mid)
+    return (low + high) / 2
+
+
+def paired_interval(diffs: list[float]) -> tuple[float, float]:
+    """The mean of per-seed differences and the half-width of its 95% interval (t with n - 1 degrees of freedom);
+    inf where one seed gives no spread to measure."""
+    mean = statistics.mean(diffs)
+    if len(diffs) < 2:
+        return mean, math.inf
+    return mean, t_quantile_975(len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
 
 
 @contextlib.contextmanager
@@ -171,16 +227,25 @@ def final_rms_by_kind(trace: list[dict]) -> dict[str, float]:
 
 
 def report(finals: dict[str, list[float]], rms: dict[str, dict[str, float]], seeds: int) -> str:
-    """The table: each arm's final val loss, its difference from `shipped` seed by seed, and its block matrices'
-    final RMS per kind (the first seed)."""
+    """The table: each arm's final val loss; its difference from `shipped`, paired seed by seed, as a mean with its
+    95% interval and whether that interval leaves out zero; each seed's difference; and its block matrices' final
+    RMS per kind (the first seed)."""
     shipped = finals["shipped"]
     kinds = list(next(iter(rms.values())))
-    lines = [f"| arm | final val loss: mean ± sd (min–max), {seeds} seeds | minus shipped's, per seed | "
-             + " | ".join(f"{k} RMS" for k in kinds) + " |", "| --- | --- | --- |" + " --- |" * len(kinds)]
+    lines = [f"| arm | final val loss: mean ± sd (min–max), {seeds} seeds | minus shipped's: mean ± 95% interval "
+             "(paired) | significant | per seed | " + " | ".join(f"{k} RMS" for k in kinds) + " |",
+             "| --- | --- | --- | --- | --- |" + " --- |" * len(kinds)]
     for arm, values in finals.items():
-        diffs = "—" if arm == "shipped" else ", ".join(f"{v - s:+.4f}" for v, s in zip(values, shipped, strict=True))
-        lines.append(f"| {arm} | {spread(values)} | {diffs} | " + " | ".join(f"{rms[arm][k]:.4f}" for k in kinds)
-                     + " |")
+        if arm == "shipped":
+            paired, verdict, per_seed = "—", "—", "—"
+        else:
+            diffs = [v - s for v, s in zip(values, shipped, strict=True)]
+            mean, half = paired_interval(diffs)
+            paired = f"{mean:+.4f} ± {half:.4f}"
+            verdict = ("no" if abs(mean) <= half else "yes, worse" if mean > 0 else "yes, better")
+            per_seed = ", ".join(f"{d:+.4f}" for d in diffs)
+        lines.append(f"| {arm} | {spread(values)} | {paired} | {verdict} | {per_seed} | "
+                     + " | ".join(f"{rms[arm][k]:.4f}" for k in kinds) + " |")
     return "\n".join(lines)
 
 
@@ -197,10 +262,15 @@ def main() -> None:
     parser.add_argument("--batch-tokens", type=int, default=2048, help="tokens per optimizer step")
     parser.add_argument("--micro-batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=500, help="optimizer steps per run")
-    parser.add_argument("--seeds", type=int, default=2, help="paired seeds (each gives every arm the same start)")
+    parser.add_argument("--seeds", type=int, default=4,
+                        help="paired seeds: each its own initialisation and its own window of the corpus, the same "
+                             "for every arm")
     parser.add_argument("--first-seed", type=int, default=1337,
-                        help="the first seed (two processes on different seeds share the work; a run that is "
+                        help="the first seed, which reads the corpus's first window (processes on different seeds "
+                             "share the work, each with --seeds 1 and its own --first-seed and --window; a run "
                              "already finished in --out-dir is read, not run again)")
+    parser.add_argument("--window", type=int, default=0,
+                        help="the corpus window the first seed reads (seed k reads window --window + k)")
     parser.add_argument("--evals", type=int, default=10, help="validation evals per run (and checkpoints)")
     parser.add_argument("--eval-batches", type=int, default=16, help="micro-batches per validation eval")
     parser.add_argument("--arms", default="", help="comma-separated subset of the arms (default: all)")
@@ -214,9 +284,6 @@ def main() -> None:
     data_dir = remap_vocabulary(Path(args.corpus_dir), args.vocab) if args.vocab else Path(args.corpus_dir)
     MODEL_PRESETS["bench"] = ModelConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
                                          block_size=args.seq_len, vocab_size=args.vocab or PADDED_VOCAB_SIZE)
-    if args.steps * args.batch_tokens > corpus["train_tokens"]:
-        raise UserError(f"--steps {args.steps} x --batch-tokens {args.batch_tokens} is more than one pass over the "
-                        f"corpus ({corpus['train_tokens']:,} tokens)")
     arms = recipe_arms(shipped_settings(Path(args.example)), args.steps, args.n_layer)
     if args.arms:
         unknown = set(args.arms.split(",")) - set(arms)
@@ -230,16 +297,19 @@ def main() -> None:
                        keep_stable=False, progress=True, wandb_project="", xla_cache=False, time_budget=1e9,
                        log_every=10, max_steps=args.steps, seed=args.first_seed)
     out_root = Path(args.out_dir)
+    windows = seed_data_dirs(data_dir, out_root, args.window + args.seeds, args.steps * args.batch_tokens + 1)
     print(f"corpus: {corpus['train_tokens']:,} train tokens; {len(arms)} arms x {args.seeds} seeds x {args.steps} "
-          f"steps of {args.batch_tokens:,} tokens")
+          f"steps of {args.batch_tokens:,} tokens, each seed on a window of its own")
     curves: dict[str, list] = {name: [] for name in arms}
     traces: dict[str, list] = {name: [] for name in arms}
     for index in range(args.seeds):
-        seed = base.seed + index
+        seed, window = base.seed + index, args.window + index
         for name, (settings, attn_scale) in arms.items():
+            cfg = replace(base, seed=seed, data_dir=str(windows[window]), **settings)
+            run_name = f"{name}-seed{seed}-window{window}"
             with attention_output_scaled(attn_scale):
-                curves[name].append(run(f"{name}-seed{seed}", replace(base, seed=seed, **settings), out_root))
-            traces[name].append(weight_rms_trace(out_root / f"{name}-seed{seed}"))
+                curves[name].append(run(run_name, cfg, out_root))
+            traces[name].append(weight_rms_trace(out_root / run_name))
     finals = {name: [curve[-1][1] for curve in runs] for name, runs in curves.items()}
     rms = {name: final_rms_by_kind(runs[0]) for name, runs in traces.items()}
     table = report(finals, rms, args.seeds)
