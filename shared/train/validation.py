@@ -1,6 +1,6 @@
 """Validation inside training: the loss over the validation shard(s), sharded over all devices like training, and
-the periodic evaluation every `eval_every` steps (validation loss, a HellaSwag subset, one sample). The eval
-kernel (shared/eval/evaluate.py) uses the same validation loss. HellaSwag scoring and sampling
+the periodic evaluation every `eval_every` steps (validation loss, the model's health, a HellaSwag subset, one
+sample). The eval kernel (shared/eval/evaluate.py) uses the same validation loss. HellaSwag scoring and sampling
 (shared/hellaswag.py, shared/sampling.py) are imported only where a run asks for them."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from shared.data import TokenLoader
+from shared.train.health import health_record
 
 
 @torch.no_grad()
@@ -25,6 +26,14 @@ def validation_loss(model: torch.nn.Module, loader: TokenLoader, runtime, batche
         total += loss.detach().float()
         runtime.sync()
     return runtime.mean_across(total).item() / batches  # under DDP each process saw its own rows
+
+
+def first_rows(loader: TokenLoader, rows: int):
+    """The first `rows` rows of the loader's first batch (the loader rewound first; its next read starts over)."""
+    loader.state.epoch = loader.state.shard_index = loader.state.offset = 0
+    batch = loader.next_batch()
+    loader.state.epoch = loader.state.shard_index = loader.state.offset = 0
+    return batch[: min(rows, batch.shape[0])]
 
 
 def one_pass_batches(loader: TokenLoader, max_tokens: int = 0) -> int:
@@ -70,7 +79,8 @@ def _training_hellaswag(path: str, examples: int, block_size: int, log):
 
 def periodic_eval(model, runtime, cfg, step: int, tokens: int, val_loader: TokenLoader | None, logger,
                   hellaswag: bool = True) -> dict:
-    """The evaluation every `cfg.eval_every` steps: validation loss (when there are validation shards), HellaSwag
+    """The evaluation every `cfg.eval_every` steps: validation loss and the model's health (weight RMS and the largest
+    attention logit, shared/train/health.py; when there are validation shards), HellaSwag
     (with `hellaswag`) on `cfg.hellaswag_examples` seeded random examples of `cfg.hellaswag_file` (when set), and
     one sample from `cfg.sample_prompt` (when set). Each result is one record in the metrics JSONL (and W&B).
 
@@ -82,6 +92,9 @@ def periodic_eval(model, runtime, cfg, step: int, tokens: int, val_loader: Token
     if val_loader is not None:
         results["val_loss"] = validation_loss(model, val_loader, runtime, cfg.eval_batches, cfg.bf16)
         logger.write({"step": step, "tokens": tokens, "val_loss": results["val_loss"]})
+        health = health_record(model, runtime, first_rows(val_loader, runtime.num_devices), cfg.bf16)
+        results.update(health)
+        logger.write({"step": step, "tokens": tokens, **health})
     block_size = model.config.block_size
     if hellaswag and getattr(cfg, "hellaswag_file", ""):
         data = _training_hellaswag(cfg.hellaswag_file, cfg.hellaswag_examples, block_size, log)

@@ -102,12 +102,19 @@ def test_no_recompilation_after_step_two(demo_data, tmp_path):
     assert all(r["host_trace_ms"] > 0 and r["sync_ms"] >= 0 and 0 <= r["device_busy"] <= 1 for r in later)
     assert sum(r["device_ms"] for r in later) > 0
     # Between the logs of steps 8 and 9 lie the eval after step 8 and step 9 itself: host-to-device the step's
-    # tokens and one batch per eval batch; device-to-host the three logged scalars and the eval's mean loss.
-    assert records[9]["h2d_transfers"] - records[8]["h2d_transfers"] == 1 + cfg.eval_batches
-    assert records[9]["d2h_transfers"] - records[8]["d2h_transfers"] == 3 + 1
+    # tokens, one batch per eval batch and the health check's rows; device-to-host the three logged scalars, the
+    # eval's mean loss, and the health check's two reads (the weight RMS by kind, the attention logits by layer).
+    assert records[9]["h2d_transfers"] - records[8]["h2d_transfers"] == 1 + cfg.eval_batches + 1
+    assert records[9]["d2h_transfers"] - records[8]["d2h_transfers"] == 3 + 1 + 2
     val = [(r["step"], r["val_loss"]) for r in read_metrics(tmp_path / "metrics.jsonl") if "val_loss" in r]
     # At the session start, after steps 2, 4, 6, 8, and at the run's last step, 9, though 9 is no multiple of 2.
     assert [step for step, _ in val] == [0, 2, 4, 6, 8, 9] and all(np.isfinite([v for _, v in val]))
+    # Each eval also logs the model's health: tiny's two layers, its matrices at GPT-2's init scale at step 0.
+    health = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "attn_logit_max" in r]
+    assert [r["step"] for r in health] == [0, 2, 4, 6, 8, 9]
+    assert all(np.isfinite(r["attn_logit_max"]) and r["attn_logit_max_layer"] in (0, 1) for r in health)
+    assert health[0]["weight_rms"]["attn.c_attn"] == pytest.approx(0.02, rel=0.1)
+    assert health[-1]["weight_rms"] != health[0]["weight_rms"]  # read afresh at each eval
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
