@@ -286,18 +286,41 @@ def compare(base, args, steps: int, out_root: Path) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out-dir", default="runs/bench-recipe")
+def add_bench_args(parser: argparse.ArgumentParser, **defaults) -> None:
+    """The flags both recipe benches take, with each bench's own defaults (out_dir, vocab, seq_len, batch_tokens,
+    micro_batch, evals, eval_batches): where the corpus and the runs go, the model's size, the batch, the evals."""
+    parser.add_argument("--out-dir", default=defaults["out_dir"])
     parser.add_argument("--corpus-dir", default="data/bench-corpus")
     parser.add_argument("--text-dir", default=None, help="documents to use instead of Debian's documentation")
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--n-embd", type=int, default=128)
     parser.add_argument("--n-head", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=4096, help="the most frequent tokens kept (0: GPT-2's all)")
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--batch-tokens", type=int, default=16384, help="tokens per optimizer step")
-    parser.add_argument("--micro-batch", type=int, default=32)
+    parser.add_argument("--vocab", type=int, default=defaults["vocab"],
+                        help="the most frequent tokens kept (0: GPT-2's all)")
+    parser.add_argument("--seq-len", type=int, default=defaults["seq_len"])
+    parser.add_argument("--batch-tokens", type=int, default=defaults["batch_tokens"], help="tokens per optimizer step")
+    parser.add_argument("--micro-batch", type=int, default=defaults["micro_batch"])
+    parser.add_argument("--evals", type=int, default=defaults["evals"], help="validation evals per (full-budget) run")
+    parser.add_argument("--eval-batches", type=int, default=defaults["eval_batches"],
+                        help="micro-batches per validation eval")
+
+
+def prepare_bench(args: argparse.Namespace) -> tuple[dict, Path]:
+    """The corpus (built once) and the folder its runs read (over --vocab's remapped vocabulary where set); and the
+    bench's model size as the preset "bench", of this process only (the trainer takes its model by preset)."""
+    from shared.config import MODEL_PRESETS, PADDED_VOCAB_SIZE, ModelConfig
+
+    corpus = build_corpus(Path(args.corpus_dir), Path(args.text_dir) if args.text_dir else None)
+    data_dir = remap_vocabulary(Path(args.corpus_dir), args.vocab) if args.vocab else Path(args.corpus_dir)
+    MODEL_PRESETS["bench"] = ModelConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+                                         block_size=args.seq_len, vocab_size=args.vocab or PADDED_VOCAB_SIZE)
+    return corpus, data_dir
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_bench_args(parser, out_dir="runs/bench-recipe", vocab=4096, seq_len=256, batch_tokens=16384, micro_batch=32,
+                   evals=4, eval_batches=20)
     parser.add_argument("--tokens", type=float, default=1.0e6, help="the token budget of the control")
     parser.add_argument("--backend", default="cpu")
     parser.add_argument("--seeds", type=int, default=3, help="seeds per setting (each pairs the two arms)")
@@ -309,21 +332,15 @@ def main() -> None:
                              "sweep in docs/recipe.md section 4, so the best lies inside the sweep)")
     parser.add_argument("--muon-lr", type=float, default=0.02)
     parser.add_argument("--muon-fractions", default="1,0.5,0.25", help="Muon's budgets, as fractions of --tokens")
-    parser.add_argument("--evals", type=int, default=4, help="validation evals per full-budget run")
-    parser.add_argument("--eval-batches", type=int, default=20, help="micro-batches per validation eval")
     parser.add_argument("--compare", action="store_true",
                         help="Muon's settings side by side instead of Muon against AdamW: the 2024-10-10 record's "
                              "(the recipe's), its Muon LR x0.5, x2 and x4, and the recipe before issue 32, on "
                              "paired seeds (compared_settings)")
     args = parser.parse_args()
 
-    from shared.config import MODEL_PRESETS, PADDED_VOCAB_SIZE, ModelConfig, TrainConfig
+    from shared.config import TrainConfig
 
-    corpus = build_corpus(Path(args.corpus_dir), Path(args.text_dir) if args.text_dir else None)
-    data_dir = remap_vocabulary(Path(args.corpus_dir), args.vocab) if args.vocab else Path(args.corpus_dir)
-    # The benchmark's own model size, a preset of this process only (the trainer takes its model by preset).
-    MODEL_PRESETS["bench"] = ModelConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-                                         block_size=args.seq_len, vocab_size=args.vocab or PADDED_VOCAB_SIZE)
+    corpus, data_dir = prepare_bench(args)
     print(f"corpus: {corpus['train_tokens']:,} train / {corpus['val_tokens']:,} validation tokens, "
           f"{corpus['documents']:,} documents ({corpus['source']})")
     steps = int(args.tokens // args.batch_tokens)

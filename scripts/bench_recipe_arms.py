@@ -46,7 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scripts.bench_recipe import build_corpus, plot_curves, remap_vocabulary, run, spread  # noqa: E402
+from scripts.bench_recipe import add_bench_args, plot_curves, prepare_bench, run, spread  # noqa: E402
 from shared.errors import UserError, run_cli  # noqa: E402
 
 SHIPPED_EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "chain-gpt2-124m-muon.json"
@@ -251,16 +251,8 @@ def report(finals: dict[str, list[float]], rms: dict[str, dict[str, float]], see
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out-dir", default="runs/bench-recipe-arms")
-    parser.add_argument("--corpus-dir", default="data/bench-corpus")
-    parser.add_argument("--text-dir", default=None, help="documents to use instead of Debian's documentation")
-    parser.add_argument("--n-layer", type=int, default=4)
-    parser.add_argument("--n-embd", type=int, default=128)
-    parser.add_argument("--n-head", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=2048, help="the most frequent tokens kept (0: GPT-2's all)")
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--batch-tokens", type=int, default=2048, help="tokens per optimizer step")
-    parser.add_argument("--micro-batch", type=int, default=16)
+    add_bench_args(parser, out_dir="runs/bench-recipe-arms", vocab=2048, seq_len=128, batch_tokens=2048,
+                   micro_batch=16, evals=10, eval_batches=16)
     parser.add_argument("--steps", type=int, default=500, help="optimizer steps per run")
     parser.add_argument("--seeds", type=int, default=4,
                         help="paired seeds: each its own initialisation and its own window of the corpus, the same "
@@ -271,19 +263,14 @@ def main() -> None:
                              "already finished in --out-dir is read, not run again)")
     parser.add_argument("--window", type=int, default=0,
                         help="the corpus window the first seed reads (seed k reads window --window + k)")
-    parser.add_argument("--evals", type=int, default=10, help="validation evals per run (and checkpoints)")
-    parser.add_argument("--eval-batches", type=int, default=16, help="micro-batches per validation eval")
     parser.add_argument("--arms", default="", help="comma-separated subset of the arms (default: all)")
     parser.add_argument("--example", default=str(SHIPPED_EXAMPLE),
                         help="the chain config whose train settings are the `shipped` arm (default: the shipped one)")
     args = parser.parse_args()
 
-    from shared.config import MODEL_PRESETS, PADDED_VOCAB_SIZE, ModelConfig, TrainConfig
+    from shared.config import TrainConfig
 
-    corpus = build_corpus(Path(args.corpus_dir), Path(args.text_dir) if args.text_dir else None)
-    data_dir = remap_vocabulary(Path(args.corpus_dir), args.vocab) if args.vocab else Path(args.corpus_dir)
-    MODEL_PRESETS["bench"] = ModelConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-                                         block_size=args.seq_len, vocab_size=args.vocab or PADDED_VOCAB_SIZE)
+    corpus, data_dir = prepare_bench(args)
     arms = recipe_arms(shipped_settings(Path(args.example)), args.steps, args.n_layer)
     if args.arms:
         unknown = set(args.arms.split(",")) - set(arms)
