@@ -62,8 +62,8 @@ TILES = {SPLASH: splash_fits, FLASH: flash_fits, SDPA: lambda seq_len: True}
 def candidates(generation: str | None, seq_len: int, setting: str = "auto") -> tuple[str, ...]:
     """The kernels a session on TPU `generation` ("v5e"; None: no TPU) tries at `seq_len` tokens, in order, SDPA
     last: from the one `setting` names on (auto: splash), the Pallas kernels where the generation compiles them
-    (not v2/v3) and their blocks tile the sequence. A second selection (auto's micro-batch) passes the setting of
-    the kernel the first kept: none before it is tried again."""
+    (not v2/v3) and their blocks tile the sequence. A chain whose session found a kernel hung or failed starts the
+    next from the setting after it (scripts/chain/train_stage.py `carried_attention`)."""
     return tuple(name for name in _from_setting(generation, setting) if TILES[name](seq_len))
 
 
@@ -117,19 +117,20 @@ def _say(line: str) -> None:
 
 
 def choose(kinds: Sequence[str], shape: tuple[int, int, int, int], make: Callable[[str, str], Callable | None],
-           probe: Callable[[str, Callable, str], str | bool | None] | None = None,
+           probe: Callable[[str, Callable, str, tuple[int, int, int, int]], str | bool | None] | None = None,
            start: Callable[[list[str]], None] = lambda settings: None, devices: int = 1,
-           log: Callable[[str], None] = _say) -> AttentionChoice:
+           log: Callable[[str], None] = _say, batch_for: Callable[[str], int] | None = None) -> AttentionChoice:
     """The attention a session runs at `shape` (B, H, T, D; B over all `devices`): the first of `kinds`
-    (`candidates`, SDPA last) whose kernel is made and passes its probe; else SDPA.
+    (`candidates`, SDPA last) whose kernel is made and passes its probe; else SDPA. `batch_for(kind)`: the B each
+    kernel would train at (`--micro-batch auto`: each kernel's own), which its probe runs at; None: `shape`'s.
 
     `make(kind, instead)`: the kernel, or None where it does not import (it says so, ending with `instead`, what the
     session does then). The flash kernel's (its jax) is made first: where it is not, no other is tried. `start(words)`:
     told the settings' words ("splash", "flash") of the kernels made, in order, before the first probe.
-    `probe(word, kernel, instead)`: None where the kernel runs and agrees with SDPA; else why not (a line, said here
-    with the shapes and `instead`), or False where it was not probed (it said why: the probes' budget spent). Its
-    errors (ProbeHung: a probe that hung) stop the selection. No `probe` (the step tracer, which cannot run a
-    kernel): the first kernel made is kept."""
+    `probe(word, kernel, instead, shape)`: None where the kernel runs and agrees with SDPA at `shape`; else why not
+    (a line, said here with the shapes and `instead`), or False where it was not probed (it said why: the probes'
+    budget spent). Its errors (ProbeHung: a probe that hung) stop the selection. Each kernel is probed once. No
+    `probe` (the step tracer, which cannot run a kernel): the first kernel made is kept."""
     if len(kinds) < 2:  # SDPA alone
         return SDPA_CHOICE
     flash = make(FLASH, fallback_text(SDPA))  # jax, which every Pallas kernel needs: bounded, and first
@@ -140,11 +141,12 @@ def choose(kinds: Sequence[str], shape: tuple[int, int, int, int], make: Callabl
         instead = fallback_text(then)
         made.append((kind, flash if kind == FLASH else make(kind, instead), instead))
     start([SETTING_OF[kind] for kind, kernel, _ in made if kernel is not None])
-    batch, n_head, seq_len, head_dim = shape
+    _, n_head, seq_len, head_dim = shape
     for kind, kernel, instead in made:
         if kernel is None:
             continue
-        failure = None if probe is None else probe(SETTING_OF[kind], kernel, instead)
+        batch = batch_for(kind) if batch_for else shape[0]
+        failure = None if probe is None else probe(SETTING_OF[kind], kernel, instead, (batch, *shape[1:]))
         if failure is False:  # not probed: said
             continue
         if not failure:

@@ -34,8 +34,8 @@ PROBE_RESULTS = ("output", "dq", "dk", "dv", "no-grad output")
 PROBE_TIMEOUT_S = 600.0
 # A probe compiles and runs three small graphs' worth (the kernel's and SDPA's, forward and backward, and the
 # kernel's forward alone): seconds to a couple of minutes on a TPU. All of a session's probes (up to two kernels,
-# each again at a pinned Mosaic version, and again at auto's micro-batch) share this; a probe is started only with
-# PROBE_FLOOR_S left, as one given less would stop a session whose kernel is merely slow to compile.
+# each once at the micro-batch it would train at, and again at a pinned Mosaic version) share this; a probe is
+# started only with PROBE_FLOOR_S left, as one given less would stop a session whose kernel is merely slow to compile.
 PROBE_BUDGET_S = 900.0
 PROBE_FLOOR_S = 60.0
 # The attention setting (TrainConfig.attention; a chain's train.attention) that skips each kernel, for a session
@@ -65,11 +65,8 @@ class ProbeBudget:
         left = self.left()
         return left > 0 and left >= self.floor_s
 
-    def start_line(self, kernels: list[str], again: bool) -> str:
+    def start_line(self, kernels: list[str]) -> str:
         """The line a selection's probing starts with: the kernels in order, and the time they have."""
-        if again:
-            return (f"probing attention kernels again at this micro-batch: {', then '.join(kernels)}, within the "
-                    f"{duration_text(self.left())} left of {duration_text(self.seconds)}")
         return f"probing attention kernels: {', then '.join(kernels)}, at most {duration_text(self.seconds)} in all"
 
     def spent_line(self, name: str, instead: str) -> str:
