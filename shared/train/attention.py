@@ -13,6 +13,7 @@ Stdlib only: --plan asks here without importing torch.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -105,6 +106,18 @@ SDPA_CHOICE = AttentionChoice()
 def kernel_choice(kind: str, kernel: Callable, seq_len: int) -> AttentionChoice:
     """Pallas kernel `kind` (its probe passed at `seq_len`), with the q, k, v layout it reads."""
     return AttentionChoice(kind, kernel, seq_len, QKV_LAYOUTS[kind])
+
+
+# How the line a session stops on where a kernel's probe hung begins (shared/train/attention_probe.py `hung_line`);
+# the chain reads it back to start the next session past that kernel (scripts/chain/attention_carry.py).
+HUNG_PROBE_LINE = "stopping before training: the {word}-attention kernel's probe gave "
+_HUNG_PROBE = re.compile(re.escape(HUNG_PROBE_LINE).replace(re.escape("{word}"), r"(\w+)"))
+
+
+def hung_kernel(line: str) -> str | None:
+    """The setting's word ("splash") of the kernel whose probe hung, where `line` is a session's line saying so."""
+    found = _HUNG_PROBE.search(line)
+    return found.group(1) if found and found.group(1) in FIRST_KERNEL else None
 
 
 def fallback_text(then: str) -> str:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from shared.errors import UserError, duration_text, within
+from shared.train.attention import HUNG_PROBE_LINE
 from shared.train.mosaic_version import refusal_line, watch_version
 
 # How far a candidate attention kernel may be from SDPA: max |candidate - reference| over max |reference|, for the
@@ -76,7 +77,7 @@ class ProbeBudget:
 
 def hung_line(name: str, err: UserError) -> str:
     """Why a session stops on a probe that hung, in one line."""
-    return (f"stopping before training: the {name}-attention kernel's probe gave {err} (what was left of the "
+    return (f"{HUNG_PROBE_LINE.format(word=name)}{err} (what was left of the "
             "session's budget for its kernel probes); its compile or run may still hold the TPU, which the first "
             f"training step and torch_xla's exit would wait for ({KERNEL_SWITCHES.get(name, 'SDPA')} skips it)")
 

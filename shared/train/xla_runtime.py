@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from shared.errors import UserError, describe_error, within
+from shared.kaggle.facts import record_fact
 from shared.tpu import TPU_GENERATIONS, default_xla_env, detect_tpu_generation
 from shared.train.attention import FLASH, SDPA_CHOICE, candidates, choose
 from shared.train.attention_probe import (
@@ -95,7 +96,7 @@ class XlaRuntime(Runtime):
         generation = self.tpu_generation.name if self.tpu_generation else None
         self.attention_choice = choose(
             candidates(generation, seq_len, setting), (batch, n_head, seq_len, head_dim), self._attention_kernel,
-            probe=lambda name, kernel, instead, shape: self._probe(name, kernel, shape, instead),
+            probe=lambda name, kernel, instead, shape: self._probe_and_record(name, kernel, shape, instead),
             start=self._start_probing, devices=self.num_devices, batch_for=batch_for)
 
     def _attention_kernel(self, kind: str, instead: str) -> Callable | None:
@@ -109,6 +110,22 @@ class XlaRuntime(Runtime):
         self._probe_budget = ProbeBudget()
         if kernels:
             print(self._probe_budget.start_line(kernels), flush=True)
+
+    def _probe_and_record(self, name: str, kernel: Callable, shape: tuple[int, int, int, int],
+                          instead: str) -> str | None | bool:
+        """`_probe`, its result kept in the session's facts (`attention_probes`: passed, failed or hung, at which
+        micro-batch), which the chain reads back to start its next session past a kernel that hung or failed
+        (scripts/chain/attention_carry.py)."""
+        fact = {"micro_batch": shape[0]}
+        try:
+            failure = self._probe(name, kernel, shape, instead)
+        except ProbeHung as err:
+            record_fact("attention_probes", name, {**fact, "result": "hung", "why": str(err)})
+            raise
+        if failure is not False:  # False: not probed (the budget spent)
+            record_fact("attention_probes", name, {**fact, "result": "failed" if failure else "passed",
+                                                   **({"why": failure} if failure else {})})
+        return failure
 
     def _probe(self, name: str, kernel: Callable, shape: tuple[int, int, int, int], instead: str) -> str | None | bool:
         """None where `kernel` runs and agrees with SDPA at `shape`; else why not, in a line (the attention loop,
