@@ -141,7 +141,7 @@ def test_plan_of_the_demo_config_as_a_user_runs_it_compiles_the_sdpa_step_its_32
     assert re.fullmatch(r"compiled    v5e-8 by libtpu 0\.0\.17 \(the SDPA step, what a session runs at T=32: the "
                         r"splash and flash kernels' blocks do not tile it, micro-batch 8\): HBM per chip \d+\.\d GiB "
                         r"of 16 GiB \(\d+% free\); all-reduce inside the loop 0, 0\.0 MB per micro-step; MFU ceiling "
-                        r"\d+\.\d% \(roofline estimate\)", line), line
+                        r"\d+\.\d%, \d+\.\d% in llm\.c's count \(roofline estimate\)", line), line
     assert proc.stderr.count("tracing the step for v5e-8") == 1
     assert (tmp_path / ".cache" / "gpt2-on-kaggle" / "tpu-compile").is_dir()  # the user's own cache
 
@@ -158,7 +158,8 @@ def test_plan_of_a_128_token_config_compiles_splash_then_its_flash_and_sdpa_fall
     assert proc.returncode == 0, proc.stderr[-3000:]
     (line,) = [line for line in proc.stdout.splitlines() if line.startswith("compiled    ")]
     assert line.startswith("compiled    v5e-8 by libtpu 0.0.17 (the splash step, micro-batch 128): HBM per chip "), line
-    fallbacks = (r"; if the splash probe fails, flash at micro-batch 128: \d+\.\d GiB, MFU ceiling \d+\.\d%; if the "
-                 r"flash probe fails, SDPA at micro-batch 128: \d+\.\d GiB, MFU ceiling \d+\.\d%$")
+    fallbacks = (r"; if the splash probe fails, flash at micro-batch 128: \d+\.\d GiB, MFU ceiling \d+\.\d% "
+                 r"\(\d+\.\d% head-dim-aware\); if the flash probe fails, SDPA at micro-batch 128: \d+\.\d GiB, MFU "
+                 r"ceiling \d+\.\d%$")
     assert re.search(fallbacks, line), line
     assert proc.stderr.count("tracing the step for v5e-8") == 3
