@@ -260,3 +260,28 @@ def test_setup_pins_the_tpu_compilers_venv_to_the_plan_versions():
                if line.startswith("install .venv-tpu ")]
     pins = dict(re.findall(r"([\w-]+)==([\w.]+)", line))
     assert pins == PLAN_TPU_VERSIONS
+
+
+def test_each_probes_result_and_micro_batch_go_into_the_sessions_facts_for_the_chain(xla_runtime, monkeypatch,
+                                                                                      tmp_path):
+    # What the chain reads back to start its next session past a kernel that failed or hung
+    # (scripts/chain/attention_carry.py): splash failed here, flash passed, each at the micro-batch it was probed at.
+    import json
+
+    from shared.kaggle.env import LOCAL_ROOT_ENV
+    from shared.kaggle.facts import FACTS_FILE
+
+    monkeypatch.setenv(LOCAL_ROOT_ENV, str(tmp_path))  # inside a (local) session: facts are kept
+
+    def wrong_dv(q, k, v):
+        return sdpa_causal(q, k, v) + 0.5 * (v - v.detach())
+
+    monkeypatch.setattr(xla_runtime, "tpu_generation", TPU_GENERATIONS["v5e"])
+    monkeypatch.setattr(xla_runtime, "_splash_attention_kernel", lambda *args: wrong_dv)
+    monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", lambda: sdpa_causal)
+    xla_runtime.select_attention(*SHAPE, batch_for={"pallas-splash": 16, "pallas-flash": 8, "sdpa": 8}.__getitem__)
+    assert xla_runtime.attention == "pallas-flash"
+    probes = json.loads((tmp_path / "working" / FACTS_FILE).read_text())["attention_probes"]
+    assert probes["flash"] == {"micro_batch": 8, "result": "passed"}
+    assert (probes["splash"]["micro_batch"], probes["splash"]["result"]) == (16, "failed")
+    assert probes["splash"]["why"].startswith("it differs from SDPA: dv by 0.4")
