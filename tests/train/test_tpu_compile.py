@@ -180,7 +180,8 @@ def test_plan_of_the_gpt2_chain_gives_the_head_dim_aware_and_llmc_ceilings_and_p
     assert ("; MFU ceiling 65.6% with the kernels at 100% of the MXU, 60.4% with their matmuls at head dim 64's share "
             "of a 128-wide MXU (50%); in llm.c's count 61.3% and 56.4% (roofline estimates); if the splash probe "
             "fails, flash at micro-batch 128: ") in line, line
-    assert re.search(r"; if the flash probe fails, SDPA at micro-batch 64: \d+\.\d GiB, MFU ceiling 33\.0%$", line), line
+    sdpa_clause = r"; if the flash probe fails, SDPA at micro-batch 64: \d+\.\d GiB, MFU ceiling 33\.0%$"
+    assert re.search(sdpa_clause, line), line
     # The rate planned with: 55% of splash's 60.4% over 8 x 197 TFLOP/s and gpt2's 860,101,632 FLOPs a token, about
     # 0.61M tokens/s; SDPA's 55% of 33.0%, about 0.33M, beside it (the review's 0.5-0.7M and 0.30-0.45M).
     (throughput,) = [line for line in lines if line.startswith("throughput  ")]
