@@ -64,7 +64,7 @@ def candidates(generation: str | None, seq_len: int, setting: str = "auto") -> t
     """The kernels a session on TPU `generation` ("v5e"; None: no TPU) tries at `seq_len` tokens, in order, SDPA
     last: from the one `setting` names on (auto: splash), the Pallas kernels where the generation compiles them
     (not v2/v3) and their blocks tile the sequence. A chain whose session found a kernel hung or failed starts the
-    next from the setting after it (scripts/chain/train_stage.py `carried_attention`)."""
+    next from the setting after it (scripts/chain/attention_carry.py `carried_attention`)."""
     return tuple(name for name in _from_setting(generation, setting) if TILES[name](seq_len))
 
 
