@@ -17,6 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from scripts.chain.ceilings import ceilings_text, compiled_rates, planning_ceiling
 from scripts.chain.config import (
     ChainConfig,
     checkpoints_in_temp,
@@ -40,8 +41,9 @@ from shared.train.attention import FLASH, SDPA, SETTING_OF, SPLASH, candidates, 
 REPO = Path(__file__).resolve().parents[2]
 # What --smoke measured, one record per run (newest last); the plan counts sessions with the newest that matches.
 MEASURED_THROUGHPUT = REPO / "runs" / "measured-throughput.json"
-# The MFU a plan assumes before anything is measured: the middle of docs/tpu-throughput.md's 25-35% estimate for
-# torch_xla GPT-2 on a v5e-8 (no published TPU figure exists to take instead).
+# The MFU a plan assumes before anything is measured, where the TPU compiler is off: the middle of
+# docs/tpu-throughput.md's 25-35% estimate for torch_xla GPT-2 on a v5e-8 (no published TPU figure exists to take
+# instead). It ignores which kernel a session will run.
 PLAN_MFU = 0.30
 # The TPU generation a shape runs on (shared/tpu.py TPU_GENERATIONS has its peak).
 SHAPE_GENERATION = {"TpuV5E8": "v5e", "TpuV6E8": "v6e"}
@@ -60,6 +62,7 @@ STEP_NAMES = {SPLASH: "splash", FLASH: "flash", SDPA: "SDPA"}  # each attention 
 class Throughput:
     tokens_per_s: float | None  # None: nothing to plan sessions with
     source: str
+    sdpa_tokens_per_s: float | None = None  # the estimate where a session falls back to SDPA (compiled)
 
 
 def running_shape(shape: str) -> str:
@@ -78,8 +81,10 @@ def measured_throughput(shape: str, train: TrainConfig, path: Path = MEASURED_TH
     return matching[-1] if matching else None
 
 
-def train_throughput(cfg: ChainConfig, train: TrainConfig, measured_path: Path = MEASURED_THROUGHPUT) -> Throughput:
-    """Training tokens/s to plan with, and where the figure comes from."""
+def train_throughput(cfg: ChainConfig, train: TrainConfig, measured_path: Path = MEASURED_THROUGHPUT,
+                     compiled: dict | None = None) -> Throughput:
+    """Training tokens/s to plan with, and where the figure comes from. `compiled`: the TPU compiler's report of
+    the step a session tries first (`compiled_fit`), whose ceiling the estimate is a share of."""
     shape = running_shape(cfg.accelerator)
     if cfg.plan_tokens_per_s:
         return Throughput(cfg.plan_tokens_per_s, "plan_tokens_per_s in the config")
@@ -96,9 +101,12 @@ def train_throughput(cfg: ChainConfig, train: TrainConfig, measured_path: Path =
 
     gen = TPU_GENERATIONS[generation]
     board = gen.peak_bf16_per_device * session_devices(shape)
+    peaks = f"{session_devices(shape)} x {gen.peak_bf16_per_device / 1e12:g} TFLOP/s bf16"
+    if compiled and compiled.get("fits") and planning_ceiling(compiled):
+        rate, sdpa, text = compiled_rates(compiled, board, train.model, STEP_NAMES, f"{peaks} ({generation})")
+        return Throughput(rate, text, sdpa)
     rate = board * PLAN_MFU / train.model.flops_per_token()
-    return Throughput(rate, f"estimate: {PLAN_MFU:.0%} MFU of {session_devices(shape)} x "
-                            f"{gen.peak_bf16_per_device / 1e12:g} TFLOP/s bf16 ({generation}; docs/tpu-throughput.md "
+    return Throughput(rate, f"estimate: {PLAN_MFU:.0%} MFU of {peaks} ({generation}; docs/tpu-throughput.md "
                             "section 7); not measured: run --smoke first")
 
 
@@ -136,8 +144,10 @@ def _tokens(n: float) -> str:
 
 
 def make_plan(cfg: ChainConfig, quota: tuple[float, float, str] | None = None,
-              measured_path: Path = MEASURED_THROUGHPUT) -> dict:
-    """The plan's figures (the printed lines come from these; tests assert them)."""
+              measured_path: Path = MEASURED_THROUGHPUT, compiled: dict | None = None) -> dict:
+    """The plan's figures (the printed lines come from these; tests assert them). `compiled`: the TPU compiler's
+    report of the step (`compiled_fit`), whose ceiling the tokens/s estimate is a share of where nothing is
+    measured."""
     train, _ = planned_train(cfg)
     model = train.model
     tok = cfg.tokenize_section.config
@@ -146,10 +156,11 @@ def make_plan(cfg: ChainConfig, quota: tuple[float, float, str] | None = None,
     train_tokens = cfg.total_steps * train.total_batch_tokens
     made_tokens = tok.tokens_in_parts(parts)
     val_tokens = tok.shard_size if parts else 0  # part 0's first shard is the validation shard
-    speed = train_throughput(cfg, train, measured_path)
+    speed = train_throughput(cfg, train, measured_path, compiled)
     plan = {"train_tokens": train_tokens, "tokenized_tokens": made_tokens, "validation_tokens": val_tokens,
             "parts": parts, "tokens_per_part": tok.tokens_per_part, "tokens_per_s": speed.tokens_per_s,
-            "tokens_per_s_source": speed.source, "kind": kind, "devices": session_devices(
+            "tokens_per_s_source": speed.source, "sdpa_tokens_per_s": speed.sdpa_tokens_per_s,
+            "kind": kind, "devices": session_devices(
                 cfg.accelerator, train.backend), "time_budget_s": cfg.time_budget,
             "checkpoint_bytes": model.checkpoint_bytes(), "num_params": model.num_params()}
     # Periodic evals (validation loss every eval_every steps, HellaSwag where a file is given every
@@ -437,9 +448,9 @@ def compiled_fit(cfg: ChainConfig, log=print) -> tuple[dict | None, str]:
     line = (f"{tpu} by libtpu {report['versions']['libtpu']} (the {step} step{why_sdpa}, micro-batch "
             f"{report['micro_batch']}): HBM per chip {hbm} ({report['free_fraction']:.0%} free); "
             f"all-reduce inside the loop {sum(g['count'] for g in in_loop)}, "
-            f"{sum(g['bytes'] for g in in_loop) / 1e6:.1f} MB per micro-step; MFU ceiling "
-            f"{report['mfu_ceiling']:.1%} (roofline estimate)")
+            f"{sum(g['bytes'] for g in in_loop) / 1e6:.1f} MB per micro-step; {ceilings_text(report, train.model)}")
     # The steps a session trains with where its probes fail, in the order it tries them.
+    report["fallback_reports"] = {}
     for failed, attention in zip(tried, tried[1:], strict=False):
         line += f"; if the {STEP_NAMES[failed]} probe fails, {STEP_NAMES[attention]}"
         try:
@@ -447,8 +458,11 @@ def compiled_fit(cfg: ChainConfig, log=print) -> tuple[dict | None, str]:
         except Exception as err:  # one clause; the plan goes on
             line += f": did not compile ({_one_line(err)})"
             continue
+        report["fallback_reports"][attention] = fallback
+        mxu = planning_ceiling(fallback)
         line += (f" at micro-batch {fallback['micro_batch']}: {fallback['peak_bytes'] / 2**30:.1f} GiB" + (
-            f", MFU ceiling {fallback['mfu_ceiling']:.1%}" if fallback["fits"] else
+            f", MFU ceiling {fallback['mfu_ceiling']:.1%}" + (
+                f" ({mxu:.1%} head-dim-aware)" if mxu != fallback["mfu_ceiling"] else "") if fallback["fits"] else
             " - does not fit: such a session would stop at its first step (leave train.micro_batch auto)"))
     return report, line
 
@@ -463,9 +477,9 @@ def print_plan(cfg: ChainConfig, source: str = "", log=print, with_quota: bool =
                measured_path: Path = MEASURED_THROUGHPUT) -> dict:
     built = check_builds(cfg)
     quota, why = read_quota(cfg) if with_quota and MACHINE_SHAPES.get(cfg.accelerator) else (None, "")
-    plan = make_plan(cfg, quota, measured_path)
-    plan["kernels_built"] = built
-    plan["compiled"], compiled_line = compiled_fit(cfg, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    compiled, compiled_line = compiled_fit(cfg, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    plan = make_plan(cfg, quota, measured_path, compiled)
+    plan["kernels_built"], plan["compiled"] = built, compiled
     lines = plan_lines(cfg, plan, source)
     at = next((i for i, line in enumerate(lines) if line.startswith("throughput")), len(lines))
     lines.insert(at + 1, f"compiled    {compiled_line}")

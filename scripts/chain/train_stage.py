@@ -13,6 +13,7 @@ import time
 import uuid
 from pathlib import Path
 
+from scripts.chain.attention_carry import PROBES_FACT, carried_attention, probe_results
 from scripts.chain.build import build_kernel
 from scripts.chain.checkpoints import (
     dataset_head,
@@ -86,7 +87,7 @@ class TrainStage:
             ctx.log(f"train session {n} of {sessions_total(cfg, n, step, sessions)}: {ref}, from step {step}")
             sess["version"] = ctx.push_once(sess["key"], ref, lambda pid, s=sess: self.build(
                 pid, s["step_before"], s.get("ckpt_version", 0), s.get("delete_old", False), s.get("limit_s"),
-                s.get("stop_after_steps", 0), s.get("midway", True)), limit_s=sess.get("limit_s"))
+                s.get("stop_after_steps", 0), s.get("midway", True), s.get("attention")), limit_s=sess.get("limit_s"))
             ctx.state.save()
             status, message, secs = ctx.wait(ref, f"{ref} v{sess['version']}", sess["key"])
             version, new_step, info = self.after_session(ref, sess, ckpt_ref)
@@ -111,9 +112,14 @@ class TrainStage:
         if length.why:
             self.ctx.log(f"train session {n} lasts {length.limit_s:g} s: {length.why}")
         delete_old, midway = session_publishes(self.ctx, version, length.limit_s)
+        attention, why = carried_attention(self.cfg.train_config.attention, sessions)
+        if why:
+            self.ctx.log(f"train session {n} starts from the {attention} attention kernel (train.attention "
+                         f"\"{attention}\"): {why}")
         sessions.append({"n": n, "key": f"train-{n}", "step_before": step, "ckpt_version": version,
                          "delete_old": delete_old, "midway": midway, "limit_s": length.limit_s,
-                         **({"stop_after_steps": length.stop_after_steps} if length.stop_after_steps else {})})
+                         **({"stop_after_steps": length.stop_after_steps} if length.stop_after_steps else {}),
+                         **({"attention": attention} if why else {})})
         self.ctx.state.save()
 
     def no_progress(self, sess: dict) -> int:
@@ -154,11 +160,13 @@ class TrainStage:
                         f"again (it goes on at step {step})")
 
     def build(self, push_id: str, expect_step: int = 0, expect_version: int = 0, delete_old: bool = False,
-              limit_s: float | None = None, stop_after_steps: int = 0, midway: bool = True) -> Path:
+              limit_s: float | None = None, stop_after_steps: int = 0, midway: bool = True,
+              attention: str | None = None) -> Path:
         """The train kernel, expecting version `expect_version` of the checkpoint dataset at `expect_step`: a mount
         of an older version is replaced by that version, fetched, and it never starts over. `limit_s`: the session's
         time limit (default session_limit_s); `stop_after_steps`: the steps after which it ends (0: its clock);
-        `midway`: whether a session long enough publishes midway too (False where the dataset quota has no room)."""
+        `midway`: whether a session long enough publishes midway too (False where the dataset quota has no room);
+        `attention`: the kernel it starts from, where an earlier session's hung or failed (else train.attention)."""
         ctx, cfg = self.ctx, self.cfg
         datasets, kernels, data_dir = data_sources(ctx)
         ckpt = ctx.ref(cfg.slug("checkpoints"))
@@ -169,6 +177,8 @@ class TrainStage:
                     **hellaswag_settings(ctx, hellaswag)}
         if stop_after_steps:  # the user's train.stop_after_steps, where lower, still holds
             settings["stop_after_steps"] = min(settings.get("stop_after_steps") or stop_after_steps, stop_after_steps)
+        if attention:
+            settings["attention"] = attention
         return build_kernel("train", ctx.workdir / "build" / "train", user=ctx.client.user, slug=cfg.slug("train"),
                             settings=settings, kernel_type=cfg.kernel_type, accelerator=cfg.accelerator,
                             internet=True, dataset_sources=[ckpt] + datasets + ([hellaswag] if hellaswag else []),
@@ -274,8 +284,9 @@ class TrainStage:
         record = json.loads((dest / PUBLISH_RECORD).read_text()) if (dest / PUBLISH_RECORD).exists() else {}
         metrics = dest / "train" / "metrics.jsonl"
         error = log_error_line(dest, ref)
+        probes = probe_results(dest / FACTS_FILE, error)
         return record, {"logs": str(dest), **(session_measurements(metrics) if metrics.exists() else {}),
-                        **({"error": error} if error else {})}
+                        **({"error": error} if error else {}), **({PROBES_FACT: probes} if probes else {})}
 
     def session_version(self, ckpt_ref: str, before: int, record: dict) -> int:
         """The checkpoint version after the session: the newer one it made, once ready, else `before`. Right after

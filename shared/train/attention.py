@@ -13,6 +13,7 @@ Stdlib only: --plan asks here without importing torch.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -62,8 +63,8 @@ TILES = {SPLASH: splash_fits, FLASH: flash_fits, SDPA: lambda seq_len: True}
 def candidates(generation: str | None, seq_len: int, setting: str = "auto") -> tuple[str, ...]:
     """The kernels a session on TPU `generation` ("v5e"; None: no TPU) tries at `seq_len` tokens, in order, SDPA
     last: from the one `setting` names on (auto: splash), the Pallas kernels where the generation compiles them
-    (not v2/v3) and their blocks tile the sequence. A second selection (auto's micro-batch) passes the setting of
-    the kernel the first kept: none before it is tried again."""
+    (not v2/v3) and their blocks tile the sequence. A chain whose session found a kernel hung or failed starts the
+    next from the setting after it (scripts/chain/attention_carry.py `carried_attention`)."""
     return tuple(name for name in _from_setting(generation, setting) if TILES[name](seq_len))
 
 
@@ -107,6 +108,18 @@ def kernel_choice(kind: str, kernel: Callable, seq_len: int) -> AttentionChoice:
     return AttentionChoice(kind, kernel, seq_len, QKV_LAYOUTS[kind])
 
 
+# How the line a session stops on where a kernel's probe hung begins (shared/train/attention_probe.py `hung_line`);
+# the chain reads it back to start the next session past that kernel (scripts/chain/attention_carry.py).
+HUNG_PROBE_LINE = "stopping before training: the {word}-attention kernel's probe gave "
+_HUNG_PROBE = re.compile(re.escape(HUNG_PROBE_LINE).replace(re.escape("{word}"), r"(\w+)"))
+
+
+def hung_kernel(line: str) -> str | None:
+    """The setting's word ("splash") of the kernel whose probe hung, where `line` is a session's line saying so."""
+    found = _HUNG_PROBE.search(line)
+    return found.group(1) if found and found.group(1) in FIRST_KERNEL else None
+
+
 def fallback_text(then: str) -> str:
     """What a session does where a kernel fails, `then` the next candidate: the end of the line that says so."""
     return "trying the flash-attention kernel" if then == FLASH else "using SDPA"
@@ -117,19 +130,20 @@ def _say(line: str) -> None:
 
 
 def choose(kinds: Sequence[str], shape: tuple[int, int, int, int], make: Callable[[str, str], Callable | None],
-           probe: Callable[[str, Callable, str], str | bool | None] | None = None,
+           probe: Callable[[str, Callable, str, tuple[int, int, int, int]], str | bool | None] | None = None,
            start: Callable[[list[str]], None] = lambda settings: None, devices: int = 1,
-           log: Callable[[str], None] = _say) -> AttentionChoice:
+           log: Callable[[str], None] = _say, batch_for: Callable[[str], int] | None = None) -> AttentionChoice:
     """The attention a session runs at `shape` (B, H, T, D; B over all `devices`): the first of `kinds`
-    (`candidates`, SDPA last) whose kernel is made and passes its probe; else SDPA.
+    (`candidates`, SDPA last) whose kernel is made and passes its probe; else SDPA. `batch_for(kind)`: the B each
+    kernel would train at (`--micro-batch auto`: each kernel's own), which its probe runs at; None: `shape`'s.
 
     `make(kind, instead)`: the kernel, or None where it does not import (it says so, ending with `instead`, what the
     session does then). The flash kernel's (its jax) is made first: where it is not, no other is tried. `start(words)`:
     told the settings' words ("splash", "flash") of the kernels made, in order, before the first probe.
-    `probe(word, kernel, instead)`: None where the kernel runs and agrees with SDPA; else why not (a line, said here
-    with the shapes and `instead`), or False where it was not probed (it said why: the probes' budget spent). Its
-    errors (ProbeHung: a probe that hung) stop the selection. No `probe` (the step tracer, which cannot run a
-    kernel): the first kernel made is kept."""
+    `probe(word, kernel, instead, shape)`: None where the kernel runs and agrees with SDPA at `shape`; else why not
+    (a line, said here with the shapes and `instead`), or False where it was not probed (it said why: the probes'
+    budget spent). Its errors (ProbeHung: a probe that hung) stop the selection. Each kernel is probed once. No
+    `probe` (the step tracer, which cannot run a kernel): the first kernel made is kept."""
     if len(kinds) < 2:  # SDPA alone
         return SDPA_CHOICE
     flash = make(FLASH, fallback_text(SDPA))  # jax, which every Pallas kernel needs: bounded, and first
@@ -140,11 +154,12 @@ def choose(kinds: Sequence[str], shape: tuple[int, int, int, int], make: Callabl
         instead = fallback_text(then)
         made.append((kind, flash if kind == FLASH else make(kind, instead), instead))
     start([SETTING_OF[kind] for kind, kernel, _ in made if kernel is not None])
-    batch, n_head, seq_len, head_dim = shape
+    _, n_head, seq_len, head_dim = shape
     for kind, kernel, instead in made:
         if kernel is None:
             continue
-        failure = None if probe is None else probe(SETTING_OF[kind], kernel, instead)
+        batch = batch_for(kind) if batch_for else shape[0]
+        failure = None if probe is None else probe(SETTING_OF[kind], kernel, instead, (batch, *shape[1:]))
         if failure is False:  # not probed: said
             continue
         if not failure:

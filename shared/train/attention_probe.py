@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from shared.errors import UserError, duration_text, within
+from shared.train.attention import HUNG_PROBE_LINE
 from shared.train.mosaic_version import refusal_line, watch_version
 
 # How far a candidate attention kernel may be from SDPA: max |candidate - reference| over max |reference|, for the
@@ -34,8 +35,8 @@ PROBE_RESULTS = ("output", "dq", "dk", "dv", "no-grad output")
 PROBE_TIMEOUT_S = 600.0
 # A probe compiles and runs three small graphs' worth (the kernel's and SDPA's, forward and backward, and the
 # kernel's forward alone): seconds to a couple of minutes on a TPU. All of a session's probes (up to two kernels,
-# each again at a pinned Mosaic version, and again at auto's micro-batch) share this; a probe is started only with
-# PROBE_FLOOR_S left, as one given less would stop a session whose kernel is merely slow to compile.
+# each once at the micro-batch it would train at, and again at a pinned Mosaic version) share this; a probe is
+# started only with PROBE_FLOOR_S left, as one given less would stop a session whose kernel is merely slow to compile.
 PROBE_BUDGET_S = 900.0
 PROBE_FLOOR_S = 60.0
 # The attention setting (TrainConfig.attention; a chain's train.attention) that skips each kernel, for a session
@@ -65,11 +66,8 @@ class ProbeBudget:
         left = self.left()
         return left > 0 and left >= self.floor_s
 
-    def start_line(self, kernels: list[str], again: bool) -> str:
+    def start_line(self, kernels: list[str]) -> str:
         """The line a selection's probing starts with: the kernels in order, and the time they have."""
-        if again:
-            return (f"probing attention kernels again at this micro-batch: {', then '.join(kernels)}, within the "
-                    f"{duration_text(self.left())} left of {duration_text(self.seconds)}")
         return f"probing attention kernels: {', then '.join(kernels)}, at most {duration_text(self.seconds)} in all"
 
     def spent_line(self, name: str, instead: str) -> str:
@@ -79,7 +77,7 @@ class ProbeBudget:
 
 def hung_line(name: str, err: UserError) -> str:
     """Why a session stops on a probe that hung, in one line."""
-    return (f"stopping before training: the {name}-attention kernel's probe gave {err} (what was left of the "
+    return (f"{HUNG_PROBE_LINE.format(word=name)}{err} (what was left of the "
             "session's budget for its kernel probes); its compile or run may still hold the TPU, which the first "
             f"training step and torch_xla's exit would wait for ({KERNEL_SWITCHES.get(name, 'SDPA')} skips it)")
 

@@ -73,13 +73,13 @@ class Runtime:
         return self.attention_choice.kind
 
     def select_attention(self, batch: int, n_head: int, seq_len: int, head_dim: int, setting: str = "auto",
-                         again: bool = False) -> None:
+                         batch_for: Callable[[str], int] | None = None) -> None:
         """Choose the attention kernel (`attention_choice`) for a model of these shapes, `batch` sequences per
         micro-step over all devices (the trainer calls this once the model config is known, before the model is
-        built); `setting`: TrainConfig.attention, the kernel to start from. `again`: the session's second selection
-        (auto's micro-batch), from the kernel the first kept (those before it failed then), its probes within what
-        is left of the first's time. Which kernels, and the loop that tries them, are shared/train/attention.py's
-        (`candidates`, `choose`); here, without a TPU, it has SDPA alone."""
+        built); `setting`: TrainConfig.attention, the kernel to start from. `batch_for(kind)`: the micro-batch
+        each kernel would train at (`--micro-batch auto`), which its one probe runs at instead of `batch`. Which
+        kernels, and the loop that tries them, are shared/train/attention.py's (`candidates`, `choose`); here,
+        without a TPU, it has SDPA alone."""
 
     def no_grad_sync(self, model: torch.nn.Module, skip: bool):
         """Inside gradient accumulation, skip the cross-process gradient reduction (DDP only)."""

@@ -14,7 +14,7 @@ import torch
 from shared.config import AUTO, TrainConfig
 from shared.errors import UserError
 from shared.tpu import activation_checkpointing_on, micro_batch_for
-from shared.train.attention import SDPA, SETTING_OF
+from shared.train.attention import SDPA
 from shared.train.optim import clip_grad_norm, lr_at, make_optimizer, muon_momentum_at
 from shared.train.runtime import Runtime
 
@@ -66,20 +66,20 @@ def plan_step(cfg: TrainConfig, runtime: Runtime, scan_available: bool | None = 
 
 def select_attention_and_micro_batch(cfg: TrainConfig, runtime: Runtime, log=print) -> TrainConfig:
     """The attention kernel for this model's shapes (on a TPU the Pallas kernel is probed at them); with
-    `--micro-batch auto`, the micro-batch that kernel and this TPU allow (the kernel probed again at it), as the
-    config the session trains with."""
+    `--micro-batch auto`, each kernel probed once at the micro-batch it and this TPU allow, the one the session
+    then trains at, as the config the session trains with."""
     m = cfg.model
     shape = (m.n_head, m.block_size, m.n_embd // m.n_head)
     if cfg.micro_batch != AUTO:
         runtime.select_attention(cfg.micro_batch, *shape, cfg.attention)
         return cfg
-    runtime.select_attention(runtime.num_devices, *shape, cfg.attention)
     generation = runtime.tpu_generation.name if runtime.tpu_generation else None
-    chosen = micro_batch_for(cfg, generation, runtime.attention, runtime.num_devices)
-    if runtime.attention != SDPA and chosen != runtime.num_devices:  # not those that failed at the first batch
-        runtime.select_attention(chosen, *shape, SETTING_OF[runtime.attention], again=True)
-        if runtime.attention == SDPA:  # the kernel failed at the larger batch: size it for SDPA instead
-            chosen = micro_batch_for(cfg, generation, SDPA, runtime.num_devices)
+
+    def batch_for(kind: str) -> int:
+        return micro_batch_for(cfg, generation, kind, runtime.num_devices)
+
+    runtime.select_attention(batch_for(SDPA), *shape, cfg.attention, batch_for=batch_for)
+    chosen = batch_for(runtime.attention)
     log(f"micro-batch auto: {chosen} ({chosen // runtime.num_devices} a device; TPU {generation or 'none'}, "
         f"{runtime.attention} attention)")
     return dataclasses.replace(cfg, micro_batch=chosen)

@@ -21,6 +21,7 @@ import dataclasses
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -56,7 +57,7 @@ class TraceRuntime(XlaRuntime):
         self._placeholders: set[int] = set()
 
     def select_attention(self, batch: int, n_head: int, seq_len: int, head_dim: int, setting: str = "auto",
-                         again: bool = False) -> None:
+                         batch_for: Callable[[str], int] | None = None) -> None:
         """The first kernel a session on this TPU tries at `seq_len` for `setting`, by the session's own loop
         (shared/train/attention.py `choose`) without its probe (which runs the kernel): a kernel whose jax or
         torchax does not import here gives way to the next, as in a session."""

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from shared.errors import UserError, describe_error, within
+from shared.kaggle.facts import record_fact
 from shared.tpu import TPU_GENERATIONS, default_xla_env, detect_tpu_generation
 from shared.train.attention import FLASH, SDPA_CHOICE, candidates, choose
 from shared.train.attention_probe import (
@@ -83,20 +84,20 @@ class XlaRuntime(Runtime):
         self.tpu_generation = TPU_GENERATIONS.get(name or "")
 
     def select_attention(self, batch: int, n_head: int, seq_len: int, head_dim: int, setting: str = "auto",
-                         again: bool = False) -> None:
+                         batch_for: Callable[[str], int] | None = None) -> None:
         # The image's jax may not be the one this torch_xla was built against (Kaggle's TPU image pairs torch_xla
         # 2.8.0 with jax 0.7.x, docs/kaggle-tpu.md), and Mosaic compiles a kernel per shape: each kernel runs
         # forward and backward at this session's own shapes, sharded as training shards them, and is kept only if
         # it runs and agrees with SDPA, rather than dying (or training wrong) at the first step. Which kernels, in
         # which order, and the loop that tries them, are shared/train/attention.py's (the step tracer and --plan
-        # ask the same); here, the kernels over this mesh and their probe within the session's budget.
+        # ask the same); here, the kernels over this mesh and their probe within the session's budget, each probed
+        # once, at the micro-batch it would train at (`batch_for`).
         self.attention_choice = SDPA_CHOICE  # the runtime is process-wide: a previous session's does not carry over
         generation = self.tpu_generation.name if self.tpu_generation else None
-        shape = (batch, n_head, seq_len, head_dim)
         self.attention_choice = choose(
-            candidates(generation, seq_len, setting), shape, self._attention_kernel,
-            probe=lambda name, kernel, instead: self._probe(name, kernel, shape, instead),
-            start=lambda kernels: self._start_probing(kernels, again), devices=self.num_devices)
+            candidates(generation, seq_len, setting), (batch, n_head, seq_len, head_dim), self._attention_kernel,
+            probe=lambda name, kernel, instead, shape: self._probe_and_record(name, kernel, shape, instead),
+            start=self._start_probing, devices=self.num_devices, batch_for=batch_for)
 
     def _attention_kernel(self, kind: str, instead: str) -> Callable | None:
         """Pallas kernel `kind` over this mesh, or None (said) where it does not import."""
@@ -104,13 +105,27 @@ class XlaRuntime(Runtime):
 
     _probe_budget: ProbeBudget | None = None
 
-    def _start_probing(self, kernels: list[str], again: bool = False) -> None:
-        """Say which kernels this selection probes, and in what time: a session's first selection starts the
-        budget all its probes share; a later one (`again`: auto's micro-batch) goes on with what is left."""
-        if not again or self._probe_budget is None:
-            self._probe_budget, again = ProbeBudget(), False
+    def _start_probing(self, kernels: list[str]) -> None:
+        """Say which kernels this selection probes, and in what time: the budget all its probes share starts."""
+        self._probe_budget = ProbeBudget()
         if kernels:
-            print(self._probe_budget.start_line(kernels, again), flush=True)
+            print(self._probe_budget.start_line(kernels), flush=True)
+
+    def _probe_and_record(self, name: str, kernel: Callable, shape: tuple[int, int, int, int],
+                          instead: str) -> str | None | bool:
+        """`_probe`, its result kept in the session's facts (`attention_probes`: passed, failed or hung, at which
+        micro-batch), which the chain reads back to start its next session past a kernel that hung or failed
+        (scripts/chain/attention_carry.py)."""
+        fact = {"micro_batch": shape[0]}
+        try:
+            failure = self._probe(name, kernel, shape, instead)
+        except ProbeHung as err:
+            record_fact("attention_probes", name, {**fact, "result": "hung", "why": str(err)})
+            raise
+        if failure is not False:  # False: not probed (the budget spent)
+            record_fact("attention_probes", name, {**fact, "result": "failed" if failure else "passed",
+                                                   **({"why": failure} if failure else {})})
+        return failure
 
     def _probe(self, name: str, kernel: Callable, shape: tuple[int, int, int, int], instead: str) -> str | None | bool:
         """None where `kernel` runs and agrees with SDPA at `shape`; else why not, in a line (the attention loop,

@@ -396,7 +396,7 @@ def test_plan_compiles_the_splash_step_and_says_what_the_flash_and_sdpa_fallback
     assert report is primary
     assert line == (f"v5e-8 by libtpu 0.0.17 (the splash step, micro-batch {flash['micro_batch']}): HBM per "
                     "chip 7.8 GiB of 16 GiB (51% free); all-reduce inside the loop 4, 234.9 MB per micro-step; MFU "
-                    "ceiling 54.3% (roofline estimate); " + says)
+                    "ceiling 54.3%, 50.7% in llm.c's count (roofline estimate); " + says)
 
 
 def test_with_the_attention_setting_flash_plan_compiles_the_flash_step_first(monkeypatch):

@@ -161,23 +161,25 @@ class _Loop:
 
     def __init__(self, kernels: dict, answers: dict):
         self.kernels, self.answers, self.calls, self.started, self.lines = kernels, answers, [], [], []
+        self.shapes = []
 
     def make(self, kind, instead):
         self.calls.append(("make", kind, instead))
         return self.kernels.get(kind)
 
-    def probe(self, word, kernel, instead):
+    def probe(self, word, kernel, instead, shape):
         self.calls.append(("probe", word, kernel, instead))
+        self.shapes.append((word, shape))
         answer = self.answers[word]
         if isinstance(answer, Exception):
             raise answer
         return answer
 
-    def choose(self, kinds=(S, F, D), probe=True):
+    def choose(self, kinds=(S, F, D), probe=True, batch_for=None):
         from shared.train.attention import choose
 
         return choose(kinds, (16, 12, 1024, 64), self.make, self.probe if probe else None, start=self.started.append,
-                      devices=8, log=self.lines.append)
+                      devices=8, log=self.lines.append, batch_for=batch_for)
 
 
 WHERE = "at this session's shapes (2 sequences x 12 heads x 1024 tokens x 64 per device)"
@@ -233,3 +235,41 @@ def test_the_loop_keeps_the_first_kernel_made_without_a_probe_and_stops_on_a_pro
     with pytest.raises(ProbeHung, match="^stopping before training: the splash-attention"):
         loop.choose()
     assert loop.calls[-1][:2] == ("probe", "splash") and loop.lines == []
+
+
+def test_the_loop_probes_each_kernel_once_at_the_micro_batch_it_would_train_at():
+    # auto's micro-batch: splash's 128, flash's 64 (docs/tpu-throughput.md's v5e-8 gpt2 rows): each probed at its own,
+    # and the failure said at the shapes it was probed at.
+    loop = _Loop({F: "flash-kernel", S: "splash-kernel"}, {"splash": "it differs", "flash": None})
+    choice = loop.choose(batch_for={S: 128, F: 64, D: 64}.__getitem__)
+    assert choice.kind == F
+    assert loop.shapes == [("splash", (128, 12, 1024, 64)), ("flash", (64, 12, 1024, 64))]
+    assert loop.lines == ["notice: the Pallas splash-attention kernel failed its probe at this session's shapes (16 "
+                          "sequences x 12 heads x 1024 tokens x 64 per device): it differs; trying the "
+                          "flash-attention kernel"]
+    loop = _Loop({F: "flash-kernel", S: "splash-kernel"}, {"splash": None})
+    assert loop.choose().kind == S and loop.shapes == [("splash", (16, 12, 1024, 64))]  # no batch_for: shape's
+
+
+def test_a_session_at_micro_batch_auto_probes_each_kernel_once_at_the_batch_it_trains_at(xla_runtime, monkeypatch):
+    from shared.tpu import micro_batch_for
+    from shared.train.step import select_attention_and_micro_batch
+
+    probed = []
+
+    def probe(name, kernel, shape, instead):
+        probed.append((name, shape[0]))
+        return None if name == "flash" else "it differs from SDPA"
+
+    monkeypatch.setattr(xla_runtime, "tpu_generation", TPU_GENERATIONS["v5e"])
+    monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", lambda: "flash")
+    monkeypatch.setattr(xla_runtime, "_splash_attention_kernel", lambda *args: "splash")
+    monkeypatch.setattr(xla_runtime, "_probe", probe)
+    cfg = TrainConfig(preset="gpt2", micro_batch="auto", total_batch_tokens=524288)
+    lines = []
+    session = select_attention_and_micro_batch(cfg, xla_runtime, log=lines.append)
+    want = {kind: micro_batch_for(cfg, "v5e", kind, 8) for kind in (S, F, D)}
+    assert want[S] > want[D]  # the kernels train at micro-batches of their own
+    assert probed == [("splash", want[S]), ("flash", want[F])]  # once each, at its own
+    assert (xla_runtime.attention, session.micro_batch) == (F, want[F])
+    assert lines == [f"micro-batch auto: {want[F]} ({want[F] // 8} a device; TPU v5e, pallas-flash attention)"]

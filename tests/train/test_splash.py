@@ -207,22 +207,6 @@ def test_the_kernel_runs_only_at_the_length_its_probe_passed_and_sdpa_takes_the_
     assert calls == [256] * 3
 
 
-def test_a_second_selection_at_autos_micro_batch_starts_from_the_kernel_chosen_at_the_first(xla_runtime,
-                                                                                          monkeypatch, capsys):
-    def not_again(*_):
-        raise AssertionError("splash failed at the first selection: not probed again")
-
-    monkeypatch.setattr(xla_runtime, "tpu_generation", TPU_GENERATIONS["v5e"])
-    monkeypatch.setattr(xla_runtime, "_splash_attention_kernel", not_again)
-    monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", lambda: sdpa_causal)
-    xla_runtime.select_attention(*SHAPE, "flash", again=True)
-    assert xla_runtime.attention == "pallas-flash"
-    assert capsys.readouterr().out == "probing attention kernels: flash, at most 15 minutes in all\n"
-    monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", not_again)
-    xla_runtime.select_attention(*SHAPE, "sdpa", again=True)
-    assert xla_runtime.attention == "sdpa"
-
-
 def test_a_torchax_or_jax_that_breaks_on_import_is_a_notice_and_flash_is_tried(xla_runtime, monkeypatch, capsys):
     import shared.train.xla_runtime as runtime_module
 
@@ -248,7 +232,7 @@ def test_training_with_splash_compiles_nothing_after_step_two_and_follows_sdpas_
     from shared.train.metrics import read_metrics
     from shared.train.xla_runtime import XlaRuntime
 
-    def install_splash(self, batch, n_head, seq_len, head_dim, setting="auto", again=False):
+    def install_splash(self, batch, n_head, seq_len, head_dim, setting="auto", batch_for=None):
         self.attention_choice = kernel_choice(SPLASH, splash_attention(self.mesh, interpret=True), seq_len)
 
     losses = {}
