@@ -304,6 +304,8 @@ def _reproven(plan: PublishPlan, log) -> str:
         raise UserError(chosen.problem or "no credential can publish")
     if chosen.credential != plan.credential:
         log(f"publishing to {plan.dataset} with {chosen.credential} instead")
+    else:
+        log(f"publish: {chosen.credential} proven again, just before publishing to {plan.dataset}")
     return chosen.credential
 
 
