@@ -263,9 +263,9 @@ def test_an_eval_kernel_that_cannot_upload_its_kaggle_model_stops_before_any_wor
     with pytest.raises(UserError) as err:
         resolve_build(build, log=lambda _: None)
     assert str(err.value) == (
-        "this session cannot upload the Kaggle Model alice/gpt2/pyTorch/base (the secrets KAGGLE_USERNAME, "
-        "KAGGLE_KEY are not attached to this notebook: attach them on the notebook's page (Add-ons > Secrets)); "
-        "stopping before any work")
+        "this session cannot upload the Kaggle Model alice/gpt2/pyTorch/base (no Kaggle credential is attached to "
+        "this notebook: attach the secret KAGGLE_API_TOKEN (an API token), or KAGGLE_USERNAME and KAGGLE_KEY (a "
+        "legacy key), on the notebook's page (Add-ons > Secrets)); stopping before any work")
     del build["settings"]["kaggle_model"]  # no upload asked for: nothing to check
     built = resolve_build(build, log=lambda _: None)
     assert (built.settings, built.publish) == ({"hellaswag": "off", "prompts": ""}, None)
@@ -276,7 +276,7 @@ def test_a_notebook_with_one_secret_attached_names_the_other(session, tmp_path):
     from shared.kaggle.publish import publish_problem
 
     assert publish_problem() == ("the secret KAGGLE_KEY is not attached to this notebook: attach it on the "
-                                 "notebook's page (Add-ons > Secrets)")
+                                 "notebook's page (Add-ons > Secrets), or an API token as the secret KAGGLE_API_TOKEN")
 
 
 INSTALLS_TIKTOKEN = textwrap.dedent("""
