@@ -185,16 +185,11 @@ class _SilentHelp(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 def _secret(name: str) -> str | None:
     """A user secret (in a session) or environment variable of that name; None where neither has it."""
     from shared.kaggle.env import in_session
-    from shared.kaggle.secrets import get_secret
+    from shared.kaggle.secrets import find_secret
 
     if os.environ.get(name) or _hidden.get(name):
         return os.environ.get(name) or _hidden.get(name)
-    if not in_session():
-        return None
-    try:
-        return get_secret(name) or None
-    except UserError:
-        return None
+    return (find_secret(name) or None) if in_session() else None
 
 
 def attached_api_token() -> str | None:
@@ -253,9 +248,15 @@ def no_credential_problem(token_counts: bool = True) -> str | None:
 
 
 def candidates() -> list[str]:
-    """The credentials this session has, in the order the clients would use them."""
-    return ([NOTEBOOK_TOKEN] if notebook_token_present() else []) + \
-        ([ATTACHED_TOKEN] if attached_api_token() else []) + ([ATTACHED_KEY] if key_attached() else [])
+    """The credentials this session has, in the order the clients would use them. Where the user attached neither
+    an API token nor a key, the secrets that would carry one are recorded as missing (the readiness report's)."""
+    attached = ([ATTACHED_TOKEN] if attached_api_token() else []) + ([ATTACHED_KEY] if key_attached() else [])
+    if not attached:
+        from shared.kaggle.facts import record_fact
+
+        for name in (*TOKEN_NAMES, *missing_secrets()):
+            record_fact("secrets", name, False)
+    return ([NOTEBOOK_TOKEN] if notebook_token_present() else []) + attached
 
 
 def fallback_for(credential: str | None) -> str | None:

@@ -379,3 +379,41 @@ def test_only_sessions_of_an_hour_or_more_publish_midway_at_half_their_deadline(
     cfg = config_from_dict({"token_datasets": ["a/b"], "publish_margin_s": 1200})
     assert cfg.midway_publish_s(32400) == (32400 - 1200) / 2
     assert cfg.midway_publish_s(3600) == 1200.0 and cfg.midway_publish_s(3599) == 0.0
+
+
+# Signs in with the key and runs the proof's write on the dataset named; prints what it returned.
+PROVE = ("from shared.kaggle.credential import kaggle_api, prove_dataset_write; "
+         "print(repr(prove_dataset_write(kaggle_api(from_secrets=False), {ds!r})))")
+
+
+def _prove(lk, dataset: str) -> str:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", PROVE.format(ds=dataset)], env={**lk.env, "PYTHONPATH": str(repo)},
+                          capture_output=True, text=True, timeout=120, cwd=repo)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
+def test_the_proofs_write_puts_the_metadata_back_as_it_was_and_makes_no_version(local_kaggle, tmp_path):
+    lk = local_kaggle
+    folder = write_dataset(tmp_path / "ds", DATASET, {"README.md": "no checkpoint"}, title="Run checkpoints")
+    lk.cli("datasets", "create", "-p", str(folder))
+    with lk.app.store.lock:
+        before = json.loads(json.dumps(lk.app.state["datasets"][DATASET]))
+    assert _prove(lk, DATASET) == "None"  # written
+    with lk.app.store.lock:
+        after = lk.app.state["datasets"][DATASET]
+        assert after == before and after["is_private"] is True and len(after["versions"]) == 1
+
+
+def test_the_proof_writes_nothing_where_kaggle_does_not_say_the_dataset_is_private(local_kaggle, tmp_path):
+    lk = local_kaggle
+    folder = write_dataset(tmp_path / "ds", f"{USER}/open-data", {"README.md": "public"}, title="Open data set")
+    lk.cli("datasets", "create", "-p", str(folder), "--public")
+    assert "does not say it is private" in _prove(lk, f"{USER}/open-data")
+    with lk.app.store.lock:
+        assert lk.app.state["datasets"][f"{USER}/open-data"]["is_private"] is False
