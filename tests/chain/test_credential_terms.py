@@ -126,6 +126,20 @@ def test_a_write_kaggle_refuses_to_every_credential_is_one_line_naming_each(fake
                               f"Forbidden; {ATTACHED_KEY}: RuntimeError: HTTP 403 Forbidden)")
 
 
+def test_a_credential_proven_again_before_a_publish_is_named_and_one_that_fails_it_publishes_all_the_same(
+        monkeypatch):
+    from shared.kaggle import publish
+
+    plan = publish.PublishPlan(dataset=DATASET, credential=NOTEBOOK_TOKEN, reprove=True)
+    lines: list[str] = []
+    monkeypatch.setattr(publish, "choose_credential", lambda ds, log: Choice(ATTACHED_KEY))
+    assert publish._reproven(plan, lines.append) == ATTACHED_KEY
+    monkeypatch.setattr(publish, "choose_credential", lambda ds, log: Choice(None, "it cannot (HTTP 403)"))
+    assert publish._reproven(plan, lines.append) == NOTEBOOK_TOKEN  # the publish itself has the last word
+    assert lines == [f"publishing to {DATASET} with {ATTACHED_KEY} instead",
+                     f"notice: it cannot (HTTP 403); publishing with {NOTEBOOK_TOKEN} all the same"]
+
+
 def test_the_session_may_publish_until_its_deadline_plus_the_publish_margin_counted_from_its_start(monkeypatch):
     monkeypatch.setattr(credential, "seconds_left", lambda deadline: deadline - 100.0)  # started 100 s ago
     until = credential.publish_until(7200, 600)
