@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from scripts.chain.context import StageContext
 from shared.errors import UserError
-from shared.kaggle.credential import CREDENTIAL_NAMES
+from shared.kaggle.credential import CREDENTIAL_NAMES, credential_secrets
 
 WANDB_SECRET = "WANDB_API_KEY"
 HF_SECRET = "HF_TOKEN"
@@ -24,14 +24,16 @@ QUICK_SAVE_ID = "quick-save"  # the push id a notebook saved without running is 
 KAGGLE_CODE_URL = "https://www.kaggle.com/code/"
 
 
-def needed_secrets(cfg) -> dict[str, list[str]]:
-    """{kernel name: the secrets it reads} for the kernels of this config that read any."""
+def needed_secrets(cfg, kaggle: tuple[str, ...] = CREDENTIAL_NAMES) -> dict[str, list[str]]:
+    """{kernel name: the secrets it reads} for the kernels of this config that read any; `kaggle`: the secrets that
+    carry the user's Kaggle credential (`credential_secrets`: KAGGLE_API_TOKEN for a user who signs in with an API
+    token, else KAGGLE_USERNAME and KAGGLE_KEY)."""
     # The user's own project only: TrainConfig's default one is used where a key exists, none asked for.
     wandb = bool(cfg.train.get("wandb_project"))
-    needs = {"train": [*CREDENTIAL_NAMES] + ([WANDB_SECRET] if wandb else [])}
+    needs = {"train": [*kaggle] + ([WANDB_SECRET] if wandb else [])}
     ev = cfg.eval_section
     if ev.enabled:
-        names = list(CREDENTIAL_NAMES) if ev.config.kaggle_model else []
+        names = list(kaggle) if ev.config.kaggle_model else []
         if ev.config.wandb_project or wandb:
             names.append(WANDB_SECRET)
         if names:
@@ -69,7 +71,7 @@ class NotebooksStage:
         """Create the notebooks that read secrets and do not exist yet; returns the refs created."""
         ctx = self.ctx
         created, lines = [], []
-        for kernel, names in needed_secrets(ctx.cfg).items():
+        for kernel, names in needed_secrets(ctx.cfg, credential_secrets(ctx.client.api)).items():
             ref = ctx.ref(ctx.cfg.slug(kernel))
             version, _ = ctx.client.kernel_info(ref)
             if version == 0:

@@ -35,7 +35,7 @@ from scripts.chain.sizing import session_length, session_measurements
 from scripts.chain.tokenize_stage import data_sources
 from shared.checkpoint_names import STATE_FILE
 from shared.errors import UserError
-from shared.kaggle.credential import CANNOT_PUBLISH, CREDENTIAL_NAMES
+from shared.kaggle.credential import CANNOT_PUBLISH, credential_secrets
 from shared.kaggle.facts import FACTS_FILE
 from shared.kaggle.publish import PUBLISH_RECORD, STABLE_PREFIX
 
@@ -154,7 +154,7 @@ class TrainStage:
             return
         sess["bound_to_repeat"] = True  # not a failure in a row once the user has attached the key (_trailing_failures)
         self.ctx.state.save()
-        attach = attach_line("train", ref, CREDENTIAL_NAMES)
+        attach = attach_line("train", ref, credential_secrets(self.ctx.client.api))
         raise UserError(f"stopping: train session {sess['n']} stopped before training, as every later one would: "
                         f"{line.removeprefix('error: ')}. {attach[0].upper()}{attach[1:]}, then run the same command "
                         f"again (it goes on at step {step})")

@@ -5,15 +5,17 @@ The client is pointed at it with environment variables (see `LocalKaggle.client_
     KAGGLE_API_ENVIRONMENT=LOCALHOST   # before `import kaggle`: the client POSTs to http://localhost/api/v1/...
     HTTP_PROXY=http://127.0.0.1:PORT   # ...which the proxy setting delivers to this server, on any port
     NO_PROXY=""                        # localhost must not bypass the proxy
-    KAGGLE_USERNAME=... KAGGLE_KEY=... # basic auth, checked against <root>/users.json
+    KAGGLE_USERNAME=... KAGGLE_KEY=... # basic auth, checked against <root>/users.json (a legacy key)
+    KAGGLE_API_TOKEN=KGAT_...          # or a new-style API token, sent as bearer (<root>/api_tokens.json)
 
 Served: kernels push/status/output/logs/list/pull/cancel, datasets create/version/status/files/download/
-list/metadata (with the blob upload the client does: StartBlobUpload, then a resumable PUT to a URL on this server),
-accelerator quota, token introspection (a session's own token states its scope and expiry: it can be made to expire
-mid-session, answering 401, or to lack write scope, refused writes). Each pushed kernel version runs as `python
-<code_file>` in a subprocess with Kaggle's filesystem under `<root>/kernels/<owner>/<slug>/<version>/kaggle/`:
-`input/<slug>/` (read-only by permissions), `working/` (its output, capped), `temp/`; `shared.kaggle.env` finds them
-from the LOCAL_KAGGLE_* variables. Sessions are hard-killed at the session limit and count weekly accelerator quota.
+list/metadata and its update (with the blob upload the client does: StartBlobUpload, then a resumable PUT to a URL
+on this server), accelerator quota, token introspection (a session's own token states its scope and expiry: it can
+be made to expire mid-session or at the session's end, answering 401, or to be refused writes; its scope refuses
+nothing). Each pushed kernel version runs as `python <code_file>` in a subprocess with Kaggle's filesystem under
+`<root>/kernels/<owner>/<slug>/<version>/kaggle/`: `input/<slug>/` (read-only by permissions), `working/` (its
+output, capped), `temp/`; `shared.kaggle.env` finds them from the LOCAL_KAGGLE_* variables. Sessions are
+hard-killed at the session limit and count weekly accelerator quota.
 Faults (HTTP errors on chosen calls, a session that errors, a kill at a chosen moment) can be injected for tests.
 All state is on disk under --root, so a restarted server keeps datasets, kernel versions and outputs.
 
@@ -25,6 +27,7 @@ cannot carry a field kagglesdk does not have. docs/kaggle-api.md lists the calls
     python -m scripts.local_kaggle serve --root DIR --port N [--session-limit S] [--working-cap-gb G]
         [--quota-hours H] [--gpu-quota-hours H] [--user NAME:KEY ...] [--faults FILE]
     python -m scripts.local_kaggle user-add --root DIR NAME        (key read from stdin)
+    python -m scripts.local_kaggle token-add --root DIR NAME       (prints a new API token, KGAT_...)
     python -m scripts.local_kaggle secret-attach --root DIR OWNER/SLUG NAME  (value read from stdin)
 
 (Run from the repository root, so that `scripts` is importable.)

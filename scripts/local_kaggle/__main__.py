@@ -1,4 +1,5 @@
-"""The command line: `python -m scripts.local_kaggle serve|user-add|secret-attach ...` (from the repository root)."""
+"""The command line: `python -m scripts.local_kaggle serve|user-add|token-add|secret-attach ...` (from the repository
+root)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,10 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("user" if name == "user-add" else "kernel")
         if name == "secret-attach":
             p.add_argument("name")
+    token = sub.add_parser("token-add", help="make a user a new-style API token (KGAT_...), printed as the "
+                                             "settings page shows it once; send it as KAGGLE_API_TOKEN")
+    token.add_argument("--root", required=True)
+    token.add_argument("user")
     return parser
 
 
@@ -45,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
 
+    if args.cmd == "token-add":
+        print(LocalKaggle(args.root).add_api_token(args.user))
+        return 0
     if args.cmd in ("user-add", "secret-attach"):
         value = sys.stdin.readline().rstrip("\n")
         if not value:

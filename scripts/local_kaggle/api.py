@@ -30,6 +30,7 @@ from kagglesdk.datasets.types.dataset_api_service import (
     ApiGetDatasetStatusResponse,
     ApiListDatasetFilesResponse,
     ApiListDatasetsResponse,
+    ApiUpdateDatasetMetadataResponse,
 )
 from kagglesdk.datasets.types.dataset_enums import DatabundleVersionStatus, DatasetSelectionGroup
 from kagglesdk.datasets.types.dataset_types import DatasetInfo, SettingsLicense
@@ -386,6 +387,12 @@ def _dataset_metadata(parts: ApiParts, user: str, req: KaggleObject) -> KaggleOb
         return message(ApiGetDatasetMetadataResponse, info=dataset_info(ds))
 
 
+def _update_dataset_metadata(parts: ApiParts, user: str, req: KaggleObject) -> KaggleObject:
+    """The owner's new settings (`Datasets.update_metadata`); what they could not be written for, in `errors`."""
+    return message(ApiUpdateDatasetMetadataResponse, errors=parts.datasets.update_metadata(
+        user, _dataset_ref(req), req.settings))
+
+
 def _list_dataset_files(parts: ApiParts, user: str, req: KaggleObject) -> KaggleObject:
     with parts.store.lock:
         ds = parts.datasets.visible(user, _dataset_ref(req))
@@ -483,6 +490,7 @@ API_ROUTES: dict[str, Callable[[ApiParts, str, Any], KaggleObject]] = {
     f"{DS}/GetDatasetStatus": _dataset_status,
     f"{DS}/GetDataset": _get_dataset,
     f"{DS}/GetDatasetMetadata": _dataset_metadata,
+    f"{DS}/UpdateDatasetMetadata": _update_dataset_metadata,
     f"{DS}/ListDatasetFiles": _list_dataset_files,
     f"{DS}/ListDatasets": _list_datasets,
     f"{DS}/DownloadDataset": _download_dataset,

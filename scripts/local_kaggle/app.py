@@ -190,6 +190,10 @@ class LocalKaggle:
     def add_user(self, name: str, key: str) -> None:
         self.accounts.add_user(name, key)
 
+    def add_api_token(self, name: str, token: str | None = None) -> str:
+        """A new-style API token (KGAT_...) for user `name`, as Kaggle's settings page makes one; -> the token."""
+        return self.accounts.add_api_token(name, token)
+
     def attach_secret(self, kernel_ref: str, name: str, value: str) -> None:
         """What a user does on a notebook's page (Add-ons > Secrets): only a notebook that exists has secrets."""
         with self.store.lock:
@@ -247,6 +251,8 @@ class LocalKaggle:
                 raise ApiError(404, f"Kernel {req['kernel']!r} has no running session")
         elif action == "user":
             self.add_user(req["name"], req["key"])
+        elif action == "api-token":
+            return {"token": self.add_api_token(req["name"], req.get("token"))}
         elif action == "secret":
             self.attach_secret(req["kernel"], req["name"], req["value"])
         elif action == "quota":

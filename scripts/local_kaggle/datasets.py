@@ -293,6 +293,26 @@ class Datasets:
             self.store.save()
         return ds["ref"]
 
+    def update_metadata(self, user: str, ref: str, settings) -> list[str]:
+        """UpdateDatasetMetadata: the owner's settings (a kagglesdk DatasetSettings, or None) over the dataset's
+        title, subtitle, description, privacy and license; -> the errors that kept them from being written (none:
+        written). No version is made. What Kaggle checks is not verified: a title outside 6-50 characters is an
+        error, as kaggle 2.2.4 refuses one at a create (kaggle_api_extended.py L5572-5573)."""
+        with self.store.lock:
+            ds = self.get(ref)
+            check_owner(user, ds, "dataset")
+            if settings is None:
+                return []
+            title = settings.title or ds["title"]
+            if not 6 <= len(title) <= 50:
+                return [f"Title must be between 6 and 50 characters, got {len(title)}"]
+            ds.update(title=title, subtitle=settings.subtitle or None, description=settings.description or None,
+                      is_private=bool(settings.is_private))
+            if settings.licenses:
+                ds["license"] = settings.licenses[0].name or ds["license"]
+            self.store.save()
+        return []
+
     def delete(self, user: str, ref: str) -> None:
         with self.store.lock:
             ds = self.get(ref)

@@ -97,10 +97,11 @@ class Settings:
     # session is not verified (docs/kaggle-api.md, "Which credential publishes"), so both are modelled.
     notebook_token_writes: bool = True
     # Each session's token stops working this long after it is issued (401), and IntrospectToken says when (`exp`);
-    # None: when the session ends. What lifetime Kaggle gives one is not verified.
-    notebook_token_lifetime_s: float | None = None
-    # The scope each session's token carries (IntrospectToken's `scope`); one without "resources.admin:*" may not
-    # write datasets (403). What scope Kaggle gives one is not verified.
+    # "session": at the session's end, its own start (before the kernel's process starts) plus its time limit; None:
+    # it works until the session ends, and states no `exp`. What lifetime Kaggle gives one is not verified.
+    notebook_token_lifetime_s: float | str | None = None
+    # The scope each session's token carries (IntrospectToken's `scope`). What scope Kaggle gives one, and which
+    # scope a write needs, are not verified: a scope refuses nothing here (notebook_token_writes does).
     notebook_token_scope: str = "resources.admin:*"
     # The private-dataset storage quota: a create that would put its owner's live private versions over it answers
     # "Ok" and lands nothing (kaggle-cli issue 284; Kaggle's size of it is not verified). 0: none.

@@ -50,7 +50,8 @@ class Runtime:
     faults: Faults
     secrets_of: Callable[[str], dict[str, str]]
     proxy_url: Callable[[], str]
-    issue_token: Callable[[str], str]  # a notebook's owner -> a new access token for one session
+    # (a notebook's owner, the session's end: its start plus its time limit) -> a new access token for one session
+    issue_token: Callable[[str, float], str]
     revoke_token: Callable[[str], None]
 
 
@@ -211,7 +212,8 @@ class Session:
         script.write_text(text, encoding="utf-8")
         secrets_file = self.vdir / "secrets.json"
         atomic_write_json(secrets_file, self.rt.secrets_of(self.ref), mode=0o600)
-        self.token = self.rt.issue_token(self.kernel["owner"])
+        self.token = self.rt.issue_token(self.kernel["owner"], float(self.v.get("started") or self.started)
+                                         + float(self.limit_s))
         token_file = self.vdir / "notebook-token"
         token_file.write_text(self.token)
         token_file.chmod(0o600)

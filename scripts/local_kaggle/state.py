@@ -100,13 +100,15 @@ class Store:
             self.save()
 
 
-# What a session's own access token may not do while `Settings.notebook_token_writes` is off, or with a scope that
-# lacks FULL_SCOPE: every call this server has that writes a dataset (StartBlobUpload too: the first of any upload).
+# What a session's own access token may not do while `Settings.notebook_token_writes` is off: every call this server
+# has that writes a dataset (StartBlobUpload too: the first of any upload; UpdateDatasetMetadata: a session's proof).
 NOTEBOOK_TOKEN_WRITES = ("StartBlobUpload", "CreateDataset", "CreateDatasetVersion", "CreateDatasetVersionById",
-                         "DeleteDataset")
-# The scope kaggle's own login asks for, "all ApiV1 endpoints" (kaggle 2.2.4 kaggle_api_extended.py L1603-1604): the
-# one this server lets write. A session's token carries `Settings.notebook_token_scope` (by default this).
+                         "DeleteDataset", "UpdateDatasetMetadata")
+# The scope kaggle's own login asks for, "all ApiV1 endpoints" (kaggle 2.2.4 kaggle_api_extended.py L1603-1604): what
+# a session's token carries by default (`Settings.notebook_token_scope`). Which scope a write needs is not verified,
+# so a scope is only what IntrospectToken says: whether a token writes is `notebook_token_writes` alone.
 FULL_SCOPE = "resources.admin:*"
+API_TOKEN_PREFIX = "KGAT_"  # how a new-style API token begins (one the user makes on the settings page)
 
 
 @dataclass
@@ -127,12 +129,13 @@ class Accounts:
     (a notebook token, as a Kaggle notebook has one), and the operator's admin token."""
 
     def __init__(self, root: Path, lock: threading.RLock, token_writes: Callable[[], bool] = lambda: True,
-                 token_terms: Callable[[], tuple[float | None, str]] = lambda: (None, FULL_SCOPE)):
+                 token_terms: Callable[[], tuple[float | str | None, str]] = lambda: (None, FULL_SCOPE)):
         self.lock = lock
         self.token_writes = token_writes  # whether a notebook token may write datasets and models
         self.token_terms = token_terms  # (lifetime in seconds or None, scope) of the notebook tokens issued next
         self.notebook_tokens: dict[str, NotebookToken] = {}  # a running session's token -> what it is
         self.users_path = root / "users.json"
+        self.api_tokens_path = root / "api_tokens.json"  # {token: user}: new-style API tokens, sent as bearer
         self.secrets_path = root / "secrets.json"
         admin_path = root / "admin_token"
         if not admin_path.exists():
@@ -151,6 +154,23 @@ class Accounts:
             users[name] = key
             atomic_write_json(self.users_path, users, mode=0o600)
 
+    def api_tokens(self) -> dict[str, str]:
+        return read_json(self.api_tokens_path, {})
+
+    def add_api_token(self, name: str, token: str | None = None) -> str:
+        """A new-style API token for user `name` (KGAT_..., made here unless given), as Kaggle's settings page makes
+        one: sent as a bearer token, never as basic auth; -> the token."""
+        token = token or API_TOKEN_PREFIX + secrets.token_hex(16)
+        if not token.startswith(API_TOKEN_PREFIX):
+            raise ValueError(f"an API token begins with {API_TOKEN_PREFIX}")
+        with self.lock:
+            if name not in self.users():
+                raise ValueError(f"unknown user {name!r}")
+            tokens = self.api_tokens()
+            tokens[token] = name
+            atomic_write_json(self.api_tokens_path, tokens, mode=0o600)
+        return token
+
     def attach_secret(self, kernel_ref: str, name: str, value: str) -> None:
         with self.lock:
             store = read_json(self.secrets_path, {})
@@ -161,14 +181,18 @@ class Accounts:
         """The secrets attached to the notebook `owner/slug` (none until some are attached)."""
         return read_json(self.secrets_path, {}).get(kernel_ref, {})
 
-    def issue_notebook_token(self, user: str) -> str:
+    def issue_notebook_token(self, user: str, session_end: float | None = None) -> str:
         """A new access token for a session of `user`'s notebook, valid until revoked (when the session ends) or,
-        with a lifetime (`token_terms`), until that has passed: then refused (401), as an expired token is."""
+        with a lifetime (`token_terms`: seconds, or "session": until `session_end`, the session's own start plus its
+        time limit), until that has passed: then refused (401), as an expired token is."""
         token = "nb-" + secrets.token_hex(16)
         lifetime, scope = self.token_terms()
+        if lifetime == "session":
+            expires = session_end
+        else:
+            expires = None if lifetime is None else time.time() + float(lifetime)
         with self.lock:
-            self.notebook_tokens[token] = NotebookToken(
-                user, scope, None if lifetime is None else time.time() + float(lifetime))
+            self.notebook_tokens[token] = NotebookToken(user, scope, expires)
         return token
 
     def expire_notebook_tokens(self) -> None:
@@ -187,15 +211,19 @@ class Accounts:
             exp = None if found.expires is None else int(found.expires)
             return {"active": not found.expired(), "username": found.owner, "scope": found.scope, "exp": exp}
         name = next((n for n, key in self.users().items() if secrets.compare_digest(key, token)), None)
+        name = name or self._api_token_user(token)
         return {"active": name is not None, "username": name or ""}
+
+    def _api_token_user(self, token: str) -> str | None:
+        return next((n for t, n in self.api_tokens().items() if secrets.compare_digest(t, token)), None)
 
     def revoke_notebook_token(self, token: str) -> None:
         with self.lock:
             self.notebook_tokens.pop(token, None)
 
     def authorize(self, header: str | None, method: str) -> None:
-        """403 for a write with a session's own token while such tokens may not write (`notebook_token_writes`), or
-        where its scope lacks FULL_SCOPE."""
+        """403 for a dataset write with a session's own token while such tokens may not write
+        (`notebook_token_writes`). Its scope refuses nothing: which scope a write needs is not verified."""
         scheme, _, value = (header or "").partition(" ")
         with self.lock:
             token = self.notebook_tokens.get(value) if scheme.lower() == "bearer" else None
@@ -203,12 +231,11 @@ class Accounts:
             return
         if not self.token_writes():
             raise ApiError(403, f"This notebook's access token may not call {method}: use an API key")
-        if FULL_SCOPE not in token.scope.split():
-            raise ApiError(403, f"This access token's scope ({token.scope}) does not allow {method}")
 
     def authenticate(self, header: str | None) -> str:
-        """The user an Authorization header names: basic auth (name:key), or a bearer token that is some key or a
-        running session's notebook token."""
+        """The user an Authorization header names: basic auth (name:key, a legacy key), or a bearer token that is a
+        new-style API token, some key, or a running session's notebook token. An API token sent as basic auth is
+        refused (401), as the kaggle client sends KAGGLE_KEY whatever it holds."""
         users = self.users()
         if not header:
             raise ApiError(401, "Missing credentials: set KAGGLE_USERNAME and KAGGLE_KEY (or KAGGLE_API_TOKEN)")
@@ -218,6 +245,8 @@ class Accounts:
                 name, _, key = base64.b64decode(value).decode().partition(":")
             except Exception as err:
                 raise ApiError(401, "Malformed basic auth header") from err
+            if key.startswith(API_TOKEN_PREFIX):
+                raise ApiError(401, "An API token is not a key: send it as a bearer token (KAGGLE_API_TOKEN)")
             if name not in users:
                 raise ApiError(401, f"Unknown user {name!r}")
             if not secrets.compare_digest(users[name], key):
@@ -228,9 +257,10 @@ class Accounts:
                 token = self.notebook_tokens.get(value)
             if token is not None and not token.expired():
                 return token.owner
-            for name, key in users.items():
-                if secrets.compare_digest(key, value):
-                    return name
+            name = self._api_token_user(value) or next(
+                (n for n, key in users.items() if secrets.compare_digest(key, value)), None)
+            if name is not None:
+                return name
             raise ApiError(401, "Invalid or expired access token")
         raise ApiError(401, f"Unsupported authorization scheme {scheme!r}")
 

@@ -22,7 +22,14 @@ from pathlib import Path
 
 from shared.checkpoint_names import STABLE_DIR, checkpoint_name
 from shared.errors import UserError, describe_error, duration_text, within
-from shared.kaggle.credential import CANNOT_PUBLISH, choose_credential, publish_until, secrets_to_env
+from shared.kaggle.credential import (
+    CANNOT_PUBLISH,
+    Choice,
+    choose_credential,
+    publish_until,
+    secret_values,
+    secrets_to_env,
+)
 from shared.kaggle.publish import (
     MANIFEST,
     PLACEHOLDER_FILE,
@@ -119,7 +126,7 @@ def resolve_build(build: dict, log=print) -> BuiltKernel:
     if not ckpt:
         return BuiltKernel(settings)
     until = publish_until(settings.get("session_deadline"), float(ckpt.get("publish_s") or 0))
-    problem, credential = _check_publishing(ckpt["dataset"], settings, paths, log, until) if ckpt.get("publish") \
+    problem, chosen = _check_publishing(ckpt["dataset"], settings, paths, log, until) if ckpt.get("publish") \
         else (None, None)
     input_step = _stage_resume(ckpt, settings, paths, log) if ckpt.get("resume_setting") else None
     if not ckpt.get("publish"):
@@ -129,24 +136,26 @@ def resolve_build(build: dict, log=print) -> BuiltKernel:
                        problem=problem, delete_old_versions=bool(ckpt.get("delete_old_versions")),
                        resume_root=settings.get(ckpt.get("resume_setting") or "") if input_step else None,
                        extend=bool(settings.get("extend")), verify_s=float(ckpt.get("verify_s") or 0),
-                       credential=credential, publish_s=float(ckpt.get("publish_s") or 0),
+                       credential=chosen.credential if chosen else None, reprove=bool(chosen and chosen.reprove),
+                       publish_s=float(ckpt.get("publish_s") or 0),
                        midway_s=float(ckpt.get("midway_s") or 0),
                        **({"poll_s": tuple(map(float, ckpt["poll_s"]))} if ckpt.get("poll_s") else {}))
     return BuiltKernel(settings, plan)
 
 
 def _check_publishing(dataset: str, settings: dict, paths, log,
-                      needed_until: float | None = None) -> tuple[str | None, str | None]:
+                      needed_until: float | None = None) -> tuple[str | None, Choice | None]:
     """(why this train session could not publish its checkpoints, None) or (None, the credential that proved it
-    can until `needed_until`, unix time, in the first minute: shared/kaggle/credential.py). Kept in /kaggle/temp
-    the checkpoints would be lost: stop before training; in /kaggle/working the chain publishes them from the
-    output: a notice."""
+    can, in the first minute: shared/kaggle/credential.py; one expiring before `needed_until`, unix time, is proven
+    again before each publish). Kept in /kaggle/temp the checkpoints would be lost: stop before training; in
+    /kaggle/working the chain publishes them from the output: a notice."""
     problem = publish_problem(log)
-    credential = None
+    chosen = None
     if not problem:
-        credential, problem = choose_credential(dataset, log, needed_until)
-    if credential:
-        log(f"publishing to {dataset} with {credential}")
+        chosen = choose_credential(dataset, log, needed_until)
+        problem = chosen.problem
+    if chosen and chosen.credential:
+        log(f"publishing to {dataset} with {chosen.credential}" + (f" ({chosen.terms})" if chosen.terms else ""))
     if problem:
         in_temp = Path(settings.get("checkpoint_dir") or paths.working).resolve().is_relative_to(paths.temp.resolve())
         if in_temp:
@@ -154,7 +163,7 @@ def _check_publishing(dataset: str, settings: dict, paths, log,
                             f"{paths.temp}, which is gone when the session ends; stopping before training")
         log(f"notice: this session cannot publish its checkpoint ({problem}); the chain publishes it from the "
             "session's output")
-    return problem, credential
+    return problem, chosen
 
 
 def _stage_resume(ckpt: dict, settings: dict, paths, log) -> int | None:
@@ -251,7 +260,7 @@ def fetch_dataset_version(dataset: str, version: int, dest: Path, timeout_s: flo
     except UserError:
         raise
     except Exception as err:  # kagglehub's and requests' own types; masked, one line
-        raise UserError(describe_error(err, [os.environ.get("KAGGLE_KEY", "")])) from None
+        raise UserError(describe_error(err, secret_values())) from None
     finally:
         for name, value in previous.items():
             if value is None:

@@ -33,9 +33,10 @@ from shared.checkpoint_names import MANIFEST_FILE as MANIFEST
 from shared.errors import UserError, describe_error, within
 from shared.fsutil import link_or_copy, link_or_symlink
 from shared.kaggle.credential import (
-    ATTACHED_KEY,
+    candidates,
+    choose_credential,
+    fallback_for,
     kaggle_api,
-    key_takes_over,
     no_credential_problem,
     secret_values,
     use_credential,
@@ -146,6 +147,7 @@ class PublishPlan:
     extend: bool = False  # --extend: the session may resume below input_step (from the stable phase) and train on
     verify_s: float = 0.0  # > 0: wait that long for the new version and publish again if it failed (verify_publish)
     credential: str | None = None  # the one the bootstrap proved (shared/kaggle/credential.py); None: the clients'
+    reprove: bool = False  # it expires before the session's last publish: proven again just before each publish
     publish_s: float = 0.0  # the chain's publish margin: the session is killed that long after its deadline
     # > 0: the first checkpoint written this long after the session's start is published too, while training goes
     # on (MidwayPublish): where Kaggle starts its clock is not verified, and a kill discards the output.
@@ -248,8 +250,9 @@ def _publish(plan: PublishPlan, ckpt, step: int, record: dict, log, work_dir: Pa
     from shared.kaggle.env import kaggle_paths
 
     dataset, delete_old = plan.dataset, plan.delete_old_versions
-    if plan.credential:
-        use_credential(plan.credential)
+    credential = _reproven(plan, log) if plan.reprove else plan.credential
+    if credential:
+        use_credential(credential)
     began = time.monotonic()
     stable = stable or stable_checkpoint(Path(ckpt).parent, plan.resume_root)
     # A deleting publish is proven first, whatever its checkpoint's other copies: deleted versions are gone.
@@ -268,14 +271,15 @@ def _publish(plan: PublishPlan, ckpt, step: int, record: dict, log, work_dir: Pa
         return push(False)  # older versions are deleted only once this one is proven whole (delete_older_versions)
 
     try:
-        out = sign_in_and_push(from_secrets=plan.credential is None)  # None: a plan made without the bootstrap
+        out = sign_in_and_push(from_secrets=credential is None)  # None: a plan made without the bootstrap
     except Exception as err:
-        if not key_takes_over(plan.credential):
+        failed = credential or next(iter(candidates()), None)  # None: the one the clients chose, the first
+        fallback = fallback_for(failed)
+        if fallback is None:
             raise
         why = describe_error(err, secret_values())
-        log(f"notice: the publish to {dataset} with the notebook's token failed ({why}); "
-            "publishing with the attached key")
-        use_credential(ATTACHED_KEY)
+        log(f"notice: the publish to {dataset} with {failed} failed ({why}); publishing with {fallback}")
+        use_credential(fallback)
         out = sign_in_and_push(from_secrets=False)
     record.update(published=True, action=out["action"], seconds=round(time.monotonic() - began, 1),
                   delete_old_versions=delete_old, deleted_old_versions=False, stable_step=out["stable_step"])
@@ -290,6 +294,21 @@ def _publish(plan: PublishPlan, ckpt, step: int, record: dict, log, work_dir: Pa
         record.update(delete_older_versions(api, dataset, record["verified_version"], proof_s, push, log=log,
                                             expected=out["files"], poll=plan.poll_s))
         record["republished"] = record["republished"] or republished
+
+
+def _reproven(plan: PublishPlan, log) -> str | None:
+    """The credential to publish with where the bootstrap's expires before the session's last publish: proven again
+    now, in the same order (the token first while Kaggle still lets it write). Where none passes, the bootstrap's,
+    all the same: the publish itself is Kaggle's last word, and the checkpoint may have no other copy."""
+    chosen = choose_credential(plan.dataset, log)
+    if chosen.credential is None:
+        log(f"notice: {chosen.problem}; publishing with {plan.credential} all the same")
+        return plan.credential
+    if chosen.credential != plan.credential:
+        log(f"publishing to {plan.dataset} with {chosen.credential} instead")
+    else:
+        log(f"publish: {chosen.credential} proven again, just before publishing to {plan.dataset}")
+    return chosen.credential
 
 
 class MidwayPublish:

@@ -22,6 +22,17 @@ def get_secret(name: str) -> str:
     return value
 
 
+def find_secret(name: str) -> str | None:
+    """A user secret that may well be absent (one of two ways to give a credential): its value, recorded as found;
+    None where it cannot be read, recorded nowhere (the user may have given the other)."""
+    try:
+        value = _read_secret(name)
+    except UserError:
+        return None
+    record_fact("secrets", name, True)
+    return value
+
+
 def wandb_key() -> str | None:
     """The W&B key: WANDB_API_KEY from the environment, else the user's secret of that name; None without one."""
     if os.environ.get("WANDB_API_KEY"):

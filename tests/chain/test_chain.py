@@ -207,7 +207,8 @@ def test_chain_end_to_end_resumes_bit_exactly_and_survives_a_kill(local_kaggle, 
         else:
             assert "publish: checkpoint step" in log
         if n == 3:  # session 2 may have proven its credential before the token lost its right to write
-            assert f"notice: {NOTEBOOK_TOKEN} cannot publish to alice/gpt2-demo-checkpoints (HTTP 403)" in log
+            assert (f"notice: {NOTEBOOK_TOKEN} (scope resources.admin:*, expires not stated) cannot publish to "
+                    "alice/gpt2-demo-checkpoints (HTTP 403)") in log
             assert f"publishing to alice/gpt2-demo-checkpoints with {ATTACHED_KEY}" in log
         if n > 1:
             assert f"resuming from alice/gpt2-demo-checkpoints (step {steps[-1]})" in log
@@ -296,6 +297,8 @@ def test_the_notebooks_that_read_secrets_are_named_with_their_secrets():
     model = config_from_dict({**base, "eval": {**base["eval"], "settings": {"kaggle_model": "alice/gpt2/pyTorch/a"}}})
     assert needed_secrets(model) == {"train": ["KAGGLE_USERNAME", "KAGGLE_KEY"],
                                      "eval": ["KAGGLE_USERNAME", "KAGGLE_KEY"]}
+    assert needed_secrets(model, ("KAGGLE_API_TOKEN",)) == {"train": ["KAGGLE_API_TOKEN"],
+                                                            "eval": ["KAGGLE_API_TOKEN"]}  # a user with an API token
     off = config_from_dict({**base, "eval": {"enabled": False, "settings": {"kaggle_model": "alice/gpt2/pyTorch/a"}}})
     assert needed_secrets(off) == {"train": ["KAGGLE_USERNAME", "KAGGLE_KEY"]}
     hub = config_from_dict({**base, "tokenize": {**base["tokenize"], "hf_token": True}})  # one notebook a part
@@ -412,8 +415,9 @@ def test_bad_input_gives_one_line_errors_and_loses_nothing(local_kaggle, tmp_pat
     no_creds = client_env(lk.app, tmp_path / "nocreds", user=None, key=None)
     proc = run_chain(lk, write_config(tmp_path / "a.json", **base), tmp_path / "w1", env=no_creds)
     assert proc.returncode == 2 and error_lines(proc.stderr) == [
-        "error: Kaggle credentials not found: set KAGGLE_USERNAME and KAGGLE_KEY (or ~/.kaggle/kaggle.json; in a "
-        "kernel: the Kaggle secrets KAGGLE_USERNAME and KAGGLE_KEY)"]
+        "error: Kaggle credentials not found: set KAGGLE_API_TOKEN (an API token, from kaggle.com/settings/api) or "
+        "KAGGLE_USERNAME and KAGGLE_KEY (or ~/.kaggle/access_token, ~/.kaggle/kaggle.json; in a kernel: the Kaggle "
+        "secret KAGGLE_API_TOKEN, or KAGGLE_USERNAME and KAGGLE_KEY)"]
     assert proc.stdout.count("\n") <= 1
 
     proc = run_chain(lk, write_config(tmp_path / "b.json", **{**base, "token_datasets": ["alice/no-such-tokens"]}),

@@ -227,8 +227,9 @@ def test_a_kernel_that_cannot_publish_checkpoints_kept_in_temp_stops_before_trai
     with pytest.raises(UserError) as err:
         resolve_build(train_build("{temp}/checkpoints"), log=lambda _: None)
     assert str(err.value) == (
-        "this session cannot publish its checkpoints (the secrets KAGGLE_USERNAME, KAGGLE_KEY are not attached to "
-        "this notebook: attach them on the notebook's page (Add-ons > Secrets)), and they would live in "
+        "this session cannot publish its checkpoints (no Kaggle credential is attached to this notebook: attach the "
+        "secret KAGGLE_API_TOKEN (an API token), or KAGGLE_USERNAME and KAGGLE_KEY (a legacy key), on the notebook's "
+        "page (Add-ons > Secrets)), and they would live in "
         f"{session / 'temp'}, which is gone when the session ends; stopping before training")
     assert sorted(p.name for p in (session / "temp").iterdir()) == []  # nothing staged, nothing installed
 
@@ -242,10 +243,11 @@ def test_a_kernel_that_cannot_publish_checkpoints_kept_in_working_leaves_them_to
     assert built.publish.verify_s == 600.0 and resolve_build(train_build("x"), log=print).publish.verify_s == 0
     assert built.settings["resume_from"] == str(session / "temp" / "gpt2k-resume")
     assert (built.publish.dataset, built.publish.input_step) == ("alice/run-checkpoints", 30)
-    assert built.publish.problem.startswith("the secrets KAGGLE_USERNAME, KAGGLE_KEY are not attached")
-    assert lines[0] == ("notice: this session cannot publish its checkpoint (the secrets KAGGLE_USERNAME, KAGGLE_KEY "
-                        "are not attached to this notebook: attach them on the notebook's page (Add-ons > Secrets)); "
-                        "the chain publishes it from the session's output")
+    assert built.publish.problem.startswith("no Kaggle credential is attached to this notebook")
+    assert lines[0] == ("notice: this session cannot publish its checkpoint (no Kaggle credential is attached to this "
+                        "notebook: attach the secret KAGGLE_API_TOKEN (an API token), or KAGGLE_USERNAME and "
+                        "KAGGLE_KEY (a legacy key), on the notebook's page (Add-ons > Secrets)); the chain publishes "
+                        "it from the session's output")
 
     class Result:
         step, checkpoint = 40, session / "working" / "train" / "checkpoints" / "step_000040"
@@ -253,7 +255,7 @@ def test_a_kernel_that_cannot_publish_checkpoints_kept_in_working_leaves_them_to
     (session / "working").mkdir(exist_ok=True)
     record = after_training(Result(), built.publish, log=lines.append)
     assert record["published"] is False and record["step"] == 40
-    assert record["reason"].startswith("the secrets KAGGLE_USERNAME, KAGGLE_KEY are not attached")
+    assert record["reason"].startswith("no Kaggle credential is attached to this notebook")
     assert json.loads((session / "working" / "publish.json").read_text())["reason"] == record["reason"]
 
 
@@ -263,9 +265,9 @@ def test_an_eval_kernel_that_cannot_upload_its_kaggle_model_stops_before_any_wor
     with pytest.raises(UserError) as err:
         resolve_build(build, log=lambda _: None)
     assert str(err.value) == (
-        "this session cannot upload the Kaggle Model alice/gpt2/pyTorch/base (the secrets KAGGLE_USERNAME, "
-        "KAGGLE_KEY are not attached to this notebook: attach them on the notebook's page (Add-ons > Secrets)); "
-        "stopping before any work")
+        "this session cannot upload the Kaggle Model alice/gpt2/pyTorch/base (no Kaggle credential is attached to "
+        "this notebook: attach the secret KAGGLE_API_TOKEN (an API token), or KAGGLE_USERNAME and KAGGLE_KEY (a "
+        "legacy key), on the notebook's page (Add-ons > Secrets)); stopping before any work")
     del build["settings"]["kaggle_model"]  # no upload asked for: nothing to check
     built = resolve_build(build, log=lambda _: None)
     assert (built.settings, built.publish) == ({"hellaswag": "off", "prompts": ""}, None)
@@ -276,7 +278,7 @@ def test_a_notebook_with_one_secret_attached_names_the_other(session, tmp_path):
     from shared.kaggle.publish import publish_problem
 
     assert publish_problem() == ("the secret KAGGLE_KEY is not attached to this notebook: attach it on the "
-                                 "notebook's page (Add-ons > Secrets)")
+                                 "notebook's page (Add-ons > Secrets), or an API token as the secret KAGGLE_API_TOKEN")
 
 
 INSTALLS_TIKTOKEN = textwrap.dedent("""

@@ -1,7 +1,8 @@
-"""Which credential a session publishes with: its own notebook token where that may write, else the attached key,
-proven in the bootstrap before any training; with neither, one line and exit 2 where the checkpoints would be
-lost. Each case runs a real session of the local Kaggle, which gives every session a notebook token as Kaggle does
-(KAGGLE_API_V1_TOKEN) and can be told that such tokens may not write datasets."""
+"""Which credential a session publishes with: its own notebook token where Kaggle lets it write, else the attached
+API token or key, proven in the bootstrap before any training by a real, harmless write (the checkpoint dataset's
+metadata written back as it is); with none, one line and exit 2 where the checkpoints would be lost. Each case runs
+a real session of the local Kaggle, which gives every session a notebook token as Kaggle does (KAGGLE_API_V1_TOKEN)
+and can be told that such tokens may not write datasets."""
 
 import json
 import os
@@ -10,10 +11,13 @@ import threading
 import pytest
 from kaggle_fixtures import KEY, USER, save_without_running, wait_for, write_dataset, write_kernel
 
-from shared.kaggle.credential import ATTACHED_KEY, NOTEBOOK_TOKEN
+from shared.kaggle.credential import ATTACHED_KEY, NOTEBOOK_TOKEN, TokenFacts
 from shared.kaggle.publish import MANIFEST as MANIFEST_NAME
 
 REF, DATASET = f"{USER}/cred-train", f"{USER}/cred-checkpoints"
+# How the bootstrap names the notebook's token that publishes, with what Kaggle says of it (by default here).
+TOKEN_TERMS = TokenFacts(True, "resources.admin:*", 0).terms()
+WITH_TOKEN = f"publishing to {DATASET} with {NOTEBOOK_TOKEN} ({TOKEN_TERMS})"
 
 # A train kernel's bootstrap and publish, around a checkpoint made by hand instead of by training.
 SESSION = f"""
@@ -47,17 +51,18 @@ run_cli(main)
 """
 
 
-def run_session(lk, tmp_path, secrets: bool, between=None, session: str = SESSION
+def run_session(lk, tmp_path, secrets: bool | dict, between=None, session: str = SESSION
                 ) -> tuple[str, list[str], dict | None, list[int]]:
-    """Push the session (its key attached as secrets first where `secrets`) and wait, calling `between()` after
-    its bootstrap, before its publish; -> (status, its log lines, its publish record, the checkpoint dataset's
+    """Push the session (with `secrets` attached first: True, the key; a dict, those) and wait, calling `between()`
+    after its bootstrap, before its publish; -> (status, its log lines, its publish record, the checkpoint dataset's
     version numbers)."""
     lk.cli("datasets", "create", "-p", str(write_dataset(tmp_path / "ds", DATASET, {"README.md": "no checkpoint"})))
     folder = write_kernel(tmp_path / "k", REF, session, enable_internet=True)
     if secrets:
         save_without_running(lk, folder)
-        lk.app.attach_secret(REF, "KAGGLE_USERNAME", USER)
-        lk.app.attach_secret(REF, "KAGGLE_KEY", KEY)
+        attached = secrets if isinstance(secrets, dict) else {"KAGGLE_USERNAME": USER, "KAGGLE_KEY": KEY}
+        for name, value in attached.items():
+            lk.app.attach_secret(REF, name, value)
     if between is not None:
         gate = tmp_path / "gate"
         threading.Thread(target=lambda: (wait_for(lambda: _logged(lk, "bootstrap done"), 60), between(),
@@ -69,14 +74,15 @@ def run_session(lk, tmp_path, secrets: bool, between=None, session: str = SESSIO
     record = next((json.loads(x[len("RECORD "):]) for x in text if x.startswith("RECORD ")), None)
     with lk.app.store.lock:
         versions = [v["number"] for v in lk.app.state["datasets"][DATASET]["versions"]]
-    assert KEY not in log  # the key is never printed
+    shown = [KEY, *(secrets.values() if isinstance(secrets, dict) else [])]
+    assert not any(value in log for value in shown if value != USER)  # no key or token is ever printed
     return status, text, record, versions
 
 
 def test_a_session_with_no_secrets_publishes_with_its_own_notebook_token(local_kaggle, tmp_path):
     status, lines, record, versions = run_session(local_kaggle, tmp_path, secrets=False)
     assert status == "COMPLETE", lines
-    assert f"publishing to {DATASET} with {NOTEBOOK_TOKEN}" in lines
+    assert WITH_TOKEN in lines
     assert record["published"] is True and record["action"] == "versioned" and record["step"] == 40
     assert versions == [1, 2]
     files = local_kaggle.root / "datasets" / USER / "cred-checkpoints" / "2"
@@ -99,7 +105,7 @@ def test_a_token_that_may_not_write_falls_back_to_the_attached_key_which_publish
     local_kaggle.app.notebook_token_writes = False
     status, lines, record, versions = run_session(local_kaggle, tmp_path, secrets=True)
     assert status == "COMPLETE", lines
-    assert f"notice: {NOTEBOOK_TOKEN} cannot publish to {DATASET} (HTTP 403)" in lines
+    assert f"notice: {NOTEBOOK_TOKEN} ({TOKEN_TERMS}) cannot publish to {DATASET} (HTTP 403)" in lines
     assert f"publishing to {DATASET} with {ATTACHED_KEY}" in lines
     assert record["published"] is True and versions == [1, 2]
 
@@ -110,7 +116,7 @@ def test_a_token_refused_at_the_publish_itself_publishes_again_with_the_attached
     status, lines, record, versions = run_session(
         local_kaggle, tmp_path, secrets=True, between=lambda: setattr(local_kaggle.app, "notebook_token_writes", False))
     assert status == "COMPLETE", lines
-    assert f"publishing to {DATASET} with {NOTEBOOK_TOKEN}" in lines
+    assert WITH_TOKEN in lines
     assert any(x.startswith(f"notice: the publish to {DATASET} with the notebook's token failed (HTTP 403")
                and x.endswith("publishing with the attached key") for x in lines), lines
     assert record["published"] is True and versions == [1, 2]
@@ -373,3 +379,41 @@ def test_only_sessions_of_an_hour_or_more_publish_midway_at_half_their_deadline(
     cfg = config_from_dict({"token_datasets": ["a/b"], "publish_margin_s": 1200})
     assert cfg.midway_publish_s(32400) == (32400 - 1200) / 2
     assert cfg.midway_publish_s(3600) == 1200.0 and cfg.midway_publish_s(3599) == 0.0
+
+
+# Signs in with the key and runs the proof's write on the dataset named; prints what it returned.
+PROVE = ("from shared.kaggle.credential import kaggle_api, prove_dataset_write; "
+         "print(repr(prove_dataset_write(kaggle_api(from_secrets=False), {ds!r})))")
+
+
+def _prove(lk, dataset: str) -> str:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", PROVE.format(ds=dataset)], env={**lk.env, "PYTHONPATH": str(repo)},
+                          capture_output=True, text=True, timeout=120, cwd=repo)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
+def test_the_proofs_write_puts_the_metadata_back_as_it_was_and_makes_no_version(local_kaggle, tmp_path):
+    lk = local_kaggle
+    folder = write_dataset(tmp_path / "ds", DATASET, {"README.md": "no checkpoint"}, title="Run checkpoints")
+    lk.cli("datasets", "create", "-p", str(folder))
+    with lk.app.store.lock:
+        before = json.loads(json.dumps(lk.app.state["datasets"][DATASET]))
+    assert _prove(lk, DATASET) == "None"  # written
+    with lk.app.store.lock:
+        after = lk.app.state["datasets"][DATASET]
+        assert after == before and after["is_private"] is True and len(after["versions"]) == 1
+
+
+def test_the_proof_writes_nothing_where_kaggle_does_not_say_the_dataset_is_private(local_kaggle, tmp_path):
+    lk = local_kaggle
+    folder = write_dataset(tmp_path / "ds", f"{USER}/open-data", {"README.md": "public"}, title="Open data set")
+    lk.cli("datasets", "create", "-p", str(folder), "--public")
+    assert "does not say it is private" in _prove(lk, f"{USER}/open-data")
+    with lk.app.store.lock:
+        assert lk.app.state["datasets"][f"{USER}/open-data"]["is_private"] is False
