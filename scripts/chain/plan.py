@@ -32,7 +32,7 @@ from scripts.chain.limits import (
     session_devices,
 )
 from scripts.chain.sizing import MIN_STEPS
-from scripts.chain.storage import storage_line, storage_plan
+from scripts.chain.storage import disk_line, list_private_datasets, room_line, storage_line, storage_plan
 from shared.config import AUTO, HELLASWAG_VALIDATION_EXAMPLES, TrainConfig
 from shared.errors import UserError
 from shared.train.attention import FLASH, SDPA, SETTING_OF, SPLASH, candidates, untiled_kernels
@@ -278,7 +278,8 @@ def plan_lines(cfg: ChainConfig, plan: dict, source: str = "") -> list[str]:
     size = plan["checkpoint_bytes"]
     ckpt_dir = train.checkpoint_dir or "{working}/train/checkpoints"
     keep = train.keep_checkpoints
-    storage = storage_plan(cfg)
+    others = plan.get("private_datasets")  # the user's other private datasets, where read: they share the quota
+    storage = storage_plan(cfg, taken=sum((others or {}).values()))
     versions = f"at most {storage.keep} versions kept"
     if checkpoints_in_temp(train):
         versions += (f"; with no copy in the output, a session waits up to {publish_verify_s(train):.0f} s for "
@@ -296,6 +297,8 @@ def plan_lines(cfg: ChainConfig, plan: dict, source: str = "") -> list[str]:
                  f"({room}), published to dataset {user}/{cfg.slug('checkpoints')} "
                  f"({versions}{stable})")
     lines.append(f"storage     {storage_line(storage)}")
+    lines.append(f"quota room  {room_line(cfg, storage, others, '', plan.get('private_why', ''))}")
+    lines.append(f"disk        {disk_line(cfg, bool(midway_s))}")
     lines.append("")
     lines += [f"margin      {line}" for line in margins(cfg, plan)]
     lines += [f"warning     {line}" for line in warnings(cfg, plan, train)]
@@ -464,6 +467,7 @@ def print_plan(cfg: ChainConfig, source: str = "", log=print, with_quota: bool =
     built = check_builds(cfg)
     quota, why = read_quota(cfg) if with_quota and MACHINE_SHAPES.get(cfg.accelerator) else (None, "")
     plan = make_plan(cfg, quota, measured_path)
+    plan["private_datasets"], plan["private_why"] = list_private_datasets(cfg) if with_quota else (None, "")
     plan["kernels_built"] = built
     plan["compiled"], compiled_line = compiled_fit(cfg, log=lambda msg: print(msg, file=sys.stderr, flush=True))
     lines = plan_lines(cfg, plan, source)

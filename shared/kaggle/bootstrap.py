@@ -23,6 +23,7 @@ from pathlib import Path
 from shared.checkpoint_names import STABLE_DIR, checkpoint_name
 from shared.errors import UserError, describe_error, duration_text, within
 from shared.kaggle.credential import CANNOT_PUBLISH, choose_credential, publish_until, secrets_to_env
+from shared.kaggle.disk import DiskRoom
 from shared.kaggle.publish import (
     MANIFEST,
     PLACEHOLDER_FILE,
@@ -121,7 +122,10 @@ def resolve_build(build: dict, log=print) -> BuiltKernel:
     until = publish_until(settings.get("session_deadline"), float(ckpt.get("publish_s") or 0))
     problem, credential = _check_publishing(ckpt["dataset"], settings, paths, log, until) if ckpt.get("publish") \
         else (None, None)
-    input_step = _stage_resume(ckpt, settings, paths, log) if ckpt.get("resume_setting") else None
+    room = DiskRoom(ckpt.get("disk"), paths.temp, paths.working, settings.get("checkpoint_dir"),
+                    bool(ckpt.get("publish") and ckpt.get("midway_s")), log)
+    input_step = _stage_resume(ckpt, settings, paths, log, room) if ckpt.get("resume_setting") else None
+    room.check(fetching=False)  # where staging did not check it (no fetch to count)
     if not ckpt.get("publish"):
         return BuiltKernel(settings)
     floor = max(input_step or 0, int(ckpt.get("expect_step") or 0))
@@ -130,7 +134,7 @@ def resolve_build(build: dict, log=print) -> BuiltKernel:
                        resume_root=settings.get(ckpt.get("resume_setting") or "") if input_step else None,
                        extend=bool(settings.get("extend")), verify_s=float(ckpt.get("verify_s") or 0),
                        credential=credential, publish_s=float(ckpt.get("publish_s") or 0),
-                       midway_s=float(ckpt.get("midway_s") or 0),
+                       midway_s=float(ckpt.get("midway_s") or 0) if room.midway else 0.0,
                        **({"poll_s": tuple(map(float, ckpt["poll_s"]))} if ckpt.get("poll_s") else {}))
     return BuiltKernel(settings, plan)
 
@@ -157,10 +161,10 @@ def _check_publishing(dataset: str, settings: dict, paths, log,
     return problem, credential
 
 
-def _stage_resume(ckpt: dict, settings: dict, paths, log) -> int | None:
+def _stage_resume(ckpt: dict, settings: dict, paths, log, room: DiskRoom | None = None) -> int | None:
     """Stage the checkpoint dataset for resuming (settings[resume_setting]): the attached copy, or, where that holds
     less than the step the chain expects (a mount of an older version), the expected version fetched. Its step,
-    or None."""
+    or None. `room`: the session's disk, checked before any fetch with the fetch counted."""
     folder = _attached(ckpt["dataset"], paths, log)
     input_step = checkpoint_step(folder) if folder else None
     expect = int(ckpt.get("expect_step") or 0)  # the step the chain saw in the dataset before pushing
@@ -168,7 +172,10 @@ def _stage_resume(ckpt: dict, settings: dict, paths, log) -> int | None:
     # from more, from a version the chain did not accept (one short of a file: scripts/chain/train_stage.py), or with
     # --extend from the run's end before the extension trained on from its stable phase (the trainer would pass it
     # over and train the extension's steps again).
-    if expect and (input_step or 0) != expect:
+    fetching = bool(expect and (input_step or 0) != expect)
+    if room is not None:
+        room.check(fetching)
+    if fetching:
         folder, input_step = _fetch_expected(ckpt, folder, input_step, paths, log, settings.get("session_deadline"))
     elif not expect and input_step and int(ckpt.get("expect_version") or 0):
         # The chain accepted no checkpoint yet: one in the mount is a version it refused (a first publish short of
