@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from scripts.chain.config import (
+    DELETING_PUBLISH_UPLOADS,
     ChainConfig,
     checkpoints_in_temp,
     keeps_stable,
@@ -31,6 +32,7 @@ from scripts.chain.limits import (
     RETIRED_SHAPES,
     session_devices,
 )
+from scripts.chain.measured import publish_line
 from scripts.chain.sizing import MIN_STEPS
 from scripts.chain.storage import disk_line, list_private_datasets, room_line, storage_line, storage_plan
 from shared.config import AUTO, HELLASWAG_VALIDATION_EXAMPLES, TrainConfig
@@ -316,6 +318,7 @@ def margins(cfg: ChainConfig, plan: dict) -> list[str]:
     out.append(f"session: {cfg.startup_margin_s:g} s for start-up (imports, data, compile); "
                f"{cfg.publish_margin_s:g} s to publish, the uploads alone ~{uploads_s:.0f} s at an assumed "
                f"{ASSUMED_UPLOAD_BYTES_PER_S / 1e6:g} MB/s (a deleting publish uploads twice)")
+    out.append(f"publish: {publish_line(DELETING_PUBLISH_UPLOADS, cfg.version_bytes, cfg.publish_margin_s)}")
     if plan.get("quota_s") and plan.get("weekly_quota_s"):
         weeks = plan.get("weeks") or 1
         now = plan["weekly_quota_s"] if plan["quota_left_s"] is None else plan["quota_left_s"]

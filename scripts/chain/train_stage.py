@@ -30,6 +30,7 @@ from scripts.chain.config import ChainConfig, publish_verify_s
 from scripts.chain.context import StageContext
 from scripts.chain.hellaswag import ensure_hellaswag_dataset, hellaswag_settings
 from scripts.chain.limits import MACHINE_SHAPES
+from scripts.chain.measured import keep_session_facts
 from scripts.chain.notebooks import attach_line
 from scripts.chain.sizing import session_length, session_measurements
 from scripts.chain.storage import session_disk
@@ -278,8 +279,11 @@ class TrainStage:
         record = json.loads((dest / PUBLISH_RECORD).read_text()) if (dest / PUBLISH_RECORD).exists() else {}
         metrics = dest / "train" / "metrics.jsonl"
         error = log_error_line(dest, ref)
+        # What the session measured of what the plan assumes (uploads, time to ready, clock, token, disk), kept
+        # beside its tokens/s (scripts/chain/measured.py)
+        facts = keep_session_facts(dest / FACTS_FILE, self.cfg.name)
         return record, {"logs": str(dest), **(session_measurements(metrics) if metrics.exists() else {}),
-                        **({"error": error} if error else {})}
+                        **({"error": error} if error else {}), **({"measured": facts} if facts else {})}
 
     def session_version(self, ckpt_ref: str, before: int, record: dict) -> int:
         """The checkpoint version after the session: the newer one it made, once ready, else `before`. Right after

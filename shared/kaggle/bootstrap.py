@@ -105,8 +105,12 @@ def resolve_build(build: dict, log=print) -> BuiltKernel:
         if any(isinstance(v, str) and _PLACEHOLDER.search(v) for v in settings.values()):
             raise UserError("this built kernel expects Kaggle's folders: run it on Kaggle or in the local Kaggle")
         return BuiltKernel(settings)
+    from shared.kaggle.facts import record_clock, record_image
+
     if build.get("kernel") in ("train", "eval"):
         check_tpu_present(build.get("accelerator") or "", build["kernel"])
+    record_clock()
+    record_image()  # before any install: the image's own packages
     paths = kaggle_paths()
     settings = {k: resolve_placeholders(v, paths) if isinstance(v, str) else v for k, v in settings.items()}
     for name, reason in kernel_needs(build.get("kernel", ""), settings):

@@ -273,11 +273,25 @@ def _prove(credential: str, dataset: str, needed_until: float | None, log) -> st
         facts = introspect_token(api)
         expiry = _utc(facts.expires) if facts.expires else "not stated"
         log(f"{NOTEBOOK_TOKEN}: scope {facts.scope or 'not stated'}, expires {expiry}")
+        _record_token(facts)
         short = token_shortfall(facts, needed_until)
         if short:
             return short
     prove_dataset_write(api, dataset)
     return None
+
+
+def _record_token(facts: TokenFacts) -> None:
+    """What Kaggle said of the notebook's token (never the token), with when it was asked, in the session's facts:
+    its lifetime, and so where it was issued against the session's start, is not verified."""
+    import time
+
+    from shared.kaggle.facts import record_fact
+    from shared.session_clock import process_start
+
+    record_fact("token", NOTEBOOK_TOKEN, {"active": facts.active, "scope": facts.scope, "expires": facts.expires,
+                                          "asked_at": round(time.time(), 1),
+                                          "process_age_s": round(time.monotonic() - process_start(), 1)})
 
 
 def key_takes_over(credential: str | None) -> bool:
