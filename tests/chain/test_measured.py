@@ -121,3 +121,21 @@ def test_each_publish_records_its_upload_rate_and_its_time_until_ready_on_the_lo
     assert (first["bytes"], first["delete_old_versions"], deleting["delete_old_versions"]) == (size, False, True)
     assert first["mb_s"] > 0 and first["seconds"] >= 0
     assert 1.0 <= first["ready_s"] < 30.0 and deleting["ready_s"] is None
+
+
+def test_what_kaggle_says_of_the_notebooks_token_is_in_the_sessions_facts_and_the_token_is_not(session, monkeypatch):
+    from shared.kaggle import credential
+    from shared.kaggle.credential import NOTEBOOK_TOKEN, TokenFacts
+
+    monkeypatch.setattr(credential, "kaggle_api", lambda from_secrets=True: object())
+    said = TokenFacts(True, "resources.admin:*", 2_000_000_000)
+    monkeypatch.setattr(credential, "introspect_token", lambda api: said)
+    monkeypatch.setattr(credential, "prove_dataset_write", lambda api, dataset: None)
+    monkeypatch.setattr(credential, "candidates", lambda: [NOTEBOOK_TOKEN])
+    monkeypatch.setenv("KAGGLE_API_V1_TOKEN", "the-secret-token-value")
+    assert credential.choose_credential("alice/ckpt", lambda _: None, None) == (NOTEBOOK_TOKEN, None)
+    text = (session / "working" / FACTS_FILE).read_text()
+    token = json.loads(text)["token"][NOTEBOOK_TOKEN]
+    assert (token["active"], token["scope"], token["expires"]) == (True, "resources.admin:*", 2_000_000_000)
+    assert token["process_age_s"] >= 0 and token["asked_at"] > 1.7e9
+    assert "the-secret-token-value" not in text
