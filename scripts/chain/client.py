@@ -322,8 +322,9 @@ class KaggleClient:
     def private_datasets(self) -> dict[str, int]:
         """{ref: bytes} of this user's private datasets, every page, as ListDatasets lists them (kagglesdk 0.1.38
         datasets/services/dataset_api_service.py L11-21; its request's `group`, `page_size` and `page_token`, and
-        ApiDataset's `total_bytes` and `is_private`: datasets/types/dataset_api_service.py L658-687, L2158-2176;
-        DATASET_SELECTION_GROUP_MY: dataset_enums.py L39). Whether `total_bytes` counts one version or all of them
+        ApiDataset's `total_bytes` and `is_private`, the reply's `next_page_token`:
+        datasets/types/dataset_api_service.py L658-687, L2158-2176, L2381-2391; DATASET_SELECTION_GROUP_MY:
+        dataset_enums.py L39). Whether `total_bytes` counts one version or all of them
         is not documented: what they take of the private-dataset quota is read as that figure."""
         from kagglesdk.datasets.types.dataset_api_service import ApiListDatasetsRequest
         from kagglesdk.datasets.types.dataset_enums import DatasetSelectionGroup
