@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 from scripts.chain.client import ApiFailure, VersionMissing, normalize_single_download
 from scripts.chain.context import StageContext
-from scripts.chain.storage import storage_plan
+from scripts.chain.storage import private_taken, room_line, storage_plan
 from shared.checkpoint_names import CHECKPOINT_PREFIX, STABLE_DIR, checkpoint_name
 from shared.errors import UserError
 from shared.fsutil import sha256_file
@@ -147,9 +148,27 @@ def session_publishes(ctx: StageContext, current: int, limit_s: float) -> tuple[
     versions). A midway version only where it, the final one and that copy fit beside those live (a session killed
     before its final publish leaves one more)."""
     live = len(known_versions(ctx, current))
-    plan = storage_plan(ctx.cfg, midway=ctx.cfg.midway_publish_s(limit_s) > 0)
-    midway = plan.midway and live + 3 <= ctx.cfg.dataset_room()  # the midway, the final and its deleting copy
+    taken = int((ctx.state.data.get("private_datasets") or {}).get("taken") or 0)
+    plan = storage_plan(ctx.cfg, midway=ctx.cfg.midway_publish_s(limit_s) > 0, taken=taken)
+    midway = plan.midway and live + 3 <= ctx.cfg.dataset_room(taken)  # the midway, the final and its deleting copy
     return live + 1 + midway > plan.keep, midway
+
+
+def read_private_datasets(ctx: StageContext, ref: str) -> None:
+    """At the chain's start: the user's own private datasets and their sizes (ListDatasets), kept in the state, so
+    the checkpoint versions are planned under what is left of the quota (session_publishes); one line where three
+    versions no longer fit beside them. A listing that fails is a notice: the whole quota is counted as the
+    chain's, as before it was read."""
+    try:
+        datasets = ctx.client.private_datasets()
+    except Exception as err:  # an API or a stand-in without the call: the publishes are still proven one by one
+        why = ctx.client.describe(err) if not isinstance(err, UserError) else str(err)
+        ctx.log(f"notice: {room_line(ctx.cfg, storage_plan(ctx.cfg), None, ref, why)}")
+        return
+    taken = private_taken(datasets, ref)
+    ctx.state.data["private_datasets"] = {"taken": taken, "datasets": datasets, "read_at": time.time()}
+    ctx.state.save()
+    ctx.log(f"quota: {room_line(ctx.cfg, storage_plan(ctx.cfg, taken=taken), datasets, ref)}")
 
 
 def note_version(ctx: StageContext, number: int, deleted_old: bool) -> None:

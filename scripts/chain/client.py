@@ -319,6 +319,34 @@ class KaggleClient:
                             "page")
         return seen.number
 
+    def private_datasets(self) -> dict[str, int]:
+        """{ref: bytes} of this user's private datasets, every page, as ListDatasets lists them (kagglesdk 0.1.38
+        datasets/services/dataset_api_service.py L11-21; its request's `group`, `page_size` and `page_token`, and
+        ApiDataset's `total_bytes` and `is_private`, the reply's `next_page_token`:
+        datasets/types/dataset_api_service.py L658-687, L2158-2176, L2381-2391; DATASET_SELECTION_GROUP_MY:
+        dataset_enums.py L39). Whether `total_bytes` counts one version or all of them
+        is not documented: what they take of the private-dataset quota is read as that figure."""
+        from kagglesdk.datasets.types.dataset_api_service import ApiListDatasetsRequest
+        from kagglesdk.datasets.types.dataset_enums import DatasetSelectionGroup
+
+        found: dict[str, int] = {}
+        token = ""
+        for _ in range(1000):  # 100 000 datasets at most: a page token that never ends is not followed for ever
+            def page(token=token):
+                with self.api.build_kaggle_client() as client:
+                    req = ApiListDatasetsRequest()
+                    req.group, req.page_size = DatasetSelectionGroup.DATASET_SELECTION_GROUP_MY, 100
+                    if token:
+                        req.page_token = token
+                    return client.datasets.dataset_api_client.list_datasets(req)
+
+            resp = self.call("your datasets", page)
+            found.update({d.ref: int(d.total_bytes or 0) for d in resp.datasets or [] if d.is_private})
+            token = resp.next_page_token or ""
+            if not token:
+                break
+        return found
+
     def quota_left_s(self, kind: str | None) -> tuple[float, float, str] | None:
         """(seconds left, seconds allowed, reset time) of the weekly quota of `kind` ("tpu", "gpu"), None for
         CPU (kind None)."""

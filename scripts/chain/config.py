@@ -160,16 +160,19 @@ class ChainConfig:
                    "checkpoints": f"{self.name}-checkpoints"}[what]
         return self.slugs.get(what) or default
 
-    def dataset_room(self) -> int:
+    def dataset_room(self, taken: int = 0) -> int:
         """Checkpoint versions that fit the private-dataset quota at once (each the newest checkpoint and, for a wsd
-        run, the stable-phase one beside it). Fewer than three is an error: the version kept, the next one, and the
-        copy of it that deletes the older once it is proven (shared/kaggle/publish.py `_publish`)."""
+        run, the stable-phase one beside it), less `taken` bytes (the user's other private datasets). Fewer than
+        three is an error: the version kept, the next one, and the copy of it that deletes the older once it is
+        proven (shared/kaggle/publish.py `_publish`)."""
         size = self.version_bytes
-        room = int(self.dataset_quota_gb * 1e9) // size
+        room = max(0, int(self.dataset_quota_gb * 1e9) - taken) // size
         if room < 3:
+            others = f" less the {taken / 1e9:.1f} GB your other private datasets take" if taken else ""
             raise UserError(f"a checkpoint version is {size / 1e9:.1f} GB: three (the one kept, the next, and its "
                             f"copy that deletes the older) do not fit the {self.dataset_quota_gb:g} GB private-dataset "
-                            "quota (dataset_quota_gb); raise it if your account has more, or train a smaller model")
+                            f"quota (dataset_quota_gb){others}; raise it if your account has more, free space on "
+                            "Kaggle, or train a smaller model")
         return room
 
     @property

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from scripts.chain.ceilings import ceilings_text, compiled_rates, planning_ceiling
 from scripts.chain.config import (
+    DELETING_PUBLISH_UPLOADS,
     ChainConfig,
     checkpoints_in_temp,
     keeps_stable,
@@ -32,8 +33,9 @@ from scripts.chain.limits import (
     RETIRED_SHAPES,
     session_devices,
 )
+from scripts.chain.measured import publish_line
 from scripts.chain.sizing import MIN_STEPS
-from scripts.chain.storage import storage_line, storage_plan
+from scripts.chain.storage import disk_line, list_private_datasets, room_line, storage_line, storage_plan
 from shared.config import AUTO, HELLASWAG_VALIDATION_EXAMPLES, TrainConfig
 from shared.errors import UserError
 from shared.train.attention import FLASH, SDPA, SETTING_OF, SPLASH, candidates, untiled_kernels
@@ -289,7 +291,8 @@ def plan_lines(cfg: ChainConfig, plan: dict, source: str = "") -> list[str]:
     size = plan["checkpoint_bytes"]
     ckpt_dir = train.checkpoint_dir or "{working}/train/checkpoints"
     keep = train.keep_checkpoints
-    storage = storage_plan(cfg)
+    others = plan.get("private_datasets")  # the user's other private datasets, where read: they share the quota
+    storage = storage_plan(cfg, taken=sum((others or {}).values()))
     versions = f"at most {storage.keep} versions kept"
     if checkpoints_in_temp(train):
         versions += (f"; with no copy in the output, a session waits up to {publish_verify_s(train):.0f} s for "
@@ -307,6 +310,8 @@ def plan_lines(cfg: ChainConfig, plan: dict, source: str = "") -> list[str]:
                  f"({room}), published to dataset {user}/{cfg.slug('checkpoints')} "
                  f"({versions}{stable})")
     lines.append(f"storage     {storage_line(storage)}")
+    lines.append(f"quota room  {room_line(cfg, storage, others, '', plan.get('private_why', ''))}")
+    lines.append(f"disk        {disk_line(cfg, bool(midway_s))}")
     lines.append("")
     lines += [f"margin      {line}" for line in margins(cfg, plan)]
     lines += [f"warning     {line}" for line in warnings(cfg, plan, train)]
@@ -324,6 +329,7 @@ def margins(cfg: ChainConfig, plan: dict) -> list[str]:
     out.append(f"session: {cfg.startup_margin_s:g} s for start-up (imports, data, compile); "
                f"{cfg.publish_margin_s:g} s to publish, the uploads alone ~{uploads_s:.0f} s at an assumed "
                f"{ASSUMED_UPLOAD_BYTES_PER_S / 1e6:g} MB/s (a deleting publish uploads twice)")
+    out.append(f"publish: {publish_line(DELETING_PUBLISH_UPLOADS, cfg.version_bytes, cfg.publish_margin_s)}")
     if plan.get("quota_s") and plan.get("weekly_quota_s"):
         weeks = plan.get("weeks") or 1
         now = plan["weekly_quota_s"] if plan["quota_left_s"] is None else plan["quota_left_s"]
@@ -479,6 +485,7 @@ def print_plan(cfg: ChainConfig, source: str = "", log=print, with_quota: bool =
     quota, why = read_quota(cfg) if with_quota and MACHINE_SHAPES.get(cfg.accelerator) else (None, "")
     compiled, compiled_line = compiled_fit(cfg, log=lambda msg: print(msg, file=sys.stderr, flush=True))
     plan = make_plan(cfg, quota, measured_path, compiled)
+    plan["private_datasets"], plan["private_why"] = list_private_datasets(cfg) if with_quota else (None, "")
     plan["kernels_built"], plan["compiled"] = built, compiled
     lines = plan_lines(cfg, plan, source)
     at = next((i for i, line in enumerate(lines) if line.startswith("throughput")), len(lines))

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from scripts.chain.config import ChainConfig
+from scripts.chain.config import ChainConfig, checkpoints_in_temp, keeps_stable
+from shared.kaggle.disk import disk_needs, peak_bytes
 
 
 class StoragePlan(NamedTuple):
     """The versions kept (`keep`: a publish that would leave more deletes the older ones), whether sessions publish
     midway, the most versions live at once and their bytes, each version's bytes, the quota's bytes, and why the
-    settings were lowered to fit ('' where they were not)."""
+    settings were lowered to fit ('' where they were not); `taken`: the bytes the user's other private datasets
+    take of the quota (read at the chain's start: `private_taken`)."""
 
     keep: int
     midway: bool
@@ -29,13 +31,15 @@ class StoragePlan(NamedTuple):
     version_bytes: int
     quota_bytes: int
     lowered: str
+    taken: int = 0
 
 
-def storage_plan(cfg: ChainConfig, midway: bool | None = None) -> StoragePlan:
-    """The most versions kept under the quota, with keep_dataset_versions (0: as many as fit) as the ceiling; a
-    midway publish only where one more version still fits beside those. `midway`: whether the chain's sessions
-    publish midway (default: a session of session_limit_s does)."""
-    room, size = cfg.dataset_room(), cfg.version_bytes
+def storage_plan(cfg: ChainConfig, midway: bool | None = None, taken: int = 0) -> StoragePlan:
+    """The most versions kept under the quota less `taken` bytes (the user's other private datasets), with
+    keep_dataset_versions (0: as many as fit) as the ceiling; a midway publish only where one more version still fits
+    beside those. `midway`: whether the chain's sessions publish midway (default: a session of session_limit_s
+    does)."""
+    room, size = cfg.dataset_room(taken), cfg.version_bytes
     wanted = cfg.midway_publish_s(cfg.session_limit_s) > 0 if midway is None else midway
     asked = cfg.keep_dataset_versions or room
     keep = _most_kept(asked, wanted, room)
@@ -47,7 +51,7 @@ def storage_plan(cfg: ChainConfig, midway: bool | None = None) -> StoragePlan:
         lowered.insert(0, f"keep_dataset_versions {keep}, not {cfg.keep_dataset_versions}")
     peak = peak_versions(keep, wanted)
     why = f"{' and '.join(lowered)}, to fit the quota" if lowered else ""
-    return StoragePlan(keep, wanted, peak, peak * size, size, int(cfg.dataset_quota_gb * 1e9), why)
+    return StoragePlan(keep, wanted, peak, peak * size, size, int(cfg.dataset_quota_gb * 1e9), why, taken)
 
 
 def _most_kept(asked: int, midway: bool, room: int) -> int:
@@ -72,3 +76,70 @@ def storage_line(plan: StoragePlan) -> str:
             f"{plan.peak_bytes / 1e9:.1f} GB of the {plan.quota_bytes / 1e9:g} GB private-dataset quota "
             f"(dataset_quota_gb{lowered}); a session adds {adds}, and where more than {plan.keep} would stay, a copy "
             "of its final one, once proven, deletes the older (counted before Kaggle deletes them)")
+
+
+def private_taken(datasets: dict[str, int], checkpoint_ref: str) -> int:
+    """Bytes the user's private datasets other than the chain's checkpoint dataset take of the quota (its token
+    datasets among them, where private and the user's)."""
+    return sum(size for ref, size in datasets.items() if ref != checkpoint_ref)
+
+
+def list_private_datasets(cfg: ChainConfig) -> tuple[dict[str, int] | None, str]:
+    """For --plan: ({ref: bytes} of the user's private datasets other than the chain's checkpoint dataset, ''), or
+    (None, why not) without credentials or network. One attempt: the plan must not hang."""
+    import dataclasses
+
+    from scripts.chain.client import KaggleClient
+    from scripts.chain.config import one_line
+
+    client = KaggleClient(dataclasses.replace(cfg.client, retry_attempts=1), user=cfg.user, log=lambda _: None)
+    try:
+        client.connect()
+        datasets = client.private_datasets()
+    except Exception as err:  # no credentials, no network: the plan goes on with the whole quota
+        return None, one_line(str(err)) or type(err).__name__
+    ckpt = client.ref(cfg.slug("checkpoints"))
+    return {ref: size for ref, size in datasets.items() if ref != ckpt}, ""
+
+
+def room_line(cfg: ChainConfig, plan: StoragePlan, datasets: dict[str, int] | None, checkpoint_ref: str,
+              why: str = "") -> str:
+    """--plan's words on the quota's room: what the user's other private datasets take (the config's token
+    datasets named), what is left, and what the checkpoint versions need of it; without a listing, why."""
+    if datasets is None:
+        return (f"your other private datasets were not read ({why or 'no credentials'}): the whole "
+                f"{plan.quota_bytes / 1e9:g} GB quota is counted as the chain's; they share it")
+    others = {ref: size for ref, size in datasets.items() if ref != checkpoint_ref}
+    tokens = sum(others.get(ref, 0) for ref in cfg.token_datasets)
+    left = plan.quota_bytes - plan.taken
+    named = f", the token datasets {tokens / 1e9:.1f} GB of it" if tokens else ""
+    return (f"{len(others)} other private dataset(s) of yours take {plan.taken / 1e9:.1f} GB{named} (ListDatasets' "
+            f"sizes): {left / 1e9:.1f} GB of the quota is left, {max(0, left - plan.peak_bytes) / 1e9:.1f} GB of it "
+            "beyond the checkpoint versions at their most")
+
+
+def session_disk(cfg: ChainConfig) -> dict[str, int]:
+    """What a train session puts on /kaggle/temp's disk, by part (shared/kaggle/disk.py): baked into the train
+    kernel, whose bootstrap compares it with the free disk before training."""
+    train = cfg.train_config
+    return disk_needs(cfg.checkpoint_bytes, cfg.version_bytes, train.keep_checkpoints, keeps_stable(train))
+
+
+def disk_line(cfg: ChainConfig, midway: bool) -> str:
+    """--plan's words: the most a train session puts on /kaggle/temp's disk at once, and what makes it up."""
+    needs, in_temp = session_disk(cfg), checkpoints_in_temp(cfg.train_config)
+    peak = peak_bytes(needs, fetching=True, midway=midway, rotation=in_temp)
+    parts = [f"{cfg.train_config.keep_checkpoints + 1} checkpoints rotating {_gb(needs['rotation'])}"] if in_temp \
+        else []
+    if midway:
+        parts.append(f"the midway publish's links {_gb(needs['midway'])}")
+    parts.append(f"a fetched version {_gb(needs['fetched'])} (a stale mount; {_gb(needs['fetch'])} while its zip is "
+                 "extracted)")
+    where = "" if in_temp else " (the checkpoints rotate in /kaggle/working: counted too where it shares the disk)"
+    return (f"/kaggle/temp holds at most {_gb(peak)} at once: {', '.join(parts)}{where}; its size on Kaggle is not "
+            "verified: each session measures its free disk before training and drops the midway publish, or stops "
+            "in one line, where the peak does not fit")
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.1f} GB"

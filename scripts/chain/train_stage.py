@@ -22,6 +22,7 @@ from scripts.chain.checkpoints import (
     ensure_checkpoint_dataset,
     note_version,
     publish_from_output,
+    read_private_datasets,
     session_publishes,
     version_problem,
 )
@@ -30,8 +31,10 @@ from scripts.chain.config import ChainConfig, publish_verify_s
 from scripts.chain.context import StageContext
 from scripts.chain.hellaswag import ensure_hellaswag_dataset, hellaswag_settings
 from scripts.chain.limits import MACHINE_SHAPES
+from scripts.chain.measured import keep_session_facts
 from scripts.chain.notebooks import attach_line
 from scripts.chain.sizing import session_length, session_measurements
+from scripts.chain.storage import session_disk
 from scripts.chain.tokenize_stage import data_sources
 from shared.checkpoint_names import STATE_FILE
 from shared.errors import UserError
@@ -67,6 +70,7 @@ class TrainStage:
         ctx, cfg = self.ctx, self.cfg
         ckpt_ref = ctx.ref(cfg.slug("checkpoints"))
         ensure_checkpoint_dataset(ctx, ckpt_ref)
+        read_private_datasets(ctx, ckpt_ref)
         if cfg.hellaswag and not ctx.state.data.get("hellaswag_dataset"):
             ctx.state.data["hellaswag_dataset"] = ensure_hellaswag_dataset(ctx)
             ctx.state.save()
@@ -190,6 +194,7 @@ class TrainStage:
                                                 "publish_s": cfg.publish_margin_s,
                                                 "midway_s": cfg.midway_publish_s(limit_s or cfg.session_limit_s)
                                                 if midway else 0.0,
+                                                "disk": session_disk(cfg),  # checked against the free disk
                                                 # a session waits for its version by the chain's own polling
                                                 "poll_s": [cfg.poll_initial_s, cfg.poll_max_s]},
                             push_id=push_id)
@@ -285,8 +290,12 @@ class TrainStage:
         metrics = dest / "train" / "metrics.jsonl"
         error = log_error_line(dest, ref)
         probes = probe_results(dest / FACTS_FILE, error)
+        # What the session measured of what the plan assumes (uploads, time to ready, clock, token, disk), kept
+        # beside its tokens/s (scripts/chain/measured.py)
+        facts = keep_session_facts(dest / FACTS_FILE, self.cfg.name)
         return record, {"logs": str(dest), **(session_measurements(metrics) if metrics.exists() else {}),
-                        **({"error": error} if error else {}), **({PROBES_FACT: probes} if probes else {})}
+                        **({"error": error} if error else {}), **({PROBES_FACT: probes} if probes else {}),
+                        **({"measured": facts} if facts else {})}
 
     def session_version(self, ckpt_ref: str, before: int, record: dict) -> int:
         """The checkpoint version after the session: the newer one it made, once ready, else `before`. Right after

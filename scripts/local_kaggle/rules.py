@@ -106,6 +106,10 @@ class Settings:
     # The private-dataset storage quota: a create that would put its owner's live private versions over it answers
     # "Ok" and lands nothing (kaggle-cli issue 284; Kaggle's size of it is not verified). 0: none.
     private_dataset_quota_bytes: int = 0
+    # The disk under a session's /kaggle/working and /kaggle/temp (0: the host's): a session reads it as its disk's
+    # size (LOCAL_KAGGLE_DISK_BYTES) and is stopped when its folders hold more. /kaggle/temp's size on Kaggle is not
+    # verified.
+    disk_bytes: int = 0
 
 
 # ----- names, time, access -----

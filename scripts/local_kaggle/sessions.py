@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import IO
 
 from shared.fsutil import link_or_copy
+from shared.kaggle.disk import LOCAL_DISK_ENV, used_bytes
 
 from .datasets import Datasets
 from .kernels import Kernels, notebook_to_script
@@ -217,7 +218,10 @@ class Session:
         token_file = self.vdir / "notebook-token"
         token_file.write_text(self.token)
         token_file.chmod(0o600)
-        return script, session_env(self.kernel, self.v, kroot, secrets_file, self.rt.proxy_url(), token_file)
+        env = session_env(self.kernel, self.v, kroot, secrets_file, self.rt.proxy_url(), token_file)
+        if self.rt.settings.disk_bytes:  # what the session reads as its disk (shared/kaggle/disk.py)
+            env[LOCAL_DISK_ENV] = str(self.rt.settings.disk_bytes)
+        return script, env
 
     def run(self) -> None:
         """From start to end, in the session's own thread; whatever happens, the version ends with a status."""
@@ -277,7 +281,8 @@ class Session:
 
     def _watch(self, working: Path) -> None:
         """Until the process exits: kill it at the time limit, an `after_s` kill fault, the end of the quota, or
-        /kaggle/working over its cap (its size checked twice a second)."""
+        /kaggle/working over its cap, or its folders over the disk (Settings.disk_bytes: sizes checked twice a
+        second)."""
         proc, accel, settings = self.proc, self.v.get("accelerator"), self.rt.settings
         next_size_check = 0.0
         while proc.poll() is None:
@@ -301,12 +306,24 @@ class Session:
                         f"/kaggle/working grew to {size} bytes, over its {settings.working_cap_bytes}-byte limit; "
                         "the session was stopped"
                     )
+                self._check_disk(working)
                 next_size_check = now + 0.5
             try:
                 proc.wait(timeout=0.05)
             except subprocess.TimeoutExpired:
                 pass
         _kill_group(proc)  # the process group may have children left
+
+    def _check_disk(self, working: Path) -> None:
+        """A session whose /kaggle/working and /kaggle/temp hold more than the modelled disk is stopped, as a write
+        to a full disk would fail it (hard links counted once)."""
+        disk = self.rt.settings.disk_bytes
+        if not disk:
+            return
+        used = used_bytes(working, working.parent / "temp")
+        if used > disk:
+            self.kill(f"No space left on device: /kaggle/working and /kaggle/temp hold {used} bytes of a "
+                      f"{disk}-byte disk; the session was stopped")
 
     def _finish(self, status: str, message: str | None, keep_outputs: bool) -> None:
         """Record the end, drop the session's temp, inputs and secrets (and its output unless kept)."""

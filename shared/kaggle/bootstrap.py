@@ -30,6 +30,7 @@ from shared.kaggle.credential import (
     secret_values,
     secrets_to_env,
 )
+from shared.kaggle.disk import DiskRoom
 from shared.kaggle.publish import (
     MANIFEST,
     PLACEHOLDER_FILE,
@@ -111,8 +112,12 @@ def resolve_build(build: dict, log=print) -> BuiltKernel:
         if any(isinstance(v, str) and _PLACEHOLDER.search(v) for v in settings.values()):
             raise UserError("this built kernel expects Kaggle's folders: run it on Kaggle or in the local Kaggle")
         return BuiltKernel(settings)
+    from shared.kaggle.facts import record_clock, record_image
+
     if build.get("kernel") in ("train", "eval"):
         check_tpu_present(build.get("accelerator") or "", build["kernel"])
+    record_clock()
+    record_image()  # before any install: the image's own packages
     paths = kaggle_paths()
     settings = {k: resolve_placeholders(v, paths) if isinstance(v, str) else v for k, v in settings.items()}
     for name, reason in kernel_needs(build.get("kernel", ""), settings):
@@ -128,7 +133,10 @@ def resolve_build(build: dict, log=print) -> BuiltKernel:
     until = publish_until(settings.get("session_deadline"), float(ckpt.get("publish_s") or 0))
     problem, chosen = _check_publishing(ckpt["dataset"], settings, paths, log, until) if ckpt.get("publish") \
         else (None, None)
-    input_step = _stage_resume(ckpt, settings, paths, log) if ckpt.get("resume_setting") else None
+    room = DiskRoom(ckpt.get("disk"), paths.temp, paths.working, settings.get("checkpoint_dir"),
+                    bool(ckpt.get("publish") and ckpt.get("midway_s")), log)
+    input_step = _stage_resume(ckpt, settings, paths, log, room) if ckpt.get("resume_setting") else None
+    room.check(fetching=False)  # where staging did not check it (no fetch to count)
     if not ckpt.get("publish"):
         return BuiltKernel(settings)
     floor = max(input_step or 0, int(ckpt.get("expect_step") or 0))
@@ -138,7 +146,7 @@ def resolve_build(build: dict, log=print) -> BuiltKernel:
                        extend=bool(settings.get("extend")), verify_s=float(ckpt.get("verify_s") or 0),
                        credential=chosen.credential if chosen else None, reprove=bool(chosen and chosen.reprove),
                        publish_s=float(ckpt.get("publish_s") or 0),
-                       midway_s=float(ckpt.get("midway_s") or 0),
+                       midway_s=float(ckpt.get("midway_s") or 0) if room.midway else 0.0,
                        **({"poll_s": tuple(map(float, ckpt["poll_s"]))} if ckpt.get("poll_s") else {}))
     return BuiltKernel(settings, plan)
 
@@ -166,10 +174,10 @@ def _check_publishing(dataset: str, settings: dict, paths, log,
     return problem, chosen
 
 
-def _stage_resume(ckpt: dict, settings: dict, paths, log) -> int | None:
+def _stage_resume(ckpt: dict, settings: dict, paths, log, room: DiskRoom | None = None) -> int | None:
     """Stage the checkpoint dataset for resuming (settings[resume_setting]): the attached copy, or, where that holds
     less than the step the chain expects (a mount of an older version), the expected version fetched. Its step,
-    or None."""
+    or None. `room`: the session's disk, checked before any fetch with the fetch counted."""
     folder = _attached(ckpt["dataset"], paths, log)
     input_step = checkpoint_step(folder) if folder else None
     expect = int(ckpt.get("expect_step") or 0)  # the step the chain saw in the dataset before pushing
@@ -177,7 +185,10 @@ def _stage_resume(ckpt: dict, settings: dict, paths, log) -> int | None:
     # from more, from a version the chain did not accept (one short of a file: scripts/chain/train_stage.py), or with
     # --extend from the run's end before the extension trained on from its stable phase (the trainer would pass it
     # over and train the extension's steps again).
-    if expect and (input_step or 0) != expect:
+    fetching = bool(expect and (input_step or 0) != expect)
+    if room is not None:
+        room.check(fetching)
+    if fetching:
         folder, input_step = _fetch_expected(ckpt, folder, input_step, paths, log, settings.get("session_deadline"))
     elif not expect and input_step and int(ckpt.get("expect_version") or 0):
         # The chain accepted no checkpoint yet: one in the mount is a version it refused (a first publish short of

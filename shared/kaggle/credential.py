@@ -398,6 +398,7 @@ def _prove(credential: str, dataset: str, needed_until: float | None, said: dict
     if token:
         facts = introspect_token(api, token)
         said["terms"] = facts.terms()
+        _record_token(credential, facts)
         if not facts.active:
             return "Kaggle says it is not active"
         said["expiring"] = expires_before(facts, needed_until) or ""
@@ -405,6 +406,17 @@ def _prove(credential: str, dataset: str, needed_until: float | None, said: dict
     if skipped:
         log(f"notice: the proof that {credential} can publish to {dataset} read it only: {skipped}")
     return None
+
+
+def _record_token(credential: str, facts: TokenFacts) -> None:
+    """What Kaggle said of a token (never the token), with when it was asked, in the session's facts: its lifetime,
+    and so where it was issued against the session's start, is not verified."""
+    from shared.kaggle.facts import record_fact
+    from shared.session_clock import process_start
+
+    record_fact("token", credential, {"active": facts.active, "scope": facts.scope, "expires": facts.expires,
+                                      "asked_at": round(time.time(), 1),
+                                      "process_age_s": round(time.monotonic() - process_start(), 1)})
 
 
 def _utc(unix: float) -> str:

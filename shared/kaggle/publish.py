@@ -259,10 +259,14 @@ def _publish(plan: PublishPlan, ckpt, step: int, record: dict, log, work_dir: Pa
     proof_s = plan.verify_s or (TEMP_PUBLISH_VERIFY_S if delete_old else 0.0)
     work_dir = work_dir or kaggle_paths().temp
     api, before = None, 0
+    measured: list[dict] = []  # each create's upload (shared/kaggle/facts.py: what --plan assumes, measured)
 
     def push(delete: bool) -> dict:
-        return within(plan.publish_s or CREATE_TIMEOUT_S, lambda: publish_checkpoint(
+        pushed = time.monotonic()
+        out = within(plan.publish_s or CREATE_TIMEOUT_S, lambda: publish_checkpoint(
             api, ckpt, dataset, work_dir, plan.title, delete_old_versions=delete, stable=stable))
+        measured.append(upload_measure(out, time.monotonic() - pushed, delete))
+        return out
 
     def sign_in_and_push(from_secrets: bool) -> dict:
         nonlocal api, before
@@ -286,14 +290,35 @@ def _publish(plan: PublishPlan, ckpt, step: int, record: dict, log, work_dir: Pa
     also = f" (with the stable phase's step {out['stable_step']})" if stable is not None else ""
     log(f"publish: checkpoint step {step}{also} {out['action']} dataset {dataset} in {record['seconds']}s")
     if not proof_s:
+        record_publish_facts(measured, None)
         return
     record.update(verify_publish(api, dataset, before, proof_s, log=log, republish=lambda: push(False),
                                  expected=out["files"], poll=plan.poll_s))
+    proven = record["verified_version"] and not record["republished"]
+    ready_s = time.monotonic() - began - record["seconds"] if proven else None  # from the create's return
     if delete_old and record["verified_version"] and out["action"] == "versioned":
         republished = record["republished"]
         record.update(delete_older_versions(api, dataset, record["verified_version"], proof_s, push, log=log,
                                             expected=out["files"], poll=plan.poll_s))
         record["republished"] = record["republished"] or republished
+    record_publish_facts(measured, ready_s)
+
+
+def upload_measure(out: dict, seconds: float, delete: bool) -> dict:
+    """One create as measured: its bytes, its seconds (the upload and the create call), MB/s."""
+    size = sum(out["files"].values())
+    return {"bytes": size, "seconds": round(seconds, 1), "mb_s": float(f"{size / 1e6 / max(seconds, 1e-3):.4g}"),
+            "delete_old_versions": delete}
+
+
+def record_publish_facts(measured: list[dict], ready_s: float | None) -> None:
+    """Each create's upload rate, and for the first the seconds from its create's return until its version was
+    proven ready (None where the session did not wait for it, or published again), in the session's facts."""
+    from shared.kaggle.facts import append_fact
+
+    for n, entry in enumerate(measured):
+        append_fact("publishes", {**entry, "ready_s": round(ready_s, 1) if n == 0 and ready_s is not None
+                                  else None})
 
 
 def _reproven(plan: PublishPlan, log) -> str | None:

@@ -514,3 +514,33 @@ def test_without_the_compiler_a_step_that_cannot_fit_one_sequence_a_chip_is_refu
     assert re.fullmatch(rf"the train step cannot fit a {gen} chip's HBM: \d+\.\d GiB a chip at one sequence per "
                         rf"micro-step \({preset}\), over the \d+\.\d GiB its buffers may use \(arithmetic: "
                         r"shared/tpu.py\); set train.fsdp true.*", str(err.value))
+
+
+def test_plan_of_gpt2_xl_prints_the_temp_disk_peak_and_the_quota_room_its_other_datasets_leave(tmp_path):
+    raw = json.loads((REPO / "examples" / "chain-gpt2-124m.json").read_text())
+    raw = {k: v for k, v in raw.items() if not k.startswith("_")}
+    cfg = config_from_dict({**raw, "train": {**raw["train"], "preset": "gpt2-xl", "fsdp": True},
+                            "publish_margin_s": 0, "token_datasets": ["me/tokens"]})
+    plan = make_plan(cfg, None, _no_measurement(tmp_path))
+    lines = plan_lines(cfg, plan)
+    (disk,) = [line for line in lines if line.startswith("disk        ")]
+    # 1 kept + 1 written, the midway publish's links to a third, and a fetched version (twice while extracted)
+    assert disk == ("disk        /kaggle/temp holds at most 74.8 GB at once: 2 checkpoints rotating 37.4 GB, the "
+                    "midway publish's links 18.7 GB, a fetched version 18.7 GB (a stale mount; 37.4 GB while its zip "
+                    "is extracted); its size on Kaggle is not verified: each session measures its free disk before "
+                    "training and drops the midway publish, or stops in one line, where the peak does not fit")
+    (room,) = [line for line in lines if line.startswith("quota room  ")]
+    assert room.startswith("quota room  your other private datasets were not read (no credentials): the whole 100 GB")
+    # Read with credentials: 42 GB of the 100 GB taken leaves room for 3 versions, so 1 is kept, with no midway
+    plan["private_datasets"] = {"me/tokens": 12 * 10**9, "me/photos": 30 * 10**9}
+    lines = plan_lines(cfg, plan)
+    (room,) = [line for line in lines if line.startswith("quota room  ")]
+    assert room == ("quota room  2 other private dataset(s) of yours take 42.0 GB, the token datasets 12.0 GB of it "
+                    "(ListDatasets' sizes): 58.0 GB of the quota is left, 1.9 GB of it beyond the checkpoint versions "
+                    "at their most")
+    (storage,) = [line for line in lines if line.startswith("storage     ")]
+    assert "56.1 GB of the 100 GB private-dataset quota (dataset_quota_gb; keep_dataset_versions 1, not 2 and no " \
+           "midway publish, to fit the quota)" in storage
+    (disk,) = [line for line in lines if line.startswith("disk        ")]
+    assert disk.startswith("disk        /kaggle/temp holds at most 56.1 GB at once: 2 checkpoints rotating 37.4 GB, "
+                           "a fetched version 18.7 GB")

@@ -3,6 +3,7 @@ line), and a kernel that cannot publish its checkpoints says so before training.
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -525,3 +526,44 @@ def test_a_kaggle_model_upload_that_never_answers_is_one_line_and_the_eval_goes_
         release.set()
     assert str(err.value) == ("--kaggle-model alice/gpt2/pyTorch/base: the upload gave no answer within 0.2 s; "
                               "the evaluation goes on")
+
+
+# bytes, as the chain bakes them; MBs, so the session's own facts file (the image's packages) leaves room
+DISK_NEEDS = {"rotation": 2_000_000, "midway": 1_000_000, "fetch": 2_000_000, "fetched": 1_000_000}
+
+
+def sized_train_build(expect_step: int = 0, expect_version: int = 0) -> dict:
+    build = train_build("{working}/train/checkpoints")  # the same disk as /kaggle/temp here: counted
+    build["checkpoint_dataset"].update(disk=DISK_NEEDS, midway_s=3600.0, expect_step=expect_step,
+                                       expect_version=expect_version)
+    return build
+
+
+def test_a_temp_disk_too_small_for_the_midway_links_drops_the_midway_publish_and_says_so(session, monkeypatch):
+    monkeypatch.setenv("LOCAL_KAGGLE_DISK_BYTES", "2600000")  # the rotation's 2 MB fits, with the midway's 1 MB not
+    mount_checkpoint(session, 30)
+    lines = []
+    built = resolve_build(sized_train_build(), log=lines.append)
+    assert built.publish.midway_s == 0.0 and built.publish.input_step == 30
+    # free: 2.6 MB less what the session's folders hold already (its facts file)
+    assert re.fullmatch(r"notice: /kaggle/temp has 2\.[0-6] MB free of 2\.6 MB, less than this session's peak 3\.0 MB "
+                        r"\(checkpoints 2\.0 MB, the midway publish's links 1\.0 MB\): no midway publish this "
+                        r"session", lines[-2])
+    facts = json.loads((session / "working" / "session-facts.json").read_text())["disk"]
+    assert facts["midway_dropped"] is True and facts["planned_peak_bytes"] == 3_000_000
+    assert facts["temp"]["total_bytes"] == 2_600_000 and facts["temp"]["working_same_disk"] is True
+    monkeypatch.setenv("LOCAL_KAGGLE_DISK_BYTES", str(10**9))  # room for all: the midway publish stays
+    assert resolve_build(sized_train_build(), log=lines.append).publish.midway_s == 3600.0
+
+
+def test_a_temp_disk_too_small_for_the_checkpoints_and_a_fetch_stops_before_fetching_in_one_line(session,
+                                                                                                 monkeypatch):
+    monkeypatch.setenv("LOCAL_KAGGLE_DISK_BYTES", "2600000")
+    mount_checkpoint(session, 30)  # older than the step the chain saw: version 3 would be fetched
+    with pytest.raises(UserError) as err:
+        resolve_build(sized_train_build(expect_step=40, expect_version=3), log=lambda _: None)
+    assert str(err.value).startswith("/kaggle/temp has ")
+    assert str(err.value).endswith(" free of 2.6 MB, less than this session needs at once: 3.0 MB (checkpoints "
+                                   "2.0 MB, the fetched version 1.0 MB, 2.0 MB while extracted, without the midway "
+                                   "publish); stopping before training")
+    assert not list((session / "temp").glob("gpt2k-*"))  # nothing fetched, nothing staged

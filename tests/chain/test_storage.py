@@ -4,14 +4,17 @@ says the most it keeps live at once."""
 
 from __future__ import annotations
 
+import json
 import random
 from types import SimpleNamespace
 
 import pytest
+from helpers import REPO
+from kaggle_fixtures import write_dataset
 
 from scripts.chain.checkpoints import note_version, session_publishes
 from scripts.chain.config import config_from_dict
-from scripts.chain.storage import storage_line, storage_plan
+from scripts.chain.storage import private_taken, room_line, storage_line, storage_plan
 from shared.errors import UserError
 
 NINE_HOURS = 9 * 3600
@@ -93,3 +96,53 @@ def test_sessions_never_hold_more_versions_than_the_plan_says_nor_than_the_quota
         assert most <= room
         if not killed_share:
             assert most == plan.peak_versions and midways == (60 if plan.midway else 0)
+
+
+def test_other_private_datasets_leave_less_room_and_the_sessions_keep_their_peak_within_what_is_left():
+    cfg = gpt2_config(6.5, keep=3)  # 6.5 versions' worth: alone, keep 3 with a midway version, 6 at once
+    size = cfg.version_bytes
+    alone, shared = storage_plan(cfg), storage_plan(cfg, taken=2 * size)  # others take two versions' worth
+    assert (alone.keep, alone.midway, alone.peak_versions) == (3, True, 6)
+    assert (shared.keep, shared.midway, shared.peak_versions, shared.taken) == (2, True, 4, 2 * size)
+    assert shared.peak_bytes + shared.taken <= shared.quota_bytes
+    ctx = SimpleNamespace(cfg=cfg, state=SimpleNamespace(data={"checkpoint_versions": [1, 2, 3],
+                                                               "private_datasets": {"taken": 2 * size}},
+                                                         save=lambda: None))
+    # 3 live + midway + final passes the 2 kept: the final deletes; the midway fits only where 3 more do beside 3
+    assert session_publishes(ctx, 3, NINE_HOURS) == (True, False)
+    with pytest.raises(UserError, match=r"do not fit the 9\.7\d* GB private-dataset quota \(dataset_quota_gb\) less "
+                                        r"the 6\.0 GB your other private datasets take; raise it if your account has "
+                                        r"more, free space on Kaggle, or train a smaller model$"):
+        storage_plan(cfg, taken=4 * size)
+
+
+def test_plan_says_what_the_other_private_datasets_take_and_the_room_left():
+    cfg = gpt2_config(100, token_datasets=["alice/tokens"])
+    datasets = {"alice/tokens": 3_000_000_000, "alice/photos": 7_000_000_000, "alice/gpt2-checkpoints": 9 * 10**9}
+    taken = private_taken(datasets, "alice/gpt2-checkpoints")
+    assert taken == 10_000_000_000  # the checkpoint dataset is the storage plan's own
+    plan = storage_plan(cfg, taken=taken)
+    others = {ref: size for ref, size in datasets.items() if ref != "alice/gpt2-checkpoints"}
+    left = plan.quota_bytes - taken
+    assert room_line(cfg, plan, others, "") == (
+        f"2 other private dataset(s) of yours take 10.0 GB, the token datasets 3.0 GB of it (ListDatasets' sizes): "
+        f"{left / 1e9:.1f} GB of the quota is left, {(left - plan.peak_bytes) / 1e9:.1f} GB of it beyond the "
+        "checkpoint versions at their most")
+    assert room_line(cfg, plan, None, "", "no credentials found") == (
+        f"your other private datasets were not read (no credentials found): the whole {plan.quota_bytes / 1e9:g} GB "
+        "quota is counted as the chain's; they share it")
+
+
+def test_the_local_kaggle_lists_the_users_private_datasets_with_their_sizes(local_kaggle, tmp_path):
+    lk = local_kaggle
+    lk.cli("datasets", "create", "-p", str(write_dataset(tmp_path / "a", "alice/other-a", {"a.bin": b"a" * 1000})))
+    lk.cli("datasets", "create", "-p", str(write_dataset(tmp_path / "b", "alice/tokens-b", {"b.bin": b"b" * 300})))
+    lk.cli("datasets", "create", "-u", "-p", str(write_dataset(tmp_path / "c", "alice/open-c", {"c.bin": b"c" * 50})))
+    code = (f"import json, sys; sys.path.insert(0, {str(REPO)!r})\n"
+            "from scripts.chain.client import KaggleClient\n"
+            "from scripts.chain.config import config_from_dict\n"
+            "client = KaggleClient(config_from_dict({'token_datasets': ['a/b']}).client)\n"
+            "client.connect()\n"
+            "print(json.dumps(client.private_datasets()))\n")
+    listed = json.loads(lk.python(code).stdout.splitlines()[-1])
+    assert listed == {"alice/other-a": 1000, "alice/tokens-b": 300}  # the public one takes none of the quota

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import textwrap
 
 import pytest
@@ -496,3 +497,26 @@ def test_server_cli_and_admin_endpoint(tmp_path):
                    input="t0k\n", text=True, check=True, cwd=REPO)
     assert json.loads((root / "secrets.json").read_text()) == {"alice/admin-tool": {"TOKEN": "t0k"}}
     assert (root / "secrets.json").stat().st_mode & 0o077 == 0
+
+
+def test_a_modelled_disk_is_what_the_session_reads_and_filling_it_stops_the_session(local_kaggle, tmp_path):
+    lk = local_kaggle
+    lk.app.settings.disk_bytes = 1_000_000
+    # The session reads the disk it is given (shared/kaggle/disk.py), then writes past it into /kaggle/temp;
+    # hard links to a file count once.
+    code = (f"import os, sys, time\nsys.path.insert(0, {str(REPO)!r})\n"
+            "from shared.kaggle.disk import disk_usage\n"
+            "from shared.kaggle.env import kaggle_paths\npaths = kaggle_paths()\n"
+            "(paths.temp / 'a.bin').write_bytes(b'0' * 400_000)\n"
+            "os.link(paths.temp / 'a.bin', paths.temp / 'a-link.bin')\n"
+            "print('disk', *disk_usage(paths.temp, paths.working), flush=True)\n"
+            "time.sleep(1)\n"
+            "(paths.temp / 'b.bin').write_bytes(b'0' * 700_000)\ntime.sleep(30)\n")
+    lk.cli("kernels", "push", "-p", str(write_kernel(tmp_path / "k", "alice/fills-its-disk", code)))
+    status, message = lk.wait("alice/fills-its-disk", timeout=30)
+    assert status == "ERROR" and message.startswith("No space left on device: /kaggle/working and /kaggle/temp hold ")
+    assert message.endswith(" bytes of a 1000000-byte disk; the session was stopped")
+    dest = tmp_path / "out"
+    lk.cli("kernels", "output", "alice/fills-its-disk", "-p", str(dest))
+    free, total = map(int, re.search(r"disk (\d+) (\d+)", (dest / "fills-its-disk.log").read_text()).groups())
+    assert total == 1_000_000 and 590_000 <= free <= 600_000  # 400 kB once, though linked twice

@@ -16,7 +16,9 @@ def cpu_image_pins() -> dict[str, str]:
     pins = {}
     for line in PINS.read_text().splitlines():
         if line.strip() and not line.startswith("#"):
-            m = re.fullmatch(r"([A-Za-z0-9_.-]+)==(\S+)\s+# CB pip-freeze\.txt:\d+", line.strip())
+            # Colab's freeze, or the image's own as a session measured it (scripts/rebuild_image_pins.py)
+            m = re.fullmatch(r"([A-Za-z0-9_.-]+)==(\S+)\s+# (CB pip-freeze|measured kaggle-cpu-freeze)\.txt:\d+",
+                             line.strip())
             assert m, f"not a cited pin: {line}"
             pins[m.group(1)] = m.group(2)
     return pins
