@@ -31,7 +31,7 @@ from scripts.chain.limits import (
     RETIRED_SHAPES,
     session_devices,
 )
-from scripts.chain.sizing import MIN_STEPS
+from scripts.chain.sizing import MIN_STEPS, training_s
 from scripts.chain.storage import storage_line, storage_plan
 from shared.config import AUTO, HELLASWAG_VALIDATION_EXAMPLES, TrainConfig
 from shared.errors import UserError
@@ -164,13 +164,15 @@ def make_plan(cfg: ChainConfig, quota: tuple[float, float, str] | None = None,
     plan["eval_share"] = eval_share
     if speed.tokens_per_s:
         train_s = train_tokens / speed.tokens_per_s * (1 + eval_share)
-        sessions = max(1, math.ceil(train_s / cfg.time_budget))
+        # A session trains its budget less its checkpoint writes (start-up is outside the budget, in its margin).
+        session_s = training_s(cfg.time_budget, train, speed.tokens_per_s, eval_share)
+        sessions = max(1, math.ceil(train_s / session_s))
         if cfg.max_train_sessions:
             sessions = min(sessions, cfg.max_train_sessions)
         overhead_s = sessions * (cfg.startup_margin_s + cfg.publish_margin_s)
-        plan.update(train_seconds=train_s, sessions=sessions,
-                    session_tokens=cfg.time_budget * speed.tokens_per_s / (1 + eval_share),
-                    train_quota_s=min(train_s, sessions * cfg.time_budget) + overhead_s)
+        plan.update(train_seconds=train_s, sessions=sessions, session_seconds=session_s,
+                    session_tokens=session_s * speed.tokens_per_s / (1 + eval_share),
+                    train_quota_s=min(train_s * cfg.time_budget / session_s, sessions * cfg.time_budget) + overhead_s)
         plan["eval_quota_s"] = _eval_seconds(cfg, speed.tokens_per_s) if cfg.eval_section.enabled else 0.0
         eval_kind = MACHINE_SHAPES.get(cfg.eval_section.accelerator)
         plan["quota_s"] = plan["train_quota_s"] + (plan["eval_quota_s"] if eval_kind == kind else 0.0)
@@ -260,7 +262,8 @@ def plan_lines(cfg: ChainConfig, plan: dict, source: str = "") -> list[str]:
         capped = " (max_train_sessions)" if cfg.max_train_sessions and plan["sessions"] == cfg.max_train_sessions \
             else ""
         lines.append(f"            {_tokens(plan['train_tokens'])} tokens take {_hours(plan['train_seconds'])} of "
-                     f"training ({_tokens(plan['session_tokens'])} a session): {plan['sessions']} session(s)"
+                     f"training ({_tokens(plan['session_tokens'])} a session, in its {_hours(plan['session_seconds'])}"
+                     f" once its checkpoint writes are out): {plan['sessions']} session(s)"
                      f"{capped}; evals (validation, HellaSwag) add {plan['eval_share']:.1%}")
         kind = (plan["kind"] or "cpu").upper()
         lines.append(f"{kind} hours   ~{_hours(plan['quota_s'])}: training {_hours(plan['train_quota_s'])} with "
