@@ -155,9 +155,9 @@ def main(argv: list[str] | None = None) -> dict:
                              "exit; pushes nothing and needs no credentials")
     parser.add_argument("--smoke", action="store_true",
                         help="first contact: a short chain of its own (one small tokenize part, two short train "
-                             "sessions (~15 min for gpt2), an eval on a subset) that proves every link on your "
-                             "account and measures your TPU, then a readiness report; under 55 min of TPU quota for "
-                             "gpt2")
+                             "sessions (at most 32 min each for gpt2: a TPU's start-up, 4 min of training, the "
+                             "publish), an eval on a subset) that proves every link on your account and measures your "
+                             "TPU, then a readiness report; under 100 min of TPU quota for gpt2")
     parser.add_argument("--total-steps", type=int, help="override the config's total_steps")
     parser.add_argument("--max-train-sessions", type=int, help="override the config's max_train_sessions")
     args = parser.parse_args(argv)

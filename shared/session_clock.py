@@ -5,7 +5,9 @@ waits before and around the work), and `SessionClock`, when the training loop mu
 by part.
 
 Two limits for training, whichever comes first:
-- `--time-budget`: seconds of training counted from `train()`'s start;
+- `--time-budget`: seconds of training counted from the end of the session's first step, so start-up (PJRT, the
+  attention probes, W&B, the baseline eval, the step's compile) never eats the training it asks for; without one,
+  the default (a 9-h Kaggle session less its margins) is the session's whole length, counted from `train()`'s start;
 - `--session-deadline`: seconds counted from the session's own start (the kernel's process start), so a slow
   package install, checkpoint fetch or import eats training time instead of pushing the end past the kill.
 
@@ -63,19 +65,30 @@ def default_time_budget(checkpoint_seconds: float) -> float:
 class SessionClock:
     """The session's time: `session_start` (monotonic: the process's start, or train()'s where not given),
     `train_start` (train()'s), and the seconds of each limit. `parts`: start-up measured before train(), by name
-    (e.g. the packages installed), for the start-up line."""
+    (e.g. the packages installed), for the start-up line. `budget_after_startup`: the budget counts from the end of
+    the first step (`first_step_done`), so start-up cannot eat it; before then only the deadline binds. Otherwise
+    it counts from train()'s start (the default budget: a whole session's length)."""
 
     session_start: float
     train_start: float
     budget_s: float
     deadline_s: float = 0.0
     parts: dict = field(default_factory=dict)
+    budget_after_startup: bool = False
+    first_step_end: float | None = None
+
+    @property
+    def budget_start(self) -> float:
+        """Where the budget counts from (infinitely late while a budget after start-up waits for the first step)."""
+        if not self.budget_after_startup:
+            return self.train_start
+        return math.inf if self.first_step_end is None else self.first_step_end
 
     @property
     def stop_at(self) -> float:
         """The monotonic time by which training (with its final checkpoint) must be done."""
         deadline = self.session_start + self.deadline_s if self.deadline_s else math.inf
-        return min(self.train_start + self.budget_s, deadline)
+        return min(self.budget_start + self.budget_s, deadline)
 
     def left_s(self) -> float:
         return self.stop_at - time.monotonic()
@@ -94,7 +107,9 @@ class SessionClock:
     def first_step_done(self, step: int, loop_start: float, first_step_end: float, compile_s: float,
                         checkpoint_s: float, write, log) -> None:
         """At the end of the session's first step: its start-up as a record (`write`) and a line (`log`); where a
-        checkpoint no longer fits, a `too_short` session end recorded, then the one-line error."""
+        checkpoint no longer fits, a `too_short` session end recorded, then the one-line error. A budget after
+        start-up starts here."""
+        self.first_step_end = first_step_end
         startup = self.startup(loop_start, first_step_end, compile_s)
         write({"event": "startup", "step": step, **startup})
         log(startup_line(startup))
@@ -108,7 +123,7 @@ class SessionClock:
         """One step and a checkpoint must fit: else one line naming the limit that binds."""
         if time.monotonic() + checkpoint_s <= self.stop_at:
             return
-        if self.deadline_s and self.session_start + self.deadline_s < self.train_start + self.budget_s:
+        if self.deadline_s and self.session_start + self.deadline_s < self.budget_start + self.budget_s:
             raise UserError(f"--session-deadline {self.deadline_s:g}s is shorter than start-up to the end of the "
                             f"first step ({startup['startup_s']:.1f}s from the session's start) plus a checkpoint "
                             f"(~{checkpoint_s:.0f}s)")

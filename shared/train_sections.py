@@ -175,7 +175,9 @@ class SessionSettings:
     )
     time_budget: float = field(
         default=0.0,
-        metadata={"help": "seconds this session may train before its final checkpoint (0: 9 h less a margin)"},
+        metadata={"help": "seconds this session may train before its final checkpoint, counted from the end of its "
+                  "first step: start-up (probes, compiles, the baseline eval) is not in it (0: 9 h less a margin, "
+                  "counted from training's start)"},
     )
     session_deadline: float = field(
         default=0.0,

@@ -20,6 +20,7 @@ from scripts.chain.limits import (
     MIDWAY_PUBLISH_MIN_S,
     OUTPUT_LIMIT_BYTES,
     SESSION_MAX_S,
+    TPU_STARTUP_MARGIN_S,
 )
 from scripts.chain.sections import EvalSection, TokenizeSection, section_keys
 from shared.config import NINE_HOURS, TRAIN_SECTIONS, TrainConfig
@@ -37,7 +38,9 @@ SMOKE_DEFAULTS = {
     "session_limit_s": 0.0,
     "train_s": 240.0,  # training time in each train session, where session_limit_s is 0
     "eval_session_limit_s": 0.0,  # the eval's (0: session_limit_s); never more than the config's eval limit
-    "startup_margin_s": 420.0,  # imports, package installs, data, the first compile
+    # start-up to the end of the first step: the probes' budget, the step's compile, the baseline eval, the rest
+    # (scripts/chain/limits.py TPU_STARTUP_S); a train session's deadline leaves it before its train_s
+    "startup_margin_s": TPU_STARTUP_MARGIN_S,
     # 0: 60 s + the checkpoint's upload at the assumed rate (+ the 600-s wait for a version of checkpoints kept in
     # /kaggle/temp), at least 120 s (scripts/chain/config.py publish_needs_s)
     "publish_margin_s": 0.0,
@@ -79,7 +82,9 @@ class ChainConfig:
     accelerator: str = "TpuV5E8"
     kernel_type: str = "script"  # script or notebook
     session_limit_s: float = NINE_HOURS  # a session's time limit (Kaggle: 9 h)
-    startup_margin_s: float = 600  # start-up before training begins (imports, data, compile)
+    # start-up to the end of the first step (imports, data, the attention probes, compiles, the baseline eval): a
+    # TPU's, by part, in scripts/chain/limits.py TPU_STARTUP_S
+    startup_margin_s: float = TPU_STARTUP_MARGIN_S
     publish_margin_s: float = 0  # the final checkpoint's upload (0: sized from the checkpoint, at least 1200 s)
     # Size each train session from what its sessions measured instead (0: every one lasts session_limit_s): the
     # longest start-up seen so far x1.5 + 10 s, + this much training (more where 10 steps at the step time measured
@@ -177,8 +182,8 @@ class ChainConfig:
 
     @property
     def time_budget(self) -> float:
-        """The training a session plans on: session_train_s where sessions are sized from measured start-up, else
-        the limit less both margins."""
+        """A session's training time, checkpoint writes included (scripts/chain/sizing.py training_s takes them
+        out): session_train_s where sessions are sized from measured start-up, else the limit less both margins."""
         return self.session_train_s or self.session_limit_s - self.startup_margin_s - self.publish_margin_s
 
     def midway_publish_s(self, limit_s: float) -> float:
@@ -191,8 +196,13 @@ class ChainConfig:
     def session_clock(self, limit_s: float) -> dict:
         """A train session's time settings, for a session of `limit_s`: training stops by the limit less the publish
         margin counted from the session's start (--session-deadline), and, in a session of the fixed length, after
-        the limit less both margins counted from training's start (--time-budget; Kaggle's clock may start before the
-        process: not verified). A session sized from measured start-up (session_train_s) has only the deadline."""
+        the limit less both margins of training (--time-budget, which the trainer counts from the end of the first
+        step). So start-up never eats the training the plan counted: a start-up within its margin leaves the whole
+        budget, one past it is cut by the deadline alone; a session trains what was planned and ends, rather than
+        training on to the deadline for however long start-up happened to leave (the smoke's quota, a run sized to
+        one session's decay), and the margin start-up did not use is slack before Kaggle's kill, whose clock may
+        start before the process (not verified). A session sized from measured start-up (session_train_s) has only
+        the deadline."""
         deadline = limit_s - self.publish_margin_s
         budget = deadline if self.session_train_s else limit_s - self.startup_margin_s - self.publish_margin_s
         return {"time_budget": budget, "session_deadline": deadline}

@@ -1,7 +1,8 @@
 """A run sized to the session it has (ChainConfig.fill_session): where --smoke measured this machine's tokens/s,
-total_steps becomes what fills that share of one session's time, evals included, up to one pass of the tokens the
-tokenize parts make; and the parts make no more than the run reads. Without a measurement the config's
-total_steps stays: a guessed rate would size the run on nothing.
+total_steps becomes what fills that share of one session's time, evals included and checkpoint writes left out
+(scripts/chain/sizing.py training_s), up to one pass of the tokens the tokenize parts make; and the parts make no
+more than the run reads. Without a measurement the config's total_steps stays: a guessed rate would size the run on
+nothing.
 
 A chain fixes the figure in its state at its first start (Chain.run): a later measurement must not change the
 schedule of a run already training (its checkpoints carry the schedule they were made with)."""
@@ -16,6 +17,7 @@ from typing import NamedTuple
 
 from scripts.chain.config import ChainConfig, config_from_dict
 from scripts.chain.plan import MEASURED_THROUGHPUT, make_plan, planned_train
+from scripts.chain.sizing import training_s
 
 
 class Fill(NamedTuple):
@@ -39,7 +41,9 @@ def session_fill(cfg: ChainConfig, measured_path: Path = MEASURED_THROUGHPUT, no
         return None
     train, _ = planned_train(cfg)
     step_tokens = train.total_batch_tokens
-    train_s = min(cfg.fill_session * cfg.session_limit_s, cfg.time_budget)
+    # The share of the session, within its training budget (start-up is outside it), less its checkpoint writes.
+    window_s = min(cfg.fill_session * cfg.session_limit_s, cfg.time_budget)
+    train_s = training_s(window_s, train, plan["tokens_per_s"], plan["eval_share"])
     steps = int(train_s * plan["tokens_per_s"] / (1 + plan["eval_share"]) // step_tokens)
     data = _train_tokens_made(plan)
     capped = data is not None and steps * step_tokens > data

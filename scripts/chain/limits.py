@@ -52,6 +52,17 @@ ASSUMED_UPLOAD_BYTES_PER_S = 10 * 10**6
 # Train sessions this long or longer also publish a checkpoint midway (ChainConfig.midway_publish_s): a kill before
 # their end would otherwise lose hours. Shorter ones (the demo's, a smoke) have little to lose and publish once.
 MIDWAY_PUBLISH_MIN_S = 3600.0
+# A train session's start-up on a TPU, to the end of its first step, by part: what a fixed-length session's
+# startup_margin_s must cover (ChainConfig, SMOKE_DEFAULTS), as its deadline, the limit less publishing, counts
+# from the process's start. The attention probes' whole budget (PROBE_BUDGET_S, shared/train/attention_probe.py);
+# gpt2's step compile at the slow end of the 70-145 s libtpu took for it (docs/tpu-throughput.md section 10, "What
+# the compiler needed": a 2-core machine; on a TPU host not measured); the baseline eval's graphs (validation and
+# HellaSwag forwards, the sample's decode step: not measured on a TPU; each a forward without the step's backward
+# and optimizer, so the step's 145 s is taken for them together); and the rest: imports 3.9 s, runtime and model
+# 4.4 s and a checkpoint's load 2.1 s measured (docs/tpu-throughput.md section 4), PJRT's start, W&B's and the
+# bootstrap's installs and fetch not measured (docs/kaggle-tpu.md section 7, "Start-up margin").
+TPU_STARTUP_S = {"attention probes": 900.0, "step compile": 145.0, "baseline eval": 145.0, "the rest": 120.0}
+TPU_STARTUP_MARGIN_S = sum(TPU_STARTUP_S.values())  # 1,310 s
 
 
 

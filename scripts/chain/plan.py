@@ -17,6 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from scripts.chain.account import list_private_datasets, read_quota
 from scripts.chain.ceilings import ceilings_text, compiled_rates, planning_ceiling
 from scripts.chain.config import (
     DELETING_PUBLISH_UPLOADS,
@@ -34,8 +35,8 @@ from scripts.chain.limits import (
     session_devices,
 )
 from scripts.chain.measured import publish_line
-from scripts.chain.sizing import MIN_STEPS
-from scripts.chain.storage import disk_line, list_private_datasets, room_line, storage_line, storage_plan
+from scripts.chain.sizing import MIN_STEPS, training_s
+from scripts.chain.storage import disk_line, room_line, storage_line, storage_plan
 from shared.config import AUTO, HELLASWAG_VALIDATION_EXAMPLES, TrainConfig
 from shared.errors import UserError
 from shared.train.attention import FLASH, SDPA, SETTING_OF, SPLASH, candidates, untiled_kernels
@@ -177,13 +178,15 @@ def make_plan(cfg: ChainConfig, quota: tuple[float, float, str] | None = None,
     plan["eval_share"] = eval_share
     if speed.tokens_per_s:
         train_s = train_tokens / speed.tokens_per_s * (1 + eval_share)
-        sessions = max(1, math.ceil(train_s / cfg.time_budget))
+        # A session trains its budget less its checkpoint writes (start-up is outside the budget, in its margin).
+        session_s = training_s(cfg.time_budget, train, speed.tokens_per_s, eval_share)
+        sessions = max(1, math.ceil(train_s / session_s))
         if cfg.max_train_sessions:
             sessions = min(sessions, cfg.max_train_sessions)
         overhead_s = sessions * (cfg.startup_margin_s + cfg.publish_margin_s)
-        plan.update(train_seconds=train_s, sessions=sessions,
-                    session_tokens=cfg.time_budget * speed.tokens_per_s / (1 + eval_share),
-                    train_quota_s=min(train_s, sessions * cfg.time_budget) + overhead_s)
+        plan.update(train_seconds=train_s, sessions=sessions, session_seconds=session_s,
+                    session_tokens=session_s * speed.tokens_per_s / (1 + eval_share),
+                    train_quota_s=min(train_s * cfg.time_budget / session_s, sessions * cfg.time_budget) + overhead_s)
         plan["eval_quota_s"] = _eval_seconds(cfg, speed.tokens_per_s) if cfg.eval_section.enabled else 0.0
         eval_kind = MACHINE_SHAPES.get(cfg.eval_section.accelerator)
         plan["quota_s"] = plan["train_quota_s"] + (plan["eval_quota_s"] if eval_kind == kind else 0.0)
@@ -273,7 +276,8 @@ def plan_lines(cfg: ChainConfig, plan: dict, source: str = "") -> list[str]:
         capped = " (max_train_sessions)" if cfg.max_train_sessions and plan["sessions"] == cfg.max_train_sessions \
             else ""
         lines.append(f"            {_tokens(plan['train_tokens'])} tokens take {_hours(plan['train_seconds'])} of "
-                     f"training ({_tokens(plan['session_tokens'])} a session): {plan['sessions']} session(s)"
+                     f"training ({_tokens(plan['session_tokens'])} a session, in its {_hours(plan['session_seconds'])}"
+                     f" once its checkpoint writes are out): {plan['sessions']} session(s)"
                      f"{capped}; evals (validation, HellaSwag) add {plan['eval_share']:.1%}")
         kind = (plan["kind"] or "cpu").upper()
         lines.append(f"{kind} hours   ~{_hours(plan['quota_s'])}: training {_hours(plan['train_quota_s'])} with "
@@ -358,21 +362,6 @@ def warnings(cfg: ChainConfig, plan: dict, train: TrainConfig) -> list[str]:
         out.append(f"{plan['weeks']} weeks of quota: the chain stops when a week's quota runs low and continues "
                    "when you run it again after the reset")
     return out
-
-
-def read_quota(cfg: ChainConfig) -> tuple[tuple[float, float, str] | None, str]:
-    """The account's weekly quota when credentials exist ((left, allowed, reset), ''), else (None, why not).
-    One attempt, no retries: the plan must not hang on a machine without network."""
-    from scripts.chain.client import KaggleClient
-
-    client = KaggleClient(dataclasses.replace(cfg.client, retry_attempts=1), user=cfg.user, log=lambda _: None)
-    try:
-        client.connect()
-        return client.quota_left_s(MACHINE_SHAPES.get(cfg.accelerator)), ""
-    except Exception as err:  # no credentials, no network, an old client: the plan goes on without the quota
-        from scripts.chain.config import one_line
-
-        return None, one_line(str(err)) or type(err).__name__
 
 
 def check_builds(cfg: ChainConfig) -> int:

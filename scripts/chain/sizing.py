@@ -2,7 +2,8 @@
 the local demo and tests, whose start-up is most of a session and varies with the machine's load): the first,
 before anything is measured, may last the longest a session may (session_limit_s) and ends after MIN_STEPS
 steps; each later one long enough for the start-up the sessions took, with headroom, and for at least MIN_STEPS
-steps at the step time they took. And what a session's own records say of those."""
+steps at the step time they took. What a session's own records say of those. And how much of a session's budget
+trains, once its checkpoint writes are out (`training_s`: the plan's and fill's session)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from scripts.chain.config import ChainConfig
+from shared.config import TrainConfig
+from shared.session_clock import estimate_checkpoint_seconds
 
 # A measured time, times this: what the next session allows for it. Start-up on a loaded 2-core machine was
 # seen to grow 1.6x from one session to the next (33.8 s, then 53.5 s, in the test suite beside a busy core).
@@ -55,6 +58,21 @@ def session_length(cfg: ChainConfig, sessions: list) -> SessionLength:
     capped = " (capped at session_limit_s)" if limit == cfg.session_limit_s else ""
     return SessionLength(limit, f"start-up {allowance:g} s ({source}) + {training:g} s of training ({why}) "
                                 f"+ {cfg.publish_margin_s:g} s to publish{capped}")
+
+
+def training_s(budget_s: float, train: TrainConfig, tokens_per_s: float, eval_share: float) -> float:
+    """Seconds of a session's training budget (`budget_s`: the trainer counts it from the end of the first step, so
+    start-up is not in it) that train, once the checkpoint writes inside it are out: the final one with the room the
+    trainer keeps for it (1.5 writes, shared/train/checkpoint_writer.py seconds_after, and END_STEPS steps) and one
+    every checkpoint_every steps. A write takes the trainer's own estimate before one is timed
+    (shared/session_clock.py estimate_checkpoint_seconds); a step, its tokens at `tokens_per_s` with the evals'
+    share. At least one step: a session trains one however short its budget."""
+    write_s = estimate_checkpoint_seconds(train.model.num_params())
+    step_s = train.total_batch_tokens * (1 + eval_share) / tokens_per_s
+    left = budget_s - 1.5 * write_s - END_STEPS * step_s
+    if train.checkpoint_every and left > 0:
+        left -= write_s * (left // (train.checkpoint_every * step_s + write_s))
+    return max(left, step_s)
 
 
 def session_measurements(metrics: Path) -> dict:

@@ -84,24 +84,6 @@ def private_taken(datasets: dict[str, int], checkpoint_ref: str) -> int:
     return sum(size for ref, size in datasets.items() if ref != checkpoint_ref)
 
 
-def list_private_datasets(cfg: ChainConfig) -> tuple[dict[str, int] | None, str]:
-    """For --plan: ({ref: bytes} of the user's private datasets other than the chain's checkpoint dataset, ''), or
-    (None, why not) without credentials or network. One attempt: the plan must not hang."""
-    import dataclasses
-
-    from scripts.chain.client import KaggleClient
-    from scripts.chain.config import one_line
-
-    client = KaggleClient(dataclasses.replace(cfg.client, retry_attempts=1), user=cfg.user, log=lambda _: None)
-    try:
-        client.connect()
-        datasets = client.private_datasets()
-    except Exception as err:  # no credentials, no network: the plan goes on with the whole quota
-        return None, one_line(str(err)) or type(err).__name__
-    ckpt = client.ref(cfg.slug("checkpoints"))
-    return {ref: size for ref, size in datasets.items() if ref != ckpt}, ""
-
-
 def room_line(cfg: ChainConfig, plan: StoragePlan, datasets: dict[str, int] | None, checkpoint_ref: str,
               why: str = "") -> str:
     """--plan's words on the quota's room: what the user's other private datasets take (the config's token

@@ -142,8 +142,10 @@ class TrainStage:
                          "start-up: the next session is longer")
             return 0
         if sess.get("stop_reason") == "too_short":
-            setting = ("session_limit_s" if cfg.session_train_s else "session_limit_s (at most the machine's limit) "
-                       "or lower startup_margin_s, or shorten start-up (its log says what took the time, by part)")
+            # Training's budget counts from the end of the first step: only the deadline (the limit less publishing)
+            # can leave no room for a step, so a smaller startup_margin_s would not help.
+            setting = ("session_limit_s" if cfg.session_train_s else "session_limit_s (at most the machine's limit), "
+                       "or shorten start-up (its log says what took the time, by part)")
             raise UserError(f"stopping: train session {sess['n']} could not fit one step: its start-up took "
                             f"{startup:.0f} s to the end of the first step, in a session of {limit:g} s with "
                             f"publish_margin_s {cfg.publish_margin_s:g}; raise {setting}")

@@ -207,9 +207,11 @@ def session_clock(cfg: TrainConfig, resumed: LoadedCheckpoint | None, num_params
     if cfg.time_budget and cfg.time_budget < ckpt_timer.seconds:
         raise UserError(f"--time-budget {cfg.time_budget:g}s is shorter than one checkpoint "
                         f"(~{ckpt_timer.seconds:.0f}s for {num_params / 1e6:.1f}M parameters)")
+    # A budget given is training time, counted once start-up (probes, compiles, the baseline eval) has ended; the
+    # default is a whole session's length, counted from here (shared/session_clock.py).
     clock = SessionClock(session_start if started is None else min(started, session_start), session_start,
                          cfg.time_budget or default_time_budget(ckpt_timer.seconds), cfg.session_deadline,
-                         dict(startup_parts or {}))
+                         dict(startup_parts or {}), budget_after_startup=bool(cfg.time_budget))
     return ckpt_timer, clock
 
 

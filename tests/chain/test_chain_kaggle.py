@@ -162,9 +162,9 @@ def test_the_eval_session_has_its_own_limit_checked_against_its_own_machine():
     # Unset, the eval gets the train sessions' limit; set, its own, sent as the eval push's timeout only.
     short = Chain(config_from_dict({**BASE, "session_limit_s": 3600}), "/tmp/unused-chain", api=None)
     assert short.ctx.session_timeout("eval") == "3600"
-    own = Chain(config_from_dict({**BASE, "session_limit_s": 2400, "eval": {"session_limit_s": 600}}),
+    own = Chain(config_from_dict({**BASE, "session_limit_s": 3000, "eval": {"session_limit_s": 600}}),
                 "/tmp/unused-chain", api=None)
-    assert (own.ctx.session_timeout("eval"), own.ctx.session_timeout("train-1")) == ("600", "2400")
+    assert (own.ctx.session_timeout("eval"), own.ctx.session_timeout("train-1")) == ("600", "3000")
     # An eval on a CPU may run 12 h (no timeout sent at that maximum), a TPU eval only 9 h.
     cpu_eval = config_from_dict({**BASE, "eval": {"accelerator": "", "session_limit_s": 43200}})
     assert Chain(cpu_eval, "/tmp/unused-chain", api=None).ctx.session_timeout("eval") is None

@@ -39,23 +39,51 @@ def test_the_smoke_chain_is_a_short_copy_of_the_config_under_its_own_names():
     assert smoke.tokenize["parts"] == 1
     assert smoke.tokenize["settings"] == {"tokens_per_part": 50_000_000, "shard_size": 10_000_000}
     assert smoke.eval["settings"]["kaggle_model"] == "" and smoke.eval["settings"]["hellaswag_examples"] == 200
-    # 17-min sessions: 420 s start-up, 60 s + 2 x 1.49 GB at the assumed 10 MB/s to publish (a deleting publish
-    # uploads its checkpoint twice), 240 s of training
+    # 32-min sessions: a TPU's 1,310-s start-up, 60 s + 2 x 1.49 GB at the assumed 10 MB/s to publish (a deleting
+    # publish uploads its checkpoint twice), 240 s of training
     assert smoke.publish_margin_s == pytest.approx(60 + 2 * 12 * 124_475_904 / 10e6)
-    assert smoke.session_limit_s == math.ceil(420 + 60 + 298.742 + 240) == 1019
-    assert smoke.time_budget == pytest.approx(1019 - 420 - smoke.publish_margin_s) and smoke.time_budget >= 240
-    assert quota_cost_s(smoke) == 3 * 1019 < SMOKE_TPU_BUDGET_S  # two train sessions and the eval on the TPU
-    assert smoke.eval_session_limit_s == 1019  # the smoke's eval is a subset, held to the smoke's limit
+    assert smoke.session_limit_s == math.ceil(1310 + 60 + 298.742 + 240) == 1909
+    assert smoke.time_budget == pytest.approx(1909 - 1310 - smoke.publish_margin_s) and smoke.time_budget >= 240
+    assert quota_cost_s(smoke) == 3 * 1909 < SMOKE_TPU_BUDGET_S  # two train sessions and the eval on the TPU
+    assert smoke.eval_session_limit_s == 1909  # the smoke's eval is a subset, held to the smoke's limit
+
+
+def test_the_gpt2_smokes_sessions_train_their_whole_budget_after_up_to_900_s_of_start_up():
+    """A TPU's start-up (PJRT, the attention probes up to their 900-s budget, W&B, the baseline eval, the step's
+    compile) comes before the budget, which the trainer counts from the end of the first step; the deadline leaves
+    the start-up margin for it. So after 900 s of start-up the session still trains its 240 s and publishes."""
+    import dataclasses
+    import time
+
+    from scripts.chain.config import ChainConfig
+    from scripts.chain.limits import TPU_STARTUP_MARGIN_S, TPU_STARTUP_S
+    from shared.train.attention_probe import PROBE_BUDGET_S
+    from shared.train.trainer import session_clock
+
+    smoke = smoke_config(load_config(REPO / "examples" / "chain-gpt2-124m.json"))
+    # The margin covers the probes' whole budget, gpt2's step compile (70-145 s) and the baseline eval.
+    assert TPU_STARTUP_S["attention probes"] == PROBE_BUDGET_S and TPU_STARTUP_S["step compile"] >= 145
+    assert smoke.startup_margin_s == ChainConfig().startup_margin_s == TPU_STARTUP_MARGIN_S > PROBE_BUDGET_S + 145
+    settings = smoke.session_clock(smoke.session_limit_s)
+    train = dataclasses.replace(smoke.train_config, **settings)
+    for startup in (30.0, 300.0, 600.0, 900.0, PROBE_BUDGET_S + 145 + 145):
+        now = time.monotonic()
+        timer, clock = session_clock(train, None, 124_475_904, now - startup + 30.0, now - startup, None)
+        clock.first_step_done(1, now - 1.0, now, 1.0, timer.seconds, lambda record: None, lambda line: None)
+        assert clock.stop_at - now == pytest.approx(settings["time_budget"]) and clock.budget_s >= 240, startup
+        # Its training and final checkpoint end by the deadline: the publish margin is left whole.
+        assert clock.stop_at < clock.session_start + settings["session_deadline"], startup
+    assert smoke.session_limit_s - settings["session_deadline"] == pytest.approx(smoke.publish_margin_s)
 
 
 def test_a_smoke_of_a_larger_model_lengthens_its_sessions_by_the_publish_and_says_what_it_costs(tmp_path):
     """The publish of a larger checkpoint is added to the session, never taken from its training; a smoke that
-    costs more than 55 min says so before it starts."""
+    costs more than 100 min says so before it starts."""
     for preset, publish in (("gpt2-medium", 60 + 2 * 12 * MODEL_PRESETS["gpt2-medium"].num_params() / 10e6),
                             ("gpt2-xl", 60 + 2 * 12 * MODEL_PRESETS["gpt2-xl"].num_params() / 10e6 + 600)):
         smoke = smoke_config(config_from_dict({"token_datasets": ["a/b"], "train": {"preset": preset}}))
         assert smoke.publish_margin_s == pytest.approx(publish)
-        assert smoke.session_limit_s == math.ceil(420 + publish + 240) and 240 <= smoke.time_budget < 241
+        assert smoke.session_limit_s == math.ceil(1310 + publish + 240) and 240 <= smoke.time_budget < 241
         assert quota_cost_s(smoke) == 3 * smoke.session_limit_s > SMOKE_TPU_BUDGET_S
         said = []
 
@@ -68,14 +96,15 @@ def test_a_smoke_of_a_larger_model_lengthens_its_sessions_by_the_publish_and_say
         minutes = smoke.session_limit_s / 60
         assert said == [f"smoke run {preset}-smoke: one tokenize part, two train sessions of at most {minutes:.0f} min "
                         f"on TpuV5E8, an eval on a subset (at most {minutes:.0f} min); at most {3 * minutes:.0f} min "
-                        "of TPU quota (over the 55 min a first contact should cost: this model's checkpoint takes long "
-                        "to publish)"]
+                        "of TPU quota (over the 100 min a first contact should cost: this model's checkpoint takes "
+                        "long to publish)"]
     # An explicit smoke.session_limit_s that leaves nothing to train is one line naming the smoke's setting.
     with pytest.raises(UserError) as err:
         smoke_config(config_from_dict({"name": "big", "token_datasets": ["a/b"], "train": {"preset": "gpt2-medium"},
                                        "smoke": {"session_limit_s": 1300}}))
     assert str(err.value) == ("big: smoke.session_limit_s 1300 leaves no training time after the smoke's start-up "
-                              "(420 s) and publish (912 s) margins; raise it, or set it 0 to add smoke.train_s to them")
+                              "(1310 s) and publish (912 s) margins; raise it, or set it 0 to add smoke.train_s to "
+                              "them")
     # A wsd run's two short sessions never reach the end of its stable phase: one checkpoint to publish (twice).
     wsd = smoke_config(config_from_dict({"token_datasets": ["a/b"], "train": {"preset": "gpt2", "schedule": "wsd"}}))
     assert wsd.train["keep_stable"] is False and wsd.publish_margin_s == pytest.approx(60 + 2 * 149.3710848)
@@ -83,7 +112,7 @@ def test_a_smoke_of_a_larger_model_lengthens_its_sessions_by_the_publish_and_say
 
 def test_a_smoke_of_checkpoints_kept_in_temp_leaves_time_for_the_sessions_own_publish_check():
     cfg = config_from_dict({"token_datasets": ["a/b"], "train": {"preset": "gpt2-large"},
-                            "smoke": {"session_limit_s": 3600}})
+                            "smoke": {"session_limit_s": 5400}})
     assert cfg.train["checkpoint_dir"].startswith("{temp}")
     size = 12 * MODEL_PRESETS["gpt2-large"].num_params()
     assert smoke_config(cfg).publish_margin_s == pytest.approx(60 + 2 * size / 10e6 + 600)
@@ -92,9 +121,9 @@ def test_a_smoke_of_checkpoints_kept_in_temp_leaves_time_for_the_sessions_own_pu
 def test_the_smoke_eval_keeps_a_shorter_eval_limit_and_costs_only_its_own_limit():
     cfg = config_from_dict({"token_datasets": ["a/b"], "eval": {"session_limit_s": 300}})
     smoke = smoke_config(cfg)
-    # tiny: 420 s start-up + 120 s (the least publish margin) + 240 s of training
-    assert (smoke.session_limit_s, smoke.eval_session_limit_s) == (780, 300)
-    assert quota_cost_s(smoke) == 2 * 780 + 300
+    # tiny: 1,310 s start-up + 120 s (the least publish margin) + 240 s of training
+    assert (smoke.session_limit_s, smoke.eval_session_limit_s) == (1670, 300)
+    assert quota_cost_s(smoke) == 2 * 1670 + 300
     # The smoke's own eval limit, where set, still never exceeds the config's.
     own = config_from_dict({"token_datasets": ["a/b"], "smoke": {"eval_session_limit_s": 600}})
     assert smoke_config(own).eval_session_limit_s == 600
@@ -102,14 +131,14 @@ def test_the_smoke_eval_keeps_a_shorter_eval_limit_and_costs_only_its_own_limit(
                                "smoke": {"eval_session_limit_s": 600}})
     assert smoke_config(capped).eval_session_limit_s == 300
     on_cpu = smoke_config(config_from_dict({"token_datasets": ["a/b"], "eval": {"accelerator": ""}}))
-    assert quota_cost_s(on_cpu) == 2 * 780  # the eval runs on a CPU: no TPU quota
+    assert quota_cost_s(on_cpu) == 2 * 1670  # the eval runs on a CPU: no TPU quota
 
 
 def test_a_configs_own_smoke_slugs_never_reuse_the_real_runs():
     cfg = config_from_dict({"slugs": {"checkpoints": "my-ckpts"}, "token_datasets": ["a/b"],
-                            "smoke": {"session_limit_s": 600}})
+                            "smoke": {"session_limit_s": 1800}})
     smoke = smoke_config(cfg)
-    assert smoke.slug("checkpoints") == "my-ckpts-smoke" and smoke.session_limit_s == 600
+    assert smoke.slug("checkpoints") == "my-ckpts-smoke" and smoke.session_limit_s == 1800
     assert smoke.tokenize == {} and smoke.token_datasets == ["a/b"]  # no parts to shorten: the data as given
     with pytest.raises(UserError, match="unknown smoke key.*minutes"):
         config_from_dict({"token_datasets": ["a/b"], "smoke": {"minutes": 10}})

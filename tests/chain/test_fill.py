@@ -35,15 +35,18 @@ def test_a_measured_machine_fills_the_share_of_the_session_it_is_given(tmp_path)
     cfg = gpt2_124m()
     fill = session_fill(cfg, measured(tmp_path, 250_000), now=0)
     share = make_plan(cfg, measured_path=measured(tmp_path, 250_000))["eval_share"]
-    # 85% of 9 h is 7.65 h (within the 8.5 h of training the margins leave), evals included.
-    assert fill.total_steps == math.floor(0.85 * 32400 * 250_000 / (1 + share) / BATCH) == 13_012
+    # 85% of 9 h is 7.65 h (within the 8.30 h of training the margins leave), evals included, less the checkpoint
+    # writes in it: room for the final one (1.5 writes of 34.9 s, and 2 steps of 2.12 s) and 12 every 1,000 steps.
+    write_s, step_s = 5 + 12 * 124_475_904 / 50e6, BATCH * (1 + share) / 250_000
+    train_s = 0.85 * 32400 - 1.5 * write_s - 2 * step_s - 12 * write_s
+    assert fill.total_steps == math.floor(train_s * 250_000 / (1 + share) / BATCH) == 12_787
     assert fill.tokens == fill.total_steps * BATCH
     # The two parts make no more than the run reads and the validation shard, in whole shards.
     assert fill.tokens_per_part == math.ceil((fill.tokens + 100_000_000) / 2 / 100_000_000) * 100_000_000
-    assert fill.line.startswith("fill_session: total_steps 13012 (6.82B tokens, 85% of a 9-h session) at the "
-                                "250,000 tokens/s measured by --smoke: 7.65 h of training, evals included, ending ")
+    assert fill.line.startswith("fill_session: total_steps 12787 (6.70B tokens, 85% of a 9-h session) at the "
+                                "250,000 tokens/s measured by --smoke: 7.52 h of training, evals included, ending ")
     filled = apply_fill(cfg, fill)
-    assert filled.total_steps == 13_012 and filled.tokenize["settings"]["tokens_per_part"] == fill.tokens_per_part
+    assert filled.total_steps == 12_787 and filled.tokenize["settings"]["tokens_per_part"] == fill.tokens_per_part
     plan = make_plan(filled, measured_path=measured(tmp_path, 250_000))
     assert plan["sessions"] == 1 and plan["tokenized_tokens"] >= fill.tokens + plan["validation_tokens"]
 
@@ -73,9 +76,9 @@ def test_a_chain_keeps_the_fill_of_its_first_start_whatever_is_measured_later(tm
     first = fixed_fill(gpt2_124m(), state, lines.append)
     monkeypatch.setattr(fill_module, "session_fill", lambda cfg: session_fill(cfg, measured(tmp_path, 400_000)))
     again = fixed_fill(gpt2_124m(), State(tmp_path / "state.json"), lines.append)
-    assert first.total_steps == again.total_steps == 13_012
+    assert first.total_steps == again.total_steps == 12_787
     assert dataclasses.asdict(first) == dataclasses.asdict(again)
-    assert lines[1] == ("fill_session: total_steps 13012 (6.82B tokens, 85% of a 9-h session), as fixed at this "
+    assert lines[1] == ("fill_session: total_steps 12787 (6.70B tokens, 85% of a 9-h session), as fixed at this "
                         "chain's first start")
     monkeypatch.setattr(fill_module, "session_fill", lambda cfg: None)
     lines.clear()

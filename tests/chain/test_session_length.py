@@ -1,16 +1,18 @@
 """How long a train session lasts and when its training stops: a fixed length (Kaggle's 9 h) with its margins, or
-(session_train_s) each session sized from the start-up the chain's sessions measured; and what the chain does
-with a session that trained no step."""
+(session_train_s) each session sized from the start-up the chain's sessions measured; how much of it the plan
+counts as training; and what the chain does with a session that trained no step."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from scripts.chain.chain import Chain
 from scripts.chain.config import config_from_dict
-from scripts.chain.sizing import session_length, session_measurements
+from scripts.chain.sizing import session_length, session_measurements, training_s
+from shared.config import TrainConfig
 from shared.errors import UserError
 
 BASE = {"name": "unit-run", "token_datasets": ["alice/tokens"]}
@@ -20,8 +22,23 @@ MEASURED = {**BASE, "session_limit_s": 300, "startup_margin_s": 60, "session_tra
 def test_a_fixed_session_stops_training_by_its_margins_and_never_past_its_limit_less_publishing():
     cfg = config_from_dict({**BASE, "session_limit_s": 3600, "startup_margin_s": 600, "publish_margin_s": 1200})
     assert session_length(cfg, []) == (3600, "", 0)
-    # From training's start, the limit less both margins; from the session's start, never past limit - publish.
+    # The limit less both margins of training, which the trainer counts from the end of the first step (start-up is
+    # not in it); from the session's start, never past limit - publish.
     assert cfg.session_clock(3600) == {"time_budget": 1800, "session_deadline": 2400}
+
+
+def test_a_sessions_planned_training_is_its_budget_less_its_checkpoint_writes():
+    gpt2 = TrainConfig(preset="gpt2", micro_batch=16, checkpoint_every=1000)
+    write_s = 5 + 12 * 124_475_904 / 50e6  # the trainer's estimate before a write is timed: 34.9 s
+    # At one step a second: room for the final write (1.5 writes, and the 2 steps the trainer stops ahead), then
+    # one write every 1,000 steps: 28 in the 29,836 s left.
+    left = 29890 - 1.5 * write_s - 2 * 1.0
+    assert left // (1000 + write_s) == 28
+    assert training_s(29890, gpt2, 524_288, 0.0) == pytest.approx(left - 28 * write_s)
+    # The evals' share makes each step longer; no periodic checkpoints, only the final one's room.
+    assert training_s(3600, dataclasses.replace(gpt2, checkpoint_every=0), 524_288, 0.25) == pytest.approx(
+        3600 - 1.5 * write_s - 2 * 1.25)
+    assert training_s(10, gpt2, 524_288, 0.0) == 1.0  # a budget too short for the writes: the one step it trains
 
 
 def test_sessions_sized_from_measured_start_up_grow_with_the_longest_one_seen_up_to_session_limit_s():
@@ -116,8 +133,8 @@ def test_a_session_that_trained_no_step_lengthens_the_next_or_stops_the_chain_in
         chain_with_sessions(tmp_path / "c", fixed, [slow]).train.no_progress(slow)
     assert str(err.value) == ("stopping: train session 2 could not fit one step: its start-up took 1900 s to the end "
                               "of the first step, in a session of 3600 s with publish_margin_s 1200; raise "
-                              "session_limit_s (at most the machine's limit) or lower startup_margin_s, or shorten "
-                              "start-up (its log says what took the time, by part)")
+                              "session_limit_s (at most the machine's limit), or shorten start-up (its log says what "
+                              "took the time, by part)")
     # Killed at its limit before its first step ended (its output discarded, nothing measured): its start-up took
     # at least the limit less publishing, and the next session allows for that.
     killed = {"n": 1, "limit_s": 132, "seconds": 133.2, "ended": 1.0, "step_before": 0, "step_after": 0}

@@ -1,6 +1,7 @@
-"""The session's clock (shared/session_clock.py): training stops by --time-budget (from training's start) or
---session-deadline (from the session's start, start-up included), whichever comes first; start-up is measured by
-part; torch_xla's known harmless messages are said once."""
+"""The session's clock (shared/session_clock.py): training stops by --time-budget (a budget given: from the end of
+the first step, so start-up never eats it; the default: from training's start) or --session-deadline (from the
+session's start, start-up included), whichever comes first; start-up is measured by part; torch_xla's known
+harmless messages are said once."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from helpers import REPO, SMALL_ARGS, error_lines, run_script, small_config, train_in_process
 
 from shared.errors import UserError
-from shared.session_clock import SessionClock, startup_line
+from shared.session_clock import SessionClock, estimate_checkpoint_seconds, startup_line
 from shared.train.metrics import read_metrics
 from shared.train.xla_notices import PALLAS_NOTICE, _SayOnce, runtime_notices
 
@@ -24,6 +25,35 @@ def test_a_start_up_that_ate_20_s_ends_training_20_s_earlier_under_the_deadline(
     assert prompt.stop_at - late.stop_at == 20.0
     assert SessionClock(980.0, 1000.0, budget_s=100.0, deadline_s=300.0).stop_at == 1100.0  # the budget binds
     assert SessionClock(980.0, 1000.0, budget_s=100.0).stop_at == 1100.0  # no deadline
+
+
+def test_a_budget_after_start_up_counts_from_the_end_of_the_first_step_and_only_the_deadline_binds_before():
+    clock = SessionClock(session_start=0.0, train_start=30.0, budget_s=240.0, deadline_s=1550.0,
+                         budget_after_startup=True)
+    assert clock.stop_at == 1550.0  # start-up: only the deadline, however long it takes
+    clock.first_step_end = 930.0  # 900 s of probes and compiles in train()
+    assert clock.stop_at == 930.0 + 240.0  # the whole budget is still training's
+    clock.first_step_end = 1400.0  # start-up past its margin: the deadline cuts training, never the session
+    assert clock.stop_at == 1550.0
+    # The default budget (none given) is the session's whole length, from training's start, as before.
+    assert SessionClock(0.0, 30.0, budget_s=240.0, deadline_s=1550.0, first_step_end=930.0).stop_at == 270.0
+
+
+def test_a_first_step_after_a_long_start_up_fits_a_budget_after_start_up_but_not_one_from_trainings_start():
+    import time
+
+    now = time.monotonic()
+    after = SessionClock(session_start=now - 900.0, train_start=now - 870.0, budget_s=240.0, deadline_s=1550.0,
+                         budget_after_startup=True, first_step_end=now)
+    after.check_first_step({"startup_s": 900.0}, checkpoint_s=35.0)  # fits: no error
+    before = SessionClock(session_start=now - 900.0, train_start=now - 870.0, budget_s=240.0, deadline_s=1550.0)
+    with pytest.raises(UserError, match=r"^--time-budget 240s is shorter than one step \(870\.\ds with start-up"):
+        before.check_first_step({"startup_s": 900.0}, checkpoint_s=35.0)
+    late = SessionClock(session_start=now - 1530.0, train_start=now - 1500.0, budget_s=240.0, deadline_s=1550.0,
+                        budget_after_startup=True, first_step_end=now)
+    with pytest.raises(UserError, match=r"^--session-deadline 1550s is shorter than start-up to the end of the first "
+                                        r"step \(1530\.0s from the session's start\) plus a checkpoint \(~35s\)"):
+        late.check_first_step({"startup_s": 1530.0}, checkpoint_s=35.0)
 
 
 def test_the_start_up_line_names_each_part():
@@ -72,6 +102,51 @@ def test_a_session_whose_start_up_ate_its_deadline_stops_after_one_step_in_one_l
     # Without a deadline the same session trains on (its start-up is logged as a record, and the budget is unchanged).
     result, lines = train_in_process(small_config(demo_data, tmp_path / "b", max_steps=2))
     assert result.step == 2 and any(line.startswith("start-up ") for line in lines)
+
+
+@pytest.mark.slow
+def test_the_gpt2_smokes_session_trains_its_budget_after_600_s_of_probes_and_compiles(demo_data, tmp_path,
+                                                                                     monkeypatch):
+    """The smoke's session settings (examples/chain-gpt2-124m.json under --smoke) on the tiny model, on a fake clock
+    that runs 30x real time and jumps 600 s where the attention probes and the step's compile would be: the session
+    still trains its whole budget after its first step, and ends by its deadline, the publish margin left whole."""
+    import time
+
+    import shared.train.trainer as trainer
+    from scripts.chain.config import load_config
+    from scripts.chain.smoke import smoke_config
+    from shared.train.device import make_runtime
+
+    smoke = smoke_config(load_config(REPO / "examples" / "chain-gpt2-124m.json"))
+    settings = smoke.session_clock(smoke.session_limit_s)
+    real, base, jumped, scale = time.monotonic, time.monotonic(), [0.0], 30.0
+    monkeypatch.setattr(time, "monotonic", lambda: base + scale * (real() - base) + jumped[0])
+    probe = trainer.select_attention_and_micro_batch
+
+    def slow_probes(*args, **kwargs):
+        jumped[0] += 600.0  # the probes and compiles a TPU's start-up may take
+        return probe(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "select_attention_and_micro_batch", slow_probes)
+    cfg = small_config(demo_data, tmp_path, max_steps=100_000, **settings)  # every step logged
+    started = time.monotonic() - 30.0  # the imports and the bootstrap before train()
+    result = trainer.train(cfg, make_runtime("cpu"), log=lambda _: None, started=started)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    (startup,) = [r for r in records if r.get("event") == "startup"]
+    end = records[-1]
+    assert result.stop_reason == "time_budget" and end["event"] == "session_end"
+    # A budget counted from training's start would have ended before the first step did.
+    assert startup["startup_s"] - startup["before_train_s"] > settings["time_budget"] > 240.0
+    # Trained from the end of its first step to the end of its last: its budget, less the room the trainer keeps for
+    # one more step and its final checkpoint (1.5 writes at its estimate: none was timed before), the step at most
+    # the longest it took, the first one's included (a loaded machine's steps, at 30x, may be few: the bound says
+    # so, not the clock).
+    ends = [r["elapsed_s"] for r in records if "loss" in r]
+    longest = max([startup["first_step_s"]] + [b - a for a, b in zip(ends, ends[1:], strict=False)])
+    trained = end["elapsed_s"] - end["last_step_to_checkpoint_s"] - end["start_to_first_step_s"]
+    assert trained >= settings["time_budget"] - longest - 1.5 * estimate_checkpoint_seconds(cfg.model.num_params())
+    # Its final checkpoint was written by the deadline (seconds from the session's start): the publish margin is whole.
+    assert startup["before_train_s"] + end["elapsed_s"] <= settings["session_deadline"]
 
 
 @pytest.mark.slow
