@@ -27,6 +27,7 @@ from functools import partial
 from pathlib import Path
 
 from shared.errors import UserError, describe_error, duration_text, within
+from shared.kaggle.calls import kaggle_call
 from shared.session_clock import seconds_left
 
 NOTEBOOK_TOKEN = "the notebook's token"
@@ -70,12 +71,13 @@ def use_credential(credential: str) -> None:
 def kaggle_api(from_secrets: bool = True):
     """An authenticated KaggleApi. In a session the credentials come from the user's secrets (set into this
     process's environment, never printed). Raises UserError naming what is missing, or after SIGN_IN_TIMEOUT_S
-    without an answer. Nothing is printed, and sys.stdout is never swapped: a thread may call it while the
+    without an answer; a transient fault (a 5xx on IntrospectToken) is tried again (`kaggle_call`). Nothing is
+    printed but a notice of each such retry, and sys.stdout is never swapped: a thread may call it while the
     trainer prints."""
     if from_secrets:
         secrets_to_env()
     try:
-        return within(SIGN_IN_TIMEOUT_S, _signed_in)
+        return kaggle_call(_signed_in, "signing in to Kaggle", timeout_s=SIGN_IN_TIMEOUT_S)
     except UserError as err:
         if str(err).startswith("no answer within"):
             raise UserError(f"signing in to Kaggle: {err}") from None
@@ -186,14 +188,18 @@ def prove_dataset_write(api, dataset: str) -> None:
     blob upload, which names no dataset and uploads nothing (the token it returns expires unused)."""
     from kagglesdk.blobs.types.blob_api_service import ApiBlobType, ApiStartBlobUploadRequest
 
-    api.dataset_status(dataset)
+    kaggle_call(lambda: api.dataset_status(dataset), f"reading the status of {dataset}")
     request = ApiStartBlobUploadRequest()
     request.type = ApiBlobType.DATASET
     request.name = "gpt2k-credential-check"
     request.content_length = 1
     request.last_modified_epoch_seconds = 0
-    with api.build_kaggle_client() as kaggle:
-        kaggle.blobs.blob_api_client.start_blob_upload(request)
+
+    def start() -> None:
+        with api.build_kaggle_client() as kaggle:
+            kaggle.blobs.blob_api_client.start_blob_upload(request)
+
+    kaggle_call(start, "starting a blob upload")
 
 
 @dataclass(frozen=True)
@@ -212,8 +218,12 @@ def introspect_token(api) -> TokenFacts:
 
     request = IntrospectTokenRequest()
     request.token = _token_text()
-    with api.build_kaggle_client() as kaggle:
-        reply = kaggle.security.oauth_client.introspect_token(request)
+
+    def introspect():
+        with api.build_kaggle_client() as kaggle:
+            return kaggle.security.oauth_client.introspect_token(request)
+
+    reply = kaggle_call(introspect, "reading the notebook's token")
     return TokenFacts(bool(reply.active), reply.scope or "", int(reply.exp or 0))
 
 
