@@ -445,7 +445,10 @@ def after_training(result, plan: PublishPlan | None, log=print, session_end: flo
             else:
                 exit_s = min(PUBLISH_EXIT_S, PUBLISH_EXIT_SHARE * plan.publish_s)
                 calls_end_by(session_end - exit_s)  # no wait between a call's tries runs past the give-up
-                within(max(session_end - time.monotonic() - exit_s, 1.0), publish)
+                try:
+                    within(max(session_end - time.monotonic() - exit_s, 1.0), publish)
+                finally:
+                    calls_end_by(None)
         except UserError as err:
             record["reason"] = str(err)
             log(f"warning: could not publish step {step} to {dataset}: {err}; it stays in the kernel output")

@@ -5,12 +5,16 @@ credential's proof, the status reads, the file listings) answer 5xx or 429 for a
 429 once, or answer 502 after making their version. Every checkpoint ends proven whole in the dataset, and no
 create is made twice."""
 
+import contextlib
 import json
+import time
+from types import SimpleNamespace
 
 import pytest
 from kaggle_fixtures import wait_for, write_dataset, write_kernel
 from test_session_credential import DATASET, REF, SESSION, _version_dir
 
+from shared.kaggle.calls import calls_end_by, kaggle_call
 from shared.kaggle.publish import MANIFEST as MANIFEST_NAME
 
 # The session of test_session_credential.py, its publish proven (and the older versions deleted after) as a
@@ -136,3 +140,90 @@ def test_the_proof_under_the_cpu_images_kaggle_reads_the_status_that_names_no_ve
     assert state == "COMPLETE", lines
     assert "kaggle 2.0.2" in lines
     assert_proven_whole(local_kaggle, record, lines)
+
+
+# --- the retry itself, and the read before publishing again -------------------------------------------------------
+
+class Reply(Exception):
+    """An API error as the clients raise it: `response.status_code`, `response.headers`."""
+
+    def __init__(self, status: int, headers: dict | None = None):
+        super().__init__(f"HTTP {status}")
+        self.response = SimpleNamespace(status_code=status, headers=headers or {})
+
+
+def failing(*errors: Exception):
+    """A call that raises each of `errors` in turn, then returns "done"; `.tries` counts its calls."""
+    def call():
+        call.tries += 1
+        if call.tries <= len(errors):
+            raise errors[call.tries - 1]
+        return "done"
+
+    call.tries = 0
+    return call
+
+
+def test_a_call_is_tried_again_after_each_transient_fault_waiting_what_a_429_asks():
+    waits, lines = [], []
+    call = failing(Reply(503), Reply(429, {"Retry-After": "7"}), ConnectionResetError("reset by peer"))
+    assert kaggle_call(call, "reading", lines.append, sleep=waits.append) == "done"
+    assert call.tries == 4 and waits == [1.0, 7.0, 4.0]  # doubling, but the server's 7 s where it asks
+    assert lines == ["notice: reading failed (HTTP 503); trying again in 1 s (retry 1)",
+                     "notice: reading failed (HTTP 429); trying again in 7 s (retry 2)",
+                     "notice: reading failed (ConnectionResetError); trying again in 4 s (retry 3)"]
+
+
+def test_a_fault_that_another_try_would_meet_again_is_raised_at_once():
+    call = failing(Reply(403))
+    with pytest.raises(Reply):
+        kaggle_call(call, "reading", lambda _: None, sleep=lambda s: pytest.fail("no wait"))
+    assert call.tries == 1
+
+
+def test_no_wait_between_tries_reaches_the_moment_the_session_gives_its_publish_up():
+    waits = []
+    call = failing(*[Reply(502)] * 10)
+    calls_end_by(time.monotonic() + 3.5)  # the waits of 1 and 2 s fit before it, the next of 4 s does not
+    try:
+        with pytest.raises(Reply):
+            kaggle_call(call, "reading", lambda _: None, sleep=waits.append)
+    finally:
+        calls_end_by(None)
+    assert waits == [1.0, 2.0] and call.tries == 3
+
+
+class Clock:
+    """time.monotonic for shared.kaggle.proof, moved on by its sleeps only."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_a_version_that_appears_just_after_the_wait_is_proven_instead_of_published_again(monkeypatch):
+    from shared.kaggle import proof
+
+    clock, reads = Clock(), []
+    monkeypatch.setattr(proof, "time", clock)
+
+    def get_dataset(request):  # version 2 at both reads of the wait (at 0 s and 100 s), version 3 (ready) after
+        reads.append(clock.now)
+        number = 2 if len(reads) <= 2 else 3
+        return SimpleNamespace(current_version_number=number,
+                               versions=[SimpleNamespace(version_number=number, status="Ready")])
+
+    client = SimpleNamespace(datasets=SimpleNamespace(dataset_api_client=SimpleNamespace(get_dataset=get_dataset)))
+    api = SimpleNamespace(build_kaggle_client=lambda: contextlib.nullcontext(client))
+    republished, lines = [], []
+    result = proof.verify_publish(api, DATASET, 2, 60, lambda: republished.append(1), log=lines.append,
+                                  sleep=clock.sleep, poll=(100.0, 100.0))
+    assert result == {"verified_version": 3, "republished": False} and republished == []
+    assert reads == [0.0, 100.0, 100.0, 100.0, 200.0]  # the wait, the read before publishing again, the proof
+    assert lines == [f"publish: a version of {DATASET} after 2 appeared after the wait; proving it before "
+                     "publishing again"]
