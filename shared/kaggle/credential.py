@@ -188,7 +188,7 @@ def prove_dataset_write(api, dataset: str) -> None:
     blob upload, which names no dataset and uploads nothing (the token it returns expires unused)."""
     from kagglesdk.blobs.types.blob_api_service import ApiBlobType, ApiStartBlobUploadRequest
 
-    kaggle_call(lambda: api.dataset_status(dataset), f"reading the status of {dataset}")
+    kaggle_call(lambda: api.dataset_status(dataset), f"reading the status of {dataset}", timeout_s=PROVE_TIMEOUT_S)
     request = ApiStartBlobUploadRequest()
     request.type = ApiBlobType.DATASET
     request.name = "gpt2k-credential-check"
@@ -199,7 +199,7 @@ def prove_dataset_write(api, dataset: str) -> None:
         with api.build_kaggle_client() as kaggle:
             kaggle.blobs.blob_api_client.start_blob_upload(request)
 
-    kaggle_call(start, "starting a blob upload")
+    kaggle_call(start, "starting a blob upload", timeout_s=PROVE_TIMEOUT_S)
 
 
 @dataclass(frozen=True)
@@ -223,7 +223,7 @@ def introspect_token(api) -> TokenFacts:
         with api.build_kaggle_client() as kaggle:
             return kaggle.security.oauth_client.introspect_token(request)
 
-    reply = kaggle_call(introspect, "reading the notebook's token")
+    reply = kaggle_call(introspect, "reading the notebook's token", timeout_s=PROVE_TIMEOUT_S)
     return TokenFacts(bool(reply.active), reply.scope or "", int(reply.exp or 0))
 
 
