@@ -170,9 +170,9 @@ def dataset_info(ds: dict) -> DatasetInfo:
                    licenses=[message(SettingsLicense, name=ds["license"])], **_described(ds))
 
 
-def dataset_reply(ds: dict, live: list[dict] | None = None) -> ApiDataset:
+def dataset_reply(ds: dict, live: list[dict] | None = None, own_status: bool = True) -> ApiDataset:
     """The kagglesdk message describing a dataset and its live versions (default: all of them; the newest is the
-    current version)."""
+    current version), each with its own status unless `own_status` is off (Settings.version_status_in_versions)."""
     live = live_versions(ds) if live is None else live
     current = live[-1] if live else None
     return message(
@@ -196,7 +196,7 @@ def dataset_reply(ds: dict, live: list[dict] | None = None) -> ApiDataset:
                 version_notes=v.get("notes"),
                 creator_name=v.get("creator"),
                 # A free-form string in kagglesdk; what Kaggle puts there is not known.
-                status="ready" if is_ready(v) else "pending",
+                status=("ready" if is_ready(v) else "pending") if own_status else None,
             )
             for v in live
         ],
@@ -378,7 +378,7 @@ def _dataset_status(parts: ApiParts, user: str, req: KaggleObject) -> KaggleObje
 def _get_dataset(parts: ApiParts, user: str, req: KaggleObject) -> KaggleObject:
     with parts.store.lock:
         ds = parts.datasets.visible(user, _dataset_ref(req))
-        return dataset_reply(ds, _unversioned(parts, ds))
+        return dataset_reply(ds, _unversioned(parts, ds), parts.datasets.settings.version_status_in_versions)
 
 
 def _dataset_metadata(parts: ApiParts, user: str, req: KaggleObject) -> KaggleObject:

@@ -208,6 +208,8 @@ class LocalKaggle:
 
     def inject(self, kind: str = "http", **fault: Any) -> None:
         """inject("http", match="SaveKernel", status=429, count=1, retry_after=0, message=...)
+        inject("http", match="read", status=503, for_s=30.0)  (every read for 30 s)
+        inject("http", match="CreateDatasetVersion", status=502, after=True)  (served, then answered 502)
         inject("session_error", kernel="u/k", message=...)
         inject("kill", kernel="u/k", after_s=1.0 | on_log=r"regex", message=...)
         inject("failed_upload", name="model.safetensors", count=1)"""

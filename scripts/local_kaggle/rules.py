@@ -8,9 +8,11 @@ in for Kaggle's images; `Faults`, the failures tests inject. Nothing here import
 from __future__ import annotations
 
 import datetime as dt
+import math
 import re
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,6 +112,9 @@ class Settings:
     # size (LOCAL_KAGGLE_DISK_BYTES) and is stopped when its folders hold more. /kaggle/temp's size on Kaggle is not
     # verified.
     disk_bytes: int = 0
+    # Whether GetDataset's versions[] carry each version's own `status`: a free string in kagglesdk whose values
+    # Kaggle writes there is not verified (docs/kaggle-api.md), so a version with none is modelled too.
+    version_status_in_versions: bool = True
 
 
 # ----- names, time, access -----
@@ -136,6 +141,11 @@ def utc(ts: float | None) -> dt.datetime | None:
     return dt.datetime.fromtimestamp(ts, dt.timezone.utc).replace(tzinfo=None)
 
 
+def is_read(method: str) -> bool:
+    """Whether an API method changes nothing (GetDataset, ListDatasetFiles, IntrospectToken, DownloadDataset...)."""
+    return method.startswith(("Get", "List", "Download")) or method == "IntrospectToken"
+
+
 def check_access(user: str, owner: str, private: bool, what: str) -> None:
     """A private dataset or kernel is its owner's alone (403 for anyone else)."""
     if private and owner != user:
@@ -157,9 +167,12 @@ class Faults:
     never lands (as one over the private-dataset quota: kaggle-cli issue 284); for uploads, a file whose blob upload
     answers 500 to every PUT, its resume queries too (kaggle 2.2.4 then creates the version without that file).
 
-    HTTP faults match a method name ("SaveKernel"), "Service/Method", "upload", "download" or "*"; session faults
-    match a kernel ref or "*"; dataset faults a dataset ref or "*"; a failed_upload fault a file name or "*" (count:
-    the uploads it fails)."""
+    HTTP faults match a method name ("SaveKernel"), "Service/Method", "read" (any API call that changes nothing:
+    `is_read`), "upload", "download" or "*"; each answers `count` matching calls, or with `for_s` every one for
+    that long (a fault that lasts a while); `retry_after` adds a Retry-After header; with `after` the call is served
+    first and its reply replaced by the fault (a gateway's 5xx after the work was done). Session faults match a
+    kernel ref or "*"; dataset faults a dataset ref or "*"; a failed_upload fault a file name or "*" (count: the
+    uploads it fails)."""
 
     DATASET_KINDS = ("stale_dataset_status", "stale_mount", "lost_publish")
 
@@ -184,6 +197,8 @@ class Faults:
         if kind == "http":
             if "match" not in fault or "status" not in fault:
                 raise ApiError(400, "an http fault needs match and status")
+            if fault.get("for_s") is not None:
+                fault["until"], fault["count"] = time.monotonic() + float(fault["for_s"]), math.inf
             return self.http
         if kind == "session_error":
             fault.setdefault("kernel", "*")
@@ -226,9 +241,14 @@ class Faults:
                 return item
         return None
 
-    def take_http(self, names: set[str]) -> dict | None:
+    def take_http(self, names: set[str], after: bool = False) -> dict | None:
+        """The first HTTP fault matching one of `names` that answers before the call is served (after=False) or
+        after it (after=True); one whose `for_s` has passed is dropped."""
         with self.lock:
-            return self._take(self.http, lambda f: f["match"] == "*" or f["match"] in names)
+            now = time.monotonic()
+            self.http[:] = [f for f in self.http if f.get("until", math.inf) > now]
+            return self._take(self.http, lambda f: bool(f.get("after")) == after and (f["match"] == "*" or
+                                                                                      f["match"] in names))
 
     def take_session_error(self, ref: str) -> dict | None:
         with self.lock:

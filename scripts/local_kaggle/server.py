@@ -25,7 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from .rules import ApiError
+from .rules import ApiError, is_read
 
 LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1", ""}
 ADMIN_HEADER = "X-Local-Kaggle-Admin"
@@ -67,7 +67,7 @@ class Backend:
     admin_token: str
     authenticate: Callable[[str | None], str]  # an Authorization header -> the user; 401 otherwise
     authorize: Callable[[str | None, str], None]  # (Authorization header, API method): 403 where it may not
-    take_http_fault: Callable[[set[str]], dict | None]  # an injected HTTP fault matching one of the names
+    take_http_fault: Callable[..., dict | None]  # an injected HTTP fault matching one of the names (after: served)
     call_api: Callable[[str, str, str, Any], dict]  # (user, service, method, request JSON) -> reply JSON
     receive_upload: Callable[[str, str, Iterable[bytes]], tuple[int, dict, dict | None]]  # (token, range, body)
     kernel_output_dir: Callable[[str, int], Path]  # (kernel ref, version) -> its saved /kaggle/working
@@ -225,9 +225,10 @@ class Handler(HttpIO):
             if self.backend.verbose:
                 traceback.print_exc()
 
-    def _fault(self, names: set[str]) -> None:
-        """Raise an injected HTTP fault that matches one of `names`, if any is left."""
-        fault = self.backend.take_http_fault(names)
+    def _fault(self, names: set[str], after: bool = False) -> None:
+        """Raise an injected HTTP fault that matches one of `names`, if any is left (`after`: one that answers once
+        the call was served)."""
+        fault = self.backend.take_http_fault(names, after)
         if fault is not None:
             headers = {}
             if fault.get("retry_after") is not None:
@@ -240,16 +241,19 @@ class Handler(HttpIO):
         if parts[:2] == ["api", "v1"] and self.command == "POST" and len(parts) == 4:
             service, method = parts[2], parts[3]
             body = self._read_body()
-            self._fault({method, f"{service}/{method}", "api"})
+            names = {method, f"{service}/{method}", "api"} | ({"read"} if is_read(method) else set())
+            self._fault(names)
             user = backend.authenticate(self.headers.get("Authorization"))
             backend.authorize(self.headers.get("Authorization"), method)
             try:
                 req = json.loads(body or b"{}")
             except ValueError:
                 raise ApiError(400, "The request body is not JSON") from None
-            self._send_json(200, backend.call_api(user, service, method, req))
+            reply = backend.call_api(user, service, method, req)
+            self._fault(names, after=True)
+            self._send_json(200, reply)
         elif parts[:5] == ["api", "v1", "kernels", "logs", "stream"] and len(parts) == 7:
-            self._fault({"GetKernelSessionLogsStream", "logs", "api"})
+            self._fault({"GetKernelSessionLogsStream", "logs", "api", "read"})
             user = backend.authenticate(self.headers.get("Authorization"))
             self._stream_logs(user, f"{parts[5]}/{parts[6]}")
         elif parts[0] == "_upload" and len(parts) == 2 and self.command == "PUT":

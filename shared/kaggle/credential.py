@@ -29,10 +29,10 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
-from shared.errors import UserError, describe_error, duration_text, within
+from shared.errors import UserError, describe_error, duration_text
+from shared.kaggle.calls import kaggle_call
 from shared.session_clock import seconds_left
 
 NOTEBOOK_TOKEN = "the notebook's token"
@@ -104,13 +104,14 @@ def key_as_token() -> None:
 def kaggle_api(from_secrets: bool = True):
     """An authenticated KaggleApi. In a session the credentials come from the user's secrets (set into this
     process's environment, never printed). A new-style API token in KAGGLE_KEY (or kaggle.json's `key`) is sent as
-    a bearer token. Raises UserError naming what is missing, or after SIGN_IN_TIMEOUT_S without an answer. Nothing
-    is printed, and sys.stdout is never swapped: a thread may call it while the trainer prints."""
+    a bearer token. Raises UserError naming what is missing, or after SIGN_IN_TIMEOUT_S without an answer; a
+    transient fault (a 5xx on IntrospectToken) is tried again (`kaggle_call`). Nothing is printed but a notice of
+    each such retry, and sys.stdout is never swapped: a thread may call it while the trainer prints."""
     if from_secrets:
         secrets_to_env()
     key_as_token()
     try:
-        return within(SIGN_IN_TIMEOUT_S, _signed_in)
+        return kaggle_call(_signed_in, "signing in to Kaggle", timeout_s=SIGN_IN_TIMEOUT_S)
     except UserError as err:
         if str(err).startswith("no answer within"):
             raise UserError(f"signing in to Kaggle: {err}") from None
@@ -290,16 +291,22 @@ def prove_dataset_write(api, dataset: str) -> str | None:
     owner, _, slug = dataset.partition("/")
     read = ApiGetDatasetMetadataRequest()
     read.owner_slug, read.dataset_slug = owner, slug
-    with api.build_kaggle_client() as kaggle:
-        client = kaggle.datasets.dataset_api_client
-        info = client.get_dataset_metadata(read).info
-        if info is None or not info.is_private:
-            return "Kaggle's metadata of it does not say it is private, so none was written back"
-        shared = {f.json_name for f in DatasetSettings._fields} & {f.json_name for f in DatasetInfo._fields}
-        write = ApiUpdateDatasetMetadataRequest()
-        write.owner_slug, write.dataset_slug = owner, slug
-        write.settings = DatasetSettings.from_dict({k: v for k, v in info.to_dict().items() if k in shared})
-        errors = client.update_dataset_metadata(write).errors
+
+    def metadata(call):  # each call on a client of its own, tried again after a transient fault (`kaggle_call`)
+        with api.build_kaggle_client() as kaggle:
+            return call(kaggle.datasets.dataset_api_client)
+
+    info = kaggle_call(lambda: metadata(lambda c: c.get_dataset_metadata(read)).info,
+                       f"reading the metadata of {dataset}", timeout_s=PROVE_TIMEOUT_S)
+    if info is None or not info.is_private:
+        return "Kaggle's metadata of it does not say it is private, so none was written back"
+    shared = {f.json_name for f in DatasetSettings._fields} & {f.json_name for f in DatasetInfo._fields}
+    write = ApiUpdateDatasetMetadataRequest()
+    write.owner_slug, write.dataset_slug = owner, slug
+    write.settings = DatasetSettings.from_dict({k: v for k, v in info.to_dict().items() if k in shared})
+    # Written back as it is: a retry after a write that landed writes the same again.
+    errors = kaggle_call(lambda: metadata(lambda c: c.update_dataset_metadata(write)).errors,
+                         f"writing the metadata of {dataset} back", timeout_s=PROVE_TIMEOUT_S)
     if errors:
         raise RuntimeError(f"Kaggle refused the metadata written back: {'; '.join(errors)}")
     return None
@@ -326,8 +333,12 @@ def introspect_token(api, token: str) -> TokenFacts:
 
     request = IntrospectTokenRequest()
     request.token = token
-    with api.build_kaggle_client() as kaggle:
-        reply = kaggle.security.oauth_client.introspect_token(request)
+
+    def introspect():
+        with api.build_kaggle_client() as kaggle:
+            return kaggle.security.oauth_client.introspect_token(request)
+
+    reply = kaggle_call(introspect, "reading what Kaggle says of the token", timeout_s=PROVE_TIMEOUT_S)
     return TokenFacts(bool(reply.active), reply.scope or "", int(reply.exp or 0))
 
 
@@ -373,7 +384,9 @@ def choose_credential(dataset: str, log=print, needed_until: float | None = None
         use_credential(credential)
         said: dict[str, str] = {}
         try:
-            short = within(PROVE_TIMEOUT_S, partial(_prove, credential, dataset, needed_until, said, log))
+            # Each of the proof's calls has its own limit a try and is tried again after a transient fault
+            # (`kaggle_call`): one limit round the whole proof would cut those retries short.
+            short = _prove(credential, dataset, needed_until, said, log)
         except Exception as err:  # the API's own types, or a UserError from sign-in: one line, secrets masked
             status = getattr(getattr(err, "response", None), "status_code", None)
             short = f"HTTP {status}" if status else describe_error(err, secret_values())

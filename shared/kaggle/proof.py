@@ -5,6 +5,9 @@ A published checkpoint version is proven by its files: the names and sizes Kaggl
 that was published. Used by a session verifying its own publish (shared/kaggle/publish.py) and by the chain
 (scripts/chain/checkpoints.py).
 
+Every read here is tried again after a transient fault (shared/kaggle/calls.py `kaggle_call`), within the time the
+session has left.
+
 Also: uploads that fail raise, as kaggle 2.2.5 does, rather than dropping the file from the version (kaggle 2.2.4's
 `_upload_file` returns None on a failed blob upload, and the version is created without that file).
 
@@ -19,7 +22,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from shared.errors import within
+from shared.kaggle.calls import kaggle_call
 
 LIST_PAGE_SIZE = 200
 # The kaggle client and kagglesdk set no timeout of their own: each read of a dataset's versions or files (GetDataset,
@@ -95,6 +98,29 @@ def parse_dataset_status(reply: str) -> tuple[int, str]:
     return int(data.get("current_version_number") or 0), str(data.get("status") or "").lower()
 
 
+def _get_dataset(api, dataset: str):
+    """GetDataset of `dataset` (owner/slug) through kagglesdk: ApiDataset."""
+    from kagglesdk.datasets.types.dataset_api_service import ApiGetDatasetRequest
+
+    request = ApiGetDatasetRequest()
+    request.owner_slug, request.dataset_slug = dataset.split("/", 1)
+    with api.build_kaggle_client() as kaggle:
+        return kaggle.datasets.dataset_api_client.get_dataset(request)
+
+
+def _get_dataset_status(api, dataset: str) -> str:
+    """GetDatasetStatus of `dataset` through kagglesdk, lower-cased as the kaggle client gives it ("ready"). Not
+    `api.dataset_status(ref, format="json")`: kaggle 2.0.2, the CPU and GPU images' (Kaggle/docker-python
+    kaggle_requirements.txt), has no `format` (kaggle_api_extended.py L2357)."""
+    from kagglesdk.datasets.types.dataset_api_service import ApiGetDatasetStatusRequest
+
+    request = ApiGetDatasetStatusRequest()
+    request.owner_slug, request.dataset_slug = dataset.split("/", 1)
+    with api.build_kaggle_client() as kaggle:
+        reply = kaggle.datasets.dataset_api_client.get_dataset_status(request)
+    return str(getattr(reply.status, "name", reply.status) or "").lower()
+
+
 # `ApiDatasetVersion.status` is a free string whose values no source lists (docs/kaggle-api.md); these, in any case,
 # are read as a version's own status. Anything else falls back to GetDatasetStatus, which names no version.
 VERSION_STATUSES = ("ready", "failed", "deleted", "pending", "processing")
@@ -102,25 +128,24 @@ VERSION_STATUSES = ("ready", "failed", "deleted", "pending", "processing")
 
 def read_dataset_version(api, dataset: str) -> tuple[int, str]:
     """(current version number, status) of `dataset`: that version's own status from GetDataset's versions[]
-    where it is one of VERSION_STATUSES, else GetDatasetStatus's. Raises the API's errors (a 404 too)."""
-    from kagglesdk.datasets.types.dataset_api_service import ApiGetDatasetRequest
-
-    request = ApiGetDatasetRequest()
-    request.owner_slug, request.dataset_slug = dataset.split("/", 1)
-    with api.build_kaggle_client() as kaggle:
-        reply = kaggle.datasets.dataset_api_client.get_dataset(request)
+    where it is one of VERSION_STATUSES, else GetDatasetStatus's, with the number GetDataset gives after it (as
+    kaggle 2.2.4's `dataset_status(ref, format="json")` reads them, in any kaggle). Raises the API's errors (a 404
+    too)."""
+    reply = _get_dataset(api, dataset)
     number = int(reply.current_version_number or 0)
     own = [str(v.status or "").lower() for v in (reply.versions or []) if v.version_number == number]
     if own and own[0] in VERSION_STATUSES:
         return number, own[0]
-    return parse_dataset_status(api.dataset_status(dataset, format="json"))
+    status = _get_dataset_status(api, dataset)
+    return int(_get_dataset(api, dataset).current_version_number or 0), status
 
 
-def dataset_version(api, dataset: str) -> tuple[int, str]:
-    """(current version number, status) of `dataset` (`read_dataset_version`, within STATUS_TIMEOUT_S); (0, "")
-    while Kaggle answers 404."""
+def dataset_version(api, dataset: str, log=print) -> tuple[int, str]:
+    """(current version number, status) of `dataset` (`read_dataset_version`, within STATUS_TIMEOUT_S a try,
+    tried again after a transient fault); (0, "") while Kaggle answers 404."""
     try:
-        return within(STATUS_TIMEOUT_S, lambda: read_dataset_version(api, dataset))
+        return kaggle_call(lambda: read_dataset_version(api, dataset), f"reading the version of {dataset}", log,
+                           STATUS_TIMEOUT_S)
     except Exception as err:
         if getattr(getattr(err, "response", None), "status_code", None) == 404:
             return 0, ""
@@ -158,10 +183,11 @@ LISTING_TRIES = 3  # listings of a ready version that name no file yet (a versio
 
 
 def prove_new_version(api, dataset: str, above: int, timeout_s: float, expected: dict | None,
-                      sleep=time.sleep, poll: tuple[float, float] = VERSION_POLL) -> tuple[VersionSeen, str | None]:
+                      sleep=time.sleep, poll: tuple[float, float] = VERSION_POLL,
+                      log=print) -> tuple[VersionSeen, str | None]:
     """The first version of `dataset` above `above` (`wait_for_new_version`), and why it is not proven whole, None
     when it is: ready, and (with `expected`, {name: bytes or None}) listing every expected file at its size."""
-    seen = wait_for_new_version(lambda: dataset_version(api, dataset), above, timeout_s, sleep, *poll)
+    seen = wait_for_new_version(lambda: dataset_version(api, dataset, log), above, timeout_s, sleep, *poll)
     if not seen.settled:
         new = seen.number > above
         return seen, f"version {seen.number} is still {seen.status or 'processing'}" if new else \
@@ -171,7 +197,8 @@ def prove_new_version(api, dataset: str, above: int, timeout_s: float, expected:
     if expected is None:
         return seen, None
     for _ in range(LISTING_TRIES):
-        listed = within(STATUS_TIMEOUT_S, lambda: listed_files(api, dataset, seen.number))
+        listed = kaggle_call(lambda: listed_files(api, dataset, seen.number),
+                             f"listing version {seen.number} of {dataset}", log, STATUS_TIMEOUT_S)
         if listed:
             break
         sleep(poll[0])
@@ -184,17 +211,25 @@ def verify_publish(api, dataset: str, before: int, timeout_s: float, republish, 
     """After a publish past version `before`: wait for its version and prove it whole (`prove_new_version`); one
     that failed, never appeared (a create over the quota answers "Ok": kaggle-cli issue 284) or lacks a file is
     published again by `republish()` (which keeps the dataset's versions), once. Returns what the publish record
-    notes: `verified_version` (None where none was proven in time) and `republished`."""
-    seen, problem = prove_new_version(api, dataset, before, timeout_s, expected, sleep, poll)
+    notes: `verified_version` (None where none was proven in time) and `republished`. Before publishing again,
+    one more read: a version that landed after all (its create answered a fault, or the wait ended just before it
+    appeared) is proven instead."""
+    seen, problem = prove_new_version(api, dataset, before, timeout_s, expected, sleep, poll, log)
     if problem is None:
         return {"verified_version": seen.number, "republished": False}
+    if seen.number <= before and dataset_version(api, dataset, log)[0] > before:
+        log(f"publish: a version of {dataset} after {before} appeared after the wait; proving it before "
+            "publishing again")
+        seen, problem = prove_new_version(api, dataset, before, timeout_s, expected, sleep, poll, log)
+        if problem is None:
+            return {"verified_version": seen.number, "republished": False}
     if seen.number > before and not seen.settled:
         log(f"publish: version {seen.number} of {dataset} is still {seen.status or 'processing'} after "
             f"{timeout_s:.0f} s; the chain waits for it")
         return {"verified_version": None, "republished": False}
     log(f"warning: the publish to {dataset} did not land ({problem}); publishing the checkpoint again")
     republish()
-    again, problem = prove_new_version(api, dataset, max(before, seen.number), timeout_s, expected, sleep, poll)
+    again, problem = prove_new_version(api, dataset, max(before, seen.number), timeout_s, expected, sleep, poll, log)
     if problem is None:
         return {"verified_version": again.number, "republished": True}
     log(f"warning: the second publish to {dataset} did not land either ({problem}); the checkpoint was lost with "

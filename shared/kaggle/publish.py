@@ -32,6 +32,7 @@ from shared.checkpoint_names import CHECKPOINT_PREFIX, STABLE_DIR
 from shared.checkpoint_names import MANIFEST_FILE as MANIFEST
 from shared.errors import UserError, describe_error, within
 from shared.fsutil import link_or_copy, link_or_symlink
+from shared.kaggle.calls import calls_end_by, kaggle_call
 from shared.kaggle.credential import (
     candidates,
     choose_credential,
@@ -160,9 +161,9 @@ class PublishPlan:
 TEMP_PUBLISH_VERIFY_S = 600.0
 
 
-def dataset_exists(api, dataset: str) -> bool:
+def dataset_exists(api, dataset: str, log=print) -> bool:
     try:
-        api.dataset_status(dataset)
+        kaggle_call(lambda: api.dataset_status(dataset), f"reading the status of {dataset}", log)
         return True
     except Exception as err:
         if getattr(getattr(err, "response", None), "status_code", None) == 404:
@@ -211,13 +212,7 @@ def publish_checkpoint(api, ckpt_dir: str | os.PathLike, dataset: str, work_dir:
                        stable: str | os.PathLike | None = None) -> dict:
     """Upload the checkpoint in `ckpt_dir` (with the stable-phase checkpoint `stable` beside it, if given) as the
     newest version of `dataset` (created on first use; with `delete_old_versions`, the only version left)."""
-    ckpt_dir = Path(ckpt_dir)
-    step = checkpoint_step(ckpt_dir)
-    if step is None:
-        raise UserError(f"{ckpt_dir}: not a checkpoint (no readable {MANIFEST})")
-    files = checkpoint_files(ckpt_dir)
-    if stable is not None:
-        files += [(f, STABLE_PREFIX + name) for f, name in checkpoint_files(stable)]
+    step, files = upload_files(ckpt_dir, stable)
     # A folder of its own each call: an upload given up at its time limit runs on in its thread, and a retry must
     # not rebuild the folder that upload still reads.
     Path(work_dir).mkdir(parents=True, exist_ok=True)
@@ -227,8 +222,43 @@ def publish_checkpoint(api, ckpt_dir: str | os.PathLike, dataset: str, work_dir:
         action = push_dataset_folder(api, folder, dataset, notes or f"checkpoint at step {step}", delete_old_versions)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+    return publish_result(dataset, step, action, files, stable)
+
+
+def upload_files(ckpt_dir: str | os.PathLike, stable: str | os.PathLike | None = None
+                 ) -> tuple[int, list[tuple[Path, str]]]:
+    """(step, (file, flat dataset name) pairs) of the checkpoint in `ckpt_dir`, with the stable-phase checkpoint
+    `stable` beside it where given: what a publish of it uploads."""
+    step = checkpoint_step(ckpt_dir)
+    if step is None:
+        raise UserError(f"{ckpt_dir}: not a checkpoint (no readable {MANIFEST})")
+    files = checkpoint_files(ckpt_dir)
+    if stable is not None:
+        files += [(f, STABLE_PREFIX + name) for f, name in checkpoint_files(stable)]
+    return step, files
+
+
+def publish_result(dataset: str, step: int, action: str, files: list, stable) -> dict:
     return {"dataset": dataset, "step": step, "action": action, "files": file_sizes(files),
             "stable_step": checkpoint_step(stable) if stable is not None else None}
+
+
+def push_retried(api, dataset: str, push, landed, log=print, before: int | None = None) -> dict:
+    """push() (a publish: uploads, then a create), made again after a transient fault, but only where the dataset's
+    version is still `before` (default: read first): a create may land and answer a fault all the same (a gateway's
+    5xx after the work was done), and another push would then make a second version. A version that landed after
+    all is `landed(before)`'s (what the push would have returned), and its proof is the caller's."""
+    before = dataset_version(api, dataset, log)[0] if before is None else before
+    tried = []
+
+    def once() -> dict:
+        if tried and (number := dataset_version(api, dataset, log)[0]) > before:
+            log(f"publish: version {number} of {dataset} landed after all; not publishing it again")
+            return landed(before)
+        tried.append(True)
+        return push()
+
+    return kaggle_call(once, f"the publish to {dataset}", log)
 
 
 def _write_record(record: dict) -> None:
@@ -261,18 +291,25 @@ def _publish(plan: PublishPlan, ckpt, step: int, record: dict, log, work_dir: Pa
     api, before = None, 0
     measured: list[dict] = []  # each create's upload (shared/kaggle/facts.py: what --plan assumes, measured)
 
-    def push(delete: bool) -> dict:
+    def create(delete: bool) -> dict:
         pushed = time.monotonic()
         out = within(plan.publish_s or CREATE_TIMEOUT_S, lambda: publish_checkpoint(
             api, ckpt, dataset, work_dir, plan.title, delete_old_versions=delete, stable=stable))
         measured.append(upload_measure(out, time.monotonic() - pushed, delete))
         return out
 
+    def landed(before: int) -> dict:  # what a create that answered a fault yet made its version would have returned
+        return publish_result(dataset, step, "versioned" if before else "created", upload_files(ckpt, stable)[1],
+                              stable)
+
+    def push(delete: bool, before: int | None = None) -> dict:
+        return push_retried(api, dataset, lambda: create(delete), landed, log, before)
+
     def sign_in_and_push(from_secrets: bool) -> dict:
         nonlocal api, before
         api = kaggle_api(from_secrets=from_secrets)
-        before = dataset_version(api, dataset)[0] if proof_s else 0
-        return push(False)  # older versions are deleted only once this one is proven whole (delete_older_versions)
+        before = dataset_version(api, dataset, log)[0]  # for the proof, and for the push's retries
+        return push(False, before)  # older versions are deleted only once this one is proven whole
 
     try:
         out = sign_in_and_push(from_secrets=credential is None)  # None: a plan made without the bootstrap
@@ -451,7 +488,11 @@ def after_training(result, plan: PublishPlan | None, log=print, session_end: flo
                 publish()
             else:
                 exit_s = min(PUBLISH_EXIT_S, PUBLISH_EXIT_SHARE * plan.publish_s)
-                within(max(session_end - time.monotonic() - exit_s, 1.0), publish)
+                calls_end_by(session_end - exit_s)  # no wait between a call's tries runs past the give-up
+                try:
+                    within(max(session_end - time.monotonic() - exit_s, 1.0), publish)
+                finally:
+                    calls_end_by(None)
         except UserError as err:
             record["reason"] = str(err)
             log(f"warning: could not publish step {step} to {dataset}: {err}; it stays in the kernel output")

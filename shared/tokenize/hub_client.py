@@ -6,7 +6,7 @@ huggingface_hub 1.x and 2.x make their client with no timeout (`default_client_f
 listing (`utils/_pagination.py`) send none. A connection that accepts and then sends nothing holds such a call until
 the session's deadline. Here every request gets the limit on each phase it left unlimited (connect, each read of
 bytes, each write, a free connection), so a silent connection raises a timeout, which the library's retries or ours
-(`shared/tokenize/retry.py`) take up. docs/tokenize.md, "A connection that sends nothing".
+(`shared/retry.py`) take up. docs/tokenize.md, "A connection that sends nothing".
 
 Standard library only at module level; huggingface_hub (and httpx or httpx2 under it) load inside functions.
 """

@@ -41,6 +41,7 @@ from shared.config import GB, MANIFEST_SLACK, TokenizeConfig
 from shared.data import write_shard
 from shared.errors import UserError
 from shared.fsutil import sha256_file
+from shared.retry import Backoff, DeadlineReached
 from shared.session_clock import seconds_left
 from shared.tokenize.manifest import (
     DISK_SLACK,
@@ -59,7 +60,6 @@ from shared.tokenize.manifest import (
     verify_shards,
     write_manifest,
 )
-from shared.tokenize.retry import Backoff, DeadlineReached
 from shared.tokenize.source import (
     describe_source,
     library_versions,

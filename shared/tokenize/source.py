@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 from shared.data import natural_key
 from shared.errors import UserError, describe_error, duration_text, http_status, is_transient
+from shared.retry import Backoff
 from shared.tokenize.hub_client import describe_hub_error, limit_hub_silence
-from shared.tokenize.retry import Backoff
 
 if TYPE_CHECKING:  # annotations only: importing these for real would be circular (the config) or slow (datasets)
     import datasets

@@ -469,13 +469,12 @@ class DatasetApi:
             versions = [SimpleNamespace(version_number=n, status="ready" if n < 3 else own) for n in (1, 2, 3)]
             return SimpleNamespace(current_version_number=3, versions=versions)
 
-        client = SimpleNamespace(datasets=SimpleNamespace(dataset_api_client=SimpleNamespace(get_dataset=get_dataset)))
-        return contextlib.nullcontext(client)
+        def get_dataset_status(request):
+            self.status_reads += 1
+            return SimpleNamespace(status=self.status[min(self.status_reads, len(self.status)) - 1])
 
-    def dataset_status(self, ref, format=None):
-        self.status_reads += 1
-        status = self.status[min(self.status_reads, len(self.status)) - 1]
-        return json.dumps({"current_version_number": 3, "status": status})
+        service = SimpleNamespace(get_dataset=get_dataset, get_dataset_status=get_dataset_status)
+        return contextlib.nullcontext(SimpleNamespace(datasets=SimpleNamespace(dataset_api_client=service)))
 
 
 def test_a_failed_dataset_version_ends_the_wait_at_once(tmp_path):

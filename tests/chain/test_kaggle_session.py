@@ -416,23 +416,26 @@ def test_a_session_publishes_what_it_trained_past_where_it_began_only_when_exten
 
 
 class ScriptedDatasetApi:
-    """kaggle's dataset_status(format="json") answering from a script of (version number, status) reads (the last
-    repeats), recording each republish; GetDataset's versions name no status of their own, so that is what is read."""
+    """GetDatasetStatus, then GetDataset's current version, answering from a script of (version number, status)
+    reads (the last repeats), recording each republish; GetDataset's versions name no status of their own, so that
+    is what is read."""
 
     def __init__(self, reads):
-        self.reads, self.republished = list(reads), 0
+        self.reads, self.republished, self.number = list(reads), 0, 0
 
     def build_kaggle_client(self):
         import contextlib
         from types import SimpleNamespace
 
-        reply = SimpleNamespace(current_version_number=0, versions=[])
-        datasets = SimpleNamespace(dataset_api_client=SimpleNamespace(get_dataset=lambda request: reply))
-        return contextlib.nullcontext(SimpleNamespace(datasets=datasets))
+        def get_dataset_status(request):
+            self.number, status = self.reads.pop(0) if len(self.reads) > 1 else self.reads[0]
+            return SimpleNamespace(status=status)
 
-    def dataset_status(self, dataset, format=None):
-        number, status = self.reads.pop(0) if len(self.reads) > 1 else self.reads[0]
-        return json.dumps({"current_version_number": number, "status": status})
+        def get_dataset(request):
+            return SimpleNamespace(current_version_number=self.number, versions=[])
+
+        service = SimpleNamespace(get_dataset=get_dataset, get_dataset_status=get_dataset_status)
+        return contextlib.nullcontext(SimpleNamespace(datasets=SimpleNamespace(dataset_api_client=service)))
 
     def republish(self):
         self.republished += 1

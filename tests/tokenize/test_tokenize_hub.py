@@ -17,9 +17,9 @@ from tokenize_fixtures import assert_same_shards, read_tokens, run_kernel, run_t
 import shared.tokenize.part as part_module
 from scripts.local_hub import LocalHub, build_fineweb_like
 from shared.errors import UserError, is_transient
+from shared.retry import Backoff, retry_after_s
 from shared.tokenize.manifest import MANIFEST
 from shared.tokenize.part import CRASH_ENV
-from shared.tokenize.retry import Backoff, retry_after_s
 from shared.tokenize.workers import result_of, shut_down
 
 REPO = "HuggingFaceFW/fineweb-edu"

@@ -1,7 +1,9 @@
-"""How long to wait before another try of the tokenize stream (which errors are worth one: `shared.errors.
-is_transient`): its own retries, on top of the libraries' (huggingface_hub retries a request 5 times over about 23 s;
-datasets retries reads, and from 4.4.1 on 429 and 504 too), so that a Hub fault longer than theirs costs minutes,
-not the part.
+"""How long to wait before another try after a transient fault (which errors are worth one: `shared.errors.
+is_transient`), and `retrying`, a call tried again after each. Used by the tokenize stream, on top of the libraries'
+own retries (huggingface_hub retries a request 5 times over about 23 s; datasets retries reads, and from 4.4.1 on 429
+and 504 too), so that a Hub fault longer than theirs costs minutes, not the part; and by a session's Kaggle calls
+(shared/kaggle/calls.py), which the kaggle client retries only on 429 and connection errors, and only on an upload's
+start and a create.
 
 Standard library only.
 """
@@ -11,8 +13,11 @@ from __future__ import annotations
 import email.utils
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 from shared.errors import error_chain
+
+T = TypeVar("T")
 
 
 def retry_after_s(err: BaseException) -> float | None:
@@ -72,3 +77,25 @@ class Backoff:
         self.retries += 1
         self.waited_s += wait
         return wait
+
+
+def retrying(fn: Callable[[], T], backoff: Backoff, transient: Callable[[BaseException], bool],
+             on_retry: Callable[[BaseException, float], None] | None = None) -> T:
+    """fn(), tried again after each fault that `transient` accepts, once `backoff` has waited (`on_retry(fault,
+    wait)` first); the fault itself is raised where it is not transient, where the backoff's total is spent, or
+    where the wait would reach its deadline."""
+    while True:
+        try:
+            return fn()
+        except Exception as err:
+            if not transient(err):
+                raise
+            try:
+                wait = backoff.next_wait(err)
+            except DeadlineReached:
+                wait = None
+            if wait is None:
+                raise
+            if on_retry is not None:
+                on_retry(err, wait)
+            backoff.sleep(wait)
