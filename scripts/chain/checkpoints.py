@@ -15,17 +15,19 @@ from scripts.chain.storage import private_taken, room_line, storage_plan
 from shared.checkpoint_names import CHECKPOINT_PREFIX, STABLE_DIR, checkpoint_name
 from shared.errors import UserError
 from shared.fsutil import sha256_file
-from shared.kaggle.proof import listed_files, listing_problem
-from shared.kaggle.publish import (
-    MANIFEST,
-    PLACEHOLDER_FILE,
+from shared.kaggle.checkpoint_files import (
     STABLE_PREFIX,
     checkpoint_step,
     encode_name,
     manifest_files,
+    stable_checkpoint,
+)
+from shared.kaggle.proof import listed_files, listing_problem
+from shared.kaggle.publish import (
+    MANIFEST,
+    PLACEHOLDER_FILE,
     publish_checkpoint,
     push_dataset_folder,
-    stable_checkpoint,
     write_dataset_folder,
 )
 

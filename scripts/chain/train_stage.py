@@ -38,9 +38,10 @@ from scripts.chain.storage import session_disk
 from scripts.chain.tokenize_stage import data_sources
 from shared.checkpoint_names import STATE_FILE
 from shared.errors import UserError
+from shared.kaggle.checkpoint_files import STABLE_PREFIX
 from shared.kaggle.credential import CANNOT_PUBLISH, credential_secrets
 from shared.kaggle.facts import FACTS_FILE
-from shared.kaggle.publish import PUBLISH_RECORD, STABLE_PREFIX
+from shared.kaggle.publish import PUBLISH_RECORD
 
 
 class TrainStage:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from shared.checkpoint_names import STABLE_DIR, checkpoint_name
 from shared.errors import UserError, describe_error, duration_text, within
+from shared.kaggle.checkpoint_files import checkpoint_step, decode_name, manifest_step
 from shared.kaggle.credential import (
     CANNOT_PUBLISH,
     Choice,
@@ -31,15 +32,7 @@ from shared.kaggle.credential import (
     secrets_to_env,
 )
 from shared.kaggle.disk import DiskRoom
-from shared.kaggle.publish import (
-    MANIFEST,
-    PLACEHOLDER_FILE,
-    PublishPlan,
-    checkpoint_step,
-    decode_name,
-    manifest_step,
-    publish_problem,
-)
+from shared.kaggle.publish import MANIFEST, PLACEHOLDER_FILE, PublishPlan, publish_problem
 from shared.session_clock import seconds_left
 
 CACHE_OFF_ENV = "DISABLE_KAGGLE_CACHE"  # kagglehub: download over HTTP instead of attaching

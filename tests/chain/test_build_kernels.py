@@ -16,7 +16,7 @@ from kaggle_fixtures import load_local_kaggle_module
 
 from scripts.chain.build import build_kernel, fill_metadata
 from shared.errors import UserError
-from shared.kaggle.publish import checkpoint_files
+from shared.kaggle.checkpoint_files import checkpoint_files
 from shared.train.checkpoint import list_checkpoints
 
 TRAIN_SETTINGS = {"preset": "tiny", "seq_len": 32, "micro_batch": 8, "total_batch_tokens": 512, "warmup_steps": 2,

@@ -349,7 +349,8 @@ class UploadingApi:
 
 def test_the_stable_phase_checkpoint_travels_beside_the_newest_and_is_staged_where_extend_looks(tmp_path):
     from shared.kaggle.bootstrap import stage_checkpoint
-    from shared.kaggle.publish import publish_checkpoint, stable_checkpoint
+    from shared.kaggle.checkpoint_files import stable_checkpoint
+    from shared.kaggle.publish import publish_checkpoint
     from shared.train.checkpoint import list_checkpoints, verify_checkpoint
 
     root = tmp_path / "checkpoints"
