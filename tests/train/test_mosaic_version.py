@@ -182,3 +182,31 @@ def test_a_compile_that_fails_inside_sync_reaches_the_probe_with_its_words_and_l
     # version: expected <= 4 but got 7 for Host"; the probe keeps libtpu's words, which the session acts on.
     assert said == {"refused": f"ValueError: {REFUSAL.format(7)}", "sdpa": "None", "compiled": "True",
                     "pending": "[0.0, 3.0, 6.0, 9.0]"}  # the next graphs compile and run; nothing pending was lost
+
+
+def test_torchax_without_package_metadata_is_named_by_its_own_version(tmp_path, monkeypatch):
+    # torch_xla 2.8.0's wheel carries torchax/ with `__version__ = "0.0.4"` and no dist-info of its own.
+    import sys
+
+    from shared.train.runtime import module_version, runtime_versions
+
+    (tmp_path / "bundled_torchax").mkdir()
+    source = 'import os\n\n__version__ = "0.0.4"\nVERSION = __version__\n'
+    (tmp_path / "bundled_torchax" / "__init__.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert module_version("bundled_torchax") == "0.0.4" and "bundled_torchax" not in sys.modules  # not imported
+    monkeypatch.setitem(sys.modules, "bundled_torchax", type(sys)("bundled_torchax"))
+    sys.modules["bundled_torchax"].__version__ = "0.0.5"
+    assert module_version("bundled_torchax") == "0.0.5"  # an imported module's own attribute
+    assert module_version("no_such_module_here") is None
+    from importlib import metadata
+
+    real = metadata.version
+
+    def without_torchax(name):
+        if name == "torchax":
+            raise metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(metadata, "version", without_torchax)
+    assert runtime_versions()["torchax"] == "0.0.13"  # this venv's torchax, its metadata hidden above
