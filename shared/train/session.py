@@ -219,8 +219,8 @@ class StepProfiler:
     and 2 compile), written to <out_dir>/profile/ (an .xplane.pb under plugins/profile/, which TensorBoard's profile
     plugin reads): the device's per-op time of a real TPU step, to hold against scripts/hlo_cost.py's roofline. A
     profiler that fails is one notice; training goes on. Where the trace starts and stops is recorded too
-    (`profile_start`, `profile_end` through `record`, metrics.jsonl): the throughput leaves those steps out
-    (shared/train/throughput.py)."""
+    (`profile_start`, `profile_end` through `record`, metrics.jsonl, after the step lines queued before them): the
+    throughput leaves those steps out (shared/train/throughput.py)."""
 
     def __init__(self, cfg: TrainConfig, runtime: Runtime, start_step: int, log,
                  record: Callable[[dict], None] = lambda record: None):

@@ -94,7 +94,6 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
     evaluator = Evaluator(model, runtime, cfg, val_loader, logger, background)
     step_log = StepLog(runtime, logger, background, start_step, cfg.total_batch_tokens, cfg.model.flops_per_token(),
                        session_start, cfg.model.flops_per_token_llmc())
-    # Its records after the step lines before them (written by `background`), as an eval's are.
     profiler = StepProfiler(cfg, runtime, start_step, log, lambda record: (background.flush(), logger.write(record)))
 
     # --- the loop ----------------------------------------------------------------------------------------------
