@@ -165,10 +165,11 @@ def compile_step(settings: dict, tpu: str, log=print, cache_dir: Path = CACHE_DI
             mosaic_version = readable_mosaic_version(str(err))
             if mosaic_version is None:
                 raise
-            # jax serialized the Pallas kernel newer than this libtpu reads: as a session does after its first
-            # probe (shared/train/mosaic_version.py), lower it at the version libtpu names.
+            # jax serialized the Pallas kernel newer than this libtpu reads (its build date unread, or the ladder
+            # wrong for it): as a session's probe falls back to (shared/train/mosaic_version.py), lower it at the
+            # version libtpu names.
             log(f"libtpu reads Pallas kernels up to Mosaic version {mosaic_version}: tracing again with the kernel "
-                f"lowered at {mosaic_version}, as a session does after its first flash probe ...")
+                f"lowered at {mosaic_version}, as a session does where libtpu refuses its first probe ...")
             _run(trace, {**env, MOSAIC_VERSION_ENV: str(mosaic_version)}, "tracing the step")
             _run(compile_cmd, {**os.environ, **COMPILER_ENV}, "compiling the step")
         report = {**analyse(work / "trace", tpu), "mosaic_version": mosaic_version}

@@ -137,6 +137,7 @@ def readiness_rows(smoke: ChainConfig, workdir: Path, failure: str = "", rooflin
     rows.append(_device_row(smoke, s1[0], local))
     rows.append(Row("attention kernel", bool(s1[0].get("attention")) or None,
                     s1[0].get("attention") or "not reported"))
+    rows.append(_jax_row(s1[0], local))
     rows.append(_resume_row(s1[1], s2[0]))
     rows.append(_compile_row(s1[1], s2[1], local))
     # Session 2's where it measured (no first compile in it: the cache came back), else session 1's.
@@ -242,6 +243,28 @@ def _device_row(smoke: ChainConfig, start: dict, local: bool) -> Row:
         return Row("device", None, f"{detail} (the local Kaggle has no TPU)")
     return Row("device", start.get("tpu") == expected if expected else True,
                detail + (f" (expected {expected})" if expected and start.get("tpu") != expected else ""))
+
+
+def _jax_row(start: dict, local: bool) -> Row:
+    """The TPU image's jax, jaxlib and libtpu against those the Pallas kernels are written against (shared/tpu.py
+    PLAN_TPU_VERSIONS: splash's backward rule is jax's private one, shared/train/splash.py; the Mosaic version
+    ladder is jax's, shared/train/mosaic_version.py). The image leaves jax unpinned (docs/kaggle-tpu.md, section 1):
+    a rebuild that moves it is a ✗ here, not only a notice in the session's log."""
+    from shared.tpu import PLAN_TPU_VERSIONS
+
+    versions = start.get("versions") or {}
+    if not versions:
+        return Row("jax", None, "session 1 reported no versions")
+    here = ", ".join(f"{name} {versions.get(name) or '-'}" for name in (*PLAN_TPU_VERSIONS, "torchax", "mosaic")
+                     if name != "mosaic" or versions.get(name))
+    if local:
+        return Row("jax", None, f"{here} (the local Kaggle has no TPU: its jax is the stand-in's)")
+    differ = [name for name, planned in PLAN_TPU_VERSIONS.items() if versions.get(name) != planned]
+    if not differ:
+        return Row("jax", True, f"{here}: those the kernels are written against")
+    planned = ", ".join(f"{name} {PLAN_TPU_VERSIONS[name]}" for name in differ)
+    return Row("jax", False, f"{here}; the kernels are written against {planned} (splash's backward rule, the "
+                             "Mosaic version ladder: shared/tpu.py PLAN_TPU_VERSIONS)")
 
 
 def _resume_row(end1: dict, start2: dict) -> Row:

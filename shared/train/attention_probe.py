@@ -16,7 +16,7 @@ import torch
 
 from shared.errors import UserError, duration_text, within
 from shared.train.attention import HUNG_PROBE_LINE
-from shared.train.mosaic_version import refusal_line, watch_version
+from shared.train.mosaic_version import before_lowering, refusal_line
 
 # How far a candidate attention kernel may be from SDPA: max |candidate - reference| over max |reference|, for the
 # output and each of dq, dk, dv. The candidate runs in bf16 (8 significant bits: one rounding is up to 2^-9, 0.2%),
@@ -133,7 +133,7 @@ def probe_attention_kernel(kernel: Callable, shape: tuple[int, int, int, int], d
     timeout_s = PROBE_BUDGET_S if timeout_s is None else timeout_s
 
     def probe() -> str | None:
-        watch_version()  # jax is imported by now, where the kernel needs it
+        before_lowering()  # jax is imported by now, where the kernel needs it: the Mosaic version is set here
         return _probe(kernel, shape, torch.device(device), place, sync, tolerance)
 
     try:
@@ -144,6 +144,10 @@ def probe_attention_kernel(kernel: Callable, shape: tuple[int, int, int, int], d
 
 def _probe(kernel: Callable, shape: tuple[int, int, int, int], device: torch.device,
            place: Callable[[torch.Tensor], torch.Tensor], sync: Callable[[], None], tolerance: float) -> str | None:
+    # What else is pending on the device is run first, in a graph of its own: a compile that fails inside `sync()`
+    # leaves every tensor then pending without data, and each later sync fails on it while it lives ("Check failed:
+    # tensor_data", torch_xla 2.8.0 and 2.9.0 on the CPU backend). The kernel's failure so breaks only its own.
+    sync()
     try:
         gen = torch.Generator().manual_seed(0)
         inputs = [torch.randn(shape, generator=gen) for _ in range(4)]  # q, k, v and the output's gradient

@@ -258,7 +258,28 @@ def runtime_versions() -> dict[str, str | None]:
 
     return {"python": platform.python_version(), "torch": torch.__version__, "torch_xla": version("torch_xla"),
             "jax": version("jax"), "jaxlib": version("jaxlib"), "libtpu": version("libtpu", "libtpu-nightly"),
-            "torchax": version("torchax"), "mosaic": version_in_use()}
+            "torchax": version("torchax") or module_version("torchax"), "mosaic": version_in_use()}
+
+
+def module_version(name: str) -> str | None:
+    """A module's own `__version__`, where no package metadata names it: torch_xla 2.8.0's wheel carries a torchax of
+    its own (`__version__ = "0.0.4"`, in its RECORD, with no dist-info). Read from the module where it is imported,
+    else from its source without importing it (importing torchax imports jax, which on a TPU must wait for
+    torch_xla's runtime); None where there is no such module or line."""
+    import importlib.util
+    import re
+    import sys
+
+    if name in sys.modules:
+        found = getattr(sys.modules[name], "__version__", None)
+        return str(found) if found else None
+    try:
+        spec = importlib.util.find_spec(name)
+        source = open(spec.origin).read() if spec and spec.origin else ""
+    except (ImportError, ValueError, OSError):
+        return None
+    line = re.search(r"""^__version__\s*=\s*["']([^"']+)["']""", source, re.MULTILINE)
+    return line.group(1) if line else None
 
 
 def plan_versions_notice(versions: dict[str, str | None]) -> str | None:

@@ -218,17 +218,23 @@ class StepProfiler:
     """torch_xla's profiler over `cfg.profile_steps` steps of a session once its step graph has compiled (steps 1
     and 2 compile), written to <out_dir>/profile/ (an .xplane.pb under plugins/profile/, which TensorBoard's profile
     plugin reads): the device's per-op time of a real TPU step, to hold against scripts/hlo_cost.py's roofline. A
-    profiler that fails is one notice; training goes on."""
+    profiler that fails is one notice; training goes on. Where the trace starts and stops is recorded too
+    (`profile_start`, `profile_end` through `record`, metrics.jsonl, after the step lines queued before them): the
+    throughput leaves those steps out (shared/train/throughput.py)."""
 
-    def __init__(self, cfg: TrainConfig, runtime: Runtime, start_step: int, log):
+    def __init__(self, cfg: TrainConfig, runtime: Runtime, start_step: int, log,
+                 record: Callable[[dict], None] = lambda record: None):
         self.first, self.last = start_step + 2, start_step + 2 + cfg.profile_steps
         self.active = cfg.profile_steps > 0 and runtime.name == "xla" and runtime.is_main
-        self.folder, self.log, self.tracing = Path(cfg.out_dir) / "profile", log, False
+        self.folder, self.log, self.record, self.tracing = Path(cfg.out_dir) / "profile", log, record, False
+        self.step = start_step  # the last step launched
 
     def after(self, step: int) -> None:
         """Called once step `step` has been launched: starts the trace after the first compiled-once step, stops
         it `profile_steps` steps later."""
+        self.step = step
         if self.active and step == self.first:
+            self.record({"step": step, "event": "profile_start"})
             self._call("start", lambda xp: xp.start_trace(str(self.folder)))
             self.tracing = self.active
         elif self.tracing and step >= self.last:
@@ -240,6 +246,7 @@ class StepProfiler:
         if self.tracing:
             self.tracing = False
             self._call("stop", lambda xp: xp.stop_trace())
+            self.record({"step": self.step, "event": "profile_end"})
 
     def _call(self, what: str, fn: Callable) -> None:
         try:

@@ -8,7 +8,9 @@ loop's sync takes the device first): one window then holds two steps' time and t
 of windows is not a measure. Their sum is: the time between two reads is the time the steps between them took to
 finish, give or take one step at each end. So a session's tokens/s is the tokens of its steps after the first
 window (which holds compilation), over the time between the reads that end them; windows that hold an eval, a
-checkpoint or a compilation are left out, as `--plan` counts evals and start-up apart (`eval_share`).
+checkpoint or a compilation are left out, as `--plan` counts evals and start-up apart (`eval_share`), and so are
+those that hold a profiled step (the trainer's `profile_start` and `profile_end` records): the profiler's trace
+slows the steps it records, and stopping it writes the trace.
 """
 
 from __future__ import annotations
@@ -70,9 +72,23 @@ class _Window:
     seconds: float
 
 
+def _profiled(session: list[dict]) -> list[tuple[int, float]]:
+    """The steps (first, last) a session's profiler may have slowed: from the step after which its trace started
+    (that step may still be running) to the one after the last traced (its launch waited for the trace to be
+    written); to the session's end where no `profile_end` record came."""
+    spans: list[tuple[int, float]] = []
+    for record in session:
+        if record.get("event") == "profile_start":
+            spans.append((record["step"], float("inf")))
+        elif record.get("event") == "profile_end" and spans:
+            spans[-1] = (spans[-1][0], record["step"] + 1)
+    return spans
+
+
 def _windows(session: list[dict]) -> list[_Window]:
-    """The session's log windows after its first, without those that hold an eval, a checkpoint or a compilation
-    (step 2's graph is compiled too: with `log_every: 1` that is the second window)."""
+    """The session's log windows after its first, without those that hold an eval, a checkpoint, a compilation
+    (step 2's graph is compiled too: with `log_every: 1` that is the second window) or a profiled step."""
+    profiled = _profiled(session)
     windows, previous, interrupted = [], None, False
     for record in session:
         if not is_step_line(record):
@@ -81,7 +97,8 @@ def _windows(session: list[dict]) -> list[_Window]:
         if "elapsed_s" not in record:  # an older line: no read time to measure with
             return []
         compiled = record.get("compiles") != previous.get("compiles") if previous is not None else True
-        if previous is not None and not interrupted and not compiled and record["step"] > previous["step"]:
+        measured = previous is not None and not (interrupted or compiled) and record["step"] > previous["step"]
+        if measured and not any(record["step"] >= first and previous["step"] < last for first, last in profiled):
             windows.append(_Window(record, record["tokens"] - previous["tokens"], record["step"] - previous["step"],
                                    record["elapsed_s"] - previous["elapsed_s"]))
         previous, interrupted = record, False

@@ -94,7 +94,7 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
     evaluator = Evaluator(model, runtime, cfg, val_loader, logger, background)
     step_log = StepLog(runtime, logger, background, start_step, cfg.total_batch_tokens, cfg.model.flops_per_token(),
                        session_start, cfg.model.flops_per_token_llmc())
-    profiler = StepProfiler(cfg, runtime, start_step, log)
+    profiler = StepProfiler(cfg, runtime, start_step, log, lambda record: (background.flush(), logger.write(record)))
 
     # --- the loop ----------------------------------------------------------------------------------------------
     evaluator.baseline(start_step)

@@ -25,6 +25,7 @@ from shared.train.attention_probe import (
     probe_attention_kernel,
 )
 from shared.train.mosaic_version import pin_version as pin_mosaic_version
+from shared.train.mosaic_version import plan_for_libtpu as plan_mosaic_for_libtpu
 from shared.train.mosaic_version import readable_version as readable_mosaic_version
 from shared.train.runtime import Runtime
 from shared.train.xla_notices import quiet_known_messages
@@ -94,6 +95,10 @@ class XlaRuntime(Runtime):
         # once, at the micro-batch it would train at (`batch_for`).
         self.attention_choice = SDPA_CHOICE  # the runtime is process-wide: a previous session's does not carry over
         generation = self.tpu_generation.name if self.tpu_generation else None
+        if self.tpu_generation and self.tpu_generation.pallas_flash_attention:  # before any kernel is lowered
+            said = plan_mosaic_for_libtpu()
+            if said:
+                print(said, flush=True)
         self.attention_choice = choose(
             candidates(generation, seq_len, setting), (batch, n_head, seq_len, head_dim), self._attention_kernel,
             probe=lambda name, kernel, instead, shape: self._probe_and_record(name, kernel, shape, instead),

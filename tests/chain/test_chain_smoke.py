@@ -228,6 +228,31 @@ def test_the_readiness_report_sets_the_measured_step_time_beside_the_compilers_r
         "not compared: the TPU compiler is not installed")
 
 
+def test_the_readiness_report_marks_a_jax_other_than_the_kernels_are_written_against(tmp_path):
+    smoke = smoke_config(load_config(REPO / "examples" / "chain-gpt2-124m.json"))
+    planned = {"python": "3.12.11", "jax": "0.7.2", "jaxlib": "0.7.2", "libtpu": "0.0.17", "torchax": "0.0.4",
+               "mosaic": "4 (pinned)"}
+
+    def jax_row(versions: dict, facts: dict | None = None) -> Row:
+        workdir = tmp_path / f"smoke-{len(list(tmp_path.iterdir()))}"  # a smoke's workdir of its own
+        workdir.mkdir()
+        (workdir / "state.json").write_text(json.dumps({"train_sessions": [{"n": 1}]}))
+        start = {"event": "session_start", "step": 0, "tpu": "v5e", "versions": versions}
+        _write_session(workdir / "sessions" / "train-01", [start], facts=facts)
+        return {r.link: r for r in readiness_rows(smoke, workdir)[0]}["jax"]
+
+    assert jax_row(planned) == Row("jax", True, "jax 0.7.2, jaxlib 0.7.2, libtpu 0.0.17, torchax 0.0.4, mosaic 4 "
+                                                "(pinned): those the kernels are written against")
+    # A rebuild of the image resolved a newer jax (its requirements leave jax[tpu] unpinned).
+    assert jax_row({**planned, "jax": "0.8.0", "jaxlib": "0.8.0", "mosaic": None}) == Row(
+        "jax", False, "jax 0.8.0, jaxlib 0.8.0, libtpu 0.0.17, torchax 0.0.4; the kernels are written against jax "
+        "0.7.2, jaxlib 0.7.2 (splash's backward rule, the Mosaic version ladder: shared/tpu.py PLAN_TPU_VERSIONS)")
+    assert jax_row({**planned, "jax": None}).ok is False  # no jax at all: no Pallas kernel
+    local = jax_row({**planned, "jax": "0.8.0"}, facts={"session": {"local_kaggle": True}})
+    assert local.ok is None and local.detail.endswith("(the local Kaggle has no TPU: its jax is the stand-in's)")
+    assert jax_row({}) == Row("jax", None, "session 1 reported no versions")
+
+
 def test_a_report_with_no_failed_row_says_ready():
     rows = [Row("a", True, "x"), Row("device", None, "local")]
     assert report_lines(rows)[-1] == "ready: every link works" and "–" in report_lines(rows)[-3]

@@ -56,6 +56,21 @@ def test_windows_with_an_eval_a_checkpoint_or_a_compilation_are_left_out():
     assert session_throughput(session[:2]) is None  # one window: nothing measured after compilation
 
 
+def test_profiled_steps_are_left_out_of_the_throughput():
+    # The profiler traced steps 3-5 (started once step 2 was launched, stopped once step 5 was): each took 10 s more,
+    # and writing the trace held step 6's launch 20 s. Every read after comes those seconds later.
+    session = host_ahead_session(40, step_s=1.0)
+    for record in session[1:]:  # the step lines
+        record["elapsed_s"] += {3: 10.0, 4: 20.0, 5: 30.0}.get(record["step"], 50.0 if record["step"] >= 6 else 0.0)
+    steps = [r["step"] for r in session]
+    session.insert(steps.index(2) + 1, {"step": 2, "event": "profile_start"})
+    session.insert(steps.index(5) + 2, {"step": 5, "event": "profile_end"})
+    found = session_throughput(session)
+    assert found.steps == 34  # windows ending at 7..40: not those holding steps 2 (the start) to 6 (the stop)
+    assert found.tokens_per_s == pytest.approx(TOKENS_PER_STEP / 1.0, rel=0.05)
+    assert session_throughput([r for r in session if r.get("event") != "profile_end"]) is None  # traced to the end
+
+
 def test_a_runs_throughput_sums_its_sessions_steps_and_seconds_each_without_its_first_window():
     first = host_ahead_session(100, step_s=1.0, log_every=10)
     second = host_ahead_session(100, step_s=0.25, log_every=10, start_step=100)
@@ -152,4 +167,7 @@ def test_profile_steps_leaves_a_trace_of_compiled_steps_for_tensorboard(demo_dat
     traces = list((tmp_path / "profile").rglob("*.xplane.pb"))
     assert len(traces) == 1 and traces[0].stat().st_size > 1000
     assert f"profiled steps 3-4 (torch_xla's profiler): {tmp_path / 'profile'}" in lines
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    marks = [(r["event"], r["step"]) for r in records if "profile" in r.get("event", "")]
+    assert marks == [("profile_start", 2), ("profile_end", 4)]  # what the throughput leaves out
     assert not any(line.startswith("notice: the profiler") for line in lines)
