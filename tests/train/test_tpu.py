@@ -429,18 +429,20 @@ class _ProbedRuntime:
         self.num_devices, self.flash_up_to, self.attention, self.probed = num_devices, flash_up_to, "sdpa", []
 
     def select_attention(self, batch: int, n_head: int, seq_len: int, head_dim: int, setting: str = "auto",
-                         again: bool = False) -> None:
-        self.probed.append(batch)
+                         batch_for=None) -> None:
+        # As XlaRuntime's: the Pallas kernel probed once, at the micro-batch it would train at (`batch_for`).
         flash = self.tpu_generation is not None and self.tpu_generation.pallas_flash_attention
-        self.attention = "pallas-flash" if flash and batch <= self.flash_up_to else "sdpa"
+        at = batch_for("pallas-flash") if flash and batch_for else batch
+        self.probed.append(at)
+        self.attention = "pallas-flash" if flash and at <= self.flash_up_to else "sdpa"
 
 
 @pytest.mark.parametrize("preset, generation, flash_up_to, probed, chosen, attention", [
-    ("gpt2", "v5e", 10**6, [8, 128], 128, "pallas-flash"),  # flash passes at 1 a device and at the chosen 16
-    ("gpt2", "v5e", 64, [8, 128], 64, "sdpa"),  # flash fails at 128: SDPA, and SDPA's smaller 64 (9.9 GiB, libtpu)
-    ("gpt2-medium", "v6e", 8, [8, 128], 32, "sdpa"),  # flash fails at 128: SDPA, and SDPA's smaller micro-batch
-    ("gpt2", "v6e", 10**6, [8, 256], 256, "pallas-flash"),
-    ("gpt2", None, 0, [8], 16, "sdpa"),  # no TPU: 2 a device
+    ("gpt2", "v5e", 10**6, [128], 128, "pallas-flash"),  # flash probed once, at its own 16 a device, and passes
+    ("gpt2", "v5e", 64, [128], 64, "sdpa"),  # flash fails at 128: SDPA, and SDPA's smaller 64 (9.9 GiB, libtpu)
+    ("gpt2-medium", "v6e", 8, [128], 32, "sdpa"),  # flash fails at 128: SDPA, and SDPA's smaller micro-batch
+    ("gpt2", "v6e", 10**6, [256], 256, "pallas-flash"),
+    ("gpt2", None, 0, [16], 16, "sdpa"),  # no TPU: no kernel to probe, SDPA at 2 a device
 ])
 def test_micro_batch_auto_follows_the_attention_kernel_that_passed(preset, generation, flash_up_to, probed, chosen,
                                                                     attention):
