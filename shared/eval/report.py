@@ -151,6 +151,22 @@ def summary_table(records: list[dict]) -> list[str]:
     return lines + ([""] + ["**Verdict:** " + "; ".join(verdict) + "."] if verdict else [])
 
 
+def reference_section(records: list[dict]) -> list[str]:
+    """The run held against a published run's curve (shared/train/reference.py): its early verdict and its newest
+    standing ([] where it never was)."""
+    from shared.train.reference import REFERENCE_SOURCE, summary_line
+
+    held = [r for r in records if r.get("event") == "reference"]
+    if not held:
+        return []
+    first = next((r for r in held if r.get("reference_verdict")), None)
+    lines = ["## Against a published run", "", f"- reference: {REFERENCE_SOURCE}"]
+    if first:
+        lines.append(f"- early verdict (step {first['step']}): {first['reference_verdict']}: "
+                     f"{first.get('reference_reason', '')}")
+    return lines + [f"- newest (step {held[-1]['step']}): {summary_line(held[-1])}", ""]
+
+
 def write_report(out_dir: str | os.PathLike, metrics_path: str | os.PathLike, info: dict | None = None,
                  samples: list[dict] | None = None, notes: list[str] | None = None) -> Path:
     """report.md, loss.png, hellaswag.png, throughput.png in `out_dir` from a metrics JSONL file.
@@ -188,6 +204,7 @@ def write_report(out_dir: str | os.PathLike, metrics_path: str | os.PathLike, in
                   f"- last training loss: {_fmt(last['loss'])}", f"- throughput: {rate}", ""]
     else:
         lines += ["No training steps in the metrics history.", ""]
+    lines += reference_section(records)
     lines += [f"![loss]({LOSS_PNG})", "", f"![HellaSwag]({HELLASWAG_PNG})", "", f"![throughput]({THROUGHPUT_PNG})", ""]
     if samples:
         lines += ["## Samples", ""]

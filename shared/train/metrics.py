@@ -176,6 +176,17 @@ def plot_series(records: list[dict]) -> dict[str, list[tuple[float, float]]]:
     return {"train loss": points("loss"), "val loss": points("val_loss"), "hellaswag": points("hellaswag_acc_norm")}
 
 
+def _published_curve(records: list[dict]) -> tuple | None:
+    """Where the run was held against a published run (`reference` records, shared/train/reference.py): that run's
+    tokens, val loss, HellaSwag and name, up to the run's newest eval."""
+    checked = [r["tokens"] for r in records if r.get("event") == "reference"]
+    if not checked:
+        return None
+    from shared.train.reference import REFERENCE_NAME, reference_curve
+
+    return (*reference_curve(max(checked)), REFERENCE_NAME)
+
+
 def plot_loss(metrics_path: str | os.PathLike, png_path: str | os.PathLike, reference: float | None = None,
               reference_label: str = "") -> Path:
     """Train (and validation, where logged) loss against tokens seen, one line per session boundary; HellaSwag
@@ -197,11 +208,16 @@ def plot_loss(metrics_path: str | os.PathLike, png_path: str | os.PathLike, refe
             ax.axvline(r["tokens"], color="grey", ls=":", lw=0.8)
     if reference is not None:
         ax.axhline(reference, color="red", ls="--", lw=1, label=reference_label or f"reference {reference}")
+    curve = _published_curve(records)
+    if curve:
+        ax.plot(curve[0], curve[1], "--", color="grey", lw=1, label=f"{curve[3]}: val loss")
     handles, labels = ax.get_legend_handles_labels()
     if series["hellaswag"]:
         hs = ax.twinx()
         xs, ys = zip(*series["hellaswag"], strict=True)
         hs.plot(xs, ys, "s--", color="tab:green", ms=3, lw=1, label="HellaSwag acc_norm")
+        if curve:
+            hs.plot(curve[0], curve[2], ":", color="darkgreen", lw=1, label=f"{curve[3]}: HellaSwag (5-eval mean)")
         hs.axhline(GPT2_HELLASWAG, color="tab:green", ls=":", lw=0.8, label=f"GPT-2 124M {GPT2_HELLASWAG}")
         hs.set_ylabel("HellaSwag acc_norm")
         more = hs.get_legend_handles_labels()
