@@ -105,8 +105,11 @@ def plot_throughput(records: list[dict], path: Path) -> Path:
 
 def plot_losses(metrics_path: Path, path: Path) -> Path:
     tmp = path.with_name(f".{path.stem}.tmp.png")
+    from shared.train.reference import published_curve
+
     plot_loss(metrics_path, tmp, reference=GPT2_124M_VAL_LOSS,
-              reference_label=f"OpenAI GPT-2 124M val loss: {GPT2_124M_VAL_LOSS}")
+              reference_label=f"OpenAI GPT-2 124M val loss: {GPT2_124M_VAL_LOSS}",
+              published=published_curve(read_metrics(metrics_path)))
     os.replace(tmp, path)
     return path
 

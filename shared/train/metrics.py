@@ -176,21 +176,11 @@ def plot_series(records: list[dict]) -> dict[str, list[tuple[float, float]]]:
     return {"train loss": points("loss"), "val loss": points("val_loss"), "hellaswag": points("hellaswag_acc_norm")}
 
 
-def _published_curve(records: list[dict]) -> tuple | None:
-    """Where the run was held against a published run (`reference` records, shared/train/reference.py): that run's
-    tokens, val loss, HellaSwag and name, up to the run's newest eval."""
-    checked = [r["tokens"] for r in records if r.get("event") == "reference"]
-    if not checked:
-        return None
-    from shared.train.reference import REFERENCE_NAME, reference_curve
-
-    return (*reference_curve(max(checked)), REFERENCE_NAME)
-
-
 def plot_loss(metrics_path: str | os.PathLike, png_path: str | os.PathLike, reference: float | None = None,
-              reference_label: str = "") -> Path:
+              reference_label: str = "", published: tuple | None = None) -> Path:
     """Train (and validation, where logged) loss against tokens seen, one line per session boundary; HellaSwag
-    acc_norm on a second axis where the evals scored it, against GPT-2 124M's."""
+    acc_norm on a second axis where the evals scored it, against GPT-2 124M's. `published`: a published run's
+    (tokens, val loss, HellaSwag, name) drawn beside the run's (shared/train/reference.py published_curve)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -208,7 +198,7 @@ def plot_loss(metrics_path: str | os.PathLike, png_path: str | os.PathLike, refe
             ax.axvline(r["tokens"], color="grey", ls=":", lw=0.8)
     if reference is not None:
         ax.axhline(reference, color="red", ls="--", lw=1, label=reference_label or f"reference {reference}")
-    curve = _published_curve(records)
+    curve = published
     if curve:
         ax.plot(curve[0], curve[1], "--", color="grey", lw=1, label=f"{curve[3]}: val loss")
     handles, labels = ax.get_legend_handles_labels()

@@ -244,3 +244,10 @@ def reference_curve(up_to_tokens: float) -> tuple[list[float], list[float], list
     tokens = np.exp(ln_tokens)
     keep = (tokens >= FIRST_CHECK_TOKENS) & (tokens <= up_to_tokens)
     return tokens[keep].tolist(), losses[keep].tolist(), smooth[keep].tolist()
+
+
+def published_curve(records: list[dict]) -> tuple | None:
+    """Where the run was held against the reference (its `reference` records): the reference's tokens, val loss,
+    HellaSwag and name up to the run's newest check, for the training plot (None where it never was)."""
+    checked = [r["tokens"] for r in records if r.get("event") == "reference"]
+    return (*reference_curve(max(checked)), REFERENCE_NAME) if checked else None

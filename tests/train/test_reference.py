@@ -12,7 +12,7 @@ import pytest
 from shared.config import TrainConfig
 from shared.eval.report import reference_section
 from shared.train import reference as ref
-from shared.train.metrics import MetricsLogger, _published_curve, read_metrics
+from shared.train.metrics import MetricsLogger, plot_loss, read_metrics
 from shared.train.session import log_reference_check
 
 BATCH = 524_288
@@ -104,8 +104,10 @@ def test_a_gpt2_eval_is_logged_recorded_drawn_reported_and_summed_up_for_the_cha
                                                       "reference check at 2.10B tokens (step 4000)",
                                                       "early verdict at 2.10B tokens"]
     json.dumps(records)  # W&B gets the same fields (MetricsLogger.write)
-    tokens, losses, hellaswag = _published_curve(records)[:3]
+    tokens, losses, hellaswag, name = ref.published_curve(records)
     assert tokens[0] >= 0.5e9 and tokens[-1] <= 4_000 * BATCH and len(tokens) == len(losses) == len(hellaswag)
+    assert losses[0] == ref.REFERENCE_EVALS[3][1] and name == ref.REFERENCE_NAME  # from step 1,000 (0.52B tokens)
+    assert plot_loss(logger.path, tmp_path / "loss.png", published=(tokens, losses, hellaswag, name)).stat().st_size
     report = reference_section(records)
     assert report[0] == "## Against a published run" and "garg-aayush/building-from-scratch" in report[2]
     assert report[3].startswith("- early verdict (step 4000): go on: at 1.50x")
