@@ -115,6 +115,10 @@ def test_the_muon_example_trains_over_12b_tokens_in_its_one_session_at_500k_toke
     assert "26,024 steps x 524,288 tokens = 13.64B tokens" in train_line
     assert "13.64B tokens take" in proc.stdout and "1 session(s)" in proc.stdout
     assert "the run repeats data (1.38 passes over the training shards)" in proc.stdout
+    (tokenize_line,) = [line for line in proc.stdout.splitlines() if line.startswith("tokenize  ")]
+    assert "2 part(s) x 5.00B tokens = 10.00B tokens of HuggingFaceFW/fineweb-edu sample-10BT" in tokenize_line
+    assert "(10.0 GB a part, 19 GB allowed; notebook outputs, not datasets, so not counted in the storage line" \
+           in tokenize_line
 
 
 def test_fill_passes_caps_a_fast_machine_at_two_passes_and_a_slow_one_reads_each_token_once(tmp_path):
