@@ -98,7 +98,7 @@ class ChainConfig:
     dataset_quota_gb: float = 100.0
     # Size the run to the session (0: total_steps as given): where --smoke measured this machine's tokens/s (or
     # plan_tokens_per_s is set), total_steps becomes what fills this share of one session (e.g. 0.85), evals
-    # included, up to one pass of the tokens the tokenize parts make, and the parts make no more than that
+    # included, up to fill_passes passes over the tokens the tokenize parts make, and the parts make no more than that
     # (scripts/chain/fill.py). Fixed in the chain's state at its first start.
     fill_session: float = 0.0
     # The most passes over the training tokens the tokenize parts can make that a filled run may read (1: one

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from shared.config import HELLASWAG_VALIDATION_EXAMPLES
 from shared.train.metrics import GPT2_124M_VAL_LOSS, plot_loss, read_metrics
+from shared.train.reference import REFERENCE_SOURCE, published_curve
+from shared.train.reference import summary_line as reference_summary
 from shared.train.throughput import plot_points, run_throughput, session_throughput, split_sessions
 
 # Reference numbers (build-nanogpt): HellaSwag acc_norm (10,042); the validation loss's is GPT2_124M_VAL_LOSS.
@@ -105,8 +107,6 @@ def plot_throughput(records: list[dict], path: Path) -> Path:
 
 def plot_losses(metrics_path: Path, path: Path) -> Path:
     tmp = path.with_name(f".{path.stem}.tmp.png")
-    from shared.train.reference import published_curve
-
     plot_loss(metrics_path, tmp, reference=GPT2_124M_VAL_LOSS,
               reference_label=f"OpenAI GPT-2 124M val loss: {GPT2_124M_VAL_LOSS}",
               published=published_curve(read_metrics(metrics_path)))
@@ -157,8 +157,6 @@ def summary_table(records: list[dict]) -> list[str]:
 def reference_section(records: list[dict]) -> list[str]:
     """The run held against a published run's curve (shared/train/reference.py): its early verdict and its newest
     standing ([] where it never was)."""
-    from shared.train.reference import REFERENCE_SOURCE, summary_line
-
     held = [r for r in records if r.get("event") == "reference"]
     if not held:
         return []
@@ -167,7 +165,7 @@ def reference_section(records: list[dict]) -> list[str]:
     if first:
         lines.append(f"- early verdict (step {first['step']}): {first['reference_verdict']}: "
                      f"{first.get('reference_reason', '')}")
-    return lines + [f"- newest (step {held[-1]['step']}): {summary_line(held[-1])}", ""]
+    return lines + [f"- newest (step {held[-1]['step']}): {reference_summary(held[-1])}", ""]
 
 
 def write_report(out_dir: str | os.PathLike, metrics_path: str | os.PathLike, info: dict | None = None,
