@@ -10,6 +10,8 @@ Each simulated run draws
   0.31], b in [-0.12, -0.05]; each HellaSwag eval (every 1,000 steps, the stable phase's end, the last step) is a
   binomial draw over n examples. These ranges are illustrative, not fitted to a measured run.
 The truth is the final eval's loss and acc_norm; the projection sees the evals up to the stable phase's end.
+The truth is drawn from the same model the intervals assume, so the coverage found is self-consistency, not
+calibration; scripts/projection_real_curves.py holds the intervals against real curves.
 
     .venv/bin/python scripts/projection_coverage.py [--runs 4000] [--seed 0] [--examples 10042] [--curvature 0]
 """
@@ -105,7 +107,7 @@ def main() -> None:
     se = math.sqrt(found["level"] * (1 - found["level"]) / found["runs"])
     print(f"{found['runs']} simulated runs, {args.examples} HellaSwag examples every {args.hellaswag_every} steps, "
           f"curvature {args.curvature}, seed {args.seed}; nominal {found['level']:.0%} (binomial standard error "
-          f"{se:.3f})")
+          f"{se:.3f}); self-consistency, not calibration: the truth is drawn from the model the intervals assume")
     print(f"  final val loss interval covers the truth: {found['loss_coverage']:.3f}")
     print(f"  final HellaSwag interval covers the truth: {found['hellaswag_coverage']:.3f} "
           f"(median width {found['hellaswag_median_width']:.4f})")

@@ -103,9 +103,13 @@ class ChainConfig:
     dataset_quota_gb: float = 100.0
     # Size the run to the session (0: total_steps as given): where --smoke measured this machine's tokens/s (or
     # plan_tokens_per_s is set), total_steps becomes what fills this share of one session (e.g. 0.85), evals
-    # included, up to one pass of the tokens the tokenize parts make, and the parts make no more than that
+    # included, up to fill_passes passes over the tokens the tokenize parts make, and the parts make no more than that
     # (scripts/chain/fill.py). Fixed in the chain's state at its first start.
     fill_session: float = 0.0
+    # The most passes over the training tokens the tokenize parts can make that a filled run may read (1: one
+    # pass). Repeating up to ~4 epochs costs little (Muennighoff et al. 2023, arXiv 2305.16264); the validation
+    # shard is never trained on (its own split, shared/data.py find_shards).
+    fill_passes: float = 1.0
     # Training tokens/s that `--plan` counts sessions with (0: the newest --smoke measurement on this accelerator
     # and preset, else an estimate from the TPU's peak: scripts/chain/plan.py).
     plan_tokens_per_s: float = 0
@@ -332,6 +336,9 @@ def _check_built(cfg: ChainConfig, where: str) -> None:
     if not 0 <= cfg.fill_session <= 1:
         raise UserError(f"{where}: fill_session must be a share of the session between 0 (off) and 1, got "
                         f"{cfg.fill_session:g}")
+    if not 1 <= cfg.fill_passes <= 4:
+        raise UserError(f"{where}: fill_passes must be between 1 and 4 passes over the tokenized data (past 4, "
+                        f"repeated data costs more: arXiv 2305.16264), got {cfg.fill_passes:g}")
     if cfg.dataset_quota_gb <= 0:
         raise UserError(f"{where}: dataset_quota_gb must be a number of GB > 0, got {cfg.dataset_quota_gb:g}")
     try:

@@ -1,8 +1,9 @@
 """A run sized to the session it has (ChainConfig.fill_session): where --smoke measured this machine's tokens/s,
 total_steps becomes what fills that share of one session's time, evals included and checkpoint writes left out
-(scripts/chain/sizing.py training_s), up to one pass of the tokens the tokenize parts make; and the parts make no
-more than the run reads. Without a measurement the config's total_steps stays: a guessed rate would size the run on
-nothing.
+(scripts/chain/sizing.py training_s), up to `fill_passes` passes over the tokens the tokenize parts make (one by
+default); and the parts make no more than the run reads: the whole run once where it fits them, else as much as they
+hold, read again (never the validation shard: it is its own split). Without a measurement the config's total_steps
+stays: a guessed rate would size the run on nothing.
 
 A chain fixes the figure in its state at its first start (Chain.run): a later measurement must not change the
 schedule of a run already training (its checkpoints carry the schedule they were made with)."""
@@ -46,20 +47,26 @@ def session_fill(cfg: ChainConfig, measured_path: Path = MEASURED_THROUGHPUT, no
     train_s = training_s(window_s, train, plan["tokens_per_s"], plan["eval_share"])
     steps = int(train_s * plan["tokens_per_s"] / (1 + plan["eval_share"]) // step_tokens)
     data = _train_tokens_made(plan)
-    capped = data is not None and steps * step_tokens > data
+    capped = data is not None and steps * step_tokens > cfg.fill_passes * data
     if capped:
-        steps = data // step_tokens
+        steps = int(cfg.fill_passes * data) // step_tokens
     tokens = steps * step_tokens
     hours = tokens * (1 + plan["eval_share"]) / plan["tokens_per_s"] / 3600
-    per_part = _tokens_per_part(cfg, plan, tokens)
+    per_part = _tokens_per_part(cfg, plan, min(tokens, data) if data else tokens)
     ends = time.strftime("%H:%M", time.localtime((now or time.time()) + cfg.startup_margin_s + hours * 3600))
-    why = ("one pass of the tokens the tokenize parts make" if capped else
+    why = (f"{_passes(cfg.fill_passes)} of the tokens the tokenize parts make" if capped else
            f"{cfg.fill_session:.0%} of a {cfg.session_limit_s / 3600:g}-h session")
+    if data and tokens > data and not capped:
+        why += f"; {tokens / data:.2f} passes over the {data / 1e9:.2f}B training tokens the tokenize parts make"
     part = f"; each tokenize part makes {per_part / 1e9:.2f}B tokens, what the run reads" if per_part else ""
     line = (f"fill_session: total_steps {steps} ({tokens / 1e9:.2f}B tokens, {why}) at the {plan['tokens_per_s']:,.0f} "
             f"tokens/s {source.split(' (')[0]}: {hours:.2f} h of training, evals included, ending about {ends} if a "
             f"session started now{part}")
     return Fill(steps, tokens, per_part, line)
+
+
+def _passes(passes: float) -> str:
+    return "one pass" if passes == 1 else f"{passes:g} passes"
 
 
 def _train_tokens_made(plan: dict) -> int | None:

@@ -230,7 +230,8 @@ def plan_lines(cfg: ChainConfig, plan: dict, source: str = "") -> list[str]:
         lines.append(f"tokenize  {tok_shape}, internet on: {plan['parts']} part(s) x {_tokens(tok.tokens_per_part)} "
                      f"tokens = {_tokens(plan['tokenized_tokens'])} tokens of {corpus}, shards of "
                      f"{_tokens(tok.shard_size)} ({_gb(2 * tok.tokens_per_part)} a part, {tok.max_output_gb:g} GB "
-                     "allowed)")
+                     "allowed; notebook outputs, not datasets, so not counted in the storage line's quota; CPU "
+                     "sessions, no accelerator quota)")
         if plan["tokenized_tokens"] < plan["parts"] * tok.tokens_per_part:
             lines.append(f"          the corpus holds about {_tokens(plan['tokenized_tokens'])} tokens: the last part "
                          "ends where it does")

@@ -321,6 +321,7 @@ class TrainStage:
         """A few lines per session: steps, loss, tokens/s, sessions and quota left, where the logs are."""
         from shared.train.metrics import read_metrics
         from shared.train.projection import summary_line
+        from shared.train.reference import summary_line as reference_line
         from shared.train.throughput import run_throughput
 
         ctx, cfg = self.ctx, self.cfg
@@ -339,6 +340,9 @@ class TrainStage:
         for record in records:  # the trainer's projection where the stable phase ended (shared/train/projection.py)
             if record.get("event") == "projection" and before <= record["step"] <= after:
                 ctx.log(f"  {summary_line(record)}")
+        held = [r for r in records if r.get("event") == "reference" and before < r["step"] <= after]
+        if held:  # the newest eval held against a published run (shared/train/reference.py)
+            ctx.log(f"  {reference_line(held[-1])}")
         quota = None
         try:
             quota = self.quota_left_s()

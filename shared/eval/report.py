@@ -11,6 +11,8 @@ from pathlib import Path
 
 from shared.config import HELLASWAG_VALIDATION_EXAMPLES
 from shared.train.metrics import GPT2_124M_VAL_LOSS, plot_loss, read_metrics
+from shared.train.reference import REFERENCE_SOURCE, published_curve
+from shared.train.reference import summary_line as reference_summary
 from shared.train.throughput import plot_points, run_throughput, session_throughput, split_sessions
 
 # Reference numbers (build-nanogpt): HellaSwag acc_norm (10,042); the validation loss's is GPT2_124M_VAL_LOSS.
@@ -106,7 +108,8 @@ def plot_throughput(records: list[dict], path: Path) -> Path:
 def plot_losses(metrics_path: Path, path: Path) -> Path:
     tmp = path.with_name(f".{path.stem}.tmp.png")
     plot_loss(metrics_path, tmp, reference=GPT2_124M_VAL_LOSS,
-              reference_label=f"OpenAI GPT-2 124M val loss: {GPT2_124M_VAL_LOSS}")
+              reference_label=f"OpenAI GPT-2 124M val loss: {GPT2_124M_VAL_LOSS}",
+              published=published_curve(read_metrics(metrics_path)))
     os.replace(tmp, path)
     return path
 
@@ -151,6 +154,20 @@ def summary_table(records: list[dict]) -> list[str]:
     return lines + ([""] + ["**Verdict:** " + "; ".join(verdict) + "."] if verdict else [])
 
 
+def reference_section(records: list[dict]) -> list[str]:
+    """The run held against a published run's curve (shared/train/reference.py): its early verdict and its newest
+    standing ([] where it never was)."""
+    held = [r for r in records if r.get("event") == "reference"]
+    if not held:
+        return []
+    first = next((r for r in held if r.get("reference_verdict")), None)
+    lines = ["## Against a published run", "", f"- reference: {REFERENCE_SOURCE}"]
+    if first:
+        lines.append(f"- early verdict (step {first['step']}): {first['reference_verdict']}: "
+                     f"{first.get('reference_reason', '')}")
+    return lines + [f"- newest (step {held[-1]['step']}): {reference_summary(held[-1])}", ""]
+
+
 def write_report(out_dir: str | os.PathLike, metrics_path: str | os.PathLike, info: dict | None = None,
                  samples: list[dict] | None = None, notes: list[str] | None = None) -> Path:
     """report.md, loss.png, hellaswag.png, throughput.png in `out_dir` from a metrics JSONL file.
@@ -188,6 +205,7 @@ def write_report(out_dir: str | os.PathLike, metrics_path: str | os.PathLike, in
                   f"- last training loss: {_fmt(last['loss'])}", f"- throughput: {rate}", ""]
     else:
         lines += ["No training steps in the metrics history.", ""]
+    lines += reference_section(records)
     lines += [f"![loss]({LOSS_PNG})", "", f"![HellaSwag]({HELLASWAG_PNG})", "", f"![throughput]({THROUGHPUT_PNG})", ""]
     if samples:
         lines += ["## Samples", ""]

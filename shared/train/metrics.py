@@ -177,9 +177,10 @@ def plot_series(records: list[dict]) -> dict[str, list[tuple[float, float]]]:
 
 
 def plot_loss(metrics_path: str | os.PathLike, png_path: str | os.PathLike, reference: float | None = None,
-              reference_label: str = "") -> Path:
+              reference_label: str = "", published: tuple | None = None) -> Path:
     """Train (and validation, where logged) loss against tokens seen, one line per session boundary; HellaSwag
-    acc_norm on a second axis where the evals scored it, against GPT-2 124M's."""
+    acc_norm on a second axis where the evals scored it, against GPT-2 124M's. `published`: a published run's
+    (tokens, val loss, HellaSwag, name) drawn beside the run's (shared/train/reference.py published_curve)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -197,11 +198,16 @@ def plot_loss(metrics_path: str | os.PathLike, png_path: str | os.PathLike, refe
             ax.axvline(r["tokens"], color="grey", ls=":", lw=0.8)
     if reference is not None:
         ax.axhline(reference, color="red", ls="--", lw=1, label=reference_label or f"reference {reference}")
+    curve = published
+    if curve:
+        ax.plot(curve[0], curve[1], "--", color="grey", lw=1, label=f"{curve[3]}: val loss")
     handles, labels = ax.get_legend_handles_labels()
     if series["hellaswag"]:
         hs = ax.twinx()
         xs, ys = zip(*series["hellaswag"], strict=True)
         hs.plot(xs, ys, "s--", color="tab:green", ms=3, lw=1, label="HellaSwag acc_norm")
+        if curve:
+            hs.plot(curve[0], curve[2], ":", color="darkgreen", lw=1, label=f"{curve[3]}: HellaSwag (5-eval mean)")
         hs.axhline(GPT2_HELLASWAG, color="tab:green", ls=":", lw=0.8, label=f"GPT-2 124M {GPT2_HELLASWAG}")
         hs.set_ylabel("HellaSwag acc_norm")
         more = hs.get_legend_handles_labels()

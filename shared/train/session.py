@@ -30,6 +30,7 @@ from shared.train.optim import (
     stable_phase_end,
 )
 from shared.train.projection import project, projection_lines, projection_record
+from shared.train.reference import check, check_lines, check_record
 from shared.train.runtime import Runtime
 from shared.train.validation import periodic_eval
 
@@ -198,10 +199,26 @@ class Evaluator:
         if hellaswag:
             self.hellaswag_step = step
         self.background.flush()  # the logged steps before the eval's records
-        periodic_eval(self.model, self.runtime, self.cfg, step, step * self.cfg.total_batch_tokens, self.val_loader,
-                      self.logger, hellaswag)
+        results = periodic_eval(self.model, self.runtime, self.cfg, step, step * self.cfg.total_batch_tokens,
+                                self.val_loader, self.logger, hellaswag)
+        if self.logger.enabled:
+            log_reference_check(self.cfg, self.logger, step, results)
         if step == self.stable_end and self.logger.enabled:  # the decision point: where will the decay end?
             log_projection(self.cfg, self.logger, step, step)
+
+
+def log_reference_check(cfg: TrainConfig, logger: MetricsLogger, step: int, results: dict) -> None:
+    """A gpt2 run's eval held against a published run's curve (shared/train/reference.py): log lines and a record,
+    from 0.5B tokens on, with the early verdict from 2B tokens on."""
+    if cfg.preset != "gpt2" or cfg.model.block_size != 1024 or results.get("val_loss") is None:
+        return
+    found = check(step, step * cfg.total_batch_tokens, results["val_loss"], cfg.max_steps, cfg.total_batch_tokens,
+                  results.get("hellaswag_acc_norm"), results.get("hellaswag_examples") or 10_042)
+    if found is None:
+        return
+    for line in check_lines(found):
+        logger.log(line)
+    logger.write(check_record(found))
 
 
 def log_projection(cfg: TrainConfig, logger: MetricsLogger, at_step: int, stable_end: int) -> None:

@@ -31,9 +31,10 @@ from shared.train.checkpoint_writer import (
     restore_compile_cache,
 )
 from shared.train.device import make_runtime
-from shared.train.metrics import BackgroundCalls, MetricsLogger, plot_loss
+from shared.train.metrics import BackgroundCalls, MetricsLogger, plot_loss, read_metrics
 from shared.train.model import GPT
 from shared.train.optim import stable_phase_end
+from shared.train.reference import published_curve
 from shared.train.runtime import Runtime, plan_versions_notice, runtime_versions
 from shared.train.session import Evaluator, StepLog, StepProfiler, log_projection, resume_point
 from shared.train.step import build_step, select_attention_and_micro_batch
@@ -145,13 +146,18 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
         background.drain()  # a session stopped by an error leaves no device read running as the process exits
         logger.close()
     metrics_path = out_dir / METRICS_FILE
-    loss_png = plot_loss(metrics_path, out_dir / "loss.png") if runtime.is_main else None
+    loss_png = session_plot(metrics_path, out_dir / "loss.png") if runtime.is_main else None
     log(f"session ended at step {step}/{cfg.max_steps} ({stop_reason}); checkpoint {path}; "
         f"metrics {metrics_path}; plot {loss_png}; {runtime.compile_count()} XLA compilations")
     return TrainResult(step, step_log.last_loss, path, stop_reason, start_step)
 
 
 # --- setting up a session ------------------------------------------------------------------------------------------
+
+def session_plot(metrics_path: Path, png_path: Path) -> Path:
+    """loss.png, with the published run the evals were held against drawn beside the run's (where they were)."""
+    return plot_loss(metrics_path, png_path, published=published_curve(read_metrics(metrics_path)))
+
 
 def log_runtime_notices(runtime: Runtime, versions: dict, resumed: LoadedCheckpoint | None, compile_cache: Path | None,
                         log) -> None:

@@ -235,3 +235,18 @@ def test_a_wsd_run_logs_its_projection_at_the_stable_phases_end_and_extend_print
     assert any(line.startswith("recommendation: behind (even the loss") for line in lines)
     _, lines = train_in_process(replace(cfg, max_steps=20, extend=True, stop_after_steps=1))
     assert any(line.startswith(f"projection from the stable phase (step {end}, ") for line in lines)
+
+
+def test_against_real_curves_the_loss_interval_holds_six_published_decays_of_seven_and_hellaswag_its_cut():
+    """scripts/projection_real_curves.py: calibration on real curves, where the simulation shows self-consistency."""
+    from scripts.projection_real_curves import hellaswag_on_the_reference, loss_leave_one_out
+
+    loss = loss_leave_one_out()
+    assert len(loss) == 7 and [r["source"] for r in loss if not r["covers"]] == [
+        "track_1_short/2025-01-04_SoftCap/31d6c427-f1f7-4d8a-91be-a67b5dcd13fd.txt"]
+    every_1000, every_500 = hellaswag_on_the_reference(1000), hellaswag_on_the_reference(500)
+    assert [r["cut"] for r in every_1000] == [0.5, 0.6, 0.71, 0.8] and all(r["covers"] for r in every_1000)
+    # At the recipe's cut (71%) both spacings hold the truth; from half the run, the narrower every-500 line
+    # misses it, below: acc_norm still bends upward in the loss there.
+    assert every_500[2]["covers"] and [r["covers"] for r in every_500[:2]] == [False, False]
+    assert all(r["high"] < r["truth"] for r in every_500[:2])
