@@ -18,12 +18,16 @@ from shared.train.attention import SDPA
 PLAN_CEILING_SHARE = 0.55
 
 
+def head_dim_aware(report: dict) -> bool:
+    """Whether the compiled step has Pallas kernels and a ceiling with their matmuls at the head dim's MXU share (a
+    report cached before that figure existed has not)."""
+    return bool(report.get("kernel_calls") and report.get("mfu_ceiling_mxu"))
+
+
 def planning_ceiling(report: dict) -> float:
     """The compiled step's MFU ceiling a plan takes a share of: with its Pallas kernels' matmuls at the head dim's
-    share of the MXU where it has any, else the roofline's (a report cached before that figure existed: the same)."""
-    if report.get("kernel_calls") and report.get("mfu_ceiling_mxu"):
-        return report["mfu_ceiling_mxu"]
-    return report.get("mfu_ceiling") or 0.0
+    share of the MXU where it has any, else the roofline's."""
+    return report["mfu_ceiling_mxu"] if head_dim_aware(report) else report.get("mfu_ceiling") or 0.0
 
 
 def ceilings_text(report: dict, model: ModelConfig) -> str:
@@ -32,7 +36,7 @@ def ceilings_text(report: dict, model: ModelConfig) -> str:
     dim's share of it, where the step has any."""
     llmc = model.flops_per_token_llmc() / model.flops_per_token()
     ceiling, mxu = report["mfu_ceiling"], planning_ceiling(report)
-    if mxu == ceiling:
+    if not head_dim_aware(report):
         return f"MFU ceiling {ceiling:.1%}, {ceiling * llmc:.1%} in llm.c's count (roofline estimate)"
     return (f"MFU ceiling {ceiling:.1%} with the kernels at 100% of the MXU, {mxu:.1%} with their matmuls at head "
             f"dim {report['head_dim']}'s share of a {report['mxu_width']}-wide MXU ({report['mxu_efficiency']:.0%}); "
@@ -48,7 +52,7 @@ def compiled_rates(report: dict, board_flops: float, model: ModelConfig, step_na
     ceiling = planning_ceiling(report)
     step = step_names.get(report["attention"], report["attention"])
     text = (f"estimate: {PLAN_CEILING_SHARE:.0%} of the {step} step's compiled MFU ceiling {ceiling:.1%}"
-            + (" (its kernels at the head dim's MXU share)" if ceiling != report.get("mfu_ceiling") else "")
+            + (" (its kernels at the head dim's MXU share)" if head_dim_aware(report) else "")
             + f" = {PLAN_CEILING_SHARE * ceiling:.1%} MFU of {peaks}")
     sdpa = (report.get("fallback_reports") or {}).get(SDPA)
     fallback = None

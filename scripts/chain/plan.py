@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from scripts.chain.account import list_private_datasets, read_quota
-from scripts.chain.ceilings import ceilings_text, compiled_rates, planning_ceiling
+from scripts.chain.ceilings import ceilings_text, compiled_rates, head_dim_aware, planning_ceiling
 from scripts.chain.config import (
     DELETING_PUBLISH_UPLOADS,
     ChainConfig,
@@ -455,10 +455,10 @@ def compiled_fit(cfg: ChainConfig, log=print) -> tuple[dict | None, str]:
             line += f": did not compile ({_one_line(err)})"
             continue
         report["fallback_reports"][attention] = fallback
-        mxu = planning_ceiling(fallback)
         line += (f" at micro-batch {fallback['micro_batch']}: {fallback['peak_bytes'] / 2**30:.1f} GiB" + (
             f", MFU ceiling {fallback['mfu_ceiling']:.1%}" + (
-                f" ({mxu:.1%} head-dim-aware)" if mxu != fallback["mfu_ceiling"] else "") if fallback["fits"] else
+                f" ({planning_ceiling(fallback):.1%} head-dim-aware)" if head_dim_aware(fallback) else "")
+            if fallback["fits"] else
             " - does not fit: such a session would stop at its first step (leave train.micro_batch auto)"))
     return report, line
 

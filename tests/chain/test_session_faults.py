@@ -96,14 +96,14 @@ def retries(lines: list[str], what: str, status: int) -> list[str]:
 def test_reads_that_answer_a_fault_for_a_while_are_tried_again_until_the_checkpoint_is_proven(
         local_kaggle, tmp_path, image_pythons, status, retry_after):
     fault = {"status": status, "retry_after": retry_after}
-    bootstrap = [{**fault, "match": "GetDatasetStatus"}]  # after every read has answered the fault a while
+    bootstrap = [{**fault, "match": "GetDatasetMetadata"}]  # after every read has answered the fault a while
     publish = [{**fault, "match": m, "count": n} for m, n in (("GetDataset", 2), ("GetDatasetStatus", 1),
                                                                ("ListDatasetFiles", 2))]
     state, lines, record = run_session(local_kaggle, tmp_path, bootstrap, publish, {**fault, "match": "read"})
     assert state == "COMPLETE", lines
     assert "kaggle 2.0.2" in lines  # the CPU image's client
     done = lines.index("bootstrap done")
-    for what in ("signing in to Kaggle", f"reading the status of {DATASET}"):
+    for what in ("signing in to Kaggle", f"reading the metadata of {DATASET}"):
         assert retries(lines[:done], what, status), what  # the bootstrap's proof of the credential
     for what in ("signing in to Kaggle", f"reading the version of {DATASET}", f"reading the status of {DATASET}",
                  f"listing version 2 of {DATASET}"):
