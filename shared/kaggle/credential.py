@@ -454,7 +454,7 @@ def _token_of(credential: str) -> str:
 
 def secret_values() -> list[str]:
     """What an error message must never show: the key and the API token (where they are in the environment) and the
-    notebook's token."""
-    names = (*CREDENTIAL_NAMES, API_TOKEN_ENV)
+    notebook's token. Not the username: it is public, in every dataset's name, which a masked one would garble."""
+    names = ("KAGGLE_KEY", API_TOKEN_ENV)
     values = [os.environ.get(name, "") or _hidden.get(name, "") for name in names] + [_token_text()]
     return [v for v in values if v]
