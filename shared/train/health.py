@@ -1,6 +1,6 @@
 """What a long run's growth is watched by, at every eval: the RMS of the blocks' matrices by kind, and the largest
 attention logit (q·k/√d over the causal positions) per layer. Muon without weight decay lets the matrices grow
-over a long run (docs/recipe.md, "Muon's weight decay on long runs"); a growing logit is where attention starts
+over a long run (docs/recipe.md section 7, "Runs past ~20k steps"); a growing logit is where attention starts
 to saturate. Both are read from the device once per eval, in one transfer each, outside the step."""
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ def validation_loss(model: torch.nn.Module, loader: TokenLoader, runtime, batche
     """Mean loss over the first `batches` batches of `loader` (rewound each time, so evals are comparable);
     at most one pass, so that no batch counts twice."""
     batches = min(batches, loader.batches_per_pass())
-    loader.state.epoch = loader.state.shard_index = loader.state.offset = 0
+    rewind(loader)
     total = torch.zeros((), device=runtime.device)
     runtime.sync()  # `total` as device data: every batch below is then the same graph
     for _ in range(batches):
@@ -28,11 +28,16 @@ def validation_loss(model: torch.nn.Module, loader: TokenLoader, runtime, batche
     return runtime.mean_across(total).item() / batches  # under DDP each process saw its own rows
 
 
+def rewind(loader: TokenLoader) -> None:
+    """The loader back at its first batch (validation reads the same batches every time)."""
+    loader.state.epoch = loader.state.shard_index = loader.state.offset = 0
+
+
 def first_rows(loader: TokenLoader, rows: int):
     """The first `rows` rows of the loader's first batch (the loader rewound first; its next read starts over)."""
-    loader.state.epoch = loader.state.shard_index = loader.state.offset = 0
+    rewind(loader)
     batch = loader.next_batch()
-    loader.state.epoch = loader.state.shard_index = loader.state.offset = 0
+    rewind(loader)
     return batch[: min(rows, batch.shape[0])]
 
 
