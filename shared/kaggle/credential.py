@@ -120,11 +120,10 @@ def kaggle_api(from_secrets: bool = True):
 
 def _signed_in():
     try:
-        api = kaggle_api_class()()
+        api = kaggle_api_class()()  # kaggle 2.0.2 signs in as it is imported, and exits where that fails
+        api.authenticate()
     except ImportError as err:
         raise UserError(f"the kaggle package is not installed ({err})") from None
-    try:
-        api.authenticate()
     except SystemExit:
         raise UserError("Kaggle credentials not found: set KAGGLE_API_TOKEN (an API token, from kaggle.com/settings"
                         "/api) or KAGGLE_USERNAME and KAGGLE_KEY (or ~/.kaggle/access_token, ~/.kaggle/kaggle.json; "
@@ -156,12 +155,28 @@ def kaggle_api_class() -> type:
             module = importlib.import_module(_EXTENDED)
         finally:
             sys.meta_path.remove(hook)
-    module.print_auth_help = _no_help
+    _silence_help(module)
     return module.KaggleApi
+
+
+def _silence_help(module) -> None:
+    """kaggle 2.2's `print_auth_help` made silent; kaggle 2.0.2 (the CPU image's) prints its two lines of help
+    inside `authenticate()` itself (kaggle_api_extended.py L763-773), so its module's `print` drops just those."""
+    module.print_auth_help = _no_help
+    module.print = _print_but_auth_help
 
 
 def _no_help() -> None:
     """kaggle's `print_auth_help`, silent: the caller's UserError says what is missing, in one line."""
+
+
+AUTH_HELP = ("You must authenticate before you can call the Kaggle API.", "Follow the instructions to authenticate",
+             'Please run "kaggle auth login"')
+
+
+def _print_but_auth_help(*args, **kwargs) -> None:
+    if not (args and isinstance(args[0], str) and args[0].startswith(AUTH_HELP)):
+        print(*args, **kwargs)
 
 
 class _SilentHelp(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -180,7 +195,7 @@ class _SilentHelp(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module) -> None:
         self.loader.exec_module(module)
-        module.print_auth_help = _no_help
+        _silence_help(module)
 
 
 def _secret(name: str) -> str | None:
