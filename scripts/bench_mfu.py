@@ -323,7 +323,7 @@ def main() -> None:
                             min(model_cfg.vocab_size, GPT2_VOCAB_SIZE))
         cfg = TrainConfig(preset=args.preset, seq_len=args.seq_len, data_dir=f"{tmp}/data", out_dir=f"{tmp}/run",
                           micro_batch=global_micro, total_batch_tokens=tokens_per_micro_step * accum,
-                          max_steps=warmup + steps, warmup_steps=max(1, warmup + steps), log_every=log_every,
+                          total_steps=warmup + steps, warmup_steps=max(1, warmup + steps), log_every=log_every,
                           eval_every=0, checkpoint_every=0, keep_checkpoints=1, progress=False, wandb_project="",
                           xla_cache=False, backend=backend, optimizer=args.optimizer, attention=attention)
         train(cfg, runtime, log=lambda msg, *a, **k: say(f"  [trainer] {msg}", flush=True))

@@ -21,6 +21,7 @@ from shared.flags import at_least, check_field_types, one_of, positive
 from shared.train_sections import (
     AUTO,
     BACKENDS,
+    RENAMED,
     DataSettings,
     EvalSettings,
     LoggingSettings,
@@ -144,11 +145,12 @@ TRAIN_SECTIONS: dict[str, type] = {"model": ModelSettings, "data": DataSettings,
 @dataclass
 class TrainConfig(LoggingSettings, EvalSettings, SessionSettings, StepSettings, ScheduleSettings, OptimizerSettings,
                   DataSettings, ModelSettings):
-    """One train session's settings: every section's fields (TRAIN_SECTIONS), each a flag (`--max-steps`) and a key
+    """One train session's settings: every section's fields (TRAIN_SECTIONS), each a flag (`--total-steps`) and a key
     of a chain config's `train`. Checked in `__post_init__`, however the config is built: each section's own
     checks, then those that span sections."""
 
     SECTIONS: ClassVar[dict[str, type]] = TRAIN_SECTIONS
+    RENAMED: ClassVar[dict[str, str]] = RENAMED  # old name -> field: read from configs, kept as flag aliases
 
     @property
     def tokens_per_micro_step(self) -> int:
@@ -176,7 +178,7 @@ class TrainConfig(LoggingSettings, EvalSettings, SessionSettings, StepSettings, 
     @classmethod
     def from_settings(cls, settings: dict, where: str = "train", **fixed) -> TrainConfig:
         """A checked TrainConfig from settings written flat or in sections (TRAIN_SECTIONS' names), with `fixed`
-        (e.g. the chain's max_steps) over them."""
+        (e.g. the chain's total_steps) over them."""
         flat = flatten_sections(settings, TRAIN_SECTIONS, where)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(flat) - known)

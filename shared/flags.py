@@ -53,6 +53,9 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
     """One flag per dataclass field (`micro_batch` -> `--micro-batch`), typed from the annotation; a class with
     `SECTIONS` ({name: section dataclass}) lists its flags in --help under each section's name and summary."""
     hints = typing.get_type_hints(cls)
+    old_names = {}  # a renamed field's old flag stays, an alias of the new one (a user's scripts keep working)
+    for old, new in getattr(cls, "RENAMED", {}).items():
+        old_names.setdefault(new, []).append(flag(old))
     groups = {}
     for name, section in getattr(cls, "SECTIONS", {}).items():
         group = parser.add_argument_group(name, (section.__doc__ or "").split("\n\n")[0].replace("\n    ", " "))
@@ -60,13 +63,14 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
     for f in dataclasses.fields(cls):
         kind = hints[f.name]
         target = groups.get(f.name, parser)
+        names = [flag(f.name), *old_names.get(f.name, [])]
         help_text = f"{f.metadata.get('help', '')} (default: {f.default!r})"
         if kind is bool:
-            target.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+            target.add_argument(*names, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
         elif kind == int | str:  # a number, or a word such as auto
-            target.add_argument(flag(f.name), type=_int_or_word, default=f.default, help=help_text)
+            target.add_argument(*names, type=_int_or_word, default=f.default, help=help_text)
         else:
-            target.add_argument(flag(f.name), type=kind, default=f.default, help=help_text)
+            target.add_argument(*names, type=kind, default=f.default, help=help_text)
 
 
 def _int_or_word(text: str) -> int | str:
@@ -80,7 +84,8 @@ def parse_dataclass(cls: type, argv: list[str] | None = None, description: str =
     """Parse `argv` into an instance of `cls`; `defaults` (e.g. baked into a Kaggle build) override field defaults."""
     parser = argparse.ArgumentParser(description=description)
     add_dataclass_args(parser, cls)
-    if defaults:
-        parser.set_defaults(**defaults)
+    if defaults:  # under their current names (a build baked before a rename bakes the old ones)
+        renamed = getattr(cls, "RENAMED", {})
+        parser.set_defaults(**{renamed.get(key, key): value for key, value in defaults.items()})
     ns = parser.parse_args(argv)
     return cls(**vars(ns))

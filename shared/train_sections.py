@@ -1,7 +1,7 @@
 """The train kernel's settings, in the sections a reader looks for them: the data, the optimizer, the learning-rate
 schedule, the step's structure, the session, the evals and logging (the model's section is in shared/config.py,
 beside the model presets it names). `shared.config.TrainConfig` is all of them at once, so every field is still one
-flag (`--max-steps`) and one key of a chain config's `train` (flat, or nested under its section's name:
+flag (`--total-steps`) and one key of a chain config's `train` (flat, or nested under its section's name:
 `{"optim": {"lr": 0.0036}}`, `flatten_sections`). Each section checks its own fields (`check_<section name>`);
 TrainConfig runs every check in `__post_init__`, then those that span sections. Standard library only."""
 
@@ -18,6 +18,10 @@ BACKENDS = ("auto", "xla", "cuda", "cpu")
 ATTENTION_SETTINGS = ("auto", "splash", "flash", "sdpa")
 OPTIMIZERS = ("adamw", "muon")  # shared/train/optim.py
 SCHEDULES = ("cosine", "wsd")
+# Settings renamed, by their old names: a run's length was `max_steps` in the train kernel and `total_steps` in the
+# chain; it is total_steps everywhere now. Old configs (a user's, a checkpoint's carried one) and the old flag still
+# work: `current_names` reads them, and shared/flags.py keeps each old flag as an alias of the new one.
+RENAMED = {"max_steps": "total_steps"}
 
 
 @dataclass
@@ -84,25 +88,25 @@ class OptimizerSettings:
 class ScheduleSettings:
     """The schedule: the whole run's length in steps and how the learning rates rise, hold and fall over it."""
 
-    max_steps: int = field(default=19073, metadata={"help": "optimizer steps for the whole run (all sessions)"})
+    total_steps: int = field(default=19073, metadata={"help": "optimizer steps for the whole run (all sessions)"})
     warmup_steps: int = field(default=715, metadata={"help": "linear learning-rate warm-up steps"})
     schedule: str = field(
         default="cosine", metadata={"help": "cosine (warm-up, cosine to min_lr_ratio), or wsd (warm-up, constant, "
                                   "linear decay to zero over the last cooldown_frac of the run)"}
     )
     min_lr_ratio: float = field(default=0.1, metadata={"help": "cosine floor as a fraction of the peak"})
-    cooldown_frac: float = field(default=0.4, metadata={"help": "wsd: the fraction of max_steps that decays"})
+    cooldown_frac: float = field(default=0.4, metadata={"help": "wsd: the fraction of total_steps that decays"})
     cooldown_shape: str = field(default="linear", metadata={
         "help": "wsd: the decay's shape, linear or 1-sqrt (1 - sqrt(progress), epfml/schedules-and-scaling "
                 "src/optim/utils.py)"})
     extend: bool = field(default=False, metadata={
-        "help": "wsd: lengthen a run to this --max-steps (a later decay): resume from its newest checkpoint that "
+        "help": "wsd: lengthen a run to this --total-steps (a later decay): resume from its newest checkpoint that "
                 "the new schedule agrees with (the stable-phase one, once), setting aside the shorter schedule's "
                 "decayed checkpoints; every session of the longer run keeps the flag"})
 
     def check_lr_schedule(self) -> None:
         at_least(self, 0, "warmup_steps", "min_lr_ratio")
-        positive(self, "max_steps")
+        positive(self, "total_steps")
         one_of(self, "schedule", SCHEDULES)
         one_of(self, "cooldown_shape", ("linear", "1-sqrt"))
         if self.min_lr_ratio > 1:
@@ -110,7 +114,7 @@ class ScheduleSettings:
         if not 0.0 < self.cooldown_frac <= 1.0:
             raise UserError(f"--cooldown-frac must be in (0, 1], got {self.cooldown_frac}")
         if self.extend and self.schedule != "wsd":
-            raise UserError("--extend needs --schedule wsd: a cosine schedule depends on --max-steps from the end of "
+            raise UserError("--extend needs --schedule wsd: a cosine schedule depends on --total-steps from the end of "
                             "its warm-up, so no later checkpoint agrees with a longer one")
 
 
@@ -185,7 +189,7 @@ class SessionSettings:
                   "checkpoint are done, however long start-up took (0: none; a chain sets its limit less publishing)"},
     )
     stop_after_steps: int = field(
-        default=0, metadata={"help": "end this session after this many steps (0: only time/max_steps end it)"}
+        default=0, metadata={"help": "end this session after this many steps (0: only time/total_steps end it)"}
     )
     checkpoint_every: int = field(default=1000, metadata={"help": "steps between periodic checkpoints (0: off)"})
     keep_checkpoints: int = field(default=2, metadata={"help": "how many checkpoints to keep"})
@@ -246,19 +250,30 @@ def section_fields(sections: dict[str, type]) -> dict[str, str]:
     return {f.name: name for name, section in sections.items() for f in fields(section)}
 
 
+def current_names(settings: dict, where: str = "train") -> dict:
+    """`settings` with each old name (RENAMED) replaced by its current one; both spellings at once is an error."""
+    out = dict(settings)
+    for old, new in RENAMED.items():
+        if old in out:
+            if new in out:
+                raise UserError(f"{where}: {new} is set twice ({old} is its old name)")
+            out[new] = out.pop(old)
+    return out
+
+
 def flatten_sections(settings: dict, sections: dict[str, type], where: str = "train") -> dict:
     """Train settings written flat (`{"lr": ...}`), nested under their sections' names (`{"optim": {"lr": ...}}`),
     or both, as one flat dict. A key under the wrong section, or set twice, is a one-line error; unknown flat keys
     are left for the caller's own check."""
     owner = section_fields(sections)
-    flat = {key: value for key, value in settings.items() if key not in sections}
+    flat = current_names({key: value for key, value in settings.items() if key not in sections}, where)
     for name in sections:
         nested = settings.get(name)
         if nested is None:
             continue
         if not isinstance(nested, dict):
             raise UserError(f"{where}.{name}: a section of settings ({{\"key\": value, ...}}), got {nested!r}")
-        for key, value in nested.items():
+        for key, value in current_names(nested, f"{where}.{name}").items():
             if owner.get(key) != name:
                 home = f"; it belongs in the {owner[key]} section" if key in owner else ""
                 raise UserError(f"{where}.{name}: {key} is not a setting of this section{home}")

@@ -144,8 +144,8 @@ class ChainConfig:
     @property
     def train_settings(self) -> dict:
         """A train session's settings before the session's own (its data, folders, clock): the config's `train`, as
-        loading placed its checkpoints, and total_steps as max_steps."""
-        return {**self.train, "max_steps": self.total_steps}
+        loading placed its checkpoints, and the run's total_steps."""
+        return {**self.train, "total_steps": self.total_steps}
 
     @functools.cached_property
     def train_config(self) -> TrainConfig:
@@ -307,7 +307,7 @@ def _check_given(cfg: ChainConfig, where: str) -> None:
     if cfg.session_limit_s > longest:
         raise UserError(f"{where}: session_limit_s {cfg.session_limit_s:g} is over the {longest / 3600:g} h Kaggle "
                         f"allows a {cfg.accelerator_kind.upper()} session ({cfg.accelerator or 'CPU'})")
-    for key in ("data_dir", "out_dir", "resume_from", "max_steps", "time_budget", "session_deadline", "wandb_run_id"):
+    for key in ("data_dir", "out_dir", "resume_from", "total_steps", "time_budget", "session_deadline", "wandb_run_id"):
         if key in cfg.train:
             raise UserError(f"{where}: train.{key} is set by the chain; remove it")
     check_settings("train", cfg.train_settings, f"{where}: train", cfg.accelerator)

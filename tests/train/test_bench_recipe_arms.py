@@ -57,7 +57,7 @@ def test_each_arm_changes_only_its_own_settings():
     assert arms["attn-scale"][1] == pytest.approx(8 ** -0.5) and {a[1] for n, a in arms.items() if n != "attn-scale"} \
         == {1.0}
     for settings, _ in arms.values():  # every arm is a config the trainer accepts
-        TrainConfig(**settings, max_steps=500)
+        TrainConfig(**settings, total_steps=500)
 
 
 def test_the_attention_scale_multiplies_every_attention_output_and_is_undone_after():

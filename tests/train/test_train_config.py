@@ -32,7 +32,7 @@ def test_help_lists_each_flag_under_its_section():
     assert {"model", "data", "optim", "lr_schedule", "step", "session", "evals", "logging"} <= set(groups)
     assert {"lr", "muon_lr", "grad_clip"} <= groups["optim"]
     assert "preset" in groups["model"] and "preset" not in groups["optim"]
-    assert {"warmup_steps", "cooldown_frac", "max_steps"} <= groups["lr_schedule"]
+    assert {"warmup_steps", "cooldown_frac", "total_steps"} <= groups["lr_schedule"]
     assert groups["step"] >= {"micro_batch", "attention"}
     help_text = parser.format_help()
     body = help_text[help_text.index("\noptions:"):]  # past the usage line, which lists every flag
@@ -44,10 +44,10 @@ def test_nested_and_flat_settings_build_the_same_config():
             "schedule": "wsd", "eval_every": 50, "micro_batch": 8}
     nested = {"model": {"preset": "tiny"}, "optim": {"lr": 0.0036, "optimizer": "muon", "muon_lr": 0.00036},
               "lr_schedule": {"warmup_steps": 0, "schedule": "wsd"}, "evals": {"eval_every": 50}, "micro_batch": 8}
-    built = TrainConfig.from_settings(nested, max_steps=99)
-    assert built == TrainConfig.from_settings(flat, max_steps=99) == TrainConfig(**flat, max_steps=99)
-    assert (built.lr, built.muon_lr, built.schedule, built.eval_every, built.max_steps) == (0.0036, 0.00036, "wsd", 50,
-                                                                                            99)
+    built = TrainConfig.from_settings(nested, total_steps=99)
+    assert built == TrainConfig.from_settings(flat, total_steps=99) == TrainConfig(**flat, total_steps=99)
+    assert (built.lr, built.muon_lr, built.schedule, built.eval_every, built.total_steps) == (
+        0.0036, 0.00036, "wsd", 50, 99)
 
 
 @pytest.mark.parametrize("settings, message", [
@@ -103,3 +103,15 @@ def test_a_chain_config_may_write_its_train_settings_in_sections():
         config_from_dict({**raw, "train": {**nested, "optim": {**nested["optim"], "eval_every": 100}}}, "c.json")
     assert str(err.value) == ("c.json: train.optim: eval_every is not a setting of this section; it belongs in the "
                               "evals section")
+
+
+def test_a_runs_length_is_total_steps_and_its_old_name_max_steps_still_reads():
+    from shared.flags import parse_dataclass
+
+    assert parse_dataclass(TrainConfig, ["--max-steps", "5"]).total_steps == 5  # the old flag, an alias
+    assert parse_dataclass(TrainConfig, ["--total-steps", "7"]).total_steps == 7
+    assert parse_dataclass(TrainConfig, [], defaults={"max_steps": 9}).total_steps == 9  # an older build's bake
+    assert TrainConfig.from_settings({"max_steps": 11}).total_steps == 11
+    assert TrainConfig.from_settings({"lr_schedule": {"max_steps": 12}}).total_steps == 12
+    with pytest.raises(UserError, match="total_steps is set twice"):
+        TrainConfig.from_settings({"max_steps": 11, "total_steps": 12})
