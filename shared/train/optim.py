@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from shared.config import TrainConfig
-from shared.train_sections import current_names
+from shared.train_sections import OptimizerSettings, ScheduleSettings, current_names
 
 ADAM_BETAS, ADAM_EPS = (0.9, 0.95), 1e-8
 # The quintic Newton-Schulz iteration's coefficients, tuned for speed over exactness: singular values land in
@@ -227,12 +227,6 @@ def muon_momentum_at(step: torch.Tensor, cfg: TrainConfig) -> torch.Tensor:
     return cfg.muon_momentum_start + (cfg.muon_momentum - cfg.muon_momentum_start) * progress
 
 
-# The settings that decide a step's learning rates and Muon momentum (with the step itself).
-SCHEDULE_FIELDS = ("optimizer", "schedule", "lr", "min_lr_ratio", "warmup_steps", "total_steps", "cooldown_frac",
-                   "cooldown_shape", "muon_lr", "matrix_lr", "muon_momentum", "muon_momentum_warmup_steps",
-                   "muon_momentum_start")
-
-
 def schedule_table(cfg: TrainConfig, steps: int) -> torch.Tensor:
     """What the optimizer is given at steps 0..steps-1, computed on the CPU as the step computes it: rows of
     (LR, the matrices' LR, Muon's momentum)."""
@@ -254,7 +248,10 @@ def saved_schedule(cfg: TrainConfig, state: dict) -> tuple[TrainConfig, int]:
     """(the schedule a checkpoint was trained on, as `cfg` with its saved schedule fields, and its step), from its
     state.json's contents."""
     saved = current_names(state.get("config", {}).get("train", {}), "the checkpoint's config")
-    return dataclasses.replace(cfg, **{k: saved[k] for k in SCHEDULE_FIELDS if k in saved}), int(state.get("step", 0))
+    # What decides a step's learning rates and Muon momentum: the optimizer's and the schedule's sections, whole
+    # (a field the checkpoint predates keeps cfg's value).
+    decides = [f.name for section in (OptimizerSettings, ScheduleSettings) for f in dataclasses.fields(section)]
+    return dataclasses.replace(cfg, **{k: saved[k] for k in decides if k in saved}), int(state.get("step", 0))
 
 
 def stable_phase_end(cfg: TrainConfig) -> int | None:
