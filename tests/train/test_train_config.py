@@ -36,7 +36,19 @@ def test_help_lists_each_flag_under_its_section():
     assert groups["step"] >= {"micro_batch", "attention"}
     help_text = parser.format_help()
     body = help_text[help_text.index("\noptions:"):]  # past the usage line, which lists every flag
-    assert body.index("\noptim:") < body.index("--muon-lr MUON_LR ") < body.index("\nlr_schedule:")
+    assert body.index("\noptim:") < body.index("--optim.muon_lr MUON_LR, --muon-lr MUON_LR") < body.index(
+        "\nlr_schedule:")
+
+
+def test_a_flag_names_its_section_and_key_and_the_short_flag_is_an_alias():
+    from shared.flags import parse_dataclass
+
+    by_place = parse_dataclass(TrainConfig, ["--optim.lr", "0.001", "--lr_schedule.total_steps", "5", "--no-step.bf16",
+                                             "--step.micro_batch", "auto", "--model.seq_len", "64"])
+    short = parse_dataclass(TrainConfig, ["--lr", "0.001", "--total-steps", "5", "--no-bf16", "--micro-batch", "auto",
+                                          "--seq-len", "64"])
+    assert by_place == short
+    assert (short.lr, short.total_steps, short.bf16, short.micro_batch, short.seq_len) == (0.001, 5, False, "auto", 64)
 
 
 def test_nested_and_flat_settings_build_the_same_config():
