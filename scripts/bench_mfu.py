@@ -64,13 +64,21 @@ def chain_step(devices: int, seq_len: int, generation: str | None = None,
     from shared.tpu import micro_batch_for
     from shared.train.attention import candidates
 
-    train = json.loads(CHAIN_CONFIG.read_text())["train"]
+    train = chain_train_settings()
     kept = {k: v for k, v in train.items() if k in ("micro_batch", "total_batch_tokens", "attention")}
     cfg = TrainConfig(**{**kept, **({"attention": attention} if attention else {})}, preset="gpt2", seq_len=seq_len)
     if cfg.micro_batch == AUTO:
         first = candidates(generation, seq_len, cfg.attention)[0]
         cfg = dataclasses.replace(cfg, micro_batch=micro_batch_for(cfg, generation, first, devices))
     return max(1, cfg.micro_batch // devices), cfg.grad_accum_steps
+
+
+def chain_train_settings() -> dict:
+    """The gpt2 chain config's train settings, flat (the file nests them by section)."""
+    from shared.config import TRAIN_SECTIONS
+    from shared.train_sections import flatten_sections
+
+    return flatten_sections(json.loads(CHAIN_CONFIG.read_text())["train"], TRAIN_SECTIONS, f"{CHAIN_CONFIG}: train")
 
 
 def default_settings(backend: str, on_tpu: bool, devices: int, seq_len: int, generation: str | None = None,
@@ -268,7 +276,7 @@ def main() -> None:
         raise UserError("--backend cuda: no CUDA device found")
     runtime = make_runtime(backend)
     on_tpu = runtime.name == "xla" and runtime._xr.device_type() == "TPU"
-    attention = args.attention or json.loads(CHAIN_CONFIG.read_text())["train"].get("attention", "auto")
+    attention = args.attention or chain_train_settings().get("attention", "auto")
     micro_d, accum_d, steps_d, warmup_d, why = default_settings(backend, on_tpu, runtime.num_devices, args.seq_len,
                                                                 runtime.tpu_generation and runtime.tpu_generation.name,
                                                                 attention)

@@ -23,6 +23,18 @@ from shared.train.metrics import read_metrics
 REPO = Path(__file__).resolve().parent.parent
 
 
+def example_config(name: str) -> dict:
+    """examples/<name> as a dict, its `train` settings flat (the file nests them by section), so a test may lay
+    its own settings over them by key."""
+    import json
+
+    from shared.config import TRAIN_SECTIONS
+    from shared.train_sections import flatten_sections
+
+    raw = json.loads((REPO / "examples" / name).read_text())
+    return {**raw, "train": flatten_sections(raw["train"], TRAIN_SECTIONS, f"examples/{name}: train")}
+
+
 def run_script(path: str, *args: str, timeout: float = 300, env: dict | None = None,
                python: str = sys.executable) -> subprocess.CompletedProcess:
     """Run a repo script in a fresh Python process (this one's interpreter unless told), as a user would."""

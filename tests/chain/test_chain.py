@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, error_lines, importable_in, run_script
+from helpers import REPO, error_lines, example_config, importable_in, run_script
 from kaggle_fixtures import KEY, USER, client_env, write_dataset
 from safetensors.torch import load_file
 
@@ -26,7 +26,7 @@ from shared.errors import UserError
 from shared.kaggle.credential import ATTACHED_KEY, NOTEBOOK_TOKEN
 from shared.train.metrics import read_metrics
 
-DEMO = json.loads((REPO / "examples" / "chain-demo.json").read_text())
+DEMO = example_config("chain-demo.json")
 
 
 def chain_script():

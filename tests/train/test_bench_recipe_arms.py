@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from helpers import example_config
 from safetensors.torch import save_file
 
 from scripts.bench_recipe_arms import (
@@ -29,7 +30,7 @@ from shared.train.model import GPT
 
 
 def test_the_shipped_arm_is_the_example_files_optimizer_and_schedule(tmp_path):
-    example = json.loads(open("examples/chain-gpt2-124m-muon.json").read())["train"]
+    example = example_config("chain-gpt2-124m-muon.json")["train"]
     shipped = shipped_settings()
     assert {k: shipped[k] for k in shipped if k in example} == {k: example[k] for k in shipped if k in example}
     assert shipped["aux_lr"] == TrainConfig().aux_lr  # left out of the example: the trainer's default

@@ -103,12 +103,12 @@ def test_a_chain_config_may_write_its_train_settings_in_sections():
 
     raw = {k: v for k, v in json.loads(open("examples/chain-gpt2-124m-muon.json").read()).items()
            if not k.startswith("_")}
+    nested = raw["train"]  # the example is written in sections, each setting in its own (section_fields)
     owner = section_fields(TRAIN_SECTIONS)
-    nested: dict = {}
-    for key, value in raw["train"].items():
-        nested.setdefault(owner[key], {})[key] = value
+    assert all(owner[key] == name for name, section in nested.items() for key in section)
     assert {"model", "optim", "lr_schedule", "step", "evals", "logging"} <= set(nested)
-    flat_cfg, nested_cfg = config_from_dict(raw), config_from_dict({**raw, "train": nested})
+    flat = {key: value for section in nested.values() for key, value in section.items()}
+    flat_cfg, nested_cfg = config_from_dict({**raw, "train": flat}), config_from_dict(raw)
     assert nested_cfg.train == flat_cfg.train and nested_cfg.train_config == flat_cfg.train_config
     assert (nested_cfg.train_config.muon_lr, nested_cfg.train_config.cooldown_frac) == (0.00036, 0.29)
     with pytest.raises(UserError) as err:
