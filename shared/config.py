@@ -29,7 +29,6 @@ from shared.train_sections import (
     ScheduleSettings,
     SessionSettings,
     StepSettings,
-    flatten_sections,
 )
 
 GPT2_VOCAB_SIZE = 50257  # the tokenizer's vocabulary
@@ -174,17 +173,6 @@ class TrainConfig(LoggingSettings, EvalSettings, SessionSettings, StepSettings, 
             getattr(section, f"check_{name}")(self)
         if self.micro_batch != AUTO:
             self.grad_accum_steps  # noqa: B018 - raises unless the batch is a whole number of micro-batches
-
-    @classmethod
-    def from_settings(cls, settings: dict, where: str = "train", **fixed) -> TrainConfig:
-        """A checked TrainConfig from settings written flat or in sections (TRAIN_SECTIONS' names), with `fixed`
-        (e.g. the chain's total_steps) over them."""
-        flat = flatten_sections(settings, TRAIN_SECTIONS, where)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(flat) - known)
-        if unknown:
-            raise UserError(f"{where}: unknown setting(s) {', '.join(unknown)}")
-        return cls(**{**flat, **fixed})
 
     def validate(self, num_devices: int = 1) -> None:
         """Every check again (a field may have been set since), then what needs the machine: the micro-batch is

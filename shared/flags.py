@@ -31,6 +31,13 @@ def check_field_types(config, name=flag) -> None:
                             f"got {value!r}")
 
 
+def check_known(settings, known, where: str, what: str) -> None:
+    """Every key of `settings` is one of `known`: else one line naming the unknown ones and the known."""
+    unknown = sorted(set(settings) - set(known))
+    if unknown:
+        raise UserError(f"{where}: unknown {what} setting(s) {', '.join(unknown)}; known: {', '.join(known)}")
+
+
 def at_least(config, minimum: float, *names: str) -> None:
     for name in names:
         if getattr(config, name) < minimum:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from shared.errors import UserError
-from shared.flags import at_least, flag, one_of, positive
+from shared.flags import at_least, check_known, flag, one_of, positive
 
 AUTO = "auto"
 BACKENDS = ("auto", "xla", "cuda", "cpu")
@@ -263,10 +263,11 @@ def current_names(settings: dict, where: str = "train") -> dict:
 
 def flatten_sections(settings: dict, sections: dict[str, type], where: str = "train") -> dict:
     """Train settings written flat (`{"lr": ...}`), nested under their sections' names (`{"optim": {"lr": ...}}`),
-    or both, as one flat dict. A key under the wrong section, or set twice, is a one-line error; unknown flat keys
-    are left for the caller's own check."""
+    or both, under current names or old (`current_names`), as one flat dict: the one reader of a train config, the
+    chain's and any script's. An unknown key, a key under the wrong section, or one set twice is a one-line error."""
     owner = section_fields(sections)
     flat = current_names({key: value for key, value in settings.items() if key not in sections}, where)
+    check_known(flat, owner, where, "train")
     for name in sections:
         nested = settings.get(name)
         if nested is None:

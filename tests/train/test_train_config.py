@@ -9,6 +9,12 @@ import pytest
 from shared.config import TRAIN_SECTIONS, TrainConfig
 from shared.errors import UserError
 from shared.flags import add_dataclass_args
+from shared.train_sections import flatten_sections
+
+
+def from_file(settings: dict, **fixed) -> TrainConfig:
+    """A TrainConfig from settings as a config file writes them (flat or in sections), `fixed` over them."""
+    return TrainConfig(**{**flatten_sections(settings, TRAIN_SECTIONS), **fixed})
 
 
 def test_every_train_setting_lives_in_exactly_one_section_in_help_order():
@@ -56,8 +62,8 @@ def test_nested_and_flat_settings_build_the_same_config():
             "schedule": "wsd", "eval_every": 50, "micro_batch": 8}
     nested = {"model": {"preset": "tiny"}, "optim": {"lr": 0.0036, "optimizer": "muon", "muon_lr": 0.00036},
               "lr_schedule": {"warmup_steps": 0, "schedule": "wsd"}, "evals": {"eval_every": 50}, "micro_batch": 8}
-    built = TrainConfig.from_settings(nested, total_steps=99)
-    assert built == TrainConfig.from_settings(flat, total_steps=99) == TrainConfig(**flat, total_steps=99)
+    built = from_file(nested, total_steps=99)
+    assert built == from_file(flat, total_steps=99) == TrainConfig(**flat, total_steps=99)
     assert (built.lr, built.muon_lr, built.schedule, built.eval_every, built.total_steps) == (
         0.0036, 0.00036, "wsd", 50, 99)
 
@@ -68,11 +74,11 @@ def test_nested_and_flat_settings_build_the_same_config():
     ({"optim": {"lr": 1e-3}, "lr": 2e-3}, "train: lr is set twice (train.lr and train.optim.lr)"),
     ({"optim": 0.001}, "train.optim: a section of settings"),
     ({"optim": {"learning_rate": 1e-3}}, "train.optim: learning_rate is not a setting of this section"),
-    ({"learning_rate": 1e-3}, "train: unknown setting(s) learning_rate"),
+    ({"learning_rate": 1e-3}, "train: unknown train setting(s) learning_rate; known: preset,"),
 ])
 def test_a_misplaced_or_doubled_nested_setting_is_a_one_line_error(settings, message):
     with pytest.raises(UserError) as err:
-        TrainConfig.from_settings(settings)
+        from_file(settings)
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
 
 
@@ -88,7 +94,7 @@ def test_a_misplaced_or_doubled_nested_setting_is_a_one_line_error(settings, mes
 ])
 def test_each_sections_checks_run_however_the_config_is_built(changes, message):
     for build in (lambda: TrainConfig(**changes), lambda: dataclasses.replace(TrainConfig(), **changes),
-                  lambda: TrainConfig.from_settings(changes)):
+                  lambda: from_file(changes)):
         with pytest.raises(UserError) as err:
             build()
         assert message in str(err.value)
@@ -123,7 +129,7 @@ def test_a_runs_length_is_total_steps_and_its_old_name_max_steps_still_reads():
     assert parse_dataclass(TrainConfig, ["--max-steps", "5"]).total_steps == 5  # the old flag, an alias
     assert parse_dataclass(TrainConfig, ["--total-steps", "7"]).total_steps == 7
     assert parse_dataclass(TrainConfig, [], defaults={"max_steps": 9}).total_steps == 9  # an older build's bake
-    assert TrainConfig.from_settings({"max_steps": 11}).total_steps == 11
-    assert TrainConfig.from_settings({"lr_schedule": {"max_steps": 12}}).total_steps == 12
+    assert from_file({"max_steps": 11}).total_steps == 11
+    assert from_file({"lr_schedule": {"max_steps": 12}}).total_steps == 12
     with pytest.raises(UserError, match="total_steps is set twice"):
-        TrainConfig.from_settings({"max_steps": 11, "total_steps": 12})
+        from_file({"max_steps": 11, "total_steps": 12})
