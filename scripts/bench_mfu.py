@@ -75,10 +75,9 @@ def chain_step(devices: int, seq_len: int, generation: str | None = None,
 
 def chain_train_settings() -> dict:
     """The gpt2 chain config's train settings, flat (the file nests them by section)."""
-    from shared.config import TRAIN_SECTIONS
     from shared.train_sections import flatten_sections
 
-    return flatten_sections(json.loads(CHAIN_CONFIG.read_text())["train"], TRAIN_SECTIONS, f"{CHAIN_CONFIG}: train")
+    return flatten_sections(json.loads(CHAIN_CONFIG.read_text())["train"], f"{CHAIN_CONFIG}: train")
 
 
 def default_settings(backend: str, on_tpu: bool, devices: int, seq_len: int, generation: str | None = None,
@@ -185,7 +184,7 @@ def reference_loop(model_cfg, runtime, micro: int, warmup: int, steps: int,
     import numpy as np
     import torch
 
-    from shared.config import GPT2_VOCAB_SIZE
+    from shared.model_shape import GPT2_VOCAB_SIZE
     from shared.train.model import GPT
 
     torch.manual_seed(seed)
@@ -266,7 +265,8 @@ def main() -> None:
         default_xla_env()  # torch_xla's CPU devices off-TPU; must precede torch's first backward pass
     import torch
 
-    from shared.config import GPT2_VOCAB_SIZE, TrainConfig
+    from shared.config import TrainConfig
+    from shared.model_shape import GPT2_VOCAB_SIZE
     from shared.train.device import make_runtime
     from shared.train.metrics import read_metrics
     from shared.train.model import GPT

@@ -308,7 +308,7 @@ def add_bench_args(parser: argparse.ArgumentParser, **defaults) -> None:
 def prepare_bench(args: argparse.Namespace) -> tuple[dict, Path]:
     """The corpus (built once) and the folder its runs read (over --vocab's remapped vocabulary where set); and the
     bench's model size as the preset "bench", of this process only (the trainer takes its model by preset)."""
-    from shared.config import MODEL_PRESETS, PADDED_VOCAB_SIZE, ModelConfig
+    from shared.model_shape import MODEL_PRESETS, PADDED_VOCAB_SIZE, ModelConfig
 
     corpus = build_corpus(Path(args.corpus_dir), Path(args.text_dir) if args.text_dir else None)
     data_dir = remap_vocabulary(Path(args.corpus_dir), args.vocab) if args.vocab else Path(args.corpus_dir)

@@ -61,10 +61,10 @@ MOONLIGHT_DECAY = 0.5
 def shipped_settings(path: Path = SHIPPED_EXAMPLE) -> dict:
     """The optimizer and schedule settings the shipped example gives its train kernel, with the trainer's defaults
     for the ones it leaves out (so a key added to the example is benched as shipped)."""
-    from shared.config import TRAIN_SECTIONS, TrainConfig
-    from shared.train_sections import flatten_sections
+    from shared.config import TrainConfig
+    from shared.train_sections import TRAIN_SECTIONS, flatten_sections
 
-    train = flatten_sections(json.loads(path.read_text())["train"], TRAIN_SECTIONS, f"{path}: train")
+    train = flatten_sections(json.loads(path.read_text())["train"], f"{path}: train")
     defaults = TrainConfig()
     # The optimizer's and the schedule's sections, whole, but the run's own length (the bench's --steps) and --extend
     keys = [f.name for section in (TRAIN_SECTIONS["optim"], TRAIN_SECTIONS["lr_schedule"])

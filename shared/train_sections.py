@@ -1,16 +1,18 @@
-"""The train kernel's settings, in the sections a reader looks for them: the data, the optimizer, the learning-rate
-schedule, the step's structure, the session, the evals and logging (the model's section is in shared/config.py,
-beside the model presets it names). `shared.config.TrainConfig` is all of them at once, so every field is still one
-flag (`--total-steps`) and one key of a chain config's `train` (flat, or nested under its section's name:
-`{"optim": {"lr": 0.0036}}`, `flatten_sections`). Each section checks its own fields (`check_<section name>`);
+"""The train kernel's settings, in the sections a reader looks for them: the model, the data, the optimizer, the
+learning-rate schedule, the step's structure, the session, the evals and logging (`TRAIN_SECTIONS`).
+`shared.config.TrainConfig` is all of them at once, so every field is still one flag (`--lr_schedule.total_steps`,
+alias `--total-steps`) and one key of a chain config's `train` (nested under its section's name,
+`{"optim": {"lr": 0.0036}}`, or flat: `flatten_sections`). Each section checks its own fields (`check_<section name>`);
 TrainConfig runs every check in `__post_init__`, then those that span sections. Standard library only."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, fields
 
 from shared.errors import UserError
 from shared.flags import at_least, check_known, flag, one_of, positive
+from shared.model_shape import MODEL_PRESETS, ModelConfig, model_preset
 
 AUTO = "auto"
 BACKENDS = ("auto", "xla", "cuda", "cpu")
@@ -22,6 +24,31 @@ SCHEDULES = ("cosine", "wsd")
 # chain; it is total_steps everywhere now. Old configs (a user's, a checkpoint's carried one) and the old flag still
 # work: `current_names` reads them, and shared/flags.py keeps each old flag as an alias of the new one.
 RENAMED = {"max_steps": "total_steps"}
+
+
+@dataclass
+class ModelSettings:
+    """The model: its size (a preset), sequence length, initialisation and seed."""
+
+    preset: str = field(default="tiny", metadata={"help": "model size: " + ", ".join(MODEL_PRESETS)})
+    seq_len: int = field(default=0, metadata={"help": "tokens per sequence (0: the preset's block size)"})
+    seed: int = field(default=1337, metadata={"help": "init and data-order seed"})
+    zero_init_projections: bool = field(default=False, metadata={
+        "help": "start the attention and MLP output projections (c_proj) at zero (modded-nanogpt's 2024-10-14 record; "
+                "initialisation only: the architecture and the Hugging Face export are unchanged)"})
+
+    @property
+    def model(self) -> ModelConfig:
+        base = model_preset(self.preset)
+        if self.seq_len and self.seq_len != base.block_size:
+            if self.seq_len > base.block_size and self.preset != "tiny":
+                raise UserError(f"--seq-len {self.seq_len} exceeds {self.preset}'s block size {base.block_size}")
+            base = dataclasses.replace(base, block_size=self.seq_len)
+        return base
+
+    def check_model(self) -> None:
+        at_least(self, 0, "seq_len")
+        self.model  # noqa: B018 - raises on a bad preset or sequence length
 
 
 @dataclass
@@ -245,8 +272,14 @@ class LoggingSettings:
         positive(self, "log_every")
 
 
-def section_fields(sections: dict[str, type]) -> dict[str, str]:
-    """{field name: its section's name} over `sections` ({name: section class})."""
+# TrainConfig's sections by the name a nested `train` config gives each (shared/train_sections.py flatten_sections)
+TRAIN_SECTIONS: dict[str, type] = {"model": ModelSettings, "data": DataSettings, "optim": OptimizerSettings,
+                                   "lr_schedule": ScheduleSettings, "step": StepSettings, "session": SessionSettings,
+                                   "evals": EvalSettings, "logging": LoggingSettings}
+
+
+def section_fields(sections: dict[str, type] = TRAIN_SECTIONS) -> dict[str, str]:
+    """{field name: its section's name} over `sections` ({name: section class}; the train settings' by default)."""
     return {f.name: name for name, section in sections.items() for f in fields(section)}
 
 
@@ -261,11 +294,12 @@ def current_names(settings: dict, where: str = "train") -> dict:
     return out
 
 
-def flatten_sections(settings: dict, sections: dict[str, type], where: str = "train") -> dict:
+def flatten_sections(settings: dict, where: str = "train") -> dict:
     """Train settings written flat (`{"lr": ...}`), nested under their sections' names (`{"optim": {"lr": ...}}`),
     or both, under current names or old (`current_names`), as one flat dict: the one reader of a train config, the
     chain's and any script's. An unknown key, a key under the wrong section, or one set twice is a one-line error."""
-    owner = section_fields(sections)
+    sections = TRAIN_SECTIONS
+    owner = section_fields()
     flat = current_names({key: value for key, value in settings.items() if key not in sections}, where)
     check_known(flat, owner, where, "train")
     for name in sections:

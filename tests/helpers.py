@@ -28,11 +28,10 @@ def example_config(name: str) -> dict:
     its own settings over them by key."""
     import json
 
-    from shared.config import TRAIN_SECTIONS
     from shared.train_sections import flatten_sections
 
     raw = json.loads((REPO / "examples" / name).read_text())
-    return {**raw, "train": flatten_sections(raw["train"], TRAIN_SECTIONS, f"examples/{name}: train")}
+    return {**raw, "train": flatten_sections(raw["train"], f"examples/{name}: train")}
 
 
 def run_script(path: str, *args: str, timeout: float = 300, env: dict | None = None,

@@ -23,7 +23,7 @@ from scripts.chain.limits import (
     TPU_STARTUP_MARGIN_S,
 )
 from scripts.chain.sections import EvalSection, TokenizeSection, section_keys
-from shared.config import NINE_HOURS, TRAIN_SECTIONS, TrainConfig
+from shared.config import NINE_HOURS, TrainConfig
 from shared.errors import UserError
 from shared.flags import check_field_types
 from shared.kaggle.publish import TEMP_PUBLISH_VERIFY_S
@@ -278,7 +278,7 @@ def config_from_dict(raw: dict, where: str = "config") -> ChainConfig:
     if unknown:
         raise UserError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(fields)}")
     if isinstance(raw.get("train"), dict):  # written flat or in TrainConfig's sections: flat from here on
-        raw = {**raw, "train": flatten_sections(raw["train"], TRAIN_SECTIONS, f"{where}: train")}
+        raw = {**raw, "train": flatten_sections(raw["train"], f"{where}: train")}
     given = ChainConfig(**raw)
     _check_given(given, where)
     cfg = _built(given)

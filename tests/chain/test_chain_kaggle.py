@@ -18,8 +18,9 @@ from kaggle_fixtures import USER, write_kernel
 from scripts.chain.chain import Chain
 from scripts.chain.client import ApiFailure
 from scripts.chain.config import _check_built, config_from_dict
-from shared.config import MODEL_PRESETS, EvalConfig, TokenizeConfig, TrainConfig
+from shared.config import EvalConfig, TokenizeConfig, TrainConfig
 from shared.errors import UserError
+from shared.model_shape import MODEL_PRESETS
 
 BASE = {"name": "unit-run", "token_datasets": ["alice/tokens"]}
 

@@ -16,9 +16,10 @@ from scripts.chain.config import config_from_dict, load_config
 from scripts.chain.limits import session_devices
 from scripts.chain.plan import PLAN_MFU, make_plan, plan_lines, planned_train, print_plan
 from scripts.chain.sizing import training_s
-from shared.config import EvalConfig, ModelConfig, TokenizeConfig, TrainConfig
+from shared.config import EvalConfig, TokenizeConfig, TrainConfig
 from shared.errors import UserError
 from shared.flags import parse_dataclass
+from shared.model_shape import ModelConfig
 
 ISSUE_BAD_CONFIG = {"train": {"preset": "gpt2", "micro_batch": 33, "total_batch_tokens": 1000, "lr": -1},
                     "tokenize": {"parts": 1}}
@@ -103,7 +104,7 @@ def test_a_config_changed_after_it_was_built_is_checked_again():
 def test_flops_per_token_counts_the_real_models_parameters():
     import torch
 
-    from shared.config import MODEL_PRESETS
+    from shared.model_shape import MODEL_PRESETS
     from shared.train.model import GPT
 
     with torch.device("meta"):

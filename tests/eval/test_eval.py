@@ -12,9 +12,10 @@ import pytest
 import torch
 from helpers import error_lines, made_once, run_script
 
-from shared.config import ModelConfig, TrainConfig
+from shared.config import TrainConfig
 from shared.data import TokenLoader, find_shards
 from shared.eval.hf import export_hf
+from shared.model_shape import ModelConfig
 from shared.sampling import generate_tokens, sample_text
 from shared.train.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from shared.train.device import make_runtime

@@ -23,9 +23,10 @@ from scripts.bench_recipe_arms import (
     shipped_settings,
     t_quantile_975,
 )
-from shared.config import ModelConfig, TrainConfig
+from shared.config import TrainConfig
 from shared.data import find_shards, read_shard, write_shard
 from shared.errors import UserError
+from shared.model_shape import ModelConfig
 from shared.train.model import GPT
 
 

@@ -445,8 +445,8 @@ def test_a_momentum_tensor_moved_between_steps_steps_as_the_constants_would():
 
 
 def test_zero_initialised_projections_start_each_block_as_the_identity_and_still_learn():
-    from shared.config import MODEL_PRESETS
     from shared.eval.hf import to_hf_state_dict
+    from shared.model_shape import MODEL_PRESETS
 
     torch.manual_seed(0)
     model = GPT(MODEL_PRESETS["tiny"])

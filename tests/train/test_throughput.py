@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from shared.config import MODEL_PRESETS
+from shared.model_shape import MODEL_PRESETS
 from shared.train.metrics import read_metrics
 from shared.train.throughput import plot_points, run_throughput, session_throughput, split_sessions
 

@@ -14,7 +14,7 @@ from shared.train_sections import flatten_sections
 
 def from_file(settings: dict, **fixed) -> TrainConfig:
     """A TrainConfig from settings as a config file writes them (flat or in sections), `fixed` over them."""
-    return TrainConfig(**{**flatten_sections(settings, TRAIN_SECTIONS), **fixed})
+    return TrainConfig(**{**flatten_sections(settings), **fixed})
 
 
 def test_every_train_setting_lives_in_exactly_one_section_in_help_order():
