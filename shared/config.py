@@ -79,8 +79,8 @@ class TrainConfig(LoggingSettings, EvalSettings, SessionSettings, StepSettings, 
 
     def __post_init__(self) -> None:
         check_field_types(self)
-        for name, section in TRAIN_SECTIONS.items():  # each section's own checks, in the order --help lists them
-            getattr(section, f"check_{name}")(self)
+        for section in TRAIN_SECTIONS.values():  # each section's own checks (by its class: each is named check)
+            section.check(self)
         if self.micro_batch != AUTO:
             self.grad_accum_steps  # noqa: B018 - raises unless the batch is a whole number of micro-batches
 

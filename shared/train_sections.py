@@ -2,8 +2,9 @@
 learning-rate schedule, the step's structure, the session, the evals and logging (`TRAIN_SECTIONS`).
 `shared.config.TrainConfig` is all of them at once, so every field is still one flag (`--lr_schedule.total_steps`,
 alias `--total-steps`) and one key of a chain config's `train` (nested under its section's name,
-`{"optim": {"lr": 0.0036}}`, or flat: `flatten_sections`). Each section checks its own fields (`check_<section name>`);
-TrainConfig runs every check in `__post_init__`, then those that span sections. Standard library only."""
+`{"optim": {"lr": 0.0036}}`, or flat: `flatten_sections`). Each section checks its own fields (`Section.check`),
+built alone or as part of TrainConfig, which runs every section's check in `__post_init__`, then those that span
+sections. Standard library only."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 
 from shared.errors import UserError
-from shared.flags import at_least, check_known, flag, one_of, positive
+from shared.flags import at_least, check_field_types, check_known, flag, one_of, positive
 from shared.model_shape import MODEL_PRESETS, ModelConfig, model_preset
 
 AUTO = "auto"
@@ -26,8 +27,19 @@ SCHEDULES = ("cosine", "wsd")
 RENAMED = {"max_steps": "total_steps"}
 
 
+class Section:
+    """A section of the train settings: checked when built (types, then its own `check`)."""
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        self.check()
+
+    def check(self) -> None:
+        """This section's own checks: ranges and choices, and what ties its fields together."""
+
+
 @dataclass
-class ModelSettings:
+class ModelSettings(Section):
     """The model: its size (a preset), sequence length, initialisation and seed."""
 
     preset: str = field(default="tiny", metadata={"help": "model size: " + ", ".join(MODEL_PRESETS)})
@@ -46,13 +58,13 @@ class ModelSettings:
             base = dataclasses.replace(base, block_size=self.seq_len)
         return base
 
-    def check_model(self) -> None:
+    def check(self) -> None:
         at_least(self, 0, "seq_len")
         self.model  # noqa: B018 - raises on a bad preset or sequence length
 
 
 @dataclass
-class DataSettings:
+class DataSettings(Section):
     """The training data: where its shards are, and what a resumed run does when they changed."""
 
     data_dir: str = field(default="data/demo", metadata={"help": "directory of *_train_*.bin / *_val_*.bin shards"})
@@ -62,12 +74,12 @@ class DataSettings:
                   "removed): error, or new-epoch (go on with a new pass over the shards given)"},
     )
 
-    def check_data(self) -> None:
+    def check(self) -> None:
         one_of(self, "on_data_change", ("error", "new-epoch"))
 
 
 @dataclass
-class OptimizerSettings:
+class OptimizerSettings(Section):
     """The optimizer: AdamW, or Muon for the blocks' matrices with AdamW for the rest; its learning rates (peaks),
     momenta, decays and the gradient clip."""
 
@@ -96,7 +108,7 @@ class OptimizerSettings:
     muon_weight_decay: float = field(default=0.01, metadata={"help": "muon: decoupled decay on its matrices"})
     grad_clip: float = field(default=1.0, metadata={"help": "global gradient-norm clip (0: none; the norm is logged)"})
 
-    def check_optim(self) -> None:
+    def check(self) -> None:
         at_least(self, 0, "weight_decay", "muon_weight_decay", "grad_clip", "muon_momentum_warmup_steps", "matrix_lr",
                  "aux_lr")
         positive(self, "lr", "muon_lr")
@@ -112,7 +124,7 @@ class OptimizerSettings:
 
 
 @dataclass
-class ScheduleSettings:
+class ScheduleSettings(Section):
     """The schedule: the whole run's length in steps and how the learning rates rise, hold and fall over it."""
 
     total_steps: int = field(default=19073, metadata={"help": "optimizer steps for the whole run (all sessions)"})
@@ -131,7 +143,7 @@ class ScheduleSettings:
                 "the new schedule agrees with (the stable-phase one, once), setting aside the shorter schedule's "
                 "decayed checkpoints; every session of the longer run keeps the flag"})
 
-    def check_lr_schedule(self) -> None:
+    def check(self) -> None:
         at_least(self, 0, "warmup_steps", "min_lr_ratio")
         positive(self, "total_steps")
         one_of(self, "schedule", SCHEDULES)
@@ -146,7 +158,7 @@ class ScheduleSettings:
 
 
 @dataclass
-class StepSettings:
+class StepSettings(Section):
     """The step's structure: the batch and its micro-batches, precision, the backend, and how XLA compiles the step
     (the attention kernel among it)."""
 
@@ -180,7 +192,7 @@ class StepSettings:
                 "(splash, then flash, then SDPA), splash, flash (skips splash) or sdpa (no Pallas kernel); a kernel "
                 "the TPU or the sequence length rules out is skipped (shared/train/attention.py)"})
 
-    def check_step(self) -> None:
+    def check(self) -> None:
         positive(self, "total_batch_tokens")
         if self.micro_batch != AUTO:
             if not isinstance(self.micro_batch, int) or isinstance(self.micro_batch, bool):
@@ -193,7 +205,7 @@ class StepSettings:
 
 
 @dataclass
-class SessionSettings:
+class SessionSettings(Section):
     """The session: where it writes, how long it may train, and its checkpoints."""
 
     out_dir: str = field(default="runs/demo", metadata={"help": "checkpoints, metrics.jsonl and plots go here"})
@@ -224,13 +236,13 @@ class SessionSettings:
         "help": "wsd: also keep the checkpoint where the stable phase ends (every full-LR update, none decayed) "
                 "in <checkpoints>/stable/, which --extend trains on from"})
 
-    def check_session(self) -> None:
+    def check(self) -> None:
         at_least(self, 0, "time_budget", "session_deadline", "checkpoint_every", "stop_after_steps")
         positive(self, "keep_checkpoints")
 
 
 @dataclass
-class EvalSettings:
+class EvalSettings(Section):
     """The evals during training: validation loss, HellaSwag and a sample, and how often."""
 
     eval_every: int = field(default=250, metadata={"help": "steps between validation-loss evals (0: off)"})
@@ -244,13 +256,13 @@ class EvalSettings:
     sample_prompt: str = field(default="", metadata={"help": "prompt sampled from at each eval ('': no samples)"})
     sample_tokens: int = field(default=32, metadata={"help": "tokens per sample at each eval"})
 
-    def check_evals(self) -> None:
+    def check(self) -> None:
         at_least(self, 0, "eval_every", "hellaswag_examples", "hellaswag_every", "sample_tokens")
         positive(self, "eval_batches")
 
 
 @dataclass
-class LoggingSettings:
+class LoggingSettings(Section):
     """Logging: the metric lines, W&B, the progress bar and the profiler."""
 
     log_every: int = field(default=10, metadata={"help": "steps between metric log lines"})
@@ -267,7 +279,7 @@ class LoggingSettings:
                 "third step) into out_dir/profile/, for TensorBoard's profile plugin: per-op device time to hold "
                 "against the compiler's roofline (scripts/hlo_cost.py); 0: off"})
 
-    def check_logging(self) -> None:
+    def check(self) -> None:
         at_least(self, 0, "profile_steps")
         positive(self, "log_every")
 

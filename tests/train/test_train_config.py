@@ -133,3 +133,15 @@ def test_a_runs_length_is_total_steps_and_its_old_name_max_steps_still_reads():
     assert from_file({"lr_schedule": {"max_steps": 12}}).total_steps == 12
     with pytest.raises(UserError, match="total_steps is set twice"):
         from_file({"max_steps": 11, "total_steps": 12})
+
+
+def test_a_section_built_alone_runs_its_own_checks():
+    from shared.train_sections import OptimizerSettings, ScheduleSettings
+
+    assert OptimizerSettings(lr=0.001).lr == 0.001
+    with pytest.raises(UserError, match="--muon-momentum must be in"):
+        OptimizerSettings(muon_momentum=1.0)
+    with pytest.raises(UserError, match="--lr: expected a number"):
+        OptimizerSettings(lr="3e-4")
+    with pytest.raises(UserError, match="--extend needs --schedule wsd"):
+        ScheduleSettings(extend=True)
