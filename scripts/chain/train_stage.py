@@ -178,10 +178,9 @@ class TrainStage:
         datasets, kernels, data_dir = data_sources(ctx)
         ckpt = ctx.ref(cfg.slug("checkpoints"))
         hellaswag = ctx.state.data.get("hellaswag_dataset")  # scripts/chain/hellaswag.py, made before session 1
-        settings = {"progress": False, "run_name": cfg.name, **cfg.train, "data_dir": data_dir,
-                    "out_dir": "{working}/train", "total_steps": cfg.total_steps,
-                    **cfg.session_clock(limit_s or cfg.session_limit_s), "wandb_run_id": self.wandb_run_id(),
-                    **hellaswag_settings(ctx, hellaswag)}
+        settings = {"progress": False, "run_name": cfg.name, **cfg.train_settings, "data_dir": data_dir,
+                    "out_dir": "{working}/train", **cfg.session_clock(limit_s or cfg.session_limit_s),
+                    "wandb_run_id": self.wandb_run_id(), **hellaswag_settings(ctx, hellaswag)}
         if stop_after_steps:  # the user's train.stop_after_steps, where lower, still holds
             settings["stop_after_steps"] = min(settings.get("stop_after_steps") or stop_after_steps, stop_after_steps)
         if attention:
