@@ -1,6 +1,6 @@
 """Train kernel: one bounded training session that resumes from the newest checkpoint and ends with one.
 
-Locally:  python kernels/train.py --preset tiny --data-dir data/demo --out-dir runs/demo --max-steps 50
+Locally:  python kernels/train.py --preset tiny --data-dir data/demo --out-dir runs/demo --total-steps 50
 On Kaggle the build bakes these settings in, so the kernel runs with no arguments.
 """
 

@@ -64,13 +64,20 @@ def chain_step(devices: int, seq_len: int, generation: str | None = None,
     from shared.tpu import micro_batch_for
     from shared.train.attention import candidates
 
-    train = json.loads(CHAIN_CONFIG.read_text())["train"]
+    train = chain_train_settings()
     kept = {k: v for k, v in train.items() if k in ("micro_batch", "total_batch_tokens", "attention")}
     cfg = TrainConfig(**{**kept, **({"attention": attention} if attention else {})}, preset="gpt2", seq_len=seq_len)
     if cfg.micro_batch == AUTO:
         first = candidates(generation, seq_len, cfg.attention)[0]
         cfg = dataclasses.replace(cfg, micro_batch=micro_batch_for(cfg, generation, first, devices))
     return max(1, cfg.micro_batch // devices), cfg.grad_accum_steps
+
+
+def chain_train_settings() -> dict:
+    """The gpt2 chain config's train settings, flat (the file nests them by section)."""
+    from shared.train_sections import flatten_sections
+
+    return flatten_sections(json.loads(CHAIN_CONFIG.read_text())["train"], f"{CHAIN_CONFIG}: train")
 
 
 def default_settings(backend: str, on_tpu: bool, devices: int, seq_len: int, generation: str | None = None,
@@ -177,7 +184,7 @@ def reference_loop(model_cfg, runtime, micro: int, warmup: int, steps: int,
     import numpy as np
     import torch
 
-    from shared.config import GPT2_VOCAB_SIZE
+    from shared.model_shape import GPT2_VOCAB_SIZE
     from shared.train.model import GPT
 
     torch.manual_seed(seed)
@@ -258,7 +265,8 @@ def main() -> None:
         default_xla_env()  # torch_xla's CPU devices off-TPU; must precede torch's first backward pass
     import torch
 
-    from shared.config import GPT2_VOCAB_SIZE, TrainConfig
+    from shared.config import TrainConfig
+    from shared.model_shape import GPT2_VOCAB_SIZE
     from shared.train.device import make_runtime
     from shared.train.metrics import read_metrics
     from shared.train.model import GPT
@@ -268,7 +276,7 @@ def main() -> None:
         raise UserError("--backend cuda: no CUDA device found")
     runtime = make_runtime(backend)
     on_tpu = runtime.name == "xla" and runtime._xr.device_type() == "TPU"
-    attention = args.attention or json.loads(CHAIN_CONFIG.read_text())["train"].get("attention", "auto")
+    attention = args.attention or chain_train_settings().get("attention", "auto")
     micro_d, accum_d, steps_d, warmup_d, why = default_settings(backend, on_tpu, runtime.num_devices, args.seq_len,
                                                                 runtime.tpu_generation and runtime.tpu_generation.name,
                                                                 attention)
@@ -323,7 +331,7 @@ def main() -> None:
                             min(model_cfg.vocab_size, GPT2_VOCAB_SIZE))
         cfg = TrainConfig(preset=args.preset, seq_len=args.seq_len, data_dir=f"{tmp}/data", out_dir=f"{tmp}/run",
                           micro_batch=global_micro, total_batch_tokens=tokens_per_micro_step * accum,
-                          max_steps=warmup + steps, warmup_steps=max(1, warmup + steps), log_every=log_every,
+                          total_steps=warmup + steps, warmup_steps=max(1, warmup + steps), log_every=log_every,
                           eval_every=0, checkpoint_every=0, keep_checkpoints=1, progress=False, wandb_project="",
                           xla_cache=False, backend=backend, optimizer=args.optimizer, attention=attention)
         train(cfg, runtime, log=lambda msg, *a, **k: say(f"  [trainer] {msg}", flush=True))

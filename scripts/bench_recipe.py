@@ -166,7 +166,7 @@ def run(name: str, cfg, out_root: Path) -> list[tuple[int, float]]:
 
     out = out_root / name
     metrics = out / "metrics.jsonl"
-    if not (metrics.exists() and any(r.get("event") == "session_end" and r["step"] == cfg.max_steps
+    if not (metrics.exists() and any(r.get("event") == "session_end" and r["step"] == cfg.total_steps
                                      for r in read_metrics(metrics))):
         shutil.rmtree(out, ignore_errors=True)
         result = train(replace(cfg, out_dir=str(out)), log=lambda *a, **k: None)
@@ -266,7 +266,7 @@ def compare(base, args, steps: int, out_root: Path) -> str:
     for index in range(args.seeds):
         seed = base.seed + index
         for name, changes in settings.items():
-            cfg = replace(base, seed=seed, max_steps=steps, **changes)
+            cfg = replace(base, seed=seed, total_steps=steps, **changes)
             curve = run(f"compare-{name}-seed{seed}", cfg, out_root)
             finals[name].append(curve[-1][1])
             if name == "record":  # its loss where the stable phase ends (an eval's key step) and at the end
@@ -308,7 +308,7 @@ def add_bench_args(parser: argparse.ArgumentParser, **defaults) -> None:
 def prepare_bench(args: argparse.Namespace) -> tuple[dict, Path]:
     """The corpus (built once) and the folder its runs read (over --vocab's remapped vocabulary where set); and the
     bench's model size as the preset "bench", of this process only (the trainer takes its model by preset)."""
-    from shared.config import MODEL_PRESETS, PADDED_VOCAB_SIZE, ModelConfig
+    from shared.model_shape import MODEL_PRESETS, PADDED_VOCAB_SIZE, ModelConfig
 
     corpus = build_corpus(Path(args.corpus_dir), Path(args.text_dir) if args.text_dir else None)
     data_dir = remap_vocabulary(Path(args.corpus_dir), args.vocab) if args.vocab else Path(args.corpus_dir)
@@ -370,13 +370,13 @@ def main() -> None:
     for index in range(args.seeds):
         seed = base.seed + index
         for lr, name in control_names.items():
-            control = replace(base, seed=seed, max_steps=steps, matrix_lr=lr)
+            control = replace(base, seed=seed, total_steps=steps, matrix_lr=lr)
             curves[name].append(run(f"control-{lr:g}-seed{seed}", control, out_root))
         finals = []
         for fraction in [float(f) for f in args.muon_fractions.split(",")]:
             # A shorter run ends on an eval (every eval_every steps): its final loss is its end's.
             muon_steps = steps if fraction >= 1 else max(eval_every, int(steps * fraction) // eval_every * eval_every)
-            muon = replace(base, seed=seed, max_steps=muon_steps, optimizer="muon", muon_lr=args.muon_lr)
+            muon = replace(base, seed=seed, total_steps=muon_steps, optimizer="muon", muon_lr=args.muon_lr)
             curve = run(f"muon-{fraction:g}-seed{seed}", muon, out_root)
             curves.setdefault(f"Muon + wsd (lr {args.muon_lr:g}), {muon_steps / steps:.2f}x budget", []).append(curve)
             finals.append((curve[-1][0], curve[-1][1]))

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -50,9 +51,6 @@ from scripts.bench_recipe import add_bench_args, plot_curves, prepare_bench, run
 from shared.errors import UserError, run_cli  # noqa: E402
 
 SHIPPED_EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "chain-gpt2-124m-muon.json"
-OPTIMIZER_KEYS = ("optimizer", "lr", "weight_decay", "aux_lr", "matrix_lr", "muon_lr", "muon_scale", "muon_momentum",
-                  "muon_momentum_warmup_steps", "muon_weight_decay", "grad_clip", "schedule", "warmup_steps",
-                  "cooldown_frac", "cooldown_shape", "min_lr_ratio")
 BUILD_NANOGPT_LR = 6e-4
 BUILD_NANOGPT_WARMUP_SHARE = 715 / 19_073
 # Moonlight: W -= eta (0.2 sqrt(max dim) O + 0.1 W). Ours (max_dim): W -= muon_lr (sqrt(max dim) O + wd W), so
@@ -64,10 +62,14 @@ def shipped_settings(path: Path = SHIPPED_EXAMPLE) -> dict:
     """The optimizer and schedule settings the shipped example gives its train kernel, with the trainer's defaults
     for the ones it leaves out (so a key added to the example is benched as shipped)."""
     from shared.config import TrainConfig
+    from shared.train_sections import TRAIN_SECTIONS, flatten_sections
 
-    train = json.loads(path.read_text())["train"]
+    train = flatten_sections(json.loads(path.read_text())["train"], f"{path}: train")
     defaults = TrainConfig()
-    return {key: train.get(key, getattr(defaults, key)) for key in OPTIMIZER_KEYS}
+    # The optimizer's and the schedule's sections, whole, but the run's own length (the bench's --steps) and --extend
+    keys = [f.name for section in (TRAIN_SECTIONS["optim"], TRAIN_SECTIONS["lr_schedule"])
+            for f in dataclasses.fields(section) if f.name not in ("total_steps", "extend")]
+    return {key: train.get(key, getattr(defaults, key)) for key in keys}
 
 
 def recipe_arms(shipped: dict, steps: int, n_layer: int) -> dict[str, tuple[dict, float]]:
@@ -282,7 +284,7 @@ def main() -> None:
                        data_dir=str(data_dir), backend="cpu", bf16=False, eval_batches=args.eval_batches,
                        eval_every=eval_every, checkpoint_every=eval_every, keep_checkpoints=args.evals + 2,
                        keep_stable=False, progress=True, wandb_project="", xla_cache=False, time_budget=1e9,
-                       log_every=10, max_steps=args.steps, seed=args.first_seed)
+                       log_every=10, total_steps=args.steps, seed=args.first_seed)
     out_root = Path(args.out_dir)
     windows = seed_data_dirs(data_dir, out_root, args.window + args.seeds, args.steps * args.batch_tokens + 1)
     print(f"corpus: {corpus['train_tokens']:,} train tokens; {len(arms)} arms x {args.seeds} seeds x {args.steps} "

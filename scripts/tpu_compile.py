@@ -361,7 +361,7 @@ def main() -> None:
         from scripts.chain.config import load_config
 
         chain = load_config(args.config)
-        settings = {**chain.train, "max_steps": chain.total_steps}
+        settings = chain.train_settings
     else:  # as the example chains set it: auto, resolved as a session on that TPU resolves it
         settings = {"preset": args.preset, "micro_batch": "auto"}
     for name in ("micro_batch", "total_batch_tokens", "seq_len", "activation_checkpointing", "attention"):

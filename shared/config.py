@@ -1,5 +1,6 @@
 """The settings of every kernel, in one light module (standard library only): `TokenizeConfig`, `TrainConfig`
-(with `ModelConfig`) and `EvalConfig`; shared/flags.py makes a command line of each.
+(its sections in shared/train_sections.py, the model's shape in shared/model_shape.py) and `EvalConfig`;
+shared/flags.py makes a command line of each.
 
 A kernel's flags are generated from its config's fields, so a new setting is one new field with a default and a
 help string. Each config checks itself in `__post_init__` (types and ranges), so every way of building one is
@@ -21,20 +22,18 @@ from shared.flags import at_least, check_field_types, one_of, positive
 from shared.train_sections import (
     AUTO,
     BACKENDS,
+    RENAMED,
+    TRAIN_SECTIONS,
     DataSettings,
     EvalSettings,
     LoggingSettings,
+    ModelSettings,
     OptimizerSettings,
     ScheduleSettings,
     SessionSettings,
     StepSettings,
-    flatten_sections,
 )
 
-GPT2_VOCAB_SIZE = 50257  # the tokenizer's vocabulary
-# A checkpoint holds fp32 weights and AdamW's two fp32 moments (the XLA cache and JSON are small).
-CHECKPOINT_BYTES_PER_PARAM = 12
-PADDED_VOCAB_SIZE = 50304  # a multiple of 128: faster matmuls; trimmed back to 50257 on export
 SHARD_HEADER_BYTES = 256 * 4  # llm.c's shard header: 256 int32 (shared/data.py)
 MANIFEST_SLACK = 4096  # room kept in a tokenize part's budget for the manifest growing by one shard entry
 GB = 1e9
@@ -47,96 +46,7 @@ CORPUS_TOKENS = {("HuggingFaceFW/fineweb-edu", "sample-10BT"): 10_000_000_000,
                  ("HuggingFaceFW/fineweb-edu", "sample-350BT"): 350_000_000_000}
 
 
-@dataclass(frozen=True)
-class ModelConfig:
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-    block_size: int = 1024
-    vocab_size: int = PADDED_VOCAB_SIZE
-
-    def __post_init__(self) -> None:
-        check_field_types(self)
-        positive(self, "n_layer", "n_head", "n_embd", "block_size", "vocab_size")
-        if self.n_embd % self.n_head:
-            raise UserError(f"n_embd {self.n_embd} is not a multiple of n_head {self.n_head}")
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> ModelConfig:
-        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
-
-    def num_params(self) -> int:
-        """Parameters of the model (the tied head counted once), without building it: per block two LayerNorms
-        (4C), attention (4C^2 + 4C) and the MLP (8C^2 + 5C); embeddings and the final LayerNorm besides."""
-        c = self.n_embd
-        return self.n_layer * (12 * c * c + 13 * c) + (self.vocab_size + self.block_size) * c + 2 * c
-
-    def flops_per_token(self) -> int:
-        """Training FLOPs per token: 6 N (forward 2N, backward 4N) + 12 L C T for attention's scores and values
-        (docs/tpu-throughput.md section 1)."""
-        return 6 * self.num_params() + 12 * self.n_layer * self.n_embd * self.block_size
-
-    def flops_per_token_llmc(self) -> int:
-        """The same in llm.c's convention (train_gpt2.cu `gpt2_estimate_mfu`: 6 N + 6 L C T), which counts causal
-        attention's half of the scores: the figure to hold against llm.c's and MaxText's MFU (docs/tpu-throughput.md
-        section 1)."""
-        return 6 * self.num_params() + 6 * self.n_layer * self.n_embd * self.block_size
-
-    def checkpoint_bytes(self) -> int:
-        """Bytes of one checkpoint (CHECKPOINT_BYTES_PER_PARAM per parameter)."""
-        return CHECKPOINT_BYTES_PER_PARAM * self.num_params()
-
-
-MODEL_PRESETS: dict[str, ModelConfig] = {
-    "tiny": ModelConfig(n_layer=2, n_head=4, n_embd=128, block_size=256),
-    "gpt2": ModelConfig(n_layer=12, n_head=12, n_embd=768),
-    "gpt2-medium": ModelConfig(n_layer=24, n_head=16, n_embd=1024),
-    "gpt2-large": ModelConfig(n_layer=36, n_head=20, n_embd=1280),
-    "gpt2-xl": ModelConfig(n_layer=48, n_head=25, n_embd=1600),
-}
-
-
-def model_preset(name: str) -> ModelConfig:
-    if name not in MODEL_PRESETS:
-        raise UserError(f"--preset: unknown preset {name!r}; choose one of {', '.join(MODEL_PRESETS)}")
-    return MODEL_PRESETS[name]
-
-
 NINE_HOURS = 9 * 3600.0
-
-
-@dataclass
-class ModelSettings:
-    """The model: its size (a preset), sequence length, initialisation and seed."""
-
-    preset: str = field(default="tiny", metadata={"help": "model size: " + ", ".join(MODEL_PRESETS)})
-    seq_len: int = field(default=0, metadata={"help": "tokens per sequence (0: the preset's block size)"})
-    seed: int = field(default=1337, metadata={"help": "init and data-order seed"})
-    zero_init_projections: bool = field(default=False, metadata={
-        "help": "start the attention and MLP output projections (c_proj) at zero (modded-nanogpt's 2024-10-14 record; "
-                "initialisation only: the architecture and the Hugging Face export are unchanged)"})
-
-    @property
-    def model(self) -> ModelConfig:
-        base = model_preset(self.preset)
-        if self.seq_len and self.seq_len != base.block_size:
-            if self.seq_len > base.block_size and self.preset != "tiny":
-                raise UserError(f"--seq-len {self.seq_len} exceeds {self.preset}'s block size {base.block_size}")
-            base = dataclasses.replace(base, block_size=self.seq_len)
-        return base
-
-    def check_model(self) -> None:
-        at_least(self, 0, "seq_len")
-        self.model  # noqa: B018 - raises on a bad preset or sequence length
-
-
-# TrainConfig's sections by the name a nested `train` config gives each (shared/train_sections.py flatten_sections)
-TRAIN_SECTIONS: dict[str, type] = {"model": ModelSettings, "data": DataSettings, "optim": OptimizerSettings,
-                                   "lr_schedule": ScheduleSettings, "step": StepSettings, "session": SessionSettings,
-                                   "evals": EvalSettings, "logging": LoggingSettings}
 
 
 # Sections listed last-first: a dataclass takes its bases' fields from the last base up, so flags and --help keep
@@ -144,11 +54,12 @@ TRAIN_SECTIONS: dict[str, type] = {"model": ModelSettings, "data": DataSettings,
 @dataclass
 class TrainConfig(LoggingSettings, EvalSettings, SessionSettings, StepSettings, ScheduleSettings, OptimizerSettings,
                   DataSettings, ModelSettings):
-    """One train session's settings: every section's fields (TRAIN_SECTIONS), each a flag (`--max-steps`) and a key
+    """One train session's settings: every section's fields (TRAIN_SECTIONS), each a flag (`--total-steps`) and a key
     of a chain config's `train`. Checked in `__post_init__`, however the config is built: each section's own
     checks, then those that span sections."""
 
     SECTIONS: ClassVar[dict[str, type]] = TRAIN_SECTIONS
+    RENAMED: ClassVar[dict[str, str]] = RENAMED  # old name -> field: read from configs, kept as flag aliases
 
     @property
     def tokens_per_micro_step(self) -> int:
@@ -168,21 +79,10 @@ class TrainConfig(LoggingSettings, EvalSettings, SessionSettings, StepSettings, 
 
     def __post_init__(self) -> None:
         check_field_types(self)
-        for name, section in TRAIN_SECTIONS.items():  # each section's own checks, in the order --help lists them
-            getattr(section, f"check_{name}")(self)
+        for section in TRAIN_SECTIONS.values():  # each section's own checks (by its class: each is named check)
+            section.check(self)
         if self.micro_batch != AUTO:
             self.grad_accum_steps  # noqa: B018 - raises unless the batch is a whole number of micro-batches
-
-    @classmethod
-    def from_settings(cls, settings: dict, where: str = "train", **fixed) -> TrainConfig:
-        """A checked TrainConfig from settings written flat or in sections (TRAIN_SECTIONS' names), with `fixed`
-        (e.g. the chain's max_steps) over them."""
-        flat = flatten_sections(settings, TRAIN_SECTIONS, where)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(flat) - known)
-        if unknown:
-            raise UserError(f"{where}: unknown setting(s) {', '.join(unknown)}")
-        return cls(**{**flat, **fixed})
 
     def validate(self, num_devices: int = 1) -> None:
         """Every check again (a field may have been set since), then what needs the machine: the micro-batch is

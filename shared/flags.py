@@ -31,6 +31,13 @@ def check_field_types(config, name=flag) -> None:
                             f"got {value!r}")
 
 
+def check_known(settings, known, where: str, what: str) -> None:
+    """Every key of `settings` is one of `known`: else one line naming the unknown ones and the known."""
+    unknown = sorted(set(settings) - set(known))
+    if unknown:
+        raise UserError(f"{where}: unknown {what} setting(s) {', '.join(unknown)}; known: {', '.join(known)}")
+
+
 def at_least(config, minimum: float, *names: str) -> None:
     for name in names:
         if getattr(config, name) < minimum:
@@ -50,23 +57,30 @@ def one_of(config, name: str, allowed: tuple[str, ...]) -> None:
 
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
-    """One flag per dataclass field (`micro_batch` -> `--micro-batch`), typed from the annotation; a class with
-    `SECTIONS` ({name: section dataclass}) lists its flags in --help under each section's name and summary."""
+    """One flag per dataclass field (`micro_batch` -> `--micro-batch`), typed from the annotation. A class with
+    `SECTIONS` ({name: section dataclass}) lists its flags in --help under each section's name and summary, each
+    flag first by its place in a config file (`--optim.lr`, `--lr_schedule.total_steps`: the section and the key as
+    JSON writes them), the short flag (`--lr`) an alias; a class with `RENAMED` keeps each old flag as an alias."""
     hints = typing.get_type_hints(cls)
-    groups = {}
+    groups, placed, old_flags = {}, {}, {}
     for name, section in getattr(cls, "SECTIONS", {}).items():
         group = parser.add_argument_group(name, (section.__doc__ or "").split("\n\n")[0].replace("\n    ", " "))
         groups.update({f.name: group for f in dataclasses.fields(section)})
+        placed.update({f.name: [f"--{name}.{f.name}"] for f in dataclasses.fields(section)})
+    for old, new in getattr(cls, "RENAMED", {}).items():  # a user's scripts keep working
+        old_flags.setdefault(new, []).append(flag(old))
     for f in dataclasses.fields(cls):
         kind = hints[f.name]
         target = groups.get(f.name, parser)
+        names = [*placed.get(f.name, []), flag(f.name), *old_flags.get(f.name, [])]
         help_text = f"{f.metadata.get('help', '')} (default: {f.default!r})"
         if kind is bool:
-            target.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+            target.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+                                help=help_text)
         elif kind == int | str:  # a number, or a word such as auto
-            target.add_argument(flag(f.name), type=_int_or_word, default=f.default, help=help_text)
+            target.add_argument(*names, dest=f.name, type=_int_or_word, default=f.default, help=help_text)
         else:
-            target.add_argument(flag(f.name), type=kind, default=f.default, help=help_text)
+            target.add_argument(*names, dest=f.name, type=kind, default=f.default, help=help_text)
 
 
 def _int_or_word(text: str) -> int | str:
@@ -80,7 +94,8 @@ def parse_dataclass(cls: type, argv: list[str] | None = None, description: str =
     """Parse `argv` into an instance of `cls`; `defaults` (e.g. baked into a Kaggle build) override field defaults."""
     parser = argparse.ArgumentParser(description=description)
     add_dataclass_args(parser, cls)
-    if defaults:
-        parser.set_defaults(**defaults)
+    if defaults:  # under their current names (a build baked before a rename bakes the old ones)
+        renamed = getattr(cls, "RENAMED", {})
+        parser.set_defaults(**{renamed.get(key, key): value for key, value in defaults.items()})
     ns = parser.parse_args(argv)
     return cls(**vars(ns))

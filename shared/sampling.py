@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from shared.config import GPT2_VOCAB_SIZE
 from shared.errors import UserError
+from shared.model_shape import GPT2_VOCAB_SIZE
 
 
 @dataclass

@@ -23,8 +23,9 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from shared.config import CHECKPOINT_BYTES_PER_PARAM, NINE_HOURS
+from shared.config import NINE_HOURS
 from shared.errors import UserError
+from shared.model_shape import CHECKPOINT_BYTES_PER_PARAM
 
 MAX_PROCESS_AGE_S = 24 * 3600  # no session is this long: an age past it (or below 0) is a clock that disagrees
 

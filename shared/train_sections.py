@@ -1,16 +1,19 @@
-"""The train kernel's settings, in the sections a reader looks for them: the data, the optimizer, the learning-rate
-schedule, the step's structure, the session, the evals and logging (the model's section is in shared/config.py,
-beside the model presets it names). `shared.config.TrainConfig` is all of them at once, so every field is still one
-flag (`--max-steps`) and one key of a chain config's `train` (flat, or nested under its section's name:
-`{"optim": {"lr": 0.0036}}`, `flatten_sections`). Each section checks its own fields (`check_<section name>`);
-TrainConfig runs every check in `__post_init__`, then those that span sections. Standard library only."""
+"""The train kernel's settings, in the sections a reader looks for them: the model, the data, the optimizer, the
+learning-rate schedule, the step's structure, the session, the evals and logging (`TRAIN_SECTIONS`).
+`shared.config.TrainConfig` is all of them at once, so every field is still one flag (`--lr_schedule.total_steps`,
+alias `--total-steps`) and one key of a chain config's `train` (nested under its section's name,
+`{"optim": {"lr": 0.0036}}`, or flat: `flatten_sections`). Each section checks its own fields (`Section.check`),
+built alone or as part of TrainConfig, which runs every section's check in `__post_init__`, then those that span
+sections. Standard library only."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, fields
 
 from shared.errors import UserError
-from shared.flags import at_least, flag, one_of, positive
+from shared.flags import at_least, check_field_types, check_known, flag, one_of, positive
+from shared.model_shape import MODEL_PRESETS, ModelConfig, model_preset
 
 AUTO = "auto"
 BACKENDS = ("auto", "xla", "cuda", "cpu")
@@ -18,10 +21,50 @@ BACKENDS = ("auto", "xla", "cuda", "cpu")
 ATTENTION_SETTINGS = ("auto", "splash", "flash", "sdpa")
 OPTIMIZERS = ("adamw", "muon")  # shared/train/optim.py
 SCHEDULES = ("cosine", "wsd")
+# Settings renamed, by their old names: a run's length was `max_steps` in the train kernel and `total_steps` in the
+# chain; it is total_steps everywhere now. Old configs (a user's, a checkpoint's carried one) and the old flag still
+# work: `current_names` reads them, and shared/flags.py keeps each old flag as an alias of the new one.
+RENAMED = {"max_steps": "total_steps"}
+
+
+class Section:
+    """A section of the train settings: checked when built (types, then its own `check`)."""
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        self.check()
+
+    def check(self) -> None:
+        """This section's own checks: ranges and choices, and what ties its fields together."""
 
 
 @dataclass
-class DataSettings:
+class ModelSettings(Section):
+    """The model: its size (a preset), sequence length, initialisation and seed."""
+
+    preset: str = field(default="tiny", metadata={"help": "model size: " + ", ".join(MODEL_PRESETS)})
+    seq_len: int = field(default=0, metadata={"help": "tokens per sequence (0: the preset's block size)"})
+    seed: int = field(default=1337, metadata={"help": "init and data-order seed"})
+    zero_init_projections: bool = field(default=False, metadata={
+        "help": "start the attention and MLP output projections (c_proj) at zero (modded-nanogpt's 2024-10-14 record; "
+                "initialisation only: the architecture and the Hugging Face export are unchanged)"})
+
+    @property
+    def model(self) -> ModelConfig:
+        base = model_preset(self.preset)
+        if self.seq_len and self.seq_len != base.block_size:
+            if self.seq_len > base.block_size and self.preset != "tiny":
+                raise UserError(f"--seq-len {self.seq_len} exceeds {self.preset}'s block size {base.block_size}")
+            base = dataclasses.replace(base, block_size=self.seq_len)
+        return base
+
+    def check(self) -> None:
+        at_least(self, 0, "seq_len")
+        self.model  # noqa: B018 - raises on a bad preset or sequence length
+
+
+@dataclass
+class DataSettings(Section):
     """The training data: where its shards are, and what a resumed run does when they changed."""
 
     data_dir: str = field(default="data/demo", metadata={"help": "directory of *_train_*.bin / *_val_*.bin shards"})
@@ -31,12 +74,12 @@ class DataSettings:
                   "removed): error, or new-epoch (go on with a new pass over the shards given)"},
     )
 
-    def check_data(self) -> None:
+    def check(self) -> None:
         one_of(self, "on_data_change", ("error", "new-epoch"))
 
 
 @dataclass
-class OptimizerSettings:
+class OptimizerSettings(Section):
     """The optimizer: AdamW, or Muon for the blocks' matrices with AdamW for the rest; its learning rates (peaks),
     momenta, decays and the gradient clip."""
 
@@ -65,7 +108,7 @@ class OptimizerSettings:
     muon_weight_decay: float = field(default=0.01, metadata={"help": "muon: decoupled decay on its matrices"})
     grad_clip: float = field(default=1.0, metadata={"help": "global gradient-norm clip (0: none; the norm is logged)"})
 
-    def check_optim(self) -> None:
+    def check(self) -> None:
         at_least(self, 0, "weight_decay", "muon_weight_decay", "grad_clip", "muon_momentum_warmup_steps", "matrix_lr",
                  "aux_lr")
         positive(self, "lr", "muon_lr")
@@ -81,28 +124,28 @@ class OptimizerSettings:
 
 
 @dataclass
-class ScheduleSettings:
+class ScheduleSettings(Section):
     """The schedule: the whole run's length in steps and how the learning rates rise, hold and fall over it."""
 
-    max_steps: int = field(default=19073, metadata={"help": "optimizer steps for the whole run (all sessions)"})
+    total_steps: int = field(default=19073, metadata={"help": "optimizer steps for the whole run (all sessions)"})
     warmup_steps: int = field(default=715, metadata={"help": "linear learning-rate warm-up steps"})
     schedule: str = field(
         default="cosine", metadata={"help": "cosine (warm-up, cosine to min_lr_ratio), or wsd (warm-up, constant, "
                                   "linear decay to zero over the last cooldown_frac of the run)"}
     )
     min_lr_ratio: float = field(default=0.1, metadata={"help": "cosine floor as a fraction of the peak"})
-    cooldown_frac: float = field(default=0.4, metadata={"help": "wsd: the fraction of max_steps that decays"})
+    cooldown_frac: float = field(default=0.4, metadata={"help": "wsd: the fraction of total_steps that decays"})
     cooldown_shape: str = field(default="linear", metadata={
         "help": "wsd: the decay's shape, linear or 1-sqrt (1 - sqrt(progress), epfml/schedules-and-scaling "
                 "src/optim/utils.py)"})
     extend: bool = field(default=False, metadata={
-        "help": "wsd: lengthen a run to this --max-steps (a later decay): resume from its newest checkpoint that "
+        "help": "wsd: lengthen a run to this --total-steps (a later decay): resume from its newest checkpoint that "
                 "the new schedule agrees with (the stable-phase one, once), setting aside the shorter schedule's "
                 "decayed checkpoints; every session of the longer run keeps the flag"})
 
-    def check_lr_schedule(self) -> None:
+    def check(self) -> None:
         at_least(self, 0, "warmup_steps", "min_lr_ratio")
-        positive(self, "max_steps")
+        positive(self, "total_steps")
         one_of(self, "schedule", SCHEDULES)
         one_of(self, "cooldown_shape", ("linear", "1-sqrt"))
         if self.min_lr_ratio > 1:
@@ -110,12 +153,12 @@ class ScheduleSettings:
         if not 0.0 < self.cooldown_frac <= 1.0:
             raise UserError(f"--cooldown-frac must be in (0, 1], got {self.cooldown_frac}")
         if self.extend and self.schedule != "wsd":
-            raise UserError("--extend needs --schedule wsd: a cosine schedule depends on --max-steps from the end of "
+            raise UserError("--extend needs --schedule wsd: a cosine schedule depends on --total-steps from the end of "
                             "its warm-up, so no later checkpoint agrees with a longer one")
 
 
 @dataclass
-class StepSettings:
+class StepSettings(Section):
     """The step's structure: the batch and its micro-batches, precision, the backend, and how XLA compiles the step
     (the attention kernel among it)."""
 
@@ -149,7 +192,7 @@ class StepSettings:
                 "(splash, then flash, then SDPA), splash, flash (skips splash) or sdpa (no Pallas kernel); a kernel "
                 "the TPU or the sequence length rules out is skipped (shared/train/attention.py)"})
 
-    def check_step(self) -> None:
+    def check(self) -> None:
         positive(self, "total_batch_tokens")
         if self.micro_batch != AUTO:
             if not isinstance(self.micro_batch, int) or isinstance(self.micro_batch, bool):
@@ -162,7 +205,7 @@ class StepSettings:
 
 
 @dataclass
-class SessionSettings:
+class SessionSettings(Section):
     """The session: where it writes, how long it may train, and its checkpoints."""
 
     out_dir: str = field(default="runs/demo", metadata={"help": "checkpoints, metrics.jsonl and plots go here"})
@@ -185,7 +228,7 @@ class SessionSettings:
                   "checkpoint are done, however long start-up took (0: none; a chain sets its limit less publishing)"},
     )
     stop_after_steps: int = field(
-        default=0, metadata={"help": "end this session after this many steps (0: only time/max_steps end it)"}
+        default=0, metadata={"help": "end this session after this many steps (0: only time/total_steps end it)"}
     )
     checkpoint_every: int = field(default=1000, metadata={"help": "steps between periodic checkpoints (0: off)"})
     keep_checkpoints: int = field(default=2, metadata={"help": "how many checkpoints to keep"})
@@ -193,13 +236,13 @@ class SessionSettings:
         "help": "wsd: also keep the checkpoint where the stable phase ends (every full-LR update, none decayed) "
                 "in <checkpoints>/stable/, which --extend trains on from"})
 
-    def check_session(self) -> None:
+    def check(self) -> None:
         at_least(self, 0, "time_budget", "session_deadline", "checkpoint_every", "stop_after_steps")
         positive(self, "keep_checkpoints")
 
 
 @dataclass
-class EvalSettings:
+class EvalSettings(Section):
     """The evals during training: validation loss, HellaSwag and a sample, and how often."""
 
     eval_every: int = field(default=250, metadata={"help": "steps between validation-loss evals (0: off)"})
@@ -213,13 +256,13 @@ class EvalSettings:
     sample_prompt: str = field(default="", metadata={"help": "prompt sampled from at each eval ('': no samples)"})
     sample_tokens: int = field(default=32, metadata={"help": "tokens per sample at each eval"})
 
-    def check_evals(self) -> None:
+    def check(self) -> None:
         at_least(self, 0, "eval_every", "hellaswag_examples", "hellaswag_every", "sample_tokens")
         positive(self, "eval_batches")
 
 
 @dataclass
-class LoggingSettings:
+class LoggingSettings(Section):
     """Logging: the metric lines, W&B, the progress bar and the profiler."""
 
     log_every: int = field(default=10, metadata={"help": "steps between metric log lines"})
@@ -236,29 +279,48 @@ class LoggingSettings:
                 "third step) into out_dir/profile/, for TensorBoard's profile plugin: per-op device time to hold "
                 "against the compiler's roofline (scripts/hlo_cost.py); 0: off"})
 
-    def check_logging(self) -> None:
+    def check(self) -> None:
         at_least(self, 0, "profile_steps")
         positive(self, "log_every")
 
 
-def section_fields(sections: dict[str, type]) -> dict[str, str]:
-    """{field name: its section's name} over `sections` ({name: section class})."""
+# TrainConfig's sections by the name a nested `train` config gives each (shared/train_sections.py flatten_sections)
+TRAIN_SECTIONS: dict[str, type] = {"model": ModelSettings, "data": DataSettings, "optim": OptimizerSettings,
+                                   "lr_schedule": ScheduleSettings, "step": StepSettings, "session": SessionSettings,
+                                   "evals": EvalSettings, "logging": LoggingSettings}
+
+
+def section_fields(sections: dict[str, type] = TRAIN_SECTIONS) -> dict[str, str]:
+    """{field name: its section's name} over `sections` ({name: section class}; the train settings' by default)."""
     return {f.name: name for name, section in sections.items() for f in fields(section)}
 
 
-def flatten_sections(settings: dict, sections: dict[str, type], where: str = "train") -> dict:
+def current_names(settings: dict, where: str = "train") -> dict:
+    """`settings` with each old name (RENAMED) replaced by its current one; both spellings at once is an error."""
+    out = dict(settings)
+    for old, new in RENAMED.items():
+        if old in out:
+            if new in out:
+                raise UserError(f"{where}: {new} is set twice ({old} is its old name)")
+            out[new] = out.pop(old)
+    return out
+
+
+def flatten_sections(settings: dict, where: str = "train") -> dict:
     """Train settings written flat (`{"lr": ...}`), nested under their sections' names (`{"optim": {"lr": ...}}`),
-    or both, as one flat dict. A key under the wrong section, or set twice, is a one-line error; unknown flat keys
-    are left for the caller's own check."""
-    owner = section_fields(sections)
-    flat = {key: value for key, value in settings.items() if key not in sections}
+    or both, under current names or old (`current_names`), as one flat dict: the one reader of a train config, the
+    chain's and any script's. An unknown key, a key under the wrong section, or one set twice is a one-line error."""
+    sections = TRAIN_SECTIONS
+    owner = section_fields()
+    flat = current_names({key: value for key, value in settings.items() if key not in sections}, where)
+    check_known(flat, owner, where, "train")
     for name in sections:
         nested = settings.get(name)
         if nested is None:
             continue
         if not isinstance(nested, dict):
             raise UserError(f"{where}.{name}: a section of settings ({{\"key\": value, ...}}), got {nested!r}")
-        for key, value in nested.items():
+        for key, value in current_names(nested, f"{where}.{name}").items():
             if owner.get(key) != name:
                 home = f"; it belongs in the {owner[key]} section" if key in owner else ""
                 raise UserError(f"{where}.{name}: {key} is not a setting of this section{home}")

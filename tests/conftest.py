@@ -53,7 +53,7 @@ def straight_run(demo_data, tmp_path_factory) -> Path:
     """6 uninterrupted steps of kernels/train.py (helpers.py's small settings): what resumed runs must equal, in
     train/test_train.py and chain/test_build_kernels.py alike, so it is run once (on one worker)."""
     def make(out: Path) -> None:
-        proc = train_cli(demo_data, out, "--max-steps", "6")
+        proc = train_cli(demo_data, out, "--total-steps", "6")
         assert proc.returncode == 0, proc.stderr[-3000:]
 
     return made_once(tmp_path_factory, "straight_run", make)

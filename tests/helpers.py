@@ -23,6 +23,17 @@ from shared.train.metrics import read_metrics
 REPO = Path(__file__).resolve().parent.parent
 
 
+def example_config(name: str) -> dict:
+    """examples/<name> as a dict, its `train` settings flat (the file nests them by section), so a test may lay
+    its own settings over them by key."""
+    import json
+
+    from shared.train_sections import flatten_sections
+
+    raw = json.loads((REPO / "examples" / name).read_text())
+    return {**raw, "train": flatten_sections(raw["train"], f"examples/{name}: train")}
+
+
 def run_script(path: str, *args: str, timeout: float = 300, env: dict | None = None,
                python: str = sys.executable) -> subprocess.CompletedProcess:
     """Run a repo script in a fresh Python process (this one's interpreter unless told), as a user would."""
@@ -55,7 +66,7 @@ SMALL_ARGS = ["--preset", "tiny", "--seq-len", "32", "--micro-batch", "8", "--to
 def small_config(data_dir, out_dir, **overrides) -> TrainConfig:
     cfg = TrainConfig(preset="tiny", seq_len=32, micro_batch=8, total_batch_tokens=512, warmup_steps=2,
                       log_every=1, eval_every=0, progress=False, wandb_project="", data_dir=str(data_dir),
-                      out_dir=str(out_dir), max_steps=6, checkpoint_every=0)
+                      out_dir=str(out_dir), total_steps=6, checkpoint_every=0)
     return replace(cfg, **overrides)
 
 

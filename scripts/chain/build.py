@@ -34,6 +34,7 @@ from pathlib import Path
 from scripts.chain.limits import MACHINE_SHAPES, session_devices
 from shared.config import KERNEL_SETTINGS
 from shared.errors import UserError
+from shared.flags import check_known
 
 REPO = Path(__file__).resolve().parents[2]
 KERNEL_NAMES = ("tokenize", "train", "eval")
@@ -59,10 +60,7 @@ def check_settings(kernel: str, settings: dict, where: str, shape: str = "") -> 
     session runs at its start, run here first. A train config also splits its micro-batch over the devices of a
     session on machine `shape` ('': CPU) with its backend."""
     cls = KERNEL_SETTINGS[kernel]
-    fields = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(settings) - set(fields))
-    if unknown:
-        raise UserError(f"{where}: unknown {kernel} setting(s) {', '.join(unknown)}; known: {', '.join(fields)}")
+    check_known(settings, [f.name for f in dataclasses.fields(cls)], where, kernel)
     try:
         config = cls(**settings)
         if kernel == "train":

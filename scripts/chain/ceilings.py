@@ -6,7 +6,7 @@ scripts/hlo_cost.py `mxu_efficiency`); docs/tpu-throughput.md, "The kernels at t
 
 from __future__ import annotations
 
-from shared.config import ModelConfig
+from shared.model_shape import ModelConfig
 from shared.train.attention import SDPA
 
 # The share of the compiled step's MFU ceiling (the head-dim-aware one where the step has Pallas kernels) a plan

@@ -23,7 +23,7 @@ from scripts.chain.limits import (
     TPU_STARTUP_MARGIN_S,
 )
 from scripts.chain.sections import EvalSection, TokenizeSection, section_keys
-from shared.config import NINE_HOURS, TRAIN_SECTIONS, TrainConfig
+from shared.config import NINE_HOURS, TrainConfig
 from shared.errors import UserError
 from shared.flags import check_field_types
 from shared.kaggle.publish import TEMP_PUBLISH_VERIFY_S
@@ -144,8 +144,8 @@ class ChainConfig:
     @property
     def train_settings(self) -> dict:
         """A train session's settings before the session's own (its data, folders, clock): the config's `train`, as
-        loading placed its checkpoints, and total_steps as max_steps."""
-        return {**self.train, "max_steps": self.total_steps}
+        loading placed its checkpoints, and the run's total_steps."""
+        return {**self.train, "total_steps": self.total_steps}
 
     @functools.cached_property
     def train_config(self) -> TrainConfig:
@@ -278,7 +278,7 @@ def config_from_dict(raw: dict, where: str = "config") -> ChainConfig:
     if unknown:
         raise UserError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(fields)}")
     if isinstance(raw.get("train"), dict):  # written flat or in TrainConfig's sections: flat from here on
-        raw = {**raw, "train": flatten_sections(raw["train"], TRAIN_SECTIONS, f"{where}: train")}
+        raw = {**raw, "train": flatten_sections(raw["train"], f"{where}: train")}
     given = ChainConfig(**raw)
     _check_given(given, where)
     cfg = _built(given)
@@ -307,7 +307,7 @@ def _check_given(cfg: ChainConfig, where: str) -> None:
     if cfg.session_limit_s > longest:
         raise UserError(f"{where}: session_limit_s {cfg.session_limit_s:g} is over the {longest / 3600:g} h Kaggle "
                         f"allows a {cfg.accelerator_kind.upper()} session ({cfg.accelerator or 'CPU'})")
-    for key in ("data_dir", "out_dir", "resume_from", "max_steps", "time_budget", "session_deadline", "wandb_run_id"):
+    for key in ("data_dir", "out_dir", "resume_from", "total_steps", "time_budget", "session_deadline", "wandb_run_id"):
         if key in cfg.train:
             raise UserError(f"{where}: train.{key} is set by the chain; remove it")
     check_settings("train", cfg.train_settings, f"{where}: train", cfg.accelerator)

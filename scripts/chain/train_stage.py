@@ -178,10 +178,9 @@ class TrainStage:
         datasets, kernels, data_dir = data_sources(ctx)
         ckpt = ctx.ref(cfg.slug("checkpoints"))
         hellaswag = ctx.state.data.get("hellaswag_dataset")  # scripts/chain/hellaswag.py, made before session 1
-        settings = {"progress": False, "run_name": cfg.name, **cfg.train, "data_dir": data_dir,
-                    "out_dir": "{working}/train", "max_steps": cfg.total_steps,
-                    **cfg.session_clock(limit_s or cfg.session_limit_s), "wandb_run_id": self.wandb_run_id(),
-                    **hellaswag_settings(ctx, hellaswag)}
+        settings = {"progress": False, "run_name": cfg.name, **cfg.train_settings, "data_dir": data_dir,
+                    "out_dir": "{working}/train", **cfg.session_clock(limit_s or cfg.session_limit_s),
+                    "wandb_run_id": self.wandb_run_id(), **hellaswag_settings(ctx, hellaswag)}
         if stop_after_steps:  # the user's train.stop_after_steps, where lower, still holds
             settings["stop_after_steps"] = min(settings.get("stop_after_steps") or stop_after_steps, stop_after_steps)
         if attention:
@@ -369,7 +368,7 @@ def extend_start(ctx: StageContext, ref: str, version: int, cfg: ChainConfig) ->
             seen.append((step, was, same_schedule_until(was, train, step)))
     agreeing = [step for step, _, agrees in seen if agrees]
     if not agreeing:
-        found = "; ".join(f"step {step} of a {was.max_steps}-step {was.schedule} schedule" for step, was, _ in seen)
+        found = "; ".join(f"step {step} of a {was.total_steps}-step {was.schedule} schedule" for step, was, _ in seen)
         raise UserError(f"train.extend: no checkpoint in version {version} of {ref} agrees with total_steps "
                         f"{cfg.total_steps} ({found or 'none found'}): its decay must start after the stable phase "
                         "the run kept (docs/recipe.md section 6)")

@@ -16,6 +16,7 @@ from shared.kaggle.models import upload_kaggle_model
 from shared.kaggle.secrets import wandb_key
 from shared.train.checkpoint import METRICS_FILE
 from shared.train.validation import one_pass_batches, validation_loss
+from shared.train_sections import current_names
 
 # --- the eval kernel ------------------------------------------------------------------------------------------
 
@@ -126,8 +127,8 @@ def run_eval(cfg: EvalConfig, runtime=None, log=print) -> dict:
         ckpt = _find_checkpoint(cfg, log)
         model = GPT.from_checkpoint(ckpt)
         step, tokens = ckpt.step, int(ckpt.state.get("tokens", 0))
-        train_cfg = ckpt.state["config"].get("train", {})
-        info["checkpoint"] = f"{ckpt.path} (step {step} of {train_cfg.get('max_steps', '?')}, {tokens:,} tokens)"
+        train_cfg = current_names(ckpt.state["config"].get("train", {}), "the checkpoint's config")
+        info["checkpoint"] = f"{ckpt.path} (step {step} of {train_cfg.get('total_steps', '?')}, {tokens:,} tokens)"
     _keep_previous_report(out, log)  # only now: a model that does not load leaves the folder as it was
     if ckpt is not None and (ckpt.path / METRICS_FILE).exists():
         shutil.copyfile(ckpt.path / METRICS_FILE, metrics_path)

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from shared.config import GPT2_VOCAB_SIZE, PADDED_VOCAB_SIZE, ModelConfig
 from shared.errors import UserError
+from shared.model_shape import GPT2_VOCAB_SIZE, PADDED_VOCAB_SIZE, ModelConfig
 from shared.train.checkpoint import MANIFEST_FILE, latest_checkpoint, load_checkpoint
 from shared.train.model import GPT
 

@@ -68,7 +68,7 @@ class Checkpointer:
 
     def maybe_save(self, step: int) -> None:
         every = self.cfg.checkpoint_every
-        if every and step % every == 0 and step < self.cfg.max_steps:
+        if every and step % every == 0 and step < self.cfg.total_steps:
             path = self.write(self.root, step, self.cfg.keep_checkpoints)
             self.saved_step = step
             if self.on_save is not None:

@@ -13,8 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shared.config import GPT2_VOCAB_SIZE, ModelConfig
 from shared.errors import UserError
+from shared.model_shape import GPT2_VOCAB_SIZE, ModelConfig
 from shared.train.attention import SDPA_CHOICE, AttentionChoice
 from shared.train.checkpoint import different_shape_error
 from shared.train.loss_head import head_loss

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 from shared.config import TrainConfig
+from shared.train_sections import OptimizerSettings, ScheduleSettings, current_names
 
 ADAM_BETAS, ADAM_EPS = (0.9, 0.95), 1e-8
 # The quintic Newton-Schulz iteration's coefficients, tuned for speed over exactness: singular values land in
@@ -37,11 +38,11 @@ def lr_at(step: torch.Tensor, cfg: TrainConfig) -> torch.Tensor:
     step = step.float()
     warm = cfg.lr * (step + 1) / max(1, cfg.warmup_steps)
     if cfg.schedule == "wsd":
-        left = ((cfg.max_steps - step) / max(1.0, cfg.cooldown_frac * cfg.max_steps)).clamp(0.0, 1.0)  # 1 -> 0
+        left = ((cfg.total_steps - step) / max(1.0, cfg.cooldown_frac * cfg.total_steps)).clamp(0.0, 1.0)  # 1 -> 0
         decayed = cfg.lr * (left if cfg.cooldown_shape == "linear" else 1.0 - torch.sqrt(1.0 - left))
         return torch.where(step < cfg.warmup_steps, torch.minimum(warm, decayed), decayed)  # short runs overlap
     min_lr = cfg.lr * cfg.min_lr_ratio
-    progress = ((step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)).clamp(0.0, 1.0)
+    progress = ((step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps)).clamp(0.0, 1.0)
     decayed = min_lr + 0.5 * (1.0 + torch.cos(math.pi * progress)) * (cfg.lr - min_lr)
     return torch.where(step < cfg.warmup_steps, warm, decayed)
 
@@ -226,12 +227,6 @@ def muon_momentum_at(step: torch.Tensor, cfg: TrainConfig) -> torch.Tensor:
     return cfg.muon_momentum_start + (cfg.muon_momentum - cfg.muon_momentum_start) * progress
 
 
-# The settings that decide a step's learning rates and Muon momentum (with the step itself).
-SCHEDULE_FIELDS = ("optimizer", "schedule", "lr", "min_lr_ratio", "warmup_steps", "max_steps", "cooldown_frac",
-                   "cooldown_shape", "muon_lr", "matrix_lr", "muon_momentum", "muon_momentum_warmup_steps",
-                   "muon_momentum_start")
-
-
 def schedule_table(cfg: TrainConfig, steps: int) -> torch.Tensor:
     """What the optimizer is given at steps 0..steps-1, computed on the CPU as the step computes it: rows of
     (LR, the matrices' LR, Muon's momentum)."""
@@ -252,8 +247,11 @@ def same_schedule_until(a: TrainConfig, b: TrainConfig, steps: int) -> bool:
 def saved_schedule(cfg: TrainConfig, state: dict) -> tuple[TrainConfig, int]:
     """(the schedule a checkpoint was trained on, as `cfg` with its saved schedule fields, and its step), from its
     state.json's contents."""
-    saved = state.get("config", {}).get("train", {})
-    return dataclasses.replace(cfg, **{k: saved[k] for k in SCHEDULE_FIELDS if k in saved}), int(state.get("step", 0))
+    saved = current_names(state.get("config", {}).get("train", {}), "the checkpoint's config")
+    # What decides a step's learning rates and Muon momentum: the optimizer's and the schedule's sections, whole
+    # (a field the checkpoint predates keeps cfg's value).
+    decides = [f.name for section in (OptimizerSettings, ScheduleSettings) for f in dataclasses.fields(section)]
+    return dataclasses.replace(cfg, **{k: saved[k] for k in decides if k in saved}), int(state.get("step", 0))
 
 
 def stable_phase_end(cfg: TrainConfig) -> int | None:
@@ -261,8 +259,8 @@ def stable_phase_end(cfg: TrainConfig) -> int | None:
     checkpoint holds every full-LR update and none decayed); None for cosine, or where the decay starts at once."""
     if cfg.schedule != "wsd":
         return None
-    never_decays = dataclasses.replace(cfg, max_steps=cfg.max_steps * 1000)
-    differs = (schedule_table(cfg, cfg.max_steps) != schedule_table(never_decays, cfg.max_steps)).any(dim=1)
+    never_decays = dataclasses.replace(cfg, total_steps=cfg.total_steps * 1000)
+    differs = (schedule_table(cfg, cfg.total_steps) != schedule_table(never_decays, cfg.total_steps)).any(dim=1)
     end = int(differs.nonzero()[0, 0]) if differs.any() else None
     return end or None
 

@@ -75,7 +75,7 @@ def find_resume_point(cfg: TrainConfig, ckpt_root: Path, log=print) -> LoadedChe
         was, step = saved_schedule(cfg, saved_state(path))
         if same_schedule_until(was, cfg, step):
             return False
-        passed_over[path] = f"step {step} of a {was.max_steps}-step {was.schedule} schedule"
+        passed_over[path] = f"step {step} of a {was.total_steps}-step {was.schedule} schedule"
         return True
 
     try:
@@ -89,16 +89,16 @@ def find_resume_point(cfg: TrainConfig, ckpt_root: Path, log=print) -> LoadedChe
         return None
     if resumed is None:
         found = "; ".join(f"{path}: {what}" for path, what in passed_over.items())
-        raise UserError(f"--extend --max-steps {cfg.max_steps}: no checkpoint in "
+        raise UserError(f"--extend --total-steps {cfg.total_steps}: no checkpoint in "
                         f"{', '.join(str(r) for r in roots if r)} agrees with this schedule (a wsd run keeps the one "
                         f"where its stable phase ends in {STABLE_DIR}/; the new decay must start later)"
                         + (f"; passed over {found}" if found else ""))
     owned = (ckpt_root, ckpt_root / STABLE_DIR)  # --resume-from is another run's, or a read-only dataset
     for path, what in passed_over.items():
         if path.parent in owned:
-            set_aside_checkpoint(path, f"--extend: {path} ({what}) holds updates --max-steps {cfg.max_steps} "
+            set_aside_checkpoint(path, f"--extend: {path} ({what}) holds updates --total-steps {cfg.total_steps} "
                                        "makes differently", log=log)
-    log(f"--extend: training on from step {resumed.step} ({resumed.path}) to step {cfg.max_steps}")
+    log(f"--extend: training on from step {resumed.step} ({resumed.path}) to step {cfg.total_steps}")
     return resumed
 
 
@@ -181,11 +181,11 @@ class Evaluator:
         self.logger, self.background = logger, background
         self.active = val_loader is not None and cfg.eval_every > 0
         self.stable_end = stable_phase_end(cfg)
-        self.key_steps = {cfg.max_steps, self.stable_end} - {None}
+        self.key_steps = {cfg.total_steps, self.stable_end} - {None}
         self.hellaswag_step = -1  # the last eval that scored HellaSwag
 
     def baseline(self, step: int) -> None:
-        if self.active and step < self.cfg.max_steps:
+        if self.active and step < self.cfg.total_steps:
             self._run(step, hellaswag=True)
 
     def maybe_run(self, step: int) -> None:
@@ -212,7 +212,7 @@ def log_reference_check(cfg: TrainConfig, logger: MetricsLogger, step: int, resu
     from 0.5B tokens on, with the early verdict from 2B tokens on."""
     if cfg.preset != "gpt2" or cfg.model.block_size != 1024 or results.get("val_loss") is None:
         return
-    found = check(step, step * cfg.total_batch_tokens, results["val_loss"], cfg.max_steps, cfg.total_batch_tokens,
+    found = check(step, step * cfg.total_batch_tokens, results["val_loss"], cfg.total_steps, cfg.total_batch_tokens,
                   results.get("hellaswag_acc_norm"), results.get("hellaswag_examples") or 10_042)
     if found is None:
         return

@@ -1,6 +1,6 @@
 """The training loop: one function, top to bottom, the same on TPU (XLA SPMD), XLA CPU devices and torch.
 
-A session trains until max_steps, its time budget, SIGTERM, or --stop-after-steps, then writes a checkpoint;
+A session trains until total_steps, its time budget, SIGTERM, or --stop-after-steps, then writes a checkpoint;
 the next session (a new process, maybe on another machine) resumes from it bit-exactly. `train` reads as set up,
 resume, the loop, end; each part is a call with a name, here (setting up), in `shared.train.session` (the
 session around the step: resume point, evals, metric lines) or in `shared.train.checkpoint_writer` (checkpoints).
@@ -99,20 +99,20 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
 
     # --- the loop ----------------------------------------------------------------------------------------------
     evaluator.baseline(start_step)
-    step, stop_reason = start_step, "max_steps"
+    step, stop_reason = start_step, "total_steps"
     loop_start = first_step_end = last_step_end = time.monotonic()
     # Summed: the host's CPU time building steps (data, tracing), and the wall time of the syncs (hashing the graph,
     # launching it, and waiting for the runtime if the host is ahead).
     host_trace_s = sync_s = 0.0
     try:
-        while step < cfg.max_steps:
+        while step < cfg.total_steps:
             step_started, compile_before = time.monotonic(), runtime.compile_seconds()
             cpu_started = time.thread_time()  # the host's own work: blocking waits (back-pressure) are not in it
             tokens = np.stack([loader.next_batch() for _ in range(cfg.grad_accum_steps)])  # (accum, B, T+1)
             loss, grad_norm, lr = train_step(tokens)
             step += 1
             host_trace_s += time.thread_time() - cpu_started
-            if step % cfg.log_every == 0 or step == cfg.max_steps:
+            if step % cfg.log_every == 0 or step == cfg.total_steps:
                 runtime.add_step_closure(step_log.queue, (step, loss, grad_norm, lr, host_trace_s, sync_s))
             sync_started = time.monotonic()
             runtime.sync()  # launches the step; waits only for the previous step's graph to finish
@@ -133,8 +133,8 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
             stop_reason = ("SIGTERM" if stop_requested.is_set()
                            else "stop_after_steps" if 0 < cfg.stop_after_steps <= step - start_step
                            else "time_budget" if in_flight + step_s + checkpointer.seconds_after(step) > clock.left_s()
-                           else "max_steps")
-            if stop_reason != "max_steps":
+                           else "total_steps")
+            if stop_reason != "total_steps":
                 break
         background.flush()
         path = checkpointer.final_save(step, start_step, resumed)
@@ -147,7 +147,7 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
         logger.close()
     metrics_path = out_dir / METRICS_FILE
     loss_png = session_plot(metrics_path, out_dir / "loss.png") if runtime.is_main else None
-    log(f"session ended at step {step}/{cfg.max_steps} ({stop_reason}); checkpoint {path}; "
+    log(f"session ended at step {step}/{cfg.total_steps} ({stop_reason}); checkpoint {path}; "
         f"metrics {metrics_path}; plot {loss_png}; {runtime.compile_count()} XLA compilations")
     return TrainResult(step, step_log.last_loss, path, stop_reason, start_step)
 
@@ -232,7 +232,7 @@ def start_logging(cfg: TrainConfig, runtime: Runtime, versions: dict, model: GPT
         shutil.copyfile(resumed.path / METRICS_FILE, metrics_path)
     elif runtime.is_main and metrics_path.exists():
         metrics_path.unlink()
-    logger = MetricsLogger(out_dir, cfg.max_steps, start_step, cfg.to_dict(), cfg.wandb_project, cfg.run_name,
+    logger = MetricsLogger(out_dir, cfg.total_steps, start_step, cfg.to_dict(), cfg.wandb_project, cfg.run_name,
                            progress=cfg.progress, log=log, enabled=runtime.is_main, run_id=cfg.wandb_run_id,
                            wandb_key=wandb_key)
     tpu = runtime.tpu_generation

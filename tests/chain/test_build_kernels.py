@@ -20,7 +20,7 @@ from shared.kaggle.checkpoint_files import checkpoint_files
 from shared.train.checkpoint import list_checkpoints
 
 TRAIN_SETTINGS = {"preset": "tiny", "seq_len": 32, "micro_batch": 8, "total_batch_tokens": 512, "warmup_steps": 2,
-                  "log_every": 1, "eval_every": 0, "progress": False, "wandb_project": "", "max_steps": 6,
+                  "log_every": 1, "eval_every": 0, "progress": False, "wandb_project": "", "total_steps": 6,
                   "checkpoint_every": 0, "data_dir": "{input:alice/demo-data}", "out_dir": "{working}/train"}
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, error_lines, importable_in, run_script
+from helpers import REPO, error_lines, example_config, importable_in, run_script
 from kaggle_fixtures import KEY, USER, client_env, write_dataset
 from safetensors.torch import load_file
 
@@ -26,7 +26,7 @@ from shared.errors import UserError
 from shared.kaggle.credential import ATTACHED_KEY, NOTEBOOK_TOKEN
 from shared.train.metrics import read_metrics
 
-DEMO = json.loads((REPO / "examples" / "chain-demo.json").read_text())
+DEMO = example_config("chain-demo.json")
 
 
 def chain_script():
@@ -249,7 +249,7 @@ def test_chain_end_to_end_resumes_bit_exactly_and_survives_a_kill(local_kaggle, 
     train = DEMO["train"]
     args = [f"--{k.replace('_', '-')}={v}" for k, v in train.items()]
     ref_dir = tmp_path / "reference"
-    proc = run_script("kernels/train.py", *args, "--no-progress", "--max-steps", str(DEMO["total_steps"]),
+    proc = run_script("kernels/train.py", *args, "--no-progress", "--total-steps", str(DEMO["total_steps"]),
                       "--stop-after-steps", str(steps[3]), "--data-dir", ",".join(data), "--out-dir", str(ref_dir),
                       timeout=300, python=str(image_pythons["tpu"]))  # the sessions' torch/torch_xla
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -388,8 +388,9 @@ def test_config_errors_are_one_line(tmp_path):
         config_from_dict({"max_sessions": 3, "token_datasets": ["a/b"]})
     with pytest.raises(UserError, match="unknown accelerator 'TpuV99'"):
         config_from_dict({"accelerator": "TpuV99", "token_datasets": ["a/b"]})
-    with pytest.raises(UserError, match="train.max_steps is set by the chain"):
-        config_from_dict({"train": {"max_steps": 3}, "token_datasets": ["a/b"]})
+    for length in ("total_steps", "max_steps"):  # the run's length, by its name and its old name
+        with pytest.raises(UserError, match="train.total_steps is set by the chain"):
+            config_from_dict({"train": {length: 3}, "token_datasets": ["a/b"]})
     with pytest.raises(UserError, match="unknown train setting.*batch"):
         config_from_dict({"train": {"batch": 3}, "token_datasets": ["a/b"]})
     with pytest.raises(UserError, match="leaves no training time"):

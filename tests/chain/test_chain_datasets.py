@@ -218,6 +218,7 @@ def test_train_extend_is_checked_against_the_dataset_before_any_session(local_ka
     steps, the next session will resume from 3 (said once); with a decay that would start before step 3, neither
     agrees, and that is one line before anything is pushed (the session would stop at its start)."""
     lk = local_kaggle
+    # carried as a checkpoint written before the rename carries it (max_steps, now total_steps)
     saved = {"schedule": "wsd", "max_steps": 4, "warmup_steps": 1, "cooldown_frac": 0.5}
     add_version(lk, tmp_path, CKPT, {
         "checkpoint.json": manifest(4), "state.json": json.dumps({"step": 4, "config": {"train": saved}}),

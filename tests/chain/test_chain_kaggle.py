@@ -18,8 +18,9 @@ from kaggle_fixtures import USER, write_kernel
 from scripts.chain.chain import Chain
 from scripts.chain.client import ApiFailure
 from scripts.chain.config import _check_built, config_from_dict
-from shared.config import MODEL_PRESETS, EvalConfig, TokenizeConfig, TrainConfig
+from shared.config import EvalConfig, TokenizeConfig, TrainConfig
 from shared.errors import UserError
+from shared.model_shape import MODEL_PRESETS
 
 BASE = {"name": "unit-run", "token_datasets": ["alice/tokens"]}
 
@@ -223,7 +224,7 @@ def test_a_config_is_built_then_checked_unchanged_and_the_stages_read_its_typed_
     assert dataclasses.asdict(xl) == built
     train = xl.train_config
     assert (train.checkpoint_dir, train.keep_checkpoints, train.keep_stable) == ("{temp}/checkpoints", 1, False)
-    assert (train.max_steps, train.lr, train.schedule) == (xl.total_steps, TrainConfig().lr, "cosine")
+    assert (train.total_steps, train.lr, train.schedule) == (xl.total_steps, TrainConfig().lr, "cosine")
     assert xl.train_config is train  # built once
     tok = xl.tokenize_section
     assert (tok.parts, tok.settings, tok.inputs, tok.accelerator, tok.hf_token) == (2, {"shard_size": 1000}, (), "",

@@ -10,15 +10,16 @@ import re
 from pathlib import Path
 
 import pytest
-from helpers import REPO, error_lines, run_script
+from helpers import REPO, error_lines, example_config, run_script
 
 from scripts.chain.config import config_from_dict, load_config
 from scripts.chain.limits import session_devices
 from scripts.chain.plan import PLAN_MFU, make_plan, plan_lines, planned_train, print_plan
 from scripts.chain.sizing import training_s
-from shared.config import EvalConfig, ModelConfig, TokenizeConfig, TrainConfig
+from shared.config import EvalConfig, TokenizeConfig, TrainConfig
 from shared.errors import UserError
 from shared.flags import parse_dataclass
+from shared.model_shape import ModelConfig
 
 ISSUE_BAD_CONFIG = {"train": {"preset": "gpt2", "micro_batch": 33, "total_batch_tokens": 1000, "lr": -1},
                     "tokenize": {"parts": 1}}
@@ -103,7 +104,7 @@ def test_a_config_changed_after_it_was_built_is_checked_again():
 def test_flops_per_token_counts_the_real_models_parameters():
     import torch
 
-    from shared.config import MODEL_PRESETS
+    from shared.model_shape import MODEL_PRESETS
     from shared.train.model import GPT
 
     with torch.device("meta"):
@@ -210,7 +211,7 @@ def test_plan_counts_with_the_newest_smoke_measurement_on_that_machine(tmp_path)
 
 
 def test_plan_warns_when_the_tokenize_parts_are_shorter_than_training(tmp_path):
-    raw = json.loads((REPO / "examples" / "chain-gpt2-124m.json").read_text())
+    raw = example_config("chain-gpt2-124m.json")
     raw["tokenize"] = {"parts": 1, "settings": {"tokens_per_part": 4_000_000_000}}
     cfg = config_from_dict({k: v for k, v in raw.items() if not k.startswith("_")})
     lines = plan_lines(cfg, make_plan(cfg, measured_path=_no_measurement(tmp_path)))
@@ -297,7 +298,7 @@ def test_micro_batch_auto_is_resolved_for_the_chains_tpu():
     # a session tries first, is sized as flash is (no T x T in HBM either), so only SDPA's differs.
     assert (train.micro_batch, train.grad_accum_steps) == (128, 4)
     assert note == "auto: 128 on v5e with pallas-splash attention, 64 if it falls back to SDPA"
-    v6e = config_from_dict({**{k: v for k, v in json.loads((REPO / "examples" / "chain-gpt2-124m.json").read_text())
+    v6e = config_from_dict({**{k: v for k, v in example_config("chain-gpt2-124m.json")
                                .items() if not k.startswith("_")}, "accelerator": "TpuV6E8"})
     assert planned_train(v6e)[0].micro_batch == 256  # 22.7 GiB a chip (libtpu)
     small = TrainConfig(preset="gpt2", micro_batch="auto", total_batch_tokens=8 * 1024 * 3)
@@ -309,7 +310,7 @@ def test_micro_batch_auto_is_resolved_for_the_chains_tpu():
 
 
 def test_plan_counts_only_the_tokens_the_corpus_holds(tmp_path):
-    raw = json.loads((REPO / "examples" / "chain-gpt2-124m.json").read_text())
+    raw = example_config("chain-gpt2-124m.json")
     cfg = config_from_dict({k: v for k, v in raw.items() if not k.startswith("_")})
     plan = make_plan(cfg, measured_path=_no_measurement(tmp_path))
     assert (plan["parts"], plan["tokens_per_part"], plan["tokenized_tokens"]) == (2, 9_400_000_000, 10_000_000_000)
@@ -321,7 +322,7 @@ def test_plan_counts_only_the_tokens_the_corpus_holds(tmp_path):
 
 
 def test_a_tokenize_part_that_would_start_past_the_corpus_end_is_refused():
-    raw = json.loads((REPO / "examples" / "chain-gpt2-124m.json").read_text())
+    raw = example_config("chain-gpt2-124m.json")
     raw = {k: v for k, v in raw.items() if not k.startswith("_")}
     with pytest.raises(UserError, match=r"^config: tokenize.parts 3 x 9.4B tokens: HuggingFaceFW/fineweb-edu "
                                         r"sample-10BT holds about 10B, so part 2 would start past its end; use at "
@@ -332,7 +333,7 @@ def test_a_tokenize_part_that_would_start_past_the_corpus_end_is_refused():
 
 
 def test_plan_of_a_wsd_run_counts_the_stable_phase_checkpoint_and_says_what_extend_does(tmp_path):
-    raw = json.loads((REPO / "examples" / "chain-gpt2-124m-muon.json").read_text())
+    raw = example_config("chain-gpt2-124m-muon.json")
     raw = {k: v for k, v in raw.items() if not k.startswith("_")}
     for extend in (False, True):
         cfg = config_from_dict({**raw, "train": {**raw["train"], "extend": extend}})
@@ -350,7 +351,7 @@ def test_plan_of_a_wsd_run_counts_the_stable_phase_checkpoint_and_says_what_exte
 
 
 def test_plan_of_a_model_whose_checkpoints_live_in_temp_keeps_k_versions_and_says_the_session_verifies(tmp_path):
-    raw = json.loads((REPO / "examples" / "chain-gpt2-124m.json").read_text())
+    raw = example_config("chain-gpt2-124m.json")
     raw = {k: v for k, v in raw.items() if not k.startswith("_")}
     cfg = config_from_dict({**raw, "train": {**raw["train"], "preset": "gpt2-xl", "fsdp": True}, "publish_margin_s": 0})
     lines: list[str] = []
@@ -399,7 +400,7 @@ def test_plan_compiles_the_splash_step_and_says_what_the_flash_and_sdpa_fallback
 
     monkeypatch.setattr(tpu_compile, "compile_step", compile_step)
     monkeypatch.setattr(tpu_compile, "compiler_python", lambda: Path("/venv-tpu/bin/python"))
-    raw = json.loads((REPO / "examples" / "chain-gpt2-124m.json").read_text())
+    raw = example_config("chain-gpt2-124m.json")
     cfg = config_from_dict({**{k: v for k, v in raw.items() if not k.startswith("_")},
                             "train": {**raw["train"], "micro_batch": micro_batch}})
     report, line = compiled_fit(cfg)
@@ -422,7 +423,7 @@ def test_with_the_attention_setting_flash_plan_compiles_the_flash_step_first(mon
 
     monkeypatch.setattr(tpu_compile, "compile_step", compile_step)
     monkeypatch.setattr(tpu_compile, "compiler_python", lambda: Path("/venv-tpu/bin/python"))
-    raw = json.loads((REPO / "examples" / "chain-gpt2-124m.json").read_text())
+    raw = example_config("chain-gpt2-124m.json")
     raw["train"]["attention"] = "flash"  # as a session with it set tries flash first
     report, line = compiled_fit(config_from_dict({k: v for k, v in raw.items() if not k.startswith("_")}))
     assert asked == ["flash", "sdpa"] and report["attention"] == "pallas-flash"
@@ -431,7 +432,7 @@ def test_with_the_attention_setting_flash_plan_compiles_the_flash_step_first(mon
 
 
 def _demo_config(**train):
-    raw = json.loads((REPO / "examples" / "chain-demo.json").read_text())
+    raw = example_config("chain-demo.json")
     return config_from_dict({**{k: v for k, v in raw.items() if not k.startswith("_")},
                              "train": {**raw["train"], **train}})
 
@@ -471,7 +472,7 @@ def test_a_fallback_that_does_not_compile_is_one_clause_of_the_line_and_the_plan
 
     monkeypatch.setattr(tpu_compile, "compile_step", compile_step)
     monkeypatch.setattr(tpu_compile, "compiler_python", lambda: Path("/venv-tpu/bin/python"))
-    raw = json.loads((REPO / "examples" / "chain-gpt2-124m.json").read_text())
+    raw = example_config("chain-gpt2-124m.json")
     cfg = config_from_dict({k: v for k, v in raw.items() if not k.startswith("_")})
     lines: list[str] = []
     plan = print_plan(cfg, log=lines.append, with_quota=False, measured_path=_no_measurement(tmp_path))
@@ -494,7 +495,7 @@ def test_a_primary_step_that_does_not_compile_is_one_line_and_the_arithmetic_che
     monkeypatch.setattr(tpu_compile, "compiler_python", lambda: Path("/venv-tpu/bin/python"))
     assert compiled_fit(_demo_config()) == (None, "v5e-8: the SDPA step did not compile (tracing the step failed: "
                                                   "RuntimeError: no): HBM checked by arithmetic only")
-    raw = json.loads((REPO / "examples" / "chain-gpt2-124m.json").read_text())
+    raw = example_config("chain-gpt2-124m.json")
     too_big = config_from_dict({**{k: v for k, v in raw.items() if not k.startswith("_")}, "publish_margin_s": 0,
                                 "train": {**raw["train"], "preset": "gpt2-large"}})
     with pytest.raises(UserError, match="^the train step cannot fit a v5e chip's HBM: "):
@@ -511,7 +512,7 @@ def test_without_the_compiler_a_step_that_cannot_fit_one_sequence_a_chip_is_refu
     from scripts.chain.plan import compiled_fit
 
     monkeypatch.setenv("TPU_COMPILER_PYTHON", "off")
-    raw = json.loads((REPO / "examples" / "chain-gpt2-124m.json").read_text())
+    raw = example_config("chain-gpt2-124m.json")
     raw = {k: v for k, v in raw.items() if not k.startswith("_")}
     cfg = config_from_dict({**raw, "accelerator": shape, "publish_margin_s": 0,
                             "train": {**raw["train"], "preset": preset, "fsdp": fsdp}})
@@ -528,7 +529,7 @@ def test_without_the_compiler_a_step_that_cannot_fit_one_sequence_a_chip_is_refu
 
 
 def test_plan_of_gpt2_xl_prints_the_temp_disk_peak_and_the_quota_room_its_other_datasets_leave(tmp_path):
-    raw = json.loads((REPO / "examples" / "chain-gpt2-124m.json").read_text())
+    raw = example_config("chain-gpt2-124m.json")
     raw = {k: v for k, v in raw.items() if not k.startswith("_")}
     cfg = config_from_dict({**raw, "train": {**raw["train"], "preset": "gpt2-xl", "fsdp": True},
                             "publish_margin_s": 0, "token_datasets": ["me/tokens"]})

@@ -23,8 +23,8 @@ from scripts.chain.smoke import (
     run_smoke,
     smoke_config,
 )
-from shared.config import MODEL_PRESETS
 from shared.errors import UserError
+from shared.model_shape import MODEL_PRESETS
 from shared.train.throughput import Throughput
 
 

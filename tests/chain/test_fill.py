@@ -9,7 +9,7 @@ import json
 import math
 
 import pytest
-from helpers import REPO, run_script
+from helpers import REPO, example_config, run_script
 
 from scripts.chain.config import load_config
 from scripts.chain.fill import apply_fill, fixed_fill, session_fill
@@ -111,7 +111,7 @@ def test_the_muon_example_trains_over_12b_tokens_in_its_one_session_at_500k_toke
     assert plan["tokenized_tokens"] == 10_000_000_000 and plan["validation_tokens"] == 100_000_000
     # `--plan` at that rate says the same: the fill's line, then the plan of the filled run, one session.
     config = tmp_path / "muon-500k.json"
-    raw = json.loads((REPO / "examples" / "chain-gpt2-124m-muon.json").read_text())
+    raw = example_config("chain-gpt2-124m-muon.json")
     config.write_text(json.dumps({**raw, "plan_tokens_per_s": 500_000}))
     proc = run_script("scripts/chain_sessions.py", "--config", str(config), "--plan", timeout=120,
                       env={"KAGGLE_CONFIG_DIR": str(tmp_path), "KAGGLE_USERNAME": "", "KAGGLE_KEY": ""})

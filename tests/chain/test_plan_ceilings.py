@@ -6,11 +6,10 @@ the compiler itself, tests/train/test_tpu_compile.py."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from helpers import REPO
+from helpers import example_config
 
 from scripts.chain.ceilings import PLAN_CEILING_SHARE
 from scripts.chain.config import config_from_dict
@@ -53,7 +52,7 @@ def test_plan_gives_the_head_dim_aware_and_llmc_ceilings_and_plans_at_a_share_of
 
     monkeypatch.setattr(tpu_compile, "compile_step", lambda settings, tpu, log, attention: STEPS[shape][attention])
     monkeypatch.setattr(tpu_compile, "compiler_python", lambda: Path("/venv-tpu/bin/python"))
-    raw = json.loads((REPO / "examples" / "chain-gpt2-124m.json").read_text())
+    raw = example_config("chain-gpt2-124m.json")
     cfg = config_from_dict({**{k: v for k, v in raw.items() if not k.startswith("_")}, "accelerator": shape})
     lines: list[str] = []
     plan = print_plan(cfg, log=lines.append, with_quota=False, measured_path=tmp_path / "none.json")
@@ -90,7 +89,7 @@ def test_an_sdpa_step_has_one_ceiling_and_no_fallback_rate(monkeypatch, tmp_path
     sdpa = {**_report("sdpa", 0.1, None, 128, 8), "preset": "tiny"}
     monkeypatch.setattr(tpu_compile, "compile_step", lambda settings, tpu, log, attention: sdpa)
     monkeypatch.setattr(tpu_compile, "compiler_python", lambda: Path("/venv-tpu/bin/python"))
-    raw = json.loads((REPO / "examples" / "chain-demo.json").read_text())
+    raw = example_config("chain-demo.json")
     cfg = config_from_dict({k: v for k, v in raw.items() if not k.startswith("_")})
     lines: list[str] = []
     plan = print_plan(cfg, log=lines.append, with_quota=False, measured_path=tmp_path / "none.json")

@@ -12,9 +12,10 @@ import pytest
 import torch
 from helpers import error_lines, made_once, run_script
 
-from shared.config import ModelConfig, TrainConfig
+from shared.config import TrainConfig
 from shared.data import TokenLoader, find_shards
 from shared.eval.hf import export_hf
+from shared.model_shape import ModelConfig
 from shared.sampling import generate_tokens, sample_text
 from shared.train.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from shared.train.device import make_runtime
@@ -149,7 +150,7 @@ def train_two_sessions(demo_data: Path, hellaswag_file: Path, out: Path) -> None
 
     cfg = TrainConfig(preset="tiny", seq_len=32, micro_batch=8, total_batch_tokens=512, warmup_steps=2, log_every=1,
                       eval_every=2, eval_batches=2, progress=False, wandb_project="", data_dir=str(demo_data),
-                      out_dir=str(out), max_steps=6, checkpoint_every=0, hellaswag_file=str(hellaswag_file),
+                      out_dir=str(out), total_steps=6, checkpoint_every=0, hellaswag_file=str(hellaswag_file),
                       hellaswag_examples=8, hellaswag_every=4, sample_prompt="The Python interpreter", sample_tokens=8)
     runtime, lines = make_runtime("xla"), []
     assert train(replace(cfg, stop_after_steps=3), runtime, log=lines.append).step == 3

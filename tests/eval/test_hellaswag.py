@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from shared import hellaswag as hs
-from shared.config import ModelConfig
 from shared.eval.hf import export_hf
+from shared.model_shape import ModelConfig
 from shared.train.device import make_runtime
 from shared.train.model import GPT
 from shared.train.runtime import Runtime

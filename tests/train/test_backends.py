@@ -17,7 +17,7 @@ from shared.train.device import make_runtime
 from shared.train.metrics import read_metrics
 from shared.train.trainer import train
 
-FLAGS = ["--seq-len", "32", "--micro-batch", "8", "--total-batch-tokens", "512", "--max-steps", "4",
+FLAGS = ["--seq-len", "32", "--micro-batch", "8", "--total-batch-tokens", "512", "--total-steps", "4",
          "--warmup-steps", "2", "--log-every", "1", "--eval-every", "2", "--eval-batches", "2", "--no-progress",
          "--wandb-project", "", "--no-bf16", "--backend", "cpu"]
 
@@ -60,12 +60,12 @@ def _cfg(demo_data, out_dir, **kw) -> TrainConfig:
 @pytest.mark.slow
 def test_checkpoints_move_between_xla_and_torch_backends(demo_data, tmp_path):
     quiet = dict(log=lambda *a: None)
-    reference = train(_cfg(demo_data, tmp_path / "cpu", max_steps=4), make_runtime("cpu"), **quiet)
+    reference = train(_cfg(demo_data, tmp_path / "cpu", total_steps=4), make_runtime("cpu"), **quiet)
     # TPU path (XLA SPMD) for two steps, then resumed on the torch CPU path, and the other way round.
-    train(_cfg(demo_data, tmp_path / "x2c", max_steps=4, stop_after_steps=2), make_runtime("xla"), **quiet)
-    x2c = train(_cfg(demo_data, tmp_path / "x2c", max_steps=4), make_runtime("cpu"), **quiet)
-    train(_cfg(demo_data, tmp_path / "c2x", max_steps=4, stop_after_steps=2), make_runtime("cpu"), **quiet)
-    c2x = train(replace(_cfg(demo_data, tmp_path / "c2x", max_steps=4)), make_runtime("xla"), **quiet)
+    train(_cfg(demo_data, tmp_path / "x2c", total_steps=4, stop_after_steps=2), make_runtime("xla"), **quiet)
+    x2c = train(_cfg(demo_data, tmp_path / "x2c", total_steps=4), make_runtime("cpu"), **quiet)
+    train(_cfg(demo_data, tmp_path / "c2x", total_steps=4, stop_after_steps=2), make_runtime("cpu"), **quiet)
+    c2x = train(replace(_cfg(demo_data, tmp_path / "c2x", total_steps=4)), make_runtime("xla"), **quiet)
     assert reference.step == x2c.step == c2x.step == 4
     ref = _final_model(tmp_path / "cpu")
     for run in ("x2c", "c2x"):

@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from helpers import example_config
 from safetensors.torch import save_file
 
 from scripts.bench_recipe_arms import (
@@ -22,14 +23,15 @@ from scripts.bench_recipe_arms import (
     shipped_settings,
     t_quantile_975,
 )
-from shared.config import ModelConfig, TrainConfig
+from shared.config import TrainConfig
 from shared.data import find_shards, read_shard, write_shard
 from shared.errors import UserError
+from shared.model_shape import ModelConfig
 from shared.train.model import GPT
 
 
 def test_the_shipped_arm_is_the_example_files_optimizer_and_schedule(tmp_path):
-    example = json.loads(open("examples/chain-gpt2-124m-muon.json").read())["train"]
+    example = example_config("chain-gpt2-124m-muon.json")["train"]
     shipped = shipped_settings()
     assert {k: shipped[k] for k in shipped if k in example} == {k: example[k] for k in shipped if k in example}
     assert shipped["aux_lr"] == TrainConfig().aux_lr  # left out of the example: the trainer's default
@@ -57,7 +59,7 @@ def test_each_arm_changes_only_its_own_settings():
     assert arms["attn-scale"][1] == pytest.approx(8 ** -0.5) and {a[1] for n, a in arms.items() if n != "attn-scale"} \
         == {1.0}
     for settings, _ in arms.values():  # every arm is a config the trainer accepts
-        TrainConfig(**settings, max_steps=500)
+        TrainConfig(**settings, total_steps=500)
 
 
 def test_the_attention_scale_multiplies_every_attention_output_and_is_undone_after():

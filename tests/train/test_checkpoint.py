@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import shared.train.checkpoint
-from shared.config import ModelConfig
 from shared.errors import UserError
 from shared.fsutil import sha256_file
+from shared.model_shape import ModelConfig
 from shared.train.checkpoint import (
     check_same_shape,
     latest_checkpoint,

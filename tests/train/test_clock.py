@@ -87,7 +87,7 @@ def test_a_session_whose_start_up_ate_its_deadline_stops_after_one_step_in_one_l
         demo_data, tmp_path, suite_xla_runtime):
     import time
 
-    cfg = small_config(demo_data, tmp_path, max_steps=100, session_deadline=30.0)
+    cfg = small_config(demo_data, tmp_path, total_steps=100, session_deadline=30.0)
     from shared.train.trainer import train
 
     with pytest.raises(UserError) as err:
@@ -100,7 +100,7 @@ def test_a_session_whose_start_up_ate_its_deadline_stops_after_one_step_in_one_l
     assert records[-1]["event"] == "session_end" and records[-1]["stop_reason"] == "too_short"
     assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
     # Without a deadline the same session trains on (its start-up is logged as a record, and the budget is unchanged).
-    result, lines = train_in_process(small_config(demo_data, tmp_path / "b", max_steps=2))
+    result, lines = train_in_process(small_config(demo_data, tmp_path / "b", total_steps=2))
     assert result.step == 2 and any(line.startswith("start-up ") for line in lines)
 
 
@@ -128,7 +128,7 @@ def test_the_gpt2_smokes_session_trains_its_budget_after_600_s_of_probes_and_com
         return probe(*args, **kwargs)
 
     monkeypatch.setattr(trainer, "select_attention_and_micro_batch", slow_probes)
-    cfg = small_config(demo_data, tmp_path, max_steps=100_000, **settings)  # every step logged
+    cfg = small_config(demo_data, tmp_path, total_steps=100_000, **settings)  # every step logged
     started = time.monotonic() - 30.0  # the imports and the bootstrap before train()
     result = trainer.train(cfg, make_runtime("cpu"), log=lambda _: None, started=started)
     records = read_metrics(tmp_path / "metrics.jsonl")
@@ -152,7 +152,7 @@ def test_the_gpt2_smokes_session_trains_its_budget_after_600_s_of_probes_and_com
 @pytest.mark.slow
 def test_the_train_kernel_counts_its_deadline_from_its_process_start(demo_data, tmp_path):
     proc = run_script("kernels/train.py", *SMALL_ARGS, "--data-dir", str(demo_data), "--out-dir", str(tmp_path),
-                      "--max-steps", "50", "--session-deadline", "4")
+                      "--total-steps", "50", "--session-deadline", "4")
     assert proc.returncode == 2, proc.stderr[-3000:]
     (line,) = error_lines(proc.stderr)
     assert line.startswith("error: --session-deadline 4s is shorter than start-up to the end of the first step (")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from shared.config import ModelConfig
+from shared.model_shape import ModelConfig
 from shared.train.health import MATRIX_KINDS, attention_logit_max, block_weight_rms, health_record
 from shared.train.model import GPT
 from shared.train.runtime import Runtime

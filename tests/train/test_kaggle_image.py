@@ -24,7 +24,7 @@ def test_train_kernel_runs_on_kaggles_tpu_image_versions(demo_data, tmp_path):
     out = tmp_path / "kaggle-image"
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run([str(KAGGLE_PYTHON), str(REPO / "kernels/train.py"), "--data-dir", str(demo_data),
-                           "--out-dir", str(out), *SMALL_ARGS, "--max-steps", "4", "--total-batch-tokens", "1024"],
+                           "--out-dir", str(out), *SMALL_ARGS, "--total-steps", "4", "--total-batch-tokens", "1024"],
                           capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # The kernel says what it runs on, and runs the one-graph step there too.
@@ -37,7 +37,7 @@ def test_train_kernel_runs_on_kaggles_tpu_image_versions(demo_data, tmp_path):
     assert start["versions"]["torch_xla"] == KAGGLE_TORCH
     # The same run on the project's torch_xla 2.9.0 (this process) trains the same model.
     pinned = tmp_path / "pinned"
-    train_in_process(small_config(demo_data, pinned, max_steps=4, total_batch_tokens=1024))
+    train_in_process(small_config(demo_data, pinned, total_steps=4, total_batch_tokens=1024))
     ours, theirs = loss_history(pinned), loss_history(out)
     assert [h[0] for h in ours] == [h[0] for h in theirs] == [1, 2, 3, 4]
     for (_, loss, lr, grad_norm), (_, loss_k, lr_k, grad_norm_k) in zip(ours, theirs, strict=True):

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from shared.config import GPT2_VOCAB_SIZE, MODEL_PRESETS, PADDED_VOCAB_SIZE, ModelConfig
 from shared.eval.hf import export_hf, load_hf
+from shared.model_shape import GPT2_VOCAB_SIZE, MODEL_PRESETS, PADDED_VOCAB_SIZE, ModelConfig
 from shared.train.model import GPT
 
 transformers = pytest.importorskip("transformers")

@@ -214,7 +214,7 @@ def test_adamw_with_a_matrix_lr_is_torchs_adamw_with_muons_groups():
 
 
 def test_wsd_schedule_warms_up_holds_then_decays_to_zero():
-    cfg = TrainConfig(schedule="wsd", lr=1e-3, warmup_steps=10, max_steps=100, cooldown_frac=0.4)
+    cfg = TrainConfig(schedule="wsd", lr=1e-3, warmup_steps=10, total_steps=100, cooldown_frac=0.4)
     lrs = [float(lr_at(torch.tensor(float(s)), cfg)) for s in range(100)]
     assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
     assert lrs[10:61] == [pytest.approx(1e-3)] * 51  # constant until 60% of the run
@@ -227,7 +227,7 @@ def test_wsd_schedule_warms_up_holds_then_decays_to_zero():
 
 def test_a_one_minus_sqrt_cooldown_follows_epfls_sqrt_decay_and_ends_its_stable_phase_where_linear_does():
     """epfml/schedules-and-scaling src/optim/utils.py (decay_type "sqrt"): 1 - sqrt((step - n_hold) / n_anneal)."""
-    cfg = TrainConfig(schedule="wsd", lr=1e-3, warmup_steps=10, max_steps=100, cooldown_frac=0.4,
+    cfg = TrainConfig(schedule="wsd", lr=1e-3, warmup_steps=10, total_steps=100, cooldown_frac=0.4,
                       cooldown_shape="1-sqrt")
     n_hold, n_anneal = 60, 40
     for step in (60, 61, 70, 85, 99):
@@ -271,7 +271,7 @@ def test_bad_optimizer_and_schedule_flags_are_one_line_errors():
 @pytest.mark.slow
 def test_muon_compiles_nothing_after_step_two(demo_data, tmp_path):
     # with the momentum warming up (a device tensor moved every step) and zero-initialised projections
-    cfg = small_config(demo_data, tmp_path, max_steps=8, warmup_steps=2, optimizer="muon", schedule="wsd",
+    cfg = small_config(demo_data, tmp_path, total_steps=8, warmup_steps=2, optimizer="muon", schedule="wsd",
                        lr=3e-3, muon_lr=0.03, checkpoint_every=3, muon_momentum_warmup_steps=4,
                        zero_init_projections=True)
     result, _ = train_in_process(cfg)
@@ -314,7 +314,7 @@ def test_muon_under_fsdp_steps_as_replicated(demo_data, tmp_path):
     runtime._fsdp = False
     for name in after[False]:
         assert torch.allclose(after[True][name], after[False][name], atol=1e-6), name
-    muon = {"optimizer": "muon", "schedule": "wsd", "lr": 3e-3, "muon_lr": 0.03, "max_steps": 3}
+    muon = {"optimizer": "muon", "schedule": "wsd", "lr": 3e-3, "muon_lr": 0.03, "total_steps": 3}
     train_in_process(small_config(demo_data, tmp_path / "fsdp", fsdp=True, **muon))
     train_in_process(small_config(demo_data, tmp_path / "dp", **muon))
     a, b = loss_history(tmp_path / "fsdp"), loss_history(tmp_path / "dp")
@@ -323,17 +323,17 @@ def test_muon_under_fsdp_steps_as_replicated(demo_data, tmp_path):
 
 @pytest.mark.slow
 def test_muon_resume_in_new_process_is_bit_exact(demo_data, tmp_path):
-    straight = train_cli(demo_data, tmp_path / "straight", *MUON, "--max-steps", "6")
+    straight = train_cli(demo_data, tmp_path / "straight", *MUON, "--total-steps", "6")
     assert straight.returncode == 0, straight.stderr[-3000:]
-    first = train_cli(demo_data, tmp_path / "resumed", *MUON, "--max-steps", "6", "--stop-after-steps", "3")
+    first = train_cli(demo_data, tmp_path / "resumed", *MUON, "--total-steps", "6", "--stop-after-steps", "3")
     assert first.returncode == 0, first.stderr[-3000:]
-    second = train_cli(demo_data, tmp_path / "resumed", *MUON, "--max-steps", "6")
+    second = train_cli(demo_data, tmp_path / "resumed", *MUON, "--total-steps", "6")
     assert second.returncode == 0 and "resuming at step 3" in second.stdout, second.stderr[-3000:]
     assert_identical_runs(tmp_path / "straight", tmp_path / "resumed", 6)
     # the checkpoint holds Muon's state; resuming it as AdamW is refused in one line, nothing written
     with pytest.raises(UserError, match=r"^--optimizer adamw: the checkpoint .* holds muon's state; resume with "
                                         r"--optimizer muon"):
-        train_in_process(small_config(demo_data, tmp_path / "resumed", max_steps=9))
+        train_in_process(small_config(demo_data, tmp_path / "resumed", total_steps=9))
     assert [h[0] for h in loss_history(tmp_path / "resumed")] == list(range(1, 7))
 
 
@@ -347,7 +347,7 @@ def load_recipe():
 
 def test_one_session_recipe_config_is_muon_filling_its_session_with_full_hellaswag():
     chain = load_recipe()
-    cfg = TrainConfig(**chain.train, max_steps=chain.total_steps)
+    cfg = TrainConfig(**chain.train, total_steps=chain.total_steps)
     cfg.validate(8)
     tokens = chain.total_steps * cfg.total_batch_tokens
     assert cfg.optimizer == "muon" and cfg.schedule == "wsd" and cfg.preset == "gpt2"
@@ -445,8 +445,8 @@ def test_a_momentum_tensor_moved_between_steps_steps_as_the_constants_would():
 
 
 def test_zero_initialised_projections_start_each_block_as_the_identity_and_still_learn():
-    from shared.config import MODEL_PRESETS
     from shared.eval.hf import to_hf_state_dict
+    from shared.model_shape import MODEL_PRESETS
 
     torch.manual_seed(0)
     model = GPT(MODEL_PRESETS["tiny"])
@@ -466,32 +466,34 @@ def test_zero_initialised_projections_start_each_block_as_the_identity_and_still
 
 # --- the stable phase and --extend ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("max_steps, cooldown_frac, warmup, expected", [
+@pytest.mark.parametrize("total_steps, cooldown_frac, warmup, expected", [
     (8, 0.5, 2, 5),  # the LR is held through step 4 ((8 - 4) / 4 = 1), decays from step 5
     (19073, 0.4, 715, 11444),  # 19073 x 0.6 = 11443.8: step 11443 is the last held
     (10, 0.3, 2, 8),  # 10 x 0.7 = 7: held through step 7 ((10 - 7) / 3 = 1)
     (8, 1.0, 2, 1),  # decays from the start: only the first warm-up step agrees with a longer run
 ])
-def test_the_stable_phase_ends_where_the_first_update_is_decayed(max_steps, cooldown_frac, warmup, expected):
-    cfg = TrainConfig(schedule="wsd", lr=6e-4, max_steps=max_steps, cooldown_frac=cooldown_frac, warmup_steps=warmup)
+def test_the_stable_phase_ends_where_the_first_update_is_decayed(total_steps, cooldown_frac, warmup, expected):
+    cfg = TrainConfig(schedule="wsd", lr=6e-4, total_steps=total_steps, cooldown_frac=cooldown_frac,
+                      warmup_steps=warmup)
     assert stable_phase_end(cfg) == expected
     # directly: every update before it is made at the peak (or the warm-up's rate), the one at it below the peak
-    lrs = [6e-4 * min((s + 1) / warmup, 1.0, (max_steps - s) / (cooldown_frac * max_steps)) for s in range(max_steps)]
-    held = [6e-4 * min((s + 1) / warmup, 1.0) for s in range(max_steps)]
+    lrs = [6e-4 * min((s + 1) / warmup, 1.0, (total_steps - s) / (cooldown_frac * total_steps))
+           for s in range(total_steps)]
+    held = [6e-4 * min((s + 1) / warmup, 1.0) for s in range(total_steps)]
     assert lrs[:expected] == pytest.approx(held[:expected]) and lrs[expected] < held[expected] * (1 - 1e-6)
     assert stable_phase_end(replace(cfg, schedule="cosine")) is None
 
 
 def test_a_longer_wsd_schedule_agrees_with_a_shorter_one_until_its_stable_phase_ends():
-    short = TrainConfig(schedule="wsd", max_steps=8, cooldown_frac=0.5, warmup_steps=2, optimizer="muon",
+    short = TrainConfig(schedule="wsd", total_steps=8, cooldown_frac=0.5, warmup_steps=2, optimizer="muon",
                         muon_momentum_warmup_steps=3)
-    longer = replace(short, max_steps=12)
+    longer = replace(short, total_steps=12)
     assert same_schedule_until(short, longer, 5) and not same_schedule_until(short, longer, 6)
     assert not same_schedule_until(short, replace(longer, muon_lr=0.01), 1)
     assert not same_schedule_until(short, replace(longer, muon_momentum_start=0.9), 1)
     cosine = replace(short, schedule="cosine")
-    # cosine depends on max_steps from the first step after its peak (step 2 here)
-    assert same_schedule_until(cosine, replace(cosine, max_steps=12), 3)
-    assert not same_schedule_until(cosine, replace(cosine, max_steps=12), 4)
+    # cosine depends on total_steps from the first step after its peak (step 2 here)
+    assert same_schedule_until(cosine, replace(cosine, total_steps=12), 3)
+    assert not same_schedule_until(cosine, replace(cosine, total_steps=12), 4)
     with pytest.raises(UserError, match=r"^--extend needs --schedule wsd"):
         replace(cosine, extend=True)

@@ -238,7 +238,7 @@ def test_training_with_splash_compiles_nothing_after_step_two_and_follows_sdpas_
     losses = {}
     for attention in ("splash", "sdpa"):
         out = tmp_path / attention
-        cfg = small_config(demo_data, out, seq_len=128, micro_batch=8, total_batch_tokens=2048, max_steps=5)
+        cfg = small_config(demo_data, out, seq_len=128, micro_batch=8, total_batch_tokens=2048, total_steps=5)
         with monkeypatch.context() as patch:
             if attention == "splash":
                 patch.setattr(XlaRuntime, "select_attention", install_splash)

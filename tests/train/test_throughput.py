@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from shared.config import MODEL_PRESETS
+from shared.model_shape import MODEL_PRESETS
 from shared.train.metrics import read_metrics
 from shared.train.throughput import plot_points, run_throughput, session_throughput, split_sessions
 
@@ -123,7 +123,7 @@ def test_a_real_xla_session_reports_the_tokens_its_steps_trained_over_their_wall
     from shared.train.device import make_runtime
     from shared.train.trainer import train
 
-    cfg = small_config(demo_data, tmp_path, max_steps=steps, log_every=log_every)
+    cfg = small_config(demo_data, tmp_path, total_steps=steps, log_every=log_every)
     runtime = make_runtime("xla")
     syncs = TimedSyncs(runtime)
     train(cfg, runtime, log=lambda *_: None)
@@ -162,7 +162,7 @@ def test_the_eval_report_gives_the_runs_throughput_and_each_sessions_as_the_chai
 def test_profile_steps_leaves_a_trace_of_compiled_steps_for_tensorboard(demo_data, tmp_path):
     from helpers import small_config, train_in_process
 
-    result, lines = train_in_process(small_config(demo_data, tmp_path, max_steps=6, profile_steps=2))
+    result, lines = train_in_process(small_config(demo_data, tmp_path, total_steps=6, profile_steps=2))
     assert result.step == 6
     traces = list((tmp_path / "profile").rglob("*.xplane.pb"))
     assert len(traces) == 1 and traces[0].stat().st_size > 1000

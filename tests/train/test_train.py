@@ -36,7 +36,7 @@ from shared.train.metrics import read_metrics
 @pytest.mark.slow
 def test_sigkill_then_resume_is_bit_exact(demo_data, straight_run, tmp_path):
     cmd = [sys.executable, str(REPO / "kernels/train.py"), "--data-dir", str(demo_data), "--out-dir", str(tmp_path),
-           *SMALL_ARGS, "--max-steps", "6", "--checkpoint-every", "2"]
+           *SMALL_ARGS, "--total-steps", "6", "--checkpoint-every", "2"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 240
     while not (tmp_path / "checkpoints" / "step_000002").exists():
@@ -46,7 +46,7 @@ def test_sigkill_then_resume_is_bit_exact(demo_data, straight_run, tmp_path):
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
     assert not (tmp_path / "checkpoints" / "step_000006").exists()
-    resumed = train_cli(demo_data, tmp_path, "--max-steps", "6", "--checkpoint-every", "2")
+    resumed = train_cli(demo_data, tmp_path, "--total-steps", "6", "--checkpoint-every", "2")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming at step 2" in resumed.stdout
     assert_identical_runs(straight_run, tmp_path, 6)
@@ -57,7 +57,7 @@ def test_sigkill_then_resume_is_bit_exact(demo_data, straight_run, tmp_path):
 @pytest.mark.slow
 def test_sigterm_ends_the_session_with_a_checkpoint(demo_data, tmp_path):
     cmd = [sys.executable, str(REPO / "kernels/train.py"), "--data-dir", str(demo_data), "--out-dir", str(tmp_path),
-           *SMALL_ARGS, "--max-steps", "100000"]
+           *SMALL_ARGS, "--total-steps", "100000"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
     while not loss_history(tmp_path) if (tmp_path / "metrics.jsonl").exists() else True:
@@ -77,12 +77,12 @@ def test_no_recompilation_after_step_two(demo_data, tmp_path):
     from shared.train.device import make_runtime
     from shared.train.trainer import train
 
-    cfg = small_config(demo_data, tmp_path, max_steps=9, warmup_steps=3, eval_every=2, eval_batches=2,
+    cfg = small_config(demo_data, tmp_path, total_steps=9, warmup_steps=3, eval_every=2, eval_batches=2,
                        checkpoint_every=3)
     saved = []  # on_checkpoint (a midway publish's hook): each periodic checkpoint once written, not the last
     result = train(cfg, make_runtime("xla"), log=lambda *_: None,
                    on_checkpoint=lambda step, path: saved.append((step, path.name, (path / MANIFEST_FILE).exists())))
-    assert result.step == 9 and result.stop_reason == "max_steps"
+    assert result.step == 9 and result.stop_reason == "total_steps"
     assert saved == [(3, "step_000003", True), (6, "step_000006", True)]
     records = {r["step"]: r for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r}
     assert records[9]["compiles"] == records[2]["compiles"]  # nothing compiles after step 2
@@ -121,7 +121,7 @@ def test_no_recompilation_after_step_two(demo_data, tmp_path):
 @pytest.mark.slow
 def test_time_budget_stops_cleanly_with_a_checkpoint(demo_data, tmp_path):
     # Periodic checkpoints replace the cautious up-front estimate of the checkpoint time with a measurement.
-    cfg = small_config(demo_data, tmp_path, max_steps=100000, time_budget=45.0, checkpoint_every=2)
+    cfg = small_config(demo_data, tmp_path, total_steps=100000, time_budget=45.0, checkpoint_every=2)
     result, _ = train_in_process(cfg)
     assert result.stop_reason == "time_budget"
     assert result.checkpoint == tmp_path / "checkpoints" / f"step_{result.step:06d}"
@@ -151,8 +151,8 @@ def test_fsdp_shards_parameters_and_matches_replicated_training(demo_data, tmp_p
     spec = torch_xla._XLAC._get_xla_sharding_spec(model.transformer.wte.weight)
     assert "devices=[8,1]" in spec
     runtime._fsdp = False
-    sharded, _ = train_in_process(small_config(demo_data, tmp_path / "fsdp", max_steps=3, fsdp=True))
-    replicated, _ = train_in_process(small_config(demo_data, tmp_path / "dp", max_steps=3))
+    sharded, _ = train_in_process(small_config(demo_data, tmp_path / "fsdp", total_steps=3, fsdp=True))
+    replicated, _ = train_in_process(small_config(demo_data, tmp_path / "dp", total_steps=3))
     a, b = loss_history(tmp_path / "fsdp"), loss_history(tmp_path / "dp")
     assert np.allclose([h[1] for h in a], [h[1] for h in b], atol=2e-3)
     assert sharded.step == replicated.step == 3
@@ -189,7 +189,7 @@ def test_other_shape_checkpoint_is_refused_untouched(demo_data, straight_run):
     before = snapshot()
     assert "model.safetensors" in before
     with pytest.raises(UserError, match=r"different model shape: block_size=32 \(run asks 64\)"):
-        train_in_process(small_config(demo_data, straight_run, seq_len=64, max_steps=8))
+        train_in_process(small_config(demo_data, straight_run, seq_len=64, total_steps=8))
     assert snapshot() == before
     assert [p.name for p in list_checkpoints(straight_run / "checkpoints")] == [ckpt.name]
 
@@ -223,12 +223,12 @@ def test_compiled_graphs_travel_with_the_checkpoint(demo_data, tmp_path):
     """Session 2 (another out_dir, resuming from session 1's checkpoints as from a Kaggle dataset) starts
     with session 1's XLA compilation cache, and XLA finds its graphs there. (torch_xla's CPU client cannot
     load serialized executables, so here they are found but 'unloadable'; a TPU loads them.)"""
-    first = train_cli(demo_data, tmp_path / "s1", "--max-steps", "4", "--stop-after-steps", "2")
+    first = train_cli(demo_data, tmp_path / "s1", "--total-steps", "4", "--stop-after-steps", "2")
     assert first.returncode == 0, first.stderr[-3000:]
     saved = list_checkpoints(tmp_path / "s1" / "checkpoints")[-1] / "xla_cache"
     cached = sorted(p.name for p in saved.iterdir())
     assert cached and cached == sorted(p.name for p in (tmp_path / "s1" / "xla_cache").iterdir())
-    second = train_cli(demo_data, tmp_path / "s2", "--max-steps", "4", "--resume-from",
+    second = train_cli(demo_data, tmp_path / "s2", "--total-steps", "4", "--resume-from",
                        str(tmp_path / "s1" / "checkpoints"))
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resuming at step 2" in second.stdout
@@ -250,9 +250,9 @@ def test_resume_over_other_token_parts_is_refused_or_a_new_epoch(demo_data, stra
     shutil.copyfile(first, extra / first.name.replace("_000001", "_000099"))
     data = f"{demo_data},{extra}"
     with pytest.raises(UserError, match=r"over other training shards .*--on-data-change new-epoch"):
-        train_in_process(small_config(data, run, max_steps=8))
+        train_in_process(small_config(data, run, total_steps=8))
     assert {p.name: p.read_bytes() for p in ckpt.iterdir() if p.is_file()} == before
-    result, lines = train_in_process(small_config(data, run, max_steps=8, on_data_change="new-epoch"))
+    result, lines = train_in_process(small_config(data, run, total_steps=8, on_data_change="new-epoch"))
     assert result.step == 8
     assert any("the training shards changed since the checkpoint" in line for line in lines), lines
     state = json.loads((list_checkpoints(run / "checkpoints")[-1] / "state.json").read_text())["loader"]
@@ -282,12 +282,12 @@ def test_step_structures_train_the_same_model(demo_data, tmp_path):
             "checkpointed": {"activation_checkpointing": "on"}}
     results = {}
     for name, overrides in runs.items():
-        cfg = small_config(demo_data, tmp_path / name, max_steps=4, total_batch_tokens=1024, **overrides)
+        cfg = small_config(demo_data, tmp_path / name, total_steps=4, total_batch_tokens=1024, **overrides)
         assert cfg.grad_accum_steps == 4
         result, lines = train_in_process(cfg)
         assert result.step == 4
         results[name] = lines
-    proc = train_cli(demo_data, tmp_path / "scan", "--max-steps", "4", "--total-batch-tokens", "1024",
+    proc = train_cli(demo_data, tmp_path / "scan", "--total-steps", "4", "--total-batch-tokens", "1024",
                      "--scan-layers", "on", "--no-grad-accum-loop")
     assert proc.returncode == 0, proc.stderr[-3000:]
     results["scan"] = proc.stdout.splitlines() + proc.stderr.splitlines()
@@ -396,7 +396,7 @@ def test_extend_with_no_checkpoint_at_all_starts_at_step_zero(tmp_path):
     # A chain's first session (or its smoke run) with train.extend set: nothing to extend, nothing refused.
     from shared.train.session import resume_point
 
-    cfg = TrainConfig(preset="tiny", seq_len=32, micro_batch=8, total_batch_tokens=256, max_steps=8, schedule="wsd",
+    cfg = TrainConfig(preset="tiny", seq_len=32, micro_batch=8, total_batch_tokens=256, total_steps=8, schedule="wsd",
                       extend=True, resume_from=str(tmp_path / "mount"))
     lines = []
     assert resume_point(cfg, tmp_path / "checkpoints", log=lines.append) is None
@@ -410,19 +410,19 @@ def test_extend_trains_on_from_the_stable_phase_as_a_longer_run_would_bit_exactl
     steps it goes on from there, in two sessions, and ends where a straight 12-step run does."""
     wsd = {"schedule": "wsd", "cooldown_frac": 0.5, "lr": 3e-3}
     straight, extended = tmp_path / "straight", tmp_path / "extended"
-    train_in_process(small_config(demo_data, straight, max_steps=12, **wsd))
-    result, _ = train_in_process(small_config(demo_data, extended, max_steps=8, **wsd))
+    train_in_process(small_config(demo_data, straight, total_steps=12, **wsd))
+    result, _ = train_in_process(small_config(demo_data, extended, total_steps=8, **wsd))
     checkpoints = extended / "checkpoints"
     assert result.step == 8 and [p.name for p in list_checkpoints(checkpoints / "stable")] == ["step_000005"]
     # Shorter is refused in one line, every checkpoint left where it was.
-    with pytest.raises(UserError, match=r"^--extend --max-steps 6: no checkpoint in .* agrees with this schedule"):
-        train_in_process(small_config(demo_data, extended, max_steps=6, extend=True, **wsd))
+    with pytest.raises(UserError, match=r"^--extend --total-steps 6: no checkpoint in .* agrees with this schedule"):
+        train_in_process(small_config(demo_data, extended, total_steps=6, extend=True, **wsd))
     assert [p.name for p in list_checkpoints(checkpoints)] == ["step_000008"]
-    longer = small_config(demo_data, extended, max_steps=12, extend=True, **wsd)
+    longer = small_config(demo_data, extended, total_steps=12, extend=True, **wsd)
     first, lines = train_in_process(replace(longer, stop_after_steps=2))
     assert first.step == 7
     ended, stable = checkpoints / "step_000008", checkpoints / "stable" / "step_000005"
-    assert lines[:2] == [f"notice: --extend: {ended} (step 8 of a 8-step wsd schedule) holds updates --max-steps 12 "
+    assert lines[:2] == [f"notice: --extend: {ended} (step 8 of a 8-step wsd schedule) holds updates --total-steps 12 "
                          f"makes differently; set aside as {checkpoints / 'superseded-step_000008'}",
                          f"--extend: training on from step 5 ({stable}) to step 12"]
     second, lines = train_in_process(longer)
