@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from scripts.chain.build import KERNEL_SOURCES, REPO, build_kernel
-from scripts.chain.checkpoints import newest_proven
+from scripts.chain.checkpoints import checkpoint_refs
 from scripts.chain.client import ApiFailure, log_error_line
 from scripts.chain.context import StageContext
 from scripts.chain.tokenize_stage import data_sources
@@ -49,8 +49,8 @@ class EvalStage:
         this one (shared/kaggle/bootstrap.py), so the eval never reports on an older checkpoint."""
         sessions = self.ctx.state.data.get("train_sessions") or []
         last = sessions[-1] if sessions else {}
-        # A state without sessions (or from before the two datasets): the one holding the newest checkpoint now.
-        dataset = last.get("ckpt_ref_after") or newest_proven(self.ctx)[0]
+        # The checkpoint dataset the last session left its checkpoint in (a state from before the two: the first)
+        dataset = last.get("ckpt_ref_after") or checkpoint_refs(self.ctx)[0]
         return {"dataset": dataset, "expect_step": last.get("step_after", 0),
                 "expect_version": last.get("ckpt_version_after", 0)}
 

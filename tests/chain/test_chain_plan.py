@@ -555,3 +555,11 @@ def test_plan_of_gpt2_xl_prints_the_temp_disk_peak_and_the_quota_room_its_other_
     (disk,) = [line for line in lines if line.startswith("disk        ")]
     assert disk.startswith("disk        /kaggle/temp holds at most 56.1 GB at once: 2 checkpoints rotating 37.4 GB, "
                            "a fetched version 18.7 GB")
+    # One upload a publish (two checkpoint datasets in turn): the margin is 600 s + the 18.7 GB upload at 10 MB/s +
+    # the session's 600-s wait for its version, 31 minutes less than a deleting publish's second upload took.
+    assert cfg.publish_margin_s == pytest.approx(600 + 18.69e9 / 10e6 + 600, abs=10)
+    (session, publish) = [line for line in lines if line.startswith(("margin      session", "margin      publish"))]
+    assert (f"{cfg.publish_margin_s:g} s to publish, the upload alone ~1869 s at an assumed 10 MB/s, once: a "
+            "deleting publish no longer uploads it again (two checkpoint datasets in turn), ~1869 s less than with "
+            "one") in session
+    assert publish.startswith("margin      publish: 1 version(s) of 18.69 GB upload in ~1869 s")

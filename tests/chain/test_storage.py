@@ -125,8 +125,8 @@ def test_other_private_datasets_leave_less_room_and_the_sessions_keep_their_peak
     assert session_publishes(ctx, 3, NINE_HOURS) == (True, False)
     assert session_publishes(ctx, 1, NINE_HOURS, ref="alice/gpt2-checkpoints-b") == (True, False)
     with pytest.raises(UserError, match=r"do not fit the 12\.6\d* GB private-dataset quota \(dataset_quota_gb\) "
-                                        r"less the 9\.0 GB your other private datasets take; raise it if your account has "
-                                        r"more, free space on Kaggle, or train a smaller model$"):
+                                        r"less the 9\.0 GB your other private datasets take; raise it if your account "
+                                        r"has more, free space on Kaggle, or train a smaller model$"):
         storage_plan(cfg, taken=6 * size)
 
 
