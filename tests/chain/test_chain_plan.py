@@ -358,9 +358,9 @@ def test_plan_of_a_model_whose_checkpoints_live_in_temp_keeps_k_versions_and_say
     (checkpoint,) = [line for line in lines if line.startswith("checkpoint  ")]
     midway_h = (cfg.session_limit_s - cfg.publish_margin_s) / 2 / 3600
     assert checkpoint.endswith("(at most 2 versions kept in each; with no copy in the output, a session waits up to "
-                               "600 s for its version and publishes again if it failed; each session also publishes its "
-                               f"first checkpoint past {midway_h:.2f} h in, while it trains, for a kill before its "
-                               "end)")
+                               "600 s for its version and publishes again if it failed; each session also publishes "
+                               f"its first checkpoint past {midway_h:.2f} h in, while it trains, for a kill before "
+                               "its end)")
     assert 3.5 < midway_h < 4.5  # half of 9 h less the publish margin gpt2-xl's 18.7 GB need
     assert "1 kept in {temp}/checkpoints (not in the session's output, which holds 20 GB)" in checkpoint
 
