@@ -438,8 +438,7 @@ def checkpoint_uploads(train: TrainConfig) -> int:
 
 
 # A publish uploads its checkpoint once, a deleting one too: its create deletes the older versions of the checkpoint
-# dataset it publishes to, while the other one holds the newest proven checkpoint (scripts/chain/checkpoints.py
-# `publish_target`, shared/kaggle/publish.py `_publish`). With one dataset it uploaded twice (--plan says the saving).
+# dataset it publishes to, while the other holds the newest proven one (scripts/chain/checkpoints.py `publish_target`).
 PUBLISH_UPLOADS = 1
 
 
