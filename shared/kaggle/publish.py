@@ -1,4 +1,5 @@
-"""Inside a Kaggle session: publish the session's newest checkpoint as a new version of the checkpoint dataset.
+"""Inside a Kaggle session: publish the session's newest checkpoint as a new version of a checkpoint dataset: of
+the chain's two, the one it did not resume from (`PublishPlan`), uploaded once even where it deletes older versions.
 
 A checkpoint dataset holds one checkpoint's files flat (model.safetensors, optimizer.safetensors, state.json,
 metrics.jsonl, checkpoint.json; a subfolder's files as `<folder>__<file>`): Kaggle datasets are flat lists of
