@@ -158,15 +158,18 @@ def newest_proven(ctx: StageContext) -> tuple[str, int, int]:
     Equal steps: the first."""
     found = []
     for ref in checkpoint_refs(ctx):
+        number, _ = ctx.client.dataset_version(ref)
+        if not number:
+            ctx.log(f"notice: checkpoint dataset {ref} does not exist yet; it is passed over")
+            continue
         try:
-            version, step = dataset_head(ctx, ref)
-        except VersionMissing as err:
+            version = ctx.client.wait_dataset_version(ref, number - 1)
+        except UserError as err:  # never ready, failed or deleted: a publish to it that did not land
             ctx.log(f"notice: checkpoint dataset {ref} is passed over: {err}")
             continue
-        problem = version_problem(ctx, ref, version) if version and step else None
-        if not version:
-            ctx.log(f"notice: checkpoint dataset {ref} does not exist yet; it is passed over")
-        elif problem:  # a publish killed or dropped short of a file: never resumed from
+        step = dataset_step(ctx, ref, version)  # a manifest that keeps answering 404 stops the chain, in one line
+        problem = version_problem(ctx, ref, version) if step else None
+        if problem:  # a publish killed or dropped short of a file: never resumed from
             ctx.log(f"notice: version {version} of checkpoint dataset {ref} {problem}; it is passed over")
         elif step:
             found.append((step, ref, version))

@@ -31,13 +31,13 @@ def two_datasets(lk, tmp_path: Path) -> None:
     add_version(lk, tmp_path, SECOND, whole(10))
 
 
-def newest(lk, tmp_path: Path) -> tuple[dict, str]:
+def newest(lk, tmp_path: Path, wait_s: float = 30.0) -> tuple[dict, str]:
     """What a restarted chain resumes from, and the dataset its next session publishes to."""
     return chain_probe(lk, tmp_path, """
         from scripts.chain.checkpoints import newest_proven, publish_target
         out["newest"] = list(newest_proven(ctx))
         out["target"] = publish_target(ctx, out["newest"][0])
-    """)
+    """, wait_s=wait_s)
 
 
 def test_sessions_publish_in_turn_to_the_dataset_not_holding_the_newest_checkpoint(local_kaggle, tmp_path):
@@ -61,6 +61,16 @@ def test_the_chain_resumes_from_whichever_dataset_holds_the_newest_proven_step(l
     out, log = newest(lk, tmp_path)
     assert out == {"newest": [SECOND, 2, 40], "target": CKPT}
     assert f"notice: version 2 of checkpoint dataset {CKPT} lacks model.safetensors; it is passed over" in log
+
+
+def test_a_newest_version_that_never_becomes_ready_is_passed_over_and_the_other_resumed_from(local_kaggle, tmp_path):
+    lk = local_kaggle
+    two_datasets(lk, tmp_path)
+    lk.app.settings.dataset_ready_delay_s = 600.0  # the next version stays pending past the chain's wait
+    add_version(lk, tmp_path, SECOND, whole(40))
+    out, log = newest(lk, tmp_path, wait_s=1.0)
+    assert out == {"newest": [CKPT, 1, 20], "target": SECOND}
+    assert f"notice: checkpoint dataset {SECOND} is passed over: " in log
 
 
 def test_a_missing_or_empty_second_dataset_is_passed_over(local_kaggle, tmp_path):
