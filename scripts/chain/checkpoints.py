@@ -153,9 +153,9 @@ def publish_target(ctx: StageContext, holder: str | None) -> str:
 
 def newest_proven(ctx: StageContext) -> tuple[str, int, int]:
     """(dataset, version, step) of the newest checkpoint either checkpoint dataset holds: each one's current
-    version, once ready, and its step; (the first dataset, its version, 0) where neither holds one. A dataset that
-    does not exist, holds no checkpoint, or whose current version never became ready is passed over, in one notice.
-    Equal steps: the first."""
+    version, once ready and proven whole (`version_problem`), and its step; (the first dataset, its version, 0)
+    where neither holds one. A dataset that does not exist, holds no checkpoint, or whose current version never
+    became ready, failed or is not whole is passed over, in one notice. Equal steps: the first."""
     found = []
     for ref in checkpoint_refs(ctx):
         number, _ = ctx.client.dataset_version(ref)
