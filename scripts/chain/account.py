@@ -27,7 +27,7 @@ def read_quota(cfg: ChainConfig) -> tuple[tuple[float, float, str] | None, str]:
 
 
 def list_private_datasets(cfg: ChainConfig) -> tuple[dict[str, int] | None, str]:
-    """({ref: bytes} of the user's private datasets other than the chain's checkpoint dataset, ''), or (None, why
+    """({ref: bytes} of the user's private datasets other than the chain's checkpoint datasets, ''), or (None, why
     not) without credentials or network."""
     client = plan_client(cfg)
     try:
@@ -35,5 +35,5 @@ def list_private_datasets(cfg: ChainConfig) -> tuple[dict[str, int] | None, str]
         datasets = client.private_datasets()
     except Exception as err:  # no credentials, no network: the plan goes on with the whole quota
         return None, one_line(str(err)) or type(err).__name__
-    ckpt = client.ref(cfg.slug("checkpoints"))
-    return {ref: size for ref, size in datasets.items() if ref != ckpt}, ""
+    ckpts = {client.ref(cfg.slug("checkpoints")), client.ref(cfg.slug("checkpoints-b"))}
+    return {ref: size for ref, size in datasets.items() if ref not in ckpts}, ""

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from scripts.chain.checkpoints import dataset_head
+from scripts.chain.checkpoints import newest_proven
 from scripts.chain.client import KaggleClient
 from scripts.chain.config import ChainConfig
 from scripts.chain.context import StageContext
@@ -99,9 +99,10 @@ class Chain:
         self.tokenize.run()
         self.train.run()
         self.eval.run()
-        ckpt_ref = self.ctx.ref(cfg.slug("checkpoints"))
-        # The step read from the dataset's newest version; total_steps kept: only a higher one trains on.
-        data.update(done=True, final_step=dataset_head(self.ctx, ckpt_ref)[1], total_steps=cfg.total_steps)
+        # The step read from the newest version of the checkpoint dataset holding the newest checkpoint of the two;
+        # total_steps kept: only a higher one trains on.
+        ckpt_ref, _, final_step = newest_proven(self.ctx)
+        data.update(done=True, final_step=final_step, total_steps=cfg.total_steps)
         self.state.save()
         log(f"done: step {data['final_step']} of {cfg.total_steps} in {len(data['train_sessions'])} train sessions.")
         log(f"results: {self.workdir}  (metrics.jsonl, loss.png, sessions/ with each session's log, eval/)")

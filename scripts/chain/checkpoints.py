@@ -1,6 +1,9 @@
-"""The checkpoint dataset the train sessions resume from and publish to: its versions (the current one, the step
-each holds, which of them stay), creating it before the first session, waiting for a publish to land, and publishing
-a session's checkpoint from its output when the session could not."""
+"""The two checkpoint datasets the train sessions resume from and publish to, in turn: a session resumes from the
+one holding the newest proven checkpoint and publishes to the other, whose older versions its one upload may delete
+(Kaggle deletes versions only at a create: docs/kaggle-api.md), so that a proven checkpoint is left whatever becomes
+of the new version. Their versions (the current one, the step each holds, which of them stay), creating them before
+the first session, waiting for a publish to land, and publishing a session's checkpoint from its output when the
+session could not."""
 
 from __future__ import annotations
 
@@ -136,27 +139,79 @@ def dataset_head(ctx: StageContext, ref: str) -> tuple[int, int]:
     return version, dataset_step(ctx, ref, version)
 
 
-def known_versions(ctx: StageContext, current: int) -> list[int]:
-    """The checkpoint dataset's versions this chain knows to be live, oldest first. A state without them (a dataset
-    this chain did not create) counts every number up to `current`: deleting too early beats filling the quota."""
-    return ctx.state.data.setdefault("checkpoint_versions", list(range(1, current + 1)))
+def checkpoint_refs(ctx: StageContext) -> tuple[str, str]:
+    """The chain's two checkpoint datasets (owner/slug): the first, and the second it takes turns with."""
+    return ctx.ref(ctx.cfg.slug("checkpoints")), ctx.ref(ctx.cfg.slug("checkpoints-b"))
 
 
-def session_publishes(ctx: StageContext, current: int, limit_s: float) -> tuple[bool, bool]:
-    """(whether the next session's final publish deletes the older versions, whether it publishes midway), from
-    the versions live now and a session of `limit_s`, under the private-dataset quota (scripts/chain/storage.py).
-    Kaggle deletes only every older version at once, so the publish after which more than keep_dataset_versions
-    would be live deletes them all, with a copy of its final version once that is proven (docs/kaggle-api.md, Old
-    versions). A midway version only where it, the final one and that copy fit beside those live (a session killed
-    before its final publish leaves one more)."""
-    live = len(known_versions(ctx, current))
+def publish_target(ctx: StageContext, holder: str | None) -> str:
+    """The checkpoint dataset a session publishes to: the one that does not hold the newest proven checkpoint
+    (`holder`), so that the versions its publish deletes never include that one; the first where none holds any."""
+    first, second = checkpoint_refs(ctx)
+    return second if holder == first else first
+
+
+def newest_proven(ctx: StageContext) -> tuple[str, int, int]:
+    """(dataset, version, step) of the newest checkpoint either checkpoint dataset holds: each one's current
+    version, once ready and proven whole (`version_problem`), and its step; (the first dataset, its version, 0)
+    where neither holds one. A dataset that does not exist, holds no checkpoint, or whose current version never
+    became ready, failed or is not whole is passed over, in one notice. Equal steps: the first."""
+    found = []
+    for ref in checkpoint_refs(ctx):
+        number, _ = ctx.client.dataset_version(ref)
+        if not number:
+            ctx.log(f"notice: checkpoint dataset {ref} does not exist yet; it is passed over")
+            continue
+        try:
+            version = ctx.client.wait_dataset_version(ref, number - 1)
+        except UserError as err:  # never ready, failed or deleted: a publish to it that did not land
+            ctx.log(f"notice: checkpoint dataset {ref} is passed over: {err}")
+            continue
+        step = dataset_step(ctx, ref, version)  # a manifest that keeps answering 404 stops the chain, in one line
+        problem = version_problem(ctx, ref, version) if step else None
+        if problem:  # a publish killed or dropped short of a file: never resumed from
+            ctx.log(f"notice: version {version} of checkpoint dataset {ref} {problem}; it is passed over")
+        elif step:
+            found.append((step, ref, version))
+    if not found:
+        first = checkpoint_refs(ctx)[0]
+        return first, ctx.client.dataset_version(first)[0], 0
+    step, ref, version = max(found, key=lambda f: f[0])  # max keeps the first of equals
+    return ref, version, step
+
+
+def _versions_key(ctx: StageContext, ref: str | None) -> str:
+    return "checkpoint_versions" if ref in (None, checkpoint_refs(ctx)[0]) else "checkpoint_versions_b"
+
+
+def known_versions(ctx: StageContext, current: int, ref: str | None = None) -> list[int]:
+    """The versions this chain knows to be live in checkpoint dataset `ref` (default: the first), oldest first. A
+    state without them (a dataset this chain did not create) counts every number up to `current`: deleting too
+    early beats filling the quota."""
+    return ctx.state.data.setdefault(_versions_key(ctx, ref), list(range(1, current + 1)))
+
+
+def session_publishes(ctx: StageContext, current: int, limit_s: float, ref: str | None = None) -> tuple[bool, bool]:
+    """(whether the next session's final publish deletes the older versions of `ref`, the dataset it publishes to,
+    whose current version is `current`; whether it publishes midway), under the private-dataset quota
+    (scripts/chain/storage.py). Kaggle deletes only every older version at once, at a create (docs/kaggle-api.md,
+    Old versions), so the publish after which more than keep_dataset_versions would be live in `ref` deletes them
+    all with its one upload (also where keeping them would leave no room in the quota for the next create): the
+    other checkpoint dataset holds the proven checkpoint the session resumes from. A midway version only where it
+    and the final one fit beside those live in both (a session killed before its final publish leaves one more)."""
+    first, second = checkpoint_refs(ctx)
+    other = second if ref in (None, first) else first
+    live = len(known_versions(ctx, current, ref))
+    others = len(ctx.state.data.get(_versions_key(ctx, other)) or [])
     taken = int((ctx.state.data.get("private_datasets") or {}).get("taken") or 0)
     plan = storage_plan(ctx.cfg, midway=ctx.cfg.midway_publish_s(limit_s) > 0, taken=taken)
-    midway = plan.midway and live + 3 <= ctx.cfg.dataset_room(taken)  # the midway, the final and its deleting copy
-    return live + 1 + midway > plan.keep, midway
+    room = ctx.cfg.dataset_room(taken)
+    midway = plan.midway and others + live + 2 <= room  # the midway and the final one
+    # Deleting also where keeping would leave no room for the next create (a killed session's midway version stays)
+    return live + 1 + midway > plan.keep or others + live + 1 + midway >= room, midway
 
 
-def read_private_datasets(ctx: StageContext, ref: str) -> None:
+def read_private_datasets(ctx: StageContext, refs: tuple[str, ...]) -> None:
     """At the chain's start: the user's own private datasets and their sizes (ListDatasets), kept in the state, so
     the checkpoint versions are planned under what is left of the quota (session_publishes); one line where three
     versions no longer fit beside them. A listing that fails is a notice: the whole quota is counted as the
@@ -165,21 +220,22 @@ def read_private_datasets(ctx: StageContext, ref: str) -> None:
         datasets = ctx.client.private_datasets()
     except Exception as err:  # an API or a stand-in without the call: the publishes are still proven one by one
         why = ctx.client.describe(err) if not isinstance(err, UserError) else str(err)
-        ctx.log(f"notice: {room_line(ctx.cfg, storage_plan(ctx.cfg), None, ref, why)}")
+        ctx.log(f"notice: {room_line(ctx.cfg, storage_plan(ctx.cfg), None, refs, why)}")
         return
-    taken = private_taken(datasets, ref)
+    taken = private_taken(datasets, refs)
     ctx.state.data["private_datasets"] = {"taken": taken, "datasets": datasets, "read_at": time.time()}
     ctx.state.save()
-    ctx.log(f"quota: {room_line(ctx.cfg, storage_plan(ctx.cfg, taken=taken), datasets, ref)}")
+    ctx.log(f"quota: {room_line(ctx.cfg, storage_plan(ctx.cfg, taken=taken), datasets, refs)}")
 
 
-def note_version(ctx: StageContext, number: int, deleted_old: bool) -> None:
-    """Record a new checkpoint version that verified (and whether its publish deleted the older ones). Without a
-    delete, every number since the last one known counts as live too: a session may have made more than one (its
-    midway publish, shared/kaggle/publish.py MidwayPublish), and deleting early beats filling the quota."""
-    older = [v for v in known_versions(ctx, number - 1) if v < number]
+def note_version(ctx: StageContext, number: int, deleted_old: bool, ref: str | None = None) -> None:
+    """Record a new version of checkpoint dataset `ref` (default: the first) that verified, and whether its publish
+    deleted the older ones. Without a delete, every number since the last one known counts as live too: a session
+    may have made more than one (its midway publish, shared/kaggle/publish.py MidwayPublish), and deleting early
+    beats filling the quota."""
+    older = [v for v in known_versions(ctx, number - 1, ref) if v < number]
     since = range((older[-1] if older else number - 1) + 1, number + 1)
-    ctx.state.data["checkpoint_versions"] = [number] if deleted_old else older + list(since)
+    ctx.state.data[_versions_key(ctx, ref)] = [number] if deleted_old else older + list(since)
     ctx.state.save()
 
 
@@ -195,7 +251,7 @@ def wait_published(ctx: StageContext, ref: str, before: int, what: str) -> int:
 
 
 def ensure_checkpoint_dataset(ctx: StageContext, ref: str) -> None:
-    """Create the checkpoint dataset with a placeholder, so session 1 can already attach it."""
+    """Create a checkpoint dataset with a placeholder, so session 1 can already attach it."""
     if ctx.client.dataset_exists(ref):
         return
     folder = ctx.workdir / "dataset-init"
@@ -204,20 +260,22 @@ def ensure_checkpoint_dataset(ctx: StageContext, ref: str) -> None:
     readme = folder / PLACEHOLDER_FILE
     readme.write_text(f"# Checkpoints of the {ctx.cfg.name} run\n\nEach version holds the newest checkpoint of "
                       "a training session (model, AdamW state, data position, metrics). Version 1 holds none.\n")
-    write_dataset_folder(folder / "upload", ref, f"{ctx.cfg.name} checkpoints", [readme])
+    second = " b" if ref == checkpoint_refs(ctx)[1] else ""  # two datasets of one title, not verified: none
+    write_dataset_folder(folder / "upload", ref, f"{ctx.cfg.name} checkpoints{second}", [readme])
     ctx.client.call(f"create dataset {ref}", push_dataset_folder, ctx.client.api, folder / "upload", ref,
                     "no checkpoint yet")
     first = wait_published(ctx, ref, 0, f"creating the checkpoint dataset {ref}")
-    note_version(ctx, first, deleted_old=True)  # the first version: nothing older
+    note_version(ctx, first, deleted_old=True, ref=ref)  # the first version: nothing older
     ctx.log(f"created the checkpoint dataset {ref}")
 
 
 def publish_from_output(ctx: StageContext, ref: str, version: int, ckpt_ref: str, out_step: int, reason: str,
-                        before: int, delete_old: bool = False) -> int:
+                        before: int, delete_old: bool = False, resumed: tuple[str, int] | None = None) -> int:
     """Publish checkpoint `out_step` from the output of version `version` of `ref` to `ckpt_ref` (the session
     saved it but did not publish it, or its publish never appeared), as the version after `before`: its number
     once it verifies, or 0, with a warning, when the output holds no complete copy of it. The stable-phase
-    checkpoint goes with it: the session's own from its output, else the one version `before` carries."""
+    checkpoint goes with it: the session's own from its output, else the one the version it resumed from carries
+    (`resumed`: (dataset, version); default version `before` of `ckpt_ref`)."""
     name = checkpoint_name(out_step)
     fallback = ctx.workdir / "fallback"
     shutil.rmtree(fallback, ignore_errors=True)
@@ -235,7 +293,7 @@ def publish_from_output(ctx: StageContext, ref: str, version: int, ckpt_ref: str
     if stable is not None and not _verify_files(stable):
         ctx.log(f"  warning: the output's stable-phase checkpoint {stable.name} is incomplete; left out")
         stable = None
-    stable = stable or carried_stable(ctx, ckpt_ref, before, fallback / "carried")
+    stable = stable or carried_stable(ctx, *(resumed or (ckpt_ref, before)), fallback / "carried")
     also = f" with the stable phase's {stable.name}" if stable is not None else ""
     ctx.log(f"  publishing step {out_step}{also} from the kernel output ({reason})")
     return publish_proven(ctx, src, ckpt_ref, before, out_step, stable, delete_old)
@@ -243,15 +301,12 @@ def publish_from_output(ctx: StageContext, ref: str, version: int, ckpt_ref: str
 
 def publish_proven(ctx: StageContext, src: Path, ref: str, before: int, step: int, stable: Path | None,
                    delete_old: bool) -> int:
-    """Publish checkpoint `src` (with `stable` beside it) as the version after `before`, keeping the older ones,
-    and prove it whole (`version_problem`; a short one is published once more); with `delete_old`, only then
-    publish it again deleting every older version (Kaggle deletes only at a create: docs/kaggle-api.md), proven
-    too. -> the newest version proven whole; one that never is, is one line."""
-    version = _publish_once(ctx, src, ref, before, step, stable, delete=False)
-    if not delete_old:
-        return version
-    ctx.log(f"  version {version} of {ref} is whole; publishing it again, deleting the older versions")
-    return _publish_once(ctx, src, ref, version, step, stable, delete=True)
+    """Publish checkpoint `src` (with `stable` beside it) as the version after `before`, uploaded once: with
+    `delete_old`, the create deletes every older version of `ref` (Kaggle deletes only at a create:
+    docs/kaggle-api.md), which never holds the newest proven checkpoint (the other checkpoint dataset does:
+    `publish_target`); proven whole (`version_problem`; a short one is published once more, keeping versions).
+    -> the version proven whole; one that never is, is one line."""
+    return _publish_once(ctx, src, ref, before, step, stable, delete=delete_old)
 
 
 def _publish_once(ctx: StageContext, src: Path, ref: str, before: int, step: int, stable: Path | None,

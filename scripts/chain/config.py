@@ -94,8 +94,9 @@ class ChainConfig:
     session_train_s: float = 0
     max_train_sessions: int = 0  # stop training after this many sessions, then evaluate (0: until total_steps)
     max_failed_sessions: int = 3  # consecutive sessions without progress before the chain gives up
-    # Checkpoint dataset versions kept on Kaggle (0: all); a publish that would exceed it deletes the older ones
-    # (Kaggle deletes only all older versions at once: docs/kaggle-api.md, Checkpoint dataset versions).
+    # Versions kept in each of the two checkpoint datasets (0: as many as the quota holds); a publish that would
+    # exceed it deletes its dataset's older ones at its create (Kaggle deletes only all older versions at once:
+    # docs/kaggle-api.md, Checkpoint dataset versions), while the other dataset holds the newest proven checkpoint.
     keep_dataset_versions: int = 2
     # The account's private-dataset quota, in GB: the chain keeps its checkpoint versions under it (fewer kept, or no
     # midway publish, where needed: scripts/chain/storage.py). Kaggle's figure is not verified (a 2023 book says
@@ -161,10 +162,12 @@ class ChainConfig:
         return EvalSection.of(self.eval, self.accelerator, self.session_limit_s)
 
     def slug(self, what: str) -> str:
-        """The slug of a kernel (tokenize, train, eval; `tokenize-part-N`: part N's notebook) or of the checkpoint
-        dataset."""
+        """The slug of a kernel (tokenize, train, eval; `tokenize-part-N`: part N's notebook) or of a checkpoint
+        dataset (checkpoints; checkpoints-b, the second one: `<checkpoints>-b`)."""
         if what.startswith("tokenize-part-"):
             return f"{self.slug('tokenize')}-part-{what.removeprefix('tokenize-part-')}"
+        if what == "checkpoints-b":  # the second checkpoint dataset, used in turn with the first
+            return f"{self.slug('checkpoints')}-b"
         default = {"tokenize": f"{self.name}-tokens", "train": f"{self.name}-train", "eval": f"{self.name}-eval",
                    "checkpoints": f"{self.name}-checkpoints"}[what]
         return self.slugs.get(what) or default
@@ -172,14 +175,14 @@ class ChainConfig:
     def dataset_room(self, taken: int = 0) -> int:
         """Checkpoint versions that fit the private-dataset quota at once (each the newest checkpoint and, for a wsd
         run, the stable-phase one beside it), less `taken` bytes (the user's other private datasets). Fewer than
-        three is an error: the version kept, the next one, and the copy of it that deletes the older once it is
-        proven (shared/kaggle/publish.py `_publish`)."""
+        three is an error: the version each of the two checkpoint datasets keeps, and the next one, made before the
+        older ones of its dataset are deleted (scripts/chain/storage.py)."""
         size = self.version_bytes
         room = max(0, int(self.dataset_quota_gb * 1e9) - taken) // size
         if room < 3:
             others = f" less the {taken / 1e9:.1f} GB your other private datasets take" if taken else ""
-            raise UserError(f"a checkpoint version is {size / 1e9:.1f} GB: three (the one kept, the next, and its "
-                            f"copy that deletes the older) do not fit the {self.dataset_quota_gb:g} GB private-dataset "
+            raise UserError(f"a checkpoint version is {size / 1e9:.1f} GB: three (the one each checkpoint dataset "
+                            f"keeps, and the next) do not fit the {self.dataset_quota_gb:g} GB private-dataset "
                             f"quota (dataset_quota_gb){others}; raise it if your account has more, free space on "
                             "Kaggle, or train a smaller model")
         return room
@@ -434,27 +437,26 @@ def checkpoint_uploads(train: TrainConfig) -> int:
     return 2 if keeps_stable(train) else 1
 
 
-# A publish that deletes the older versions uploads its checkpoint twice: kept beside them first, then, once that
-# version is proven whole, again with deleteOldVersions (shared/kaggle/publish.py `_publish`, docs/kaggle-api.md).
-DELETING_PUBLISH_UPLOADS = 2
+# A publish uploads its checkpoint once, a deleting one too: its create deletes the older versions of the checkpoint
+# dataset it publishes to, while the other holds the newest proven one (scripts/chain/checkpoints.py `publish_target`).
+PUBLISH_UPLOADS = 1
 
 
 def publish_needs_s(train: TrainConfig, size: int) -> float:
-    """The least a session's publish can take: its checkpoint uploads at the assumed rate, twice where the publish
-    deletes the older versions (any session's may), and for checkpoints in /kaggle/temp the session's wait for its
-    version."""
+    """The least a session's publish can take: its checkpoint's upload at the assumed rate, and for checkpoints in
+    /kaggle/temp the session's wait for its version."""
     return upload_s(train, size) + publish_verify_s(train)
 
 
 def upload_s(train: TrainConfig, size: int) -> float:
-    """A session's publish uploads at the assumed rate: its checkpoints, twice where it deletes the older versions."""
-    return DELETING_PUBLISH_UPLOADS * checkpoint_uploads(train) * size / ASSUMED_UPLOAD_BYTES_PER_S
+    """A session's publish uploads at the assumed rate: its checkpoints (the newest, the stable-phase one), once."""
+    return PUBLISH_UPLOADS * checkpoint_uploads(train) * size / ASSUMED_UPLOAD_BYTES_PER_S
 
 
 def _publish_words(train: TrainConfig, size: int) -> str:
-    uploads = DELETING_PUBLISH_UPLOADS * checkpoint_uploads(train)
+    uploads = PUBLISH_UPLOADS * checkpoint_uploads(train)
     words = f"{uploads} x " + (f"{size / 1e9:.2g} GB at an assumed {ASSUMED_UPLOAD_BYTES_PER_S / 1e6:g} MB/s "
-                               "(a deleting publish uploads twice)")
+                               "(uploaded once, a deleting publish too)")
     if publish_verify_s(train):
         words += f" + the session's {publish_verify_s(train):.0f}-s wait for its version"
     return words

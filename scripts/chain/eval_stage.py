@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from scripts.chain.build import KERNEL_SOURCES, REPO, build_kernel
+from scripts.chain.checkpoints import checkpoint_refs
 from scripts.chain.client import ApiFailure, log_error_line
 from scripts.chain.context import StageContext
 from scripts.chain.tokenize_stage import data_sources
@@ -48,12 +49,16 @@ class EvalStage:
         this one (shared/kaggle/bootstrap.py), so the eval never reports on an older checkpoint."""
         sessions = self.ctx.state.data.get("train_sessions") or []
         last = sessions[-1] if sessions else {}
-        return {"expect_step": last.get("step_after", 0), "expect_version": last.get("ckpt_version_after", 0)}
+        # The checkpoint dataset the last session left its checkpoint in (a state from before the two: the first)
+        dataset = last.get("ckpt_ref_after") or checkpoint_refs(self.ctx)[0]
+        return {"dataset": dataset, "expect_step": last.get("step_after", 0),
+                "expect_version": last.get("ckpt_version_after", 0)}
 
     def build(self, push_id: str) -> Path:
         """The eval kernel on the checkpoint dataset, with the first token part's validation shards."""
         ctx, cfg, ev = self.ctx, self.ctx.cfg, self.ctx.cfg.eval_section
-        ckpt_ref = ctx.ref(cfg.slug("checkpoints"))
+        expected = self.expected_checkpoint()  # the checkpoint dataset holding the newest checkpoint of the two
+        ckpt_ref = expected["dataset"]
         _datasets, kernels, _ = data_sources(ctx)
         settings = {"out_dir": "{working}", **ev.settings}
         if kernels and "data_dir" not in settings:
@@ -62,6 +67,5 @@ class EvalStage:
                             settings=settings, kernel_type=cfg.kernel_type,
                             accelerator=ev.accelerator, internet=True,
                             dataset_sources=[ckpt_ref] + list(ev.inputs), kernel_sources=kernels[:1],
-                            checkpoint_dataset={"dataset": ckpt_ref, "resume_setting": "checkpoint",
-                                                **self.expected_checkpoint()},
+                            checkpoint_dataset={"resume_setting": "checkpoint", **expected},
                             push_id=push_id)

@@ -1,13 +1,14 @@
-"""How many checkpoint versions a chain keeps live at once, so that its checkpoint dataset stays under the account's
-private-dataset quota (ChainConfig.dataset_quota_gb): a create past that quota answers "Ok" and lands nothing
-(kaggle-cli issue 284), which would leave a session's checkpoint unpublished.
+"""How many checkpoint versions a chain keeps live at once, so that its two checkpoint datasets stay under the
+account's private-dataset quota (ChainConfig.dataset_quota_gb): a create past that quota answers "Ok" and lands
+nothing (kaggle-cli issue 284), which would leave a session's checkpoint unpublished.
 
-Kaggle deletes only every older version at once, when a new one is created (deleteOldVersions), and whether the
-versions it deletes still count against the quota at that moment is not verified: so the version a deleting
-publish makes (a copy of the session's final one, published once that is proven whole) is counted on top of those
-it deletes. A session may publish twice: midway through (never deleting,
-shared/kaggle/publish.py MidwayPublish), then at its end. A session's final publish deletes the older versions where the
-versions live after it would pass keep_dataset_versions; the most live at once is `peak_versions`.
+A session resumes from one checkpoint dataset and publishes to the other (scripts/chain/checkpoints.py
+`publish_target`). Kaggle deletes only every older version at once, when a new one is created (deleteOldVersions),
+and whether the versions it deletes still count against the quota at that moment is not verified: so the version a
+deleting publish makes is counted on top of those it deletes. A session may publish twice: midway through (never
+deleting, shared/kaggle/publish.py MidwayPublish), then at its end. A session's final publish deletes the older
+versions of its dataset where the versions live there after it would pass keep_dataset_versions; the most live at
+once, in both datasets, is `peak_versions`.
 """
 
 from __future__ import annotations
@@ -60,38 +61,42 @@ def _most_kept(asked: int, midway: bool, room: int) -> int:
 
 
 def peak_versions(keep: int, midway: bool) -> int:
-    """The most versions live at once: a session adds 1 + midway versions; where they would otherwise pass `keep`
-    (scripts/chain/checkpoints.py session_publishes) its final one, once proven, is published again deleting the
-    older, and that copy is counted beside them. From the one version a delete leaves, the most live before a
-    deleting session is 1 + k (1 + midway) <= keep; that session adds its own and the copy."""
+    """The most versions live at once in both checkpoint datasets: a session adds 1 + midway versions to the one it
+    publishes to; where they would pass `keep` there (scripts/chain/checkpoints.py session_publishes) its final
+    create deletes that dataset's older versions, counted beside them. From the one version a delete leaves, a
+    dataset holds at most 1 + k (1 + midway) <= keep between sessions; the other holds as many at most, and the
+    deleting session adds its own."""
     per_session = 1 + midway
-    return 1 + per_session * ((keep - 1) // per_session) + per_session + 1
+    between = 1 + per_session * ((keep - 1) // per_session)
+    return 2 * between + per_session
 
 
 def storage_line(plan: StoragePlan) -> str:
     """--plan's words: the most versions live at once against the quota."""
     adds = "2 (midway and final)" if plan.midway else "1"
     lowered = f"; {plan.lowered}" if plan.lowered else ""
-    return (f"at most {plan.peak_versions} checkpoint versions live at once, {plan.version_bytes / 1e9:.1f} GB each: "
-            f"{plan.peak_bytes / 1e9:.1f} GB of the {plan.quota_bytes / 1e9:g} GB private-dataset quota "
-            f"(dataset_quota_gb{lowered}); a session adds {adds}, and where more than {plan.keep} would stay, a copy "
-            "of its final one, once proven, deletes the older (counted before Kaggle deletes them)")
+    return (f"at most {plan.peak_versions} checkpoint versions live at once in the two checkpoint datasets, "
+            f"{plan.version_bytes / 1e9:.1f} GB each: {plan.peak_bytes / 1e9:.1f} GB of the "
+            f"{plan.quota_bytes / 1e9:g} GB private-dataset quota (dataset_quota_gb{lowered}); a session adds {adds} "
+            f"to the one it publishes to, and where more than {plan.keep} would stay there, its final create deletes "
+            "that one's older versions (one upload, counted before Kaggle deletes them; the other dataset keeps the "
+            "checkpoint it resumed from)")
 
 
-def private_taken(datasets: dict[str, int], checkpoint_ref: str) -> int:
-    """Bytes the user's private datasets other than the chain's checkpoint dataset take of the quota (its token
+def private_taken(datasets: dict[str, int], checkpoint_refs: tuple[str, ...]) -> int:
+    """Bytes the user's private datasets other than the chain's checkpoint datasets take of the quota (its token
     datasets among them, where private and the user's)."""
-    return sum(size for ref, size in datasets.items() if ref != checkpoint_ref)
+    return sum(size for ref, size in datasets.items() if ref not in checkpoint_refs)
 
 
-def room_line(cfg: ChainConfig, plan: StoragePlan, datasets: dict[str, int] | None, checkpoint_ref: str,
-              why: str = "") -> str:
+def room_line(cfg: ChainConfig, plan: StoragePlan, datasets: dict[str, int] | None,
+              checkpoint_refs: tuple[str, ...], why: str = "") -> str:
     """--plan's words on the quota's room: what the user's other private datasets take (the config's token
     datasets named), what is left, and what the checkpoint versions need of it; without a listing, why."""
     if datasets is None:
         return (f"your other private datasets were not read ({why or 'no credentials'}): the whole "
                 f"{plan.quota_bytes / 1e9:g} GB quota is counted as the chain's; they share it")
-    others = {ref: size for ref, size in datasets.items() if ref != checkpoint_ref}
+    others = {ref: size for ref, size in datasets.items() if ref not in checkpoint_refs}
     tokens = sum(others.get(ref, 0) for ref in cfg.token_datasets)
     left = plan.quota_bytes - plan.taken
     named = f", the token datasets {tokens / 1e9:.1f} GB of it" if tokens else ""

@@ -1,5 +1,6 @@
 """The train stage: train sessions one after another (one kernel, one version per session), each resuming from
-the checkpoint dataset and publishing to it, until total_steps, max_train_sessions, too little weekly quota for
+the checkpoint dataset that holds the newest proven checkpoint and publishing to the other of the two
+(scripts/chain/checkpoints.py `publish_target`), until total_steps, max_train_sessions, too little weekly quota for
 one more session, or max_failed_sessions in a row without progress. After each session: its log, metrics and
 plot come back, and its checkpoint is published from its output if it could not publish it itself."""
 
@@ -16,12 +17,14 @@ from pathlib import Path
 from scripts.chain.attention_carry import PROBES_FACT, carried_attention, probe_results
 from scripts.chain.build import build_kernel
 from scripts.chain.checkpoints import (
-    dataset_head,
+    checkpoint_refs,
     dataset_step,
     download_dataset_file,
     ensure_checkpoint_dataset,
+    newest_proven,
     note_version,
     publish_from_output,
+    publish_target,
     read_private_datasets,
     session_publishes,
     version_problem,
@@ -49,13 +52,14 @@ class TrainStage:
         self.ctx = ctx
         self.cfg = ctx.cfg
         self.extend_from: int | None = None  # train.extend: the step the next session resumes from, once said
+        self.resume_ref: str | None = None  # the checkpoint dataset holding the newest proven checkpoint
 
     def check_work_left(self) -> tuple[int, int]:
-        """(current version, step) of the checkpoint dataset; a chain that has trained nothing yet and finds it at
-        total_steps already is one line (before anything is pushed), and so is a train.extend that no checkpoint
-        of that version agrees with."""
-        ckpt_ref = self.ctx.ref(self.cfg.slug("checkpoints"))
-        version, step = dataset_head(self.ctx, ckpt_ref)
+        """(current version, step) of the checkpoint dataset holding the newest checkpoint of the two (kept as
+        `resume_ref`); a chain that has trained nothing yet and finds it at total_steps already is one line (before
+        anything is pushed), and so is a train.extend that no checkpoint of that version agrees with."""
+        ckpt_ref, version, step = newest_proven(self.ctx)
+        self.resume_ref = ckpt_ref
         if step >= self.cfg.total_steps and not self.ctx.state.data["train_sessions"]:
             raise UserError(f"nothing to train: checkpoint dataset {ckpt_ref} already holds step {step} of "
                             f"total_steps {self.cfg.total_steps} (raise total_steps to train further)")
@@ -69,9 +73,10 @@ class TrainStage:
 
     def run(self) -> None:
         ctx, cfg = self.ctx, self.cfg
-        ckpt_ref = ctx.ref(cfg.slug("checkpoints"))
-        ensure_checkpoint_dataset(ctx, ckpt_ref)
-        read_private_datasets(ctx, ckpt_ref)
+        refs = checkpoint_refs(ctx)
+        for ckpt_ref in refs:
+            ensure_checkpoint_dataset(ctx, ckpt_ref)
+        read_private_datasets(ctx, refs)
         if cfg.hellaswag and not ctx.state.data.get("hellaswag_dataset"):
             ctx.state.data["hellaswag_dataset"] = ensure_hellaswag_dataset(ctx)
             ctx.state.save()
@@ -92,10 +97,12 @@ class TrainStage:
             ctx.log(f"train session {n} of {sessions_total(cfg, n, step, sessions)}: {ref}, from step {step}")
             sess["version"] = ctx.push_once(sess["key"], ref, lambda pid, s=sess: self.build(
                 pid, s["step_before"], s.get("ckpt_version", 0), s.get("delete_old", False), s.get("limit_s"),
-                s.get("stop_after_steps", 0), s.get("midway", True), s.get("attention")), limit_s=sess.get("limit_s"))
+                s.get("stop_after_steps", 0), s.get("midway", True), s.get("attention"), resume_ref=s.get("ckpt_ref"),
+                publish_ref=s.get("publish_ref")), limit_s=sess.get("limit_s"))
             ctx.state.save()
             status, message, secs = ctx.wait(ref, f"{ref} v{sess['version']}", sess["key"])
-            version, new_step, info = self.after_session(ref, sess, ckpt_ref)
+            version, new_step, info = self.after_session(ref, sess, sess.get("ckpt_ref") or refs[0])
+            self.resume_ref = info["ckpt_ref_after"]
             sess.update(ended=time.time(), status=status, message=message, seconds=round(secs, 1),
                         step_after=new_step, **info)
             ctx.state.save()
@@ -109,19 +116,25 @@ class TrainStage:
                                 f"{sess.get('error') or message or status}); logs in {ctx.workdir / 'sessions'}")
 
     def new_session(self, n: int, step: int, version: int) -> None:
-        """Record session `n` before its push: the checkpoint version and step it must resume from, whether its
-        publish deletes the older versions, whether it publishes midway (both under the dataset quota:
-        session_publishes), and its time limit."""
-        sessions = self.ctx.state.data["train_sessions"]
+        """Record session `n` before its push: the checkpoint dataset, version and step it must resume from
+        (`resume_ref`), the other one it publishes to (`publish_target`: its versions may be deleted, never those of
+        the newest proven checkpoint) and that one's version now, whether its publish deletes the older versions
+        there, whether it publishes midway (both under the dataset quota: session_publishes), and its time limit."""
+        ctx = self.ctx
+        sessions = ctx.state.data["train_sessions"]
         length = session_length(self.cfg, sessions)
         if length.why:
-            self.ctx.log(f"train session {n} lasts {length.limit_s:g} s: {length.why}")
-        delete_old, midway = session_publishes(self.ctx, version, length.limit_s)
+            ctx.log(f"train session {n} lasts {length.limit_s:g} s: {length.why}")
+        resume = self.resume_ref or checkpoint_refs(ctx)[0]
+        target = publish_target(ctx, resume if step else None)
+        before = version if target == resume else ctx.client.dataset_version(target)[0]
+        delete_old, midway = session_publishes(ctx, before, length.limit_s, ref=target)
         attention, why = carried_attention(self.cfg.train_config.attention, sessions)
         if why:
             self.ctx.log(f"train session {n} starts from the {attention} attention kernel (train.attention "
                          f"\"{attention}\"): {why}")
-        sessions.append({"n": n, "key": f"train-{n}", "step_before": step, "ckpt_version": version,
+        sessions.append({"n": n, "key": f"train-{n}", "step_before": step, "ckpt_ref": resume,
+                         "ckpt_version": version, "publish_ref": target, "publish_version": before,
                          "delete_old": delete_old, "midway": midway, "limit_s": length.limit_s,
                          **({"stop_after_steps": length.stop_after_steps} if length.stop_after_steps else {}),
                          **({"attention": attention} if why else {})})
@@ -168,15 +181,18 @@ class TrainStage:
 
     def build(self, push_id: str, expect_step: int = 0, expect_version: int = 0, delete_old: bool = False,
               limit_s: float | None = None, stop_after_steps: int = 0, midway: bool = True,
-              attention: str | None = None) -> Path:
+              attention: str | None = None, resume_ref: str | None = None, publish_ref: str | None = None) -> Path:
         """The train kernel, expecting version `expect_version` of the checkpoint dataset at `expect_step`: a mount
         of an older version is replaced by that version, fetched, and it never starts over. `limit_s`: the session's
         time limit (default session_limit_s); `stop_after_steps`: the steps after which it ends (0: its clock);
         `midway`: whether a session long enough publishes midway too (False where the dataset quota has no room);
-        `attention`: the kernel it starts from, where an earlier session's hung or failed (else train.attention)."""
+        `attention`: the kernel it starts from, where an earlier session's hung or failed (else train.attention);
+        `resume_ref`, `publish_ref`: the checkpoint datasets it resumes from and publishes to (default: the first).
+        Both checkpoint datasets are attached."""
         ctx, cfg = self.ctx, self.cfg
         datasets, kernels, data_dir = data_sources(ctx)
-        ckpt = ctx.ref(cfg.slug("checkpoints"))
+        ckpt = resume_ref or checkpoint_refs(ctx)[0]
+        ckpts = list(dict.fromkeys([ckpt, publish_ref or ckpt, *checkpoint_refs(ctx)]))
         hellaswag = ctx.state.data.get("hellaswag_dataset")  # scripts/chain/hellaswag.py, made before session 1
         settings = {"progress": False, "run_name": cfg.name, **cfg.train_settings, "data_dir": data_dir,
                     "out_dir": "{working}/train", **cfg.session_clock(limit_s or cfg.session_limit_s),
@@ -187,9 +203,10 @@ class TrainStage:
             settings["attention"] = attention
         return build_kernel("train", ctx.workdir / "build" / "train", user=ctx.client.user, slug=cfg.slug("train"),
                             settings=settings, kernel_type=cfg.kernel_type, accelerator=cfg.accelerator,
-                            internet=True, dataset_sources=[ckpt] + datasets + ([hellaswag] if hellaswag else []),
+                            internet=True, dataset_sources=ckpts + datasets + ([hellaswag] if hellaswag else []),
                             kernel_sources=kernels,
-                            checkpoint_dataset={"dataset": ckpt, "resume_setting": "resume_from", "publish": True,
+                            checkpoint_dataset={"dataset": ckpt, "publish_to": publish_ref or ckpt,
+                                                "resume_setting": "resume_from", "publish": True,
                                                 "title": f"{cfg.name} checkpoints", "expect_step": expect_step,
                                                 "expect_version": expect_version, "delete_old_versions": delete_old,
                                                 "verify_s": publish_verify_s(cfg.train_config),
@@ -225,57 +242,69 @@ class TrainStage:
                 f"{quota[2]}; run the chain again then (it continues at step {step})")
 
     def after_session(self, ref: str, sess: dict, ckpt_ref: str) -> tuple[int, int, dict]:
-        """The session's log, metrics and plot; the checkpoint version it left, read back from exactly that version
-        (published from its output where it could not publish it, or its publish never appeared): (version, step,
-        what to record)."""
+        """The session's log, metrics and plot; the newest proven checkpoint after it: the version it left in the
+        checkpoint dataset it published to, read back from exactly that version (published from its output where
+        it could not publish it, or its publish never appeared), else the one it resumed from (`ckpt_ref`): (version,
+        step, what to record, `ckpt_ref_after` naming that dataset)."""
         ctx = self.ctx
         record, info = self.fetch_results(ref, sess)
-        before, delete_old = sess.get("ckpt_version", 0), sess.get("delete_old", False)
-        version = self.session_version(ckpt_ref, before, record)
+        resumed, target = sess.get("ckpt_version", 0), sess.get("publish_ref") or ckpt_ref
+        # Never deleting the versions of the checkpoint the session resumed from (a state from before the two
+        # datasets publishes where it resumed from)
+        delete_old = sess.get("delete_old", False) and (target != ckpt_ref or not sess.get("step_before"))
+        before = sess.get("publish_version", resumed) if target != ckpt_ref else resumed
+        version = self.session_version(target, before, record)
         # Never trusted short: a version lacking a file of its checkpoint (a dropped upload) is published again from
         # the output, or given up for the newest whole one, in one line.
-        short = version_problem(ctx, ckpt_ref, version, record.get("stable_step") is not None) \
+        short = version_problem(ctx, target, version, record.get("stable_step") is not None) \
             if version > before else None
-        step = dataset_step(ctx, ckpt_ref, version)
+        step = dataset_step(ctx, target, version) if version > before or target == ckpt_ref else sess["step_before"]
         out_step, start = record.get("step") or 0, record.get("start_step")
         # The session saved a checkpoint the dataset lacks (newer, or --extend's, below the step it saw): publish it.
         extended = start is not None and start < out_step and version == before and start < step
         deleted = record.get("deleted_old_versions", False)  # only once a version was proven (the session's own)
+        # Where the dataset published to holds nothing new, the one the session resumed from holds the newest.
+        after = (target, version, step) if version > before or target == ckpt_ref else \
+            (ckpt_ref, resumed, sess["step_before"])
         if short or out_step > step or extended:
             reason = f"version {version} {short}" if short else record.get("reason") or (
                 "its own publish never appeared" if record.get("published") else "the session did not publish it")
-            new = publish_from_output(ctx, ref, sess["version"], ckpt_ref, out_step, reason, version, delete_old)
+            new = publish_from_output(ctx, ref, sess["version"], target, out_step, reason, version, delete_old,
+                                      resumed=(ckpt_ref, resumed))
             if new:
-                info["published_by"], version, step, deleted = "chain", new, out_step, delete_old
+                info["published_by"], after, deleted = "chain", (target, new, out_step), delete_old
             elif short:
-                version, step = self.lost_short_version(ckpt_ref, before, version, short, out_step or step)
+                after = self.lost_short_version(target, before, version, short, out_step or step,
+                                                (ckpt_ref, resumed, sess["step_before"]))
         elif record.get("published") and version > before:
             info["published_by"] = "session"
-        if version > before:
+        holder, version, step = after
+        if holder == target and version > before:
             # Older versions count as live unless a proven version's publish deleted them: the next deleting
             # publish then comes early rather than late.
-            note_version(ctx, version, deleted)
+            note_version(ctx, version, deleted, ref=target)
             if start is not None and start < sess["step_before"]:
                 info["start_step"] = start  # --extend: it trained on from the stable phase, below the dataset's step
-        info["ckpt_version_after"] = version
+        info["ckpt_version_after"], info["ckpt_ref_after"] = version, holder
         return version, max(step, 0), info
 
-    def lost_short_version(self, ckpt_ref: str, before: int, short: int, problem: str, step: int) -> tuple[int, int]:
-        """Version `short` is not whole and the session's output holds no copy of its checkpoint: (the newest whole
-        version after `before`, its step), else (`before`, its step), and one line saying what is lost."""
-        ctx = self.ctx
+    def lost_short_version(self, target: str, before: int, short: int, problem: str, step: int,
+                           resumed: tuple[str, int, int]) -> tuple[str, int, int]:
+        """Version `short` of `target` is not whole and the session's output holds no copy of its checkpoint:
+        (`target`, the newest whole version after `before`, its step), else `resumed` ((dataset, version, step) the
+        session resumed from), and one line saying what is lost."""
+        ctx, found = self.ctx, None
         for number in range(short - 1, before, -1):  # a midway publish, or the session's first, proven version
             try:
-                if version_problem(ctx, ckpt_ref, number) is None:
+                if version_problem(ctx, target, number) is None:
+                    found = (target, number, dataset_step(ctx, target, number))
                     break
             except ApiFailure:  # deleted
                 continue
-        else:
-            number = before
-        held = dataset_step(ctx, ckpt_ref, number) if number else 0
-        ctx.log(f"  warning: version {short} of {ckpt_ref} {problem}, and the session's output holds no whole copy: "
-                f"step {step} is lost; the next session resumes from version {number} (step {held})")
-        return number, held
+        ref, number, held = found or resumed
+        ctx.log(f"  warning: version {short} of {target} {problem}, and the session's output holds no whole copy: "
+                f"step {step} is lost; the next session resumes from version {number} of {ref} (step {held})")
+        return found or resumed
 
     def fetch_results(self, ref: str, sess: dict) -> tuple[dict, dict]:
         """The session's publish record, metrics and plot from its output: (publish record, what to record)."""

@@ -124,7 +124,10 @@ def resolve_build(build: dict, log=print) -> BuiltKernel:
     if not ckpt:
         return BuiltKernel(settings)
     until = publish_until(settings.get("session_deadline"), float(ckpt.get("publish_s") or 0))
-    problem, chosen = _check_publishing(ckpt["dataset"], settings, paths, log, until) if ckpt.get("publish") \
+    # The chain resumes from one of its two checkpoint datasets (`dataset`, the newest proven checkpoint) and
+    # publishes to the other (`publish_to`), whose older versions the publish may delete.
+    target = ckpt.get("publish_to") or ckpt["dataset"]
+    problem, chosen = _check_publishing(target, settings, paths, log, until) if ckpt.get("publish") \
         else (None, None)
     room = DiskRoom(ckpt.get("disk"), paths.temp, paths.working, settings.get("checkpoint_dir"),
                     bool(ckpt.get("publish") and ckpt.get("midway_s")), log)
@@ -133,7 +136,7 @@ def resolve_build(build: dict, log=print) -> BuiltKernel:
     if not ckpt.get("publish"):
         return BuiltKernel(settings)
     floor = max(input_step or 0, int(ckpt.get("expect_step") or 0))
-    plan = PublishPlan(dataset=ckpt["dataset"], title=ckpt.get("title") or "", input_step=floor or input_step,
+    plan = PublishPlan(dataset=target, title=ckpt.get("title") or "", input_step=floor or input_step,
                        problem=problem, delete_old_versions=bool(ckpt.get("delete_old_versions")),
                        resume_root=settings.get(ckpt.get("resume_setting") or "") if input_step else None,
                        extend=bool(settings.get("extend")), verify_s=float(ckpt.get("verify_s") or 0),

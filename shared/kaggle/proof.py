@@ -235,18 +235,3 @@ def verify_publish(api, dataset: str, before: int, timeout_s: float, republish, 
     log(f"warning: the second publish to {dataset} did not land either ({problem}); the checkpoint was lost with "
         "this session unless the chain finds it in the output")
     return {"verified_version": None, "republished": True}
-
-
-def delete_older_versions(api, dataset: str, proven: int, timeout_s: float, push, log=print, sleep=time.sleep,
-                          expected: dict | None = None, poll: tuple[float, float] = VERSION_POLL) -> dict:
-    """Version `proven` holds the checkpoint whole: publish it again with deleteOldVersions (Kaggle deletes versions
-    only when one is created, all older ones at once: docs/kaggle-api.md), and prove that one too; one that does
-    not land whole is published once more, keeping versions (`push(delete)`). `deleted_old_versions` is noted only
-    where the deleting version itself was proven (else the chain counts the older ones as live: deleting early
-    beats filling the quota)."""
-    log(f"publish: version {proven} of {dataset} is whole; publishing it again, deleting the older versions")
-    push(True)
-    proof = verify_publish(api, dataset, proven, timeout_s, lambda: push(False), log=log, sleep=sleep,
-                           expected=expected, poll=poll)
-    return {**proof, "deleted_old_versions": bool(proof["verified_version"]) and not proof["republished"],
-            "republished": proof["republished"]}

@@ -1,4 +1,5 @@
-"""Inside a Kaggle session: publish the session's newest checkpoint as a new version of the checkpoint dataset.
+"""Inside a Kaggle session: publish the session's newest checkpoint as a new version of a checkpoint dataset: of
+the chain's two, the one it did not resume from (`PublishPlan`), uploaded once even where it deletes older versions.
 
 A checkpoint dataset holds one checkpoint's files flat (model.safetensors, optimizer.safetensors, state.json,
 metrics.jsonl, checkpoint.json; a subfolder's files as `<folder>__<file>`): Kaggle datasets are flat lists of
@@ -52,7 +53,6 @@ from shared.kaggle.credential import (
 from shared.kaggle.proof import (
     VERSION_POLL,
     dataset_version,
-    delete_older_versions,
     failed_uploads_raise,
     verify_publish,
 )
@@ -79,9 +79,12 @@ def publish_problem(log=print, purpose: str = "publishing checkpoints") -> str |
 @dataclass
 class PublishPlan:
     """What a train session does with its final checkpoint (decided by the bootstrap, before training): publish it
-    to `dataset` (owner/slug) as a new version (deleting every older one where the chain says so:
-    keep_dataset_versions), unless the dataset already holds `input_step` or later; with `problem` (why this
-    session cannot publish), only record that for the chain, which publishes it from the output."""
+    to `dataset` (owner/slug) as a new version, unless the session resumed from `input_step` or later; with
+    `problem` (why this session cannot publish), only record that for the chain, which publishes it from the
+    output. `dataset` is the one of the chain's two checkpoint datasets that does not hold the newest proven
+    checkpoint (scripts/chain/checkpoints.py `publish_target`): with `delete_old_versions` the create itself
+    deletes that dataset's older versions (keep_dataset_versions), one upload, while the other dataset still holds
+    the checkpoint the session resumed from."""
 
     dataset: str
     title: str = ""
@@ -229,7 +232,7 @@ def _publish(plan: PublishPlan, ckpt, step: int, record: dict, log, work_dir: Pa
         use_credential(credential)
     began = time.monotonic()
     stable = stable or stable_checkpoint(Path(ckpt).parent, plan.resume_root)
-    # A deleting publish is proven first, whatever its checkpoint's other copies: deleted versions are gone.
+    # A deleting publish is proven, whatever its checkpoint's other copies: the versions it deleted are gone.
     proof_s = plan.verify_s or (TEMP_PUBLISH_VERIFY_S if delete_old else 0.0)
     work_dir = work_dir or kaggle_paths().temp
     api, before = None, 0
@@ -253,7 +256,9 @@ def _publish(plan: PublishPlan, ckpt, step: int, record: dict, log, work_dir: Pa
         nonlocal api, before
         api = kaggle_api(from_secrets=from_secrets)
         before = dataset_version(api, dataset, log)[0]  # for the proof, and for the push's retries
-        return push(False, before)  # older versions are deleted only once this one is proven whole
+        # One upload: the create deletes this dataset's older versions; the chain's other checkpoint dataset holds
+        # the proven checkpoint this session resumed from, whatever becomes of this version.
+        return push(delete_old, before)
 
     try:
         out = sign_in_and_push(from_secrets=credential is None)  # None: a plan made without the bootstrap
@@ -273,15 +278,14 @@ def _publish(plan: PublishPlan, ckpt, step: int, record: dict, log, work_dir: Pa
     if not proof_s:
         record_publish_facts(measured, None)
         return
+    # A version that failed is published once more, keeping versions (the deleting one may have deleted them).
     record.update(verify_publish(api, dataset, before, proof_s, log=log, republish=lambda: push(False),
                                  expected=out["files"], poll=plan.poll_s))
-    proven = record["verified_version"] and not record["republished"]
+    proven = bool(record["verified_version"]) and not record["republished"]
     ready_s = time.monotonic() - began - record["seconds"] if proven else None  # from the create's return
-    if delete_old and record["verified_version"] and out["action"] == "versioned":
-        republished = record["republished"]
-        record.update(delete_older_versions(api, dataset, record["verified_version"], proof_s, push, log=log,
-                                            expected=out["files"], poll=plan.poll_s))
-        record["republished"] = record["republished"] or republished
+    # Noted only where the deleting version itself was proven: else the chain counts the older ones as live
+    # (deleting early beats filling the quota).
+    record["deleted_old_versions"] = delete_old and proven and out["action"] == "versioned"
     record_publish_facts(measured, ready_s)
 
 

@@ -210,17 +210,21 @@ def test_chain_end_to_end_resumes_bit_exactly_and_survives_a_kill(local_kaggle, 
             assert (f"notice: {NOTEBOOK_TOKEN} (scope resources.admin:*, expires not stated) cannot publish to "
                     "alice/gpt2-demo-checkpoints (HTTP 403)") in log
             assert f"publishing to alice/gpt2-demo-checkpoints with {ATTACHED_KEY}" in log
-        if n > 1:
-            assert f"resuming from alice/gpt2-demo-checkpoints (step {steps[-1]})" in log
+        if n > 1:  # from the dataset the session before published to: the first, then the second
+            resumed_from = "alice/gpt2-demo-checkpoints" + ("-b" if n == 3 else "")
+            assert f"resuming from {resumed_from} (step {steps[-1]})" in log
         steps.append(state["train_sessions"][n - 1]["step_after"])
     assert steps[1] < steps[2] < steps[3] == state["final_step"]
-    versions = lk.app.state["datasets"]["alice/gpt2-demo-checkpoints"]["versions"]
-    # Session 2's publish would leave 3 versions (keep_dataset_versions 2): it publishes keeping them, proves that
-    # version whole, then publishes the same checkpoint again deleting the older ones.
+    datasets = lk.app.state["datasets"]
+    versions = datasets["alice/gpt2-demo-checkpoints"]["versions"]
+    # The sessions publish to the two checkpoint datasets in turn, each to the one not holding the checkpoint it
+    # resumed from. Session 3's publish would leave 3 versions in the first (keep_dataset_versions 2): its one
+    # create deletes the older ones there, while the second still holds session 2's checkpoint.
     assert [(v["notes"], bool(v.get("deleted"))) for v in versions] == [
         ("Initial release", True), (f"checkpoint at step {steps[1]} (published by the chain)", True),
-        (f"checkpoint at step {steps[2]}", True), (f"checkpoint at step {steps[2]}", False),
         (f"checkpoint at step {steps[3]}", False)]
+    assert [(v["notes"], bool(v.get("deleted"))) for v in datasets["alice/gpt2-demo-checkpoints-b"]["versions"]] \
+        == [("Initial release", False), (f"checkpoint at step {steps[2]}", False)]
 
     # The sessions ran in the images' interpreters (train and eval: TPU; tokenize: CPU), installed what those lack
     # into their own temp folders, and left the images as they were.

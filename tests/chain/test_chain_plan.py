@@ -269,7 +269,7 @@ def test_plan_with_smoke_plans_the_smoke_chain_and_with_the_local_demo_starts_no
                       timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("plan for chain gpt2-124m-smoke (examples/chain-gpt2-124m.json): nothing is pushed")
-    assert "2 session(s) (max_train_sessions)" in proc.stdout and "a session of at most 0.53 h" in proc.stdout
+    assert "2 session(s) (max_train_sessions)" in proc.stdout and "a session of at most 0.49 h" in proc.stdout
     demo = run_script("scripts/chain_sessions.py", "--local-demo", "--plan", "--workdir", str(tmp_path / "demo"),
                       timeout=120, env=env)
     assert demo.returncode == 0, demo.stderr
@@ -345,7 +345,7 @@ def test_plan_of_a_wsd_run_counts_the_stable_phase_checkpoint_and_says_what_exte
         assert checkpoint.endswith("and from the end of the stable phase the checkpoint kept there beside it "
                                    "(train.extend trains on from it): 3.0 GB a version)")
         (session,) = [line for line in lines if line.startswith("margin      session: ")]
-        assert f"the uploads alone ~{4 * cfg.checkpoint_bytes / 10e6:.0f} s" in session  # both checkpoints, twice
+        assert f"the upload alone ~{2 * cfg.checkpoint_bytes / 10e6:.0f} s" in session  # both checkpoints, once
         said = [line for line in lines if "train.extend: a finished or decaying run trains on" in line]
         assert len(said) == int(extend)
 
@@ -358,10 +358,10 @@ def test_plan_of_a_model_whose_checkpoints_live_in_temp_keeps_k_versions_and_say
     print_plan(cfg, log=lines.append, with_quota=False, measured_path=_no_measurement(tmp_path))
     (checkpoint,) = [line for line in lines if line.startswith("checkpoint  ")]
     midway_h = (cfg.session_limit_s - cfg.publish_margin_s) / 2 / 3600
-    assert checkpoint.endswith("(at most 2 versions kept; with no copy in the output, a session waits up to 600 s "
-                               "for its version and publishes again if it failed; each session also publishes its "
-                               f"first checkpoint past {midway_h:.2f} h in, while it trains, for a kill before its "
-                               "end)")
+    assert checkpoint.endswith("(at most 2 versions kept in each; with no copy in the output, a session waits up to "
+                               "600 s for its version and publishes again if it failed; each session also publishes "
+                               f"its first checkpoint past {midway_h:.2f} h in, while it trains, for a kill before "
+                               "its end)")
     assert 3.5 < midway_h < 4.5  # half of 9 h less the publish margin gpt2-xl's 18.7 GB need
     assert "1 kept in {temp}/checkpoints (not in the session's output, which holds 20 GB)" in checkpoint
 
@@ -556,3 +556,11 @@ def test_plan_of_gpt2_xl_prints_the_temp_disk_peak_and_the_quota_room_its_other_
     (disk,) = [line for line in lines if line.startswith("disk        ")]
     assert disk.startswith("disk        /kaggle/temp holds at most 56.1 GB at once: 2 checkpoints rotating 37.4 GB, "
                            "a fetched version 18.7 GB")
+    # One upload a publish (two checkpoint datasets in turn): the margin is 600 s + the 18.7 GB upload at 10 MB/s +
+    # the session's 600-s wait for its version, 31 minutes less than a deleting publish's second upload took.
+    assert cfg.publish_margin_s == pytest.approx(600 + 18.69e9 / 10e6 + 600, abs=10)
+    (session, publish) = [line for line in lines if line.startswith(("margin      session", "margin      publish"))]
+    assert (f"{cfg.publish_margin_s:g} s to publish, the upload alone ~1869 s at an assumed 10 MB/s, once: a "
+            "deleting publish no longer uploads it again (two checkpoint datasets in turn), ~1869 s less than with "
+            "one") in session
+    assert publish.startswith("margin      publish: 1 version(s) of 18.69 GB upload in ~1869 s")

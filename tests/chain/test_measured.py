@@ -115,12 +115,12 @@ def test_each_publish_records_its_upload_rate_and_its_time_until_ready_on_the_lo
         publish._publish(plan, checkpoint(20), 20, record, lambda _: None, work_dir=work / "upload")
         out["facts"] = json.loads(pathlib.Path({str(tmp_path / "kaggle" / "working" / FACTS_FILE)!r}).read_text())
     """)
-    first, deleting = out["facts"]["publishes"]  # kept beside the older first, then again deleting them
+    (first,) = out["facts"]["publishes"]  # one upload: its create deletes the older versions
     size = 120 + 220 + len(json.dumps({"step": 20, "files": {"model.safetensors": {"bytes": 120, "sha256": "-"},
                                                             "optimizer.safetensors": {"bytes": 220, "sha256": "-"}}}))
-    assert (first["bytes"], first["delete_old_versions"], deleting["delete_old_versions"]) == (size, False, True)
+    assert (first["bytes"], first["delete_old_versions"]) == (size, True)
     assert first["mb_s"] > 0 and first["seconds"] >= 0
-    assert 1.0 <= first["ready_s"] < 30.0 and deleting["ready_s"] is None
+    assert 1.0 <= first["ready_s"] < 30.0
 
 
 def test_what_kaggle_says_of_the_notebooks_token_is_in_the_sessions_facts_and_the_token_is_not(session, monkeypatch,

@@ -1,8 +1,9 @@
 """Every checkpoint publish is proven by its files (docs/kaggle-api.md, Checkpoint dataset versions): against the
 local Kaggle, a blob upload that fails with a 500 no resume cures (kaggle 2.2.4 then creates the version without
 that file), and a create over the private-dataset quota that answers "Ok" and lands nothing. A session's publish
-is accepted only where its version lists every file of the checkpoint at its size, publishes again where not, and
-deletes older versions only once a version is proven whole."""
+is accepted only where its version lists every file of the checkpoint at its size, and publishes again where not,
+keeping versions; a deleting publish uploads once (its create deletes the older versions of the checkpoint dataset
+it publishes to, the other holding the checkpoint it resumed from: tests/chain/test_publish_turns.py)."""
 
 from __future__ import annotations
 
@@ -106,21 +107,22 @@ PUBLISH = """
 """
 
 
-def test_a_short_version_is_published_again_and_older_versions_go_only_after_one_is_proven_whole(
+def test_a_short_deleting_version_is_published_again_keeping_versions_and_never_a_third_time(
         local_kaggle, tmp_path):
     lk = local_kaggle
     start_dataset(lk, tmp_path)
     lk.app.inject("failed_upload", name="model.safetensors", count=1)
     out = probe(lk, tmp_path, PUBLISH.format(silent=True))
     record = out["record"]
-    assert (record["verified_version"], record["republished"], record["deleted_old_versions"]) == (4, True, True)
-    assert live(lk) == [(4, WHOLE)]  # version 2 (short) and 3 (whole, proven) went with the deleting version 4
+    # The deleting version (2) was not proven: the older ones are not counted as deleted.
+    assert (record["verified_version"], record["republished"], record["deleted_old_versions"]) == (3, True, False)
+    assert live(lk) == [(2, ["checkpoint.json", "optimizer.safetensors"]), (3, WHOLE)]  # 2's create deleted 1
     assert out["lines"][1] == (f"warning: the publish to {CKPT} did not land (version 2 lacks model.safetensors); "
                                "publishing the checkpoint again")
-    assert out["lines"][2] == f"publish: version 3 of {CKPT} is whole; publishing it again, deleting the older versions"
+    assert len(out["lines"]) == 2  # no copy of version 3 to delete the older: one upload a create
 
 
-def test_a_publish_never_proven_whole_deletes_nothing(local_kaggle, tmp_path):
+def test_a_publish_never_proven_whole_is_not_counted_as_deleting(local_kaggle, tmp_path):
     lk = local_kaggle
     start_dataset(lk, tmp_path)
     lk.app.inject("failed_upload", name="optimizer.safetensors", count=2)  # the publish and its second try
@@ -128,7 +130,9 @@ def test_a_publish_never_proven_whole_deletes_nothing(local_kaggle, tmp_path):
     record = out["record"]
     assert (record["verified_version"], record["republished"], record["deleted_old_versions"]) == (None, True, False)
     short = ["checkpoint.json", "model.safetensors"]
-    assert live(lk) == [(1, ["README.md"]), (2, short), (3, short)]  # version 1 is still there
+    # The deleting create took version 1 at once (the local Kaggle's harsh reading): what the chain resumes from
+    # lives in its other checkpoint dataset, never in this one.
+    assert live(lk) == [(2, short), (3, short)]
 
 
 def test_a_failed_upload_through_our_client_raises_before_any_version(local_kaggle, tmp_path):
@@ -148,10 +152,10 @@ def test_a_quota_create_that_lands_nothing_is_not_accepted(local_kaggle, tmp_pat
     lk.app.inject("lost_publish", dataset=CKPT, count=1)
     out = probe(lk, tmp_path, PUBLISH.format(silent=False))
     record = out["record"]
-    assert (record["verified_version"], record["republished"], record["deleted_old_versions"]) == (3, True, True)
+    assert (record["verified_version"], record["republished"], record["deleted_old_versions"]) == (2, True, False)
     assert out["lines"][1] == (f"warning: the publish to {CKPT} did not land (no version after 1 appeared); "
                                "publishing the checkpoint again")
-    assert live(lk) == [(3, WHOLE)]
+    assert live(lk) == [(1, ["README.md"]), (2, WHOLE)]  # the lost create deleted nothing; the second one keeps
 
 
 # --- the chain's side: a session's version is proven too ---------------------------------------------------------
@@ -174,31 +178,39 @@ SESSION = """
     client.download_output = output
     record = {{"dataset": CKPT, "step": 40, "start_step": 20, "published": True, "stable_step": None}}
     chain.train.fetch_results = lambda ref, sess: (record, {{}})
-    ctx.state.data["checkpoint_versions"] = [1, 2]
-    sess = {{"n": 1, "key": "train-1", "version": 1, "ckpt_version": 1, "step_before": 20, "delete_old": True}}
-    out["after"] = list(chain.train.after_session("alice/unit-run-train", sess, CKPT)[:2])
-    out["live"] = ctx.state.data["checkpoint_versions"]
+    ctx.state.data.update(checkpoint_versions=[1], checkpoint_versions_b=[1, 2])
+    # It resumed from version 1 of the first dataset and published to the second, deleting its older versions.
+    sess = {{"n": 1, "key": "train-1", "version": 1, "ckpt_ref": CKPT, "ckpt_version": 1, "step_before": 20,
+             "publish_ref": CKPT + "-b", "publish_version": 1, "delete_old": True}}
+    version, step, info = chain.train.after_session("alice/unit-run-train", sess, CKPT)
+    out["after"] = [info["ckpt_ref_after"], version, step]
+    out["live"] = [ctx.state.data["checkpoint_versions"], ctx.state.data["checkpoint_versions_b"]]
 """
 
 
+CHAIN_B = CHAIN_CKPT + "-b"
+
+
 def short_version(lk, tmp_path: Path) -> None:
-    """Version 1 holds step 20 whole; version 2, the session's, step 40 without its model file."""
+    """Version 1 of the first checkpoint dataset holds step 20 whole; the second's version 1 none, its version 2,
+    the session's, step 40 without its model file."""
     model = {"model.safetensors": {"bytes": 70, "sha256": "-"}}
     add_version(lk, tmp_path, CHAIN_CKPT, {"checkpoint.json": manifest(20, {"model.safetensors": {"bytes": 5,
                                                                                                   "sha256": "-"}}),
                                            "model.safetensors": "12345"})
-    add_version(lk, tmp_path, CHAIN_CKPT, {"checkpoint.json": manifest(40, model)})
+    add_version(lk, tmp_path, CHAIN_B, {"README.md": "no checkpoint"})
+    add_version(lk, tmp_path, CHAIN_B, {"checkpoint.json": manifest(40, model)})
 
 
-def test_the_chain_publishes_a_short_session_version_again_from_the_output_deleting_only_after_proof(
+def test_the_chain_publishes_a_short_session_version_again_from_the_output_once_deleting_only_in_its_dataset(
         local_kaggle, tmp_path):
     lk = local_kaggle
     short_version(lk, tmp_path)
     out, log = chain_probe(lk, tmp_path, SESSION.format(in_output=True))
-    assert out == {"after": [4, 40], "live": [4]}
+    assert out == {"after": [CHAIN_B, 3, 40], "live": [[1], [3]]}
     assert "publishing step 40 from the kernel output (version 2 lacks model.safetensors)" in log
-    assert f"version 3 of {CHAIN_CKPT} is whole; publishing it again, deleting the older versions" in log
-    assert live_numbers(lk, CHAIN_CKPT) == [4]
+    assert "publishing it again, deleting" not in log  # one upload
+    assert (live_numbers(lk, CHAIN_CKPT), live_numbers(lk, CHAIN_B)) == ([1], [3])
 
 
 def test_a_short_session_version_with_no_copy_in_the_output_is_one_line_and_the_chain_resumes_from_the_last_whole(
@@ -206,10 +218,10 @@ def test_a_short_session_version_with_no_copy_in_the_output_is_one_line_and_the_
     lk = local_kaggle
     short_version(lk, tmp_path)
     out, log = chain_probe(lk, tmp_path, SESSION.format(in_output=False))
-    assert out == {"after": [1, 20], "live": [1, 2]}
-    assert (f"warning: version 2 of {CHAIN_CKPT} lacks model.safetensors, and the session's output holds no whole "
-            "copy: step 40 is lost; the next session resumes from version 1 (step 20)") in log
-    assert live_numbers(lk, CHAIN_CKPT) == [1, 2]  # nothing the run needs was deleted
+    assert out == {"after": [CHAIN_CKPT, 1, 20], "live": [[1], [1, 2]]}
+    assert (f"warning: version 2 of {CHAIN_B} lacks model.safetensors, and the session's output holds no whole "
+            f"copy: step 40 is lost; the next session resumes from version 1 of {CHAIN_CKPT} (step 20)") in log
+    assert live_numbers(lk, CHAIN_CKPT) == [1]  # nothing the run needs was deleted
 
 
 def test_a_publish_given_up_at_its_limit_keeps_its_own_folder_while_the_retry_builds_another(tmp_path):
