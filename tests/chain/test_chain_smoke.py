@@ -39,13 +39,13 @@ def test_the_smoke_chain_is_a_short_copy_of_the_config_under_its_own_names():
     assert smoke.tokenize["parts"] == 1
     assert smoke.tokenize["settings"] == {"tokens_per_part": 50_000_000, "shard_size": 10_000_000}
     assert smoke.eval["settings"]["kaggle_model"] == "" and smoke.eval["settings"]["hellaswag_examples"] == 200
-    # 32-min sessions: a TPU's 1,310-s start-up, 60 s + 2 x 1.49 GB at the assumed 10 MB/s to publish (a deleting
-    # publish uploads its checkpoint twice), 240 s of training
-    assert smoke.publish_margin_s == pytest.approx(60 + 2 * 12 * 124_475_904 / 10e6)
-    assert smoke.session_limit_s == math.ceil(1310 + 60 + 298.742 + 240) == 1909
-    assert smoke.time_budget == pytest.approx(1909 - 1310 - smoke.publish_margin_s) and smoke.time_budget >= 240
-    assert quota_cost_s(smoke) == 3 * 1909 < SMOKE_TPU_BUDGET_S  # two train sessions and the eval on the TPU
-    assert smoke.eval_session_limit_s == 1909  # the smoke's eval is a subset, held to the smoke's limit
+    # 30-min sessions: a TPU's 1,310-s start-up, 60 s + 1.49 GB at the assumed 10 MB/s to publish (uploaded once:
+    # the two checkpoint datasets are used in turn), 240 s of training
+    assert smoke.publish_margin_s == pytest.approx(60 + 12 * 124_475_904 / 10e6)
+    assert smoke.session_limit_s == math.ceil(1310 + 60 + 149.371 + 240) == 1760
+    assert smoke.time_budget == pytest.approx(1760 - 1310 - smoke.publish_margin_s) and smoke.time_budget >= 240
+    assert quota_cost_s(smoke) == 3 * 1760 < SMOKE_TPU_BUDGET_S  # two train sessions and the eval on the TPU
+    assert smoke.eval_session_limit_s == 1760  # the smoke's eval is a subset, held to the smoke's limit
 
 
 def test_the_gpt2_smokes_sessions_train_their_whole_budget_after_up_to_900_s_of_start_up():
@@ -79,8 +79,8 @@ def test_the_gpt2_smokes_sessions_train_their_whole_budget_after_up_to_900_s_of_
 def test_a_smoke_of_a_larger_model_lengthens_its_sessions_by_the_publish_and_says_what_it_costs(tmp_path):
     """The publish of a larger checkpoint is added to the session, never taken from its training; a smoke that
     costs more than 100 min says so before it starts."""
-    for preset, publish in (("gpt2-medium", 60 + 2 * 12 * MODEL_PRESETS["gpt2-medium"].num_params() / 10e6),
-                            ("gpt2-xl", 60 + 2 * 12 * MODEL_PRESETS["gpt2-xl"].num_params() / 10e6 + 600)):
+    for preset, publish in (("gpt2-medium", 60 + 12 * MODEL_PRESETS["gpt2-medium"].num_params() / 10e6),
+                            ("gpt2-xl", 60 + 12 * MODEL_PRESETS["gpt2-xl"].num_params() / 10e6 + 600)):
         smoke = smoke_config(config_from_dict({"token_datasets": ["a/b"], "train": {"preset": preset}}))
         assert smoke.publish_margin_s == pytest.approx(publish)
         assert smoke.session_limit_s == math.ceil(1310 + publish + 240) and 240 <= smoke.time_budget < 241
@@ -103,11 +103,11 @@ def test_a_smoke_of_a_larger_model_lengthens_its_sessions_by_the_publish_and_say
         smoke_config(config_from_dict({"name": "big", "token_datasets": ["a/b"], "train": {"preset": "gpt2-medium"},
                                        "smoke": {"session_limit_s": 1300}}))
     assert str(err.value) == ("big: smoke.session_limit_s 1300 leaves no training time after the smoke's start-up "
-                              "(1310 s) and publish (912 s) margins; raise it, or set it 0 to add smoke.train_s to "
+                              "(1310 s) and publish (486 s) margins; raise it, or set it 0 to add smoke.train_s to "
                               "them")
-    # A wsd run's two short sessions never reach the end of its stable phase: one checkpoint to publish (twice).
+    # A wsd run's two short sessions never reach the end of its stable phase: one checkpoint to publish, once.
     wsd = smoke_config(config_from_dict({"token_datasets": ["a/b"], "train": {"preset": "gpt2", "schedule": "wsd"}}))
-    assert wsd.train["keep_stable"] is False and wsd.publish_margin_s == pytest.approx(60 + 2 * 149.3710848)
+    assert wsd.train["keep_stable"] is False and wsd.publish_margin_s == pytest.approx(60 + 149.3710848)
 
 
 def test_a_smoke_of_checkpoints_kept_in_temp_leaves_time_for_the_sessions_own_publish_check():
@@ -115,7 +115,7 @@ def test_a_smoke_of_checkpoints_kept_in_temp_leaves_time_for_the_sessions_own_pu
                             "smoke": {"session_limit_s": 5400}})
     assert cfg.train["checkpoint_dir"].startswith("{temp}")
     size = 12 * MODEL_PRESETS["gpt2-large"].num_params()
-    assert smoke_config(cfg).publish_margin_s == pytest.approx(60 + 2 * size / 10e6 + 600)
+    assert smoke_config(cfg).publish_margin_s == pytest.approx(60 + size / 10e6 + 600)
 
 
 def test_the_smoke_eval_keeps_a_shorter_eval_limit_and_costs_only_its_own_limit():
