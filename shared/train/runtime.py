@@ -128,8 +128,11 @@ class Runtime:
         self.shard_like(placed, like)
         return placed
 
+    shards_parameters = False  # whether prepare_model laid the parameters out in shards over the devices (fsdp)
+
     def replicate(self, tensor: torch.Tensor) -> torch.Tensor:
-        """`tensor` laid out whole on every device (a no-op where nothing is sharded)."""
+        """`tensor` laid out whole on every device (a no-op where nothing is sharded): the optimizer's update of a
+        sharded matrix, a sampled token or a HellaSwag score read on the host."""
         return tensor
 
     def sync(self) -> None:

@@ -149,9 +149,15 @@ class XlaRuntime(Runtime):
         # the first step, so step 1 and step 2 are one graph (and a resumed run compiles that same graph).
         self._xs.mark_sharding(tensor, self.mesh, self._param_spec(param))
 
+    @property
+    def shards_parameters(self) -> bool:
+        return self._fsdp
+
     def replicate(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self._fsdp:  # GSPMD gathers the shards where the annotation asks for the whole tensor
-            self._xs.mark_sharding(tensor, self.mesh, (None,) * tensor.dim())
+        """The graph gathers `tensor` onto every device (GSPMD inserts the gather where the annotation asks for the
+        whole tensor): reading a sharded tensor on the host would compile a replication program at every read
+        (batch-sharded results, FSDP-sharded parameters)."""
+        self._xs.mark_sharding(tensor, self.mesh, (None,) * tensor.dim())
         return tensor
 
     def sync(self) -> None:
