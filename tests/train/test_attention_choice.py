@@ -73,7 +73,7 @@ def test_the_session_plan_compile_tool_and_bench_pick_the_same_step(xla_runtime,
     from scripts.bench_mfu import chain_step
     from scripts.chain.config import ChainConfig
     from scripts.chain.plan import planned_train
-    from scripts.tpu_compile import traced_attention
+    from scripts.tpu_compile_step import traced_attention
     from shared.tpu import micro_batch_for
     from shared.train.step import select_attention_and_micro_batch
 
