@@ -293,7 +293,7 @@ def main() -> None:
     """`python scripts/hlo_cost.py DIR/v5e-8/optimized.hlo.txt [--top 20]`: a kept step's roofline
     (scripts/tpu_compile.py --keep DIR), its collectives inside and outside the loops, and the ops that take the
     most of it. The chip's figures default to a v5e
-    chip's (scripts/tpu_compile.py TPUS); for a v6e chip: --peak-tflops 918 --hbm-gbps 1640."""
+    chip's (scripts/tpu_compile_step.py TPUS); for a v6e chip: --peak-tflops 918 --hbm-gbps 1640."""
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)

@@ -1,6 +1,6 @@
 """Lines scripts/tpu_compile.py adds to its report: the MFU ceiling with the Pallas kernels charged at their head
 dim's share of the MXU, and how the step compiled by a second libtpu (`--tpu-python`) differs from the first's in
-its collectives inside the accumulation loop. Each reads the reports' dicts (scripts/tpu_compile.py analyse)."""
+its collectives inside the accumulation loop. Each reads the reports' dicts (scripts/tpu_compile_step.py analyse)."""
 
 from __future__ import annotations
 

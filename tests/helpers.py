@@ -70,12 +70,13 @@ def small_config(data_dir, out_dir, **overrides) -> TrainConfig:
     return replace(cfg, **overrides)
 
 
-def train_in_process(cfg: TrainConfig):
+def train_in_process(cfg: TrainConfig, attention=None):
+    """A session on the suite's XLA runtime; `attention`: an AttentionChoice to train with (None: selected)."""
     from shared.train.device import make_runtime
     from shared.train.trainer import train
 
     lines = []
-    return train(cfg, make_runtime("xla"), log=lines.append), lines
+    return train(cfg, make_runtime("xla"), log=lines.append, attention=attention), lines
 
 
 def final_tensors(out_dir: Path) -> dict[str, torch.Tensor]:

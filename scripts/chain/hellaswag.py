@@ -21,7 +21,7 @@ def hellaswag_ref(ctx: StageContext) -> str:
 
 
 def _write_file(source: str, path: Path, log) -> Path:
-    from shared.hellaswag import demo_examples, download, write_jsonl
+    from shared.train.hellaswag import demo_examples, download, write_jsonl
 
     if source == "download":
         return download(path, log)

@@ -406,13 +406,13 @@ def check_arithmetic_fit(cfg: ChainConfig, generation: str) -> None:
 
 
 def compiled_fit(cfg: ChainConfig, log=print) -> tuple[dict | None, str]:
-    """The chain's train step compiled for its TPU board by libtpu (scripts/tpu_compile.py; cached by settings and
+    """The chain's train step compiled for its TPU board by libtpu (scripts/tpu_compile_step.py; cached by settings and
     versions), and one line on it: the step compiled (the first kernel a session tries at this sequence length,
     shared/train/attention.py), HBM per chip, the loop's all-reduces, the MFU ceiling, then what each fallback a
     session takes where a probe fails needs. A step that does not fit is one UserError naming the fix; a step that
     does not compile is a clause of the line (the primary's: HBM checked by arithmetic instead). Without a TPU board,
     or without the compiler, (None, why)."""
-    from scripts.tpu_compile import KAGGLE_TPUS, TPUS, compile_step, compiler_python
+    from scripts.tpu_compile_step import KAGGLE_TPUS, TPUS, compile_step, compiler_python
 
     generation = SHAPE_GENERATION.get(running_shape(cfg.accelerator))
     tpu = next((name for name in KAGGLE_TPUS if TPUS[name]["generation"] == generation), None)

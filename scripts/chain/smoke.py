@@ -118,7 +118,7 @@ def readiness_rows(smoke: ChainConfig, workdir: Path, failure: str = "", rooflin
                    compile_step: Callable | None = None) -> tuple[list[Row], dict]:
     """A row per link, from the state file and what the sessions left in their outputs; and the measurement.
     `roofline_settings`: the run's train settings, whose step the TPU compiler compiled before the smoke started
-    (`compile_step`: scripts/tpu_compile.py's, cached), for the measured step time against its roofline."""
+    (`compile_step`: scripts/tpu_compile_step.py, cached), for the measured step time against its roofline."""
     state = _read_json(workdir / "state.json")
     sessions = state.get("train_sessions", [])
     folders = [workdir / "sessions" / f"train-{s['n']:02d}" for s in sessions]
@@ -178,8 +178,8 @@ def roofline_row(settings: dict, start: dict, throughput: Throughput | None, loc
     if throughput is None or not start.get("tpu") or not settings:
         return Row(link, None, "no TPU step measured")
     from scripts.chain.plan import STEP_NAMES
-    from scripts.tpu_compile import KAGGLE_TPUS, TPUS
-    from scripts.tpu_compile import compile_step as compile_tool
+    from scripts.tpu_compile_step import KAGGLE_TPUS, TPUS
+    from scripts.tpu_compile_step import compile_step as compile_tool
     from shared.config import TrainConfig
     from shared.train.attention import SDPA, SETTING_OF
 

@@ -41,22 +41,19 @@ def _find_checkpoint(cfg: EvalConfig, log):
     """The checkpoint to evaluate: a named step directory must verify; under a root, the newest that does."""
     from shared.checkpoint_names import CHECKPOINT_PREFIX
     from shared.errors import UserError
-    from shared.train.checkpoint import MANIFEST_FILE, latest_checkpoint, load_checkpoint
+    from shared.train.checkpoint import MANIFEST_FILE, checkpoint_at, latest_checkpoint
 
     if cfg.checkpoint:
         path = Path(cfg.checkpoint)
-        if (path / MANIFEST_FILE).exists():
-            return load_checkpoint(path)
-        roots = [path, path / "checkpoints"]
+        ckpt, roots = checkpoint_at(path, log), [path, path / "checkpoints"]
     else:
         from shared.kaggle.env import in_session, kaggle_paths
 
         if not in_session():
             raise UserError("--checkpoint: give a checkpoint, a checkpoints/ root or a run directory")
-        found = sorted({p.parent for p in kaggle_paths().input.rglob(f"{CHECKPOINT_PREFIX}*")
+        roots = sorted({p.parent for p in kaggle_paths().input.rglob(f"{CHECKPOINT_PREFIX}*")
                         if (p / MANIFEST_FILE).exists()})
-        roots = list(found)
-    ckpt = latest_checkpoint(*roots, log=log)
+        ckpt = latest_checkpoint(*roots, log=log)
     if ckpt is None:
         raise UserError(f"--checkpoint: no checkpoint under {', '.join(map(str, roots)) or 'the Kaggle inputs'}")
     return ckpt
@@ -64,12 +61,12 @@ def _find_checkpoint(cfg: EvalConfig, log):
 
 def _hellaswag_file(cfg: EvalConfig, out: Path, log) -> Path | None:
     from shared.errors import UserError
-    from shared.hellaswag import download
+    from shared.train.hellaswag import download
 
     if cfg.hellaswag == "off":
         return None
     if cfg.hellaswag == "demo":  # offline: a HellaSwag-format set made from the demo corpus
-        from shared.hellaswag import demo_examples, write_jsonl
+        from shared.train.hellaswag import demo_examples, write_jsonl
 
         return write_jsonl(out / "hellaswag_demo.jsonl", demo_examples(cfg.hellaswag_examples or 200))
     if cfg.hellaswag in ("auto", "download"):
@@ -208,7 +205,7 @@ def run_eval(cfg: EvalConfig, runtime=None, log=print) -> dict:
 
     # --- HellaSwag --------------------------------------------------------------------------------------------
     def hellaswag() -> None:
-        from shared.hellaswag import evaluate
+        from shared.train.hellaswag import evaluate
 
         path = _hellaswag_file(cfg, out, log)
         if path is None:
@@ -224,7 +221,7 @@ def run_eval(cfg: EvalConfig, runtime=None, log=print) -> dict:
 
     # --- samples ----------------------------------------------------------------------------------------------
     def sample() -> None:
-        from shared.sampling import sample_text
+        from shared.train.sampling import sample_text
 
         prompts = [p for p in cfg.prompts.split("|") if p.strip()]
         if not prompts:

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from shared.errors import UserError
 from shared.model_shape import GPT2_VOCAB_SIZE, PADDED_VOCAB_SIZE, ModelConfig
-from shared.train.checkpoint import MANIFEST_FILE, latest_checkpoint, load_checkpoint
+from shared.train.checkpoint import checkpoint_at
 from shared.train.model import GPT
 
 # HF's GPT-2 uses Conv1D (weights stored as in x out); ours are nn.Linear (out x in): these four transpose.
@@ -224,9 +224,7 @@ def load_hf(folder: str | os.PathLike) -> GPT:
 def model_from_checkpoint(path: str | os.PathLike) -> GPT:
     """Our model (CPU, fp32) from a checkpoint directory, or the newest checkpoint under a run/checkpoints dir."""
     path = Path(path)
-    if (path / MANIFEST_FILE).exists():  # one named checkpoint: it must verify
-        return GPT.from_checkpoint(load_checkpoint(path))
-    ckpt = latest_checkpoint(path, path / "checkpoints")  # a run: the newest that verifies
+    ckpt = checkpoint_at(path)
     if ckpt is None:
         raise UserError(f"{path}: no checkpoint here or under {path / 'checkpoints'}")
     return GPT.from_checkpoint(ckpt)

@@ -1,7 +1,7 @@
 """The one owner of attention: which kernels a session tries on a TPU generation at a sequence length, in order,
 for the `attention` setting (TrainConfig.attention: auto, splash, flash, sdpa) (`candidates`), the loop that tries
 them (`choose`: each made, probed, the first that passes kept, why the others did not said), and the choice a model
-is built with (`AttentionChoice`). One decision, asked by the session (`XlaRuntime.select_attention`, which gives
+is built with (`AttentionChoice`). One decision, asked by the session (shared/train/attention_select.py, which gives
 `choose` its mesh's kernels and its probe, shared/train/attention_probe.py), the step tracer
 (`shared.train.step_trace`, which gives it no probe: it traces the first kernel made), `--plan`
 (scripts/chain/plan.py, which compiles the first and then each fallback), scripts/tpu_compile.py and

@@ -3,7 +3,7 @@ output and gradients against SDPA's, and its forward without gradients (an eval'
 it; all of a session's probes within one budget (`ProbeBudget`), and a probe that outlasts it stops the session
 (`ProbeHung`: docs/tpu-throughput.md, "The kernel probes' budget"). The loop that probes the candidates in order,
 keeping the first that passes as the session's `AttentionChoice`, is shared/train/attention.py `choose`;
-`XlaRuntime.select_attention` gives it the kernels (which need its mesh) and their probe within this budget."""
+shared/train/attention_select.py gives it the kernels (which need the mesh) and their probe within this budget."""
 
 from __future__ import annotations
 

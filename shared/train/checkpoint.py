@@ -251,6 +251,15 @@ def latest_checkpoint(*roots: str | os.PathLike, log=print, set_aside: bool = Fa
     return None
 
 
+def checkpoint_at(path: str | os.PathLike, log=print) -> LoadedCheckpoint | None:
+    """The checkpoint `path` names, for a reader (eval, export): a checkpoint directory, which must verify; else a
+    run's, the newest that verifies in `path` or `path/checkpoints`; None where neither holds one."""
+    path = Path(path)
+    if (path / MANIFEST_FILE).exists():
+        return load_checkpoint(path)
+    return latest_checkpoint(path, path / "checkpoints", log=log)
+
+
 def set_aside_checkpoint(path: Path, reason: str, prefix: str = SUPERSEDED_PREFIX, log=print,
                          level: str = "notice") -> None:
     """Rename a checkpoint out of resuming and rotation (`<prefix>step_NNNNNN` in its root), in one line with

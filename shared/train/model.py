@@ -126,8 +126,8 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig, attention: AttentionChoice = SDPA_CHOICE):
-        """`attention`: the kernel the runtime chose for this session's shapes (`Runtime.attention_choice`,
-        shared/train/attention.py); SDPA by default."""
+        """`attention`: the kernel the session chose for its shapes (`select_attention_and_micro_batch`,
+        shared/train/step.py; shared/train/attention.py); SDPA by default."""
         super().__init__()
         self.config = cfg
         self.attention = attention

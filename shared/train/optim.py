@@ -293,7 +293,7 @@ def make_optimizer(named: NamedParams, cfg: TrainConfig, runtime, lr: torch.Tens
             {"params": [p for _, p in adam if p.dim() < 2], "kind": "adam", "weight_decay": 0.0, **aux},
         ]
         opt = MuonAdamW(groups, lr, ns_dtype=torch.bfloat16 if on_accelerator else torch.float32,
-                        replicate=runtime.replicate)
+                        replicate=runtime.replicate if runtime.shards_parameters else lambda t: t)
         keys = {id(p): MuonAdamW.state_keys(g) for g in groups for p in g["params"]}
         step_on_device = True
     else:

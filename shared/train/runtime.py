@@ -63,23 +63,15 @@ class Runtime:
 
     tpu_generation: TpuGeneration | None = None  # set on a TPU whose generation is known
     tpu_generation_source = ""  # where the generation was read, or what was seen instead
-    # The attention the session's model is built with (shared/train/attention.py): SDPA, or a TPU kernel the
-    # device layer chose and probed (select_attention).
-    attention_choice: AttentionChoice = SDPA_CHOICE
-
-    @property
-    def attention(self) -> str:
-        """The chosen kernel's name: "sdpa", "pallas-splash" or "pallas-flash"."""
-        return self.attention_choice.kind
-
     def select_attention(self, batch: int, n_head: int, seq_len: int, head_dim: int, setting: str = "auto",
-                         batch_for: Callable[[str], int] | None = None) -> None:
-        """Choose the attention kernel (`attention_choice`) for a model of these shapes, `batch` sequences per
-        micro-step over all devices (the trainer calls this once the model config is known, before the model is
-        built); `setting`: TrainConfig.attention, the kernel to start from. `batch_for(kind)`: the micro-batch
-        each kernel would train at (`--micro-batch auto`), which its one probe runs at instead of `batch`. Which
-        kernels, and the loop that tries them, are shared/train/attention.py's (`candidates`, `choose`); here,
-        without a TPU, it has SDPA alone."""
+                         batch_for: Callable[[str], int] | None = None) -> AttentionChoice:
+        """The attention for a model of these shapes, `batch` sequences per micro-step over all devices (the session
+        asks once the model config is known, before the model is built, and gives the choice to its model and its
+        step; no runtime keeps it); `setting`: TrainConfig.attention, the kernel to start from. `batch_for(kind)`:
+        the micro-batch each kernel would train at (`--micro-batch auto`), which its one probe runs at instead of
+        `batch`. Which kernels, and the loop that tries them, are shared/train/attention.py's (`candidates`,
+        `choose`); here, without a TPU, it is SDPA alone."""
+        return SDPA_CHOICE
 
     def no_grad_sync(self, model: torch.nn.Module, skip: bool):
         """Inside gradient accumulation, skip the cross-process gradient reduction (DDP only)."""
@@ -136,8 +128,11 @@ class Runtime:
         self.shard_like(placed, like)
         return placed
 
+    shards_parameters = False  # whether prepare_model laid the parameters out in shards over the devices (fsdp)
+
     def replicate(self, tensor: torch.Tensor) -> torch.Tensor:
-        """`tensor` laid out whole on every device (a no-op where nothing is sharded)."""
+        """`tensor` laid out whole on every device (a no-op where nothing is sharded): the optimizer's update of a
+        sharded matrix, a sampled token or a HellaSwag score read on the host."""
         return tensor
 
     def sync(self) -> None:

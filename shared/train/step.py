@@ -14,7 +14,7 @@ import torch
 from shared.config import AUTO, TrainConfig
 from shared.errors import UserError
 from shared.tpu import activation_checkpointing_on, micro_batch_for
-from shared.train.attention import SDPA
+from shared.train.attention import SDPA, AttentionChoice
 from shared.train.optim import clip_grad_norm, lr_at, make_optimizer, muon_momentum_at
 from shared.train.runtime import Runtime
 
@@ -26,23 +26,25 @@ class StepPlan:
     accum_loop: bool
     activation_checkpointing: bool
     scan_layers: bool
+    attention: str = SDPA  # the kernel the session's selection chose (AttentionChoice.kind)
 
     def describe(self, runtime: Runtime, accum: int) -> str:
         loop = ("one graph per step (micro-steps in an XLA loop)" if self.accum_loop else
                 "one graph per micro-step" if accum > 1 else "one micro-step per step")
-        return (f"step: {loop if runtime.name == 'xla' else f'{accum} micro-step(s)'}; attention {runtime.attention}; "
+        return (f"step: {loop if runtime.name == 'xla' else f'{accum} micro-step(s)'}; attention {self.attention}; "
                 f"activation checkpointing {'on' if self.activation_checkpointing else 'off'}; "
                 f"scan over layers {'on' if self.scan_layers else 'off'}")
 
 
-def plan_step(cfg: TrainConfig, runtime: Runtime, scan_available: bool | None = None) -> StepPlan:
-    """Resolve the step settings for this runtime. Under XLA a step of several micro-steps is one graph (the
-    micro-steps in an XLA loop) unless --no-grad-accum-loop. `auto` turns activation checkpointing on where the
-    TPU's memory needs it (gpt2-medium and up on 16 GB devices, gpt2-large and up on 32 GB ones), and the scan
-    over layers on for 24+ layers (gpt2-medium up; for gpt2's 12 it compiled slower on the XLA CPU
-    compiler: docs/tpu-throughput.md) on a TPU running SDPA attention (the Pallas kernel is untested inside scan)
-    when the step has no accumulation loop: inside torch_xla 2.9's loop the scan computed wrong losses
-    (tests/train/test_train.py shows it), so the two are never combined."""
+def plan_step(cfg: TrainConfig, runtime: Runtime, attention: str = SDPA,
+              scan_available: bool | None = None) -> StepPlan:
+    """Resolve the step settings for this runtime and `attention`, the kernel the session chose. Under XLA a step of
+    several micro-steps is one graph (the micro-steps in an XLA loop) unless --no-grad-accum-loop. `auto` turns
+    activation checkpointing on where the TPU's memory needs it (gpt2-medium and up on 16 GB devices, gpt2-large
+    and up on 32 GB ones), and the scan over layers on for 24+ layers (gpt2-medium up; for gpt2's 12 it compiled
+    slower on the XLA CPU compiler: docs/tpu-throughput.md) on a TPU running SDPA attention (the Pallas kernel is
+    untested inside scan) when the step has no accumulation loop: inside torch_xla 2.9's loop the scan computed
+    wrong losses (tests/train/test_train.py shows it), so the two are never combined."""
     from shared.train.xla_runtime import scan_layers_available
 
     n_layer, gen, xla = cfg.model.n_layer, runtime.tpu_generation, runtime.name == "xla"
@@ -58,31 +60,32 @@ def plan_step(cfg: TrainConfig, runtime: Runtime, scan_available: bool | None = 
         raise UserError("--scan-layers on computes wrong losses inside torch_xla's gradient-accumulation loop; "
                         "add --no-grad-accum-loop (a graph per micro-step), or use one micro-step per step")
     if cfg.scan_layers == "auto":
-        scan = wanted and scan_available and runtime.attention == SDPA and not loop
+        scan = wanted and scan_available and attention == SDPA and not loop
     else:
         scan = cfg.scan_layers == "on"
-    return StepPlan(accum_loop=loop, activation_checkpointing=checkpointing, scan_layers=scan)
+    return StepPlan(accum_loop=loop, activation_checkpointing=checkpointing, scan_layers=scan, attention=attention)
 
 
-def select_attention_and_micro_batch(cfg: TrainConfig, runtime: Runtime, log=print) -> TrainConfig:
+def select_attention_and_micro_batch(cfg: TrainConfig, runtime: Runtime, log=print,
+                                     chosen: AttentionChoice | None = None) -> tuple[TrainConfig, AttentionChoice]:
     """The attention kernel for this model's shapes (on a TPU the Pallas kernel is probed at them); with
     `--micro-batch auto`, each kernel probed once at the micro-batch it and this TPU allow, the one the session
-    then trains at, as the config the session trains with."""
+    then trains at: the config the session trains with, and the attention its model and step are given.
+    `chosen`: an attention already chosen (a test's), which is not selected again."""
     m = cfg.model
     shape = (m.n_head, m.block_size, m.n_embd // m.n_head)
     if cfg.micro_batch != AUTO:
-        runtime.select_attention(cfg.micro_batch, *shape, cfg.attention)
-        return cfg
+        return cfg, chosen or runtime.select_attention(cfg.micro_batch, *shape, cfg.attention)
     generation = runtime.tpu_generation.name if runtime.tpu_generation else None
 
     def batch_for(kind: str) -> int:
         return micro_batch_for(cfg, generation, kind, runtime.num_devices)
 
-    runtime.select_attention(batch_for(SDPA), *shape, cfg.attention, batch_for=batch_for)
-    chosen = batch_for(runtime.attention)
-    log(f"micro-batch auto: {chosen} ({chosen // runtime.num_devices} a device; TPU {generation or 'none'}, "
-        f"{runtime.attention} attention)")
-    return dataclasses.replace(cfg, micro_batch=chosen)
+    attention = chosen or runtime.select_attention(batch_for(SDPA), *shape, cfg.attention, batch_for=batch_for)
+    micro_batch = batch_for(attention.kind)
+    log(f"micro-batch auto: {micro_batch} ({micro_batch // runtime.num_devices} a device; TPU {generation or 'none'}, "
+        f"{attention.kind} attention)")
+    return dataclasses.replace(cfg, micro_batch=micro_batch), attention
 
 
 @dataclass
@@ -124,12 +127,13 @@ class TrainStep:
         return tensors + [t for t in (self.step_t, self.lr_t, self.momentum_t) if t is not None]
 
 
-def build_step(cfg: TrainConfig, runtime: Runtime, model: torch.nn.Module, start_step: int,
+def build_step(cfg: TrainConfig, runtime: Runtime, model: torch.nn.Module, attention: str, start_step: int,
                saved_optimizer: dict[str, torch.Tensor] | None = None) -> TrainStep:
-    """The session's step for `model` (on the CPU, initialised or loaded): laid out on the runtime's devices as the
+    """The session's step for `model` (on the CPU, initialised or loaded, built with the `attention` kernel the
+    session chose): laid out on the runtime's devices as the
     plan says, the schedule's scalars at `start_step` on the device, the optimizer with its state (zeros, or
     `saved_optimizer`), all materialised as device data before the first step."""
-    plan = plan_step(cfg, runtime)
+    plan = plan_step(cfg, runtime, attention)
     step_model = runtime.prepare_model(model, cfg.fsdp, cfg.compile, plan.activation_checkpointing, plan.scan_layers)
     step_t = torch.tensor(float(start_step)).to(runtime.device)
     lr_t = lr_at(step_t, cfg)

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from shared.config import TrainConfig
+from shared.train.attention import AttentionChoice
 from shared.train.mosaic_version import pin_version as pin_mosaic_version
 from shared.train.xla_runtime import XlaRuntime
 
@@ -57,16 +58,18 @@ class TraceRuntime(XlaRuntime):
         self._placeholders: set[int] = set()
 
     def select_attention(self, batch: int, n_head: int, seq_len: int, head_dim: int, setting: str = "auto",
-                         batch_for: Callable[[str], int] | None = None) -> None:
+                         batch_for: Callable[[str], int] | None = None) -> AttentionChoice:
         """The first kernel a session on this TPU tries at `seq_len` for `setting`, by the session's own loop
         (shared/train/attention.py `choose`) without its probe (which runs the kernel): a kernel whose jax or
         torchax does not import here gives way to the next, as in a session."""
         from shared.train.attention import candidates, choose
+        from shared.train.attention_select import make_kernel
 
-        self.attention_choice = choose(candidates(self.tpu_generation.name, seq_len, setting),
-                                       (batch, n_head, seq_len, head_dim), self._attention_kernel)
-        if self.attention_choice.kernel is not None:
+        chosen = choose(candidates(self.tpu_generation.name, seq_len, setting), (batch, n_head, seq_len, head_dim),
+                        lambda kind, instead: make_kernel(self.mesh, kind, instead))
+        if chosen.kernel is not None:
             lower_pallas_for_tpu()
+        return chosen
 
     def _record(self, tensor: torch.Tensor, spec: tuple) -> None:
         self.inputs.append({"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."),
@@ -169,17 +172,17 @@ def trace_step(cfg: TrainConfig, generation: str) -> tuple[bytes, dict]:
 
     runtime = TraceRuntime(generation)
     cfg.validate(runtime.num_devices)
-    cfg = select_attention_and_micro_batch(cfg, runtime, log=lambda _: None)
+    cfg, attention = select_attention_and_micro_batch(cfg, runtime, log=lambda _: None)
     with torch.device("meta"):
-        model = GPT(cfg.model, runtime.attention_choice)
-    step = build_step(cfg, runtime, model, start_step=1)
+        model = GPT(cfg.model, attention)
+    step = build_step(cfg, runtime, model, attention.kind, start_step=1)
     state = step.state_tensors()
     tokens = np.zeros((cfg.grad_accum_steps, cfg.micro_batch, cfg.model.block_size + 1), dtype=np.int32)
     loss, grad_norm, lr = step(tokens)
     outputs = state + [loss, grad_norm, lr]
     proto = torch_xla._XLAC._get_xla_tensors_hlo_proto(outputs)
     meta = {"inputs": runtime.inputs, "updated_outputs": len(state), "num_devices": runtime.num_devices,
-            "micro_batch": cfg.micro_batch, "grad_accum_steps": cfg.grad_accum_steps, "attention": runtime.attention,
+            "micro_batch": cfg.micro_batch, "grad_accum_steps": cfg.grad_accum_steps, "attention": attention.kind,
             "accum_loop": step.plan.accum_loop, "activation_checkpointing": step.plan.activation_checkpointing,
             "scan_layers": step.plan.scan_layers, "num_params": cfg.model.num_params(),
             "train": {k: v for k, v in dataclasses.asdict(cfg).items() if isinstance(v, (str, int, float, bool))}}

@@ -22,6 +22,7 @@ from shared.config import TrainConfig
 from shared.data import LoaderState, TokenLoader, find_shards
 from shared.errors import UserError
 from shared.session_clock import SessionClock, default_time_budget, estimate_checkpoint_seconds
+from shared.train.attention import AttentionChoice
 from shared.train.checkpoint import METRICS_FILE, LoadedCheckpoint
 from shared.train.checkpoint_writer import (
     Checkpointer,
@@ -51,9 +52,10 @@ class TrainResult:
 
 
 def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key: str | None = None,
-          started: float | None = None, startup_parts: dict | None = None, on_checkpoint: OnSave = None) -> TrainResult:
-    """One session. `started`: the monotonic time the session began (a kernel's process start; --session-deadline
-    counts from it); `startup_parts`: seconds before this call, by name; `on_checkpoint`: see Checkpointer."""
+          started: float | None = None, startup_parts: dict | None = None, on_checkpoint: OnSave = None,
+          attention: AttentionChoice | None = None) -> TrainResult:
+    """One session. `started`: its process's monotonic start (--session-deadline counts from it); `startup_parts`:
+    seconds before it, by name; `on_checkpoint`: see Checkpointer; `attention`: a caller's choice (None: selected)."""
     session_start = time.monotonic()
     cfg.validate()  # the flags; the device count is checked once the runtime is up
     out_dir = Path(cfg.out_dir)
@@ -72,12 +74,12 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
         log = lambda *args, **kwargs: None  # noqa: E731
     compiled_at_start = runtime.compile_seconds(), runtime.compile_count()
     cfg.validate(runtime.num_devices)
-    cfg = select_attention_and_micro_batch(cfg, runtime, log)
+    cfg, attention = select_attention_and_micro_batch(cfg, runtime, log, attention)
     versions = runtime_versions()  # again: with the Mosaic version the kernel probes settled on
     loader, val_loader = make_loaders(cfg, train_shards, val_shards, resumed, log)
-    model = make_model(cfg, runtime, resumed)
+    model = make_model(cfg, runtime, resumed, attention)
     start_step = resumed.step if resumed else 0
-    train_step = build_step(cfg, runtime, model, start_step, resumed.optimizer if resumed else None)
+    train_step = build_step(cfg, runtime, model, attention.kind, start_step, resumed.optimizer if resumed else None)
     restore_grad_scaler(train_step, resumed)
     ckpt_timer, clock = session_clock(cfg, resumed, model.num_params(), session_start, started, startup_parts)
     logger = start_logging(cfg, runtime, versions, model, resumed, clock, log, wandb_key)
@@ -101,8 +103,7 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
     evaluator.baseline(start_step)
     step, stop_reason = start_step, "total_steps"
     loop_start = first_step_end = last_step_end = time.monotonic()
-    # Summed: the host's CPU time building steps (data, tracing), and the wall time of the syncs (hashing the graph,
-    # launching it, and waiting for the runtime if the host is ahead).
+    # Summed: the host's CPU time building steps (data, tracing); the syncs' wall time (hash, launch, runtime waits).
     host_trace_s = sync_s = 0.0
     try:
         while step < cfg.total_steps:
@@ -186,11 +187,11 @@ def make_loaders(cfg: TrainConfig, train_shards: list, val_shards: list, resumed
     return loader, val_loader
 
 
-def make_model(cfg: TrainConfig, runtime: Runtime, resumed: LoadedCheckpoint | None) -> GPT:
-    """The model with the runtime's attention, initialised on the CPU from the seed so every backend starts
+def make_model(cfg: TrainConfig, runtime: Runtime, resumed: LoadedCheckpoint | None, attention: AttentionChoice) -> GPT:
+    """The model with the session's `attention`, initialised on the CPU from the seed so every backend starts
     identically; or the checkpoint's weights and RNG state when resuming."""
     torch.manual_seed(cfg.seed)
-    model = GPT(cfg.model, runtime.attention_choice)  # the kernel select_attention chose for these shapes
+    model = GPT(cfg.model, attention)  # the kernel the session chose for these shapes
     if cfg.zero_init_projections and not resumed:
         model.zero_output_projections()
     if resumed:
@@ -239,7 +240,7 @@ def start_logging(cfg: TrainConfig, runtime: Runtime, versions: dict, model: GPT
     logger.write({"event": "session_start", "step": start_step, "tokens": start_step * cfg.total_batch_tokens,
                   "device": runtime.description, "versions": versions, "time_budget_s": round(clock.budget_s, 1),
                   "session_deadline_s": cfg.session_deadline or None,
-                  "micro_batch": cfg.micro_batch, "attention": runtime.attention, "tpu": tpu.name if tpu else None,
+                  "micro_batch": cfg.micro_batch, "attention": model.attention.kind, "tpu": tpu.name if tpu else None,
                   "unix_time": round(time.time(), 1), "elapsed_s": round(time.monotonic() - clock.train_start, 3)})
     log(f"{runtime.description}: {cfg.preset} ({model.num_params() / 1e6:.2f}M params), {cfg.grad_accum_steps} "
         f"micro-steps of {cfg.micro_batch}x{cfg.model.block_size} per step, "

@@ -1,7 +1,7 @@
 """Validation inside training: the loss over the validation shard(s), sharded over all devices like training, and
 the periodic evaluation every `eval_every` steps (validation loss, the model's health, a HellaSwag subset, one
 sample). The eval kernel (shared/eval/evaluate.py) uses the same validation loss. HellaSwag scoring and sampling
-(shared/hellaswag.py, shared/sampling.py) are imported only where a run asks for them."""
+(shared/train/hellaswag.py, shared/train/sampling.py) are imported only where a run asks for them."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def _training_hellaswag(path: str, examples: int, block_size: int, log):
     """The encoded HellaSwag subset for in-training evals (a seeded random `examples` of the file, 0: all), read once
     per process; None if it cannot be."""
     from shared.errors import UserError
-    from shared.hellaswag import encode, read_jsonl, sample_examples, truncation_warning
+    from shared.train.hellaswag import encode, read_jsonl, sample_examples, truncation_warning
 
     key = (path, examples, block_size)
     if key not in _hellaswag_cache:
@@ -104,7 +104,7 @@ def periodic_eval(model, runtime, cfg, step: int, tokens: int, val_loader: Token
     if hellaswag and getattr(cfg, "hellaswag_file", ""):
         data = _training_hellaswag(cfg.hellaswag_file, cfg.hellaswag_examples, block_size, log)
         if data is not None:
-            from shared.hellaswag import score
+            from shared.train.hellaswag import score
 
             # About one training micro-batch of tokens per forward pass: the memory training already needs.
             rows = max(1, cfg.micro_batch * block_size // data.length)
@@ -112,7 +112,7 @@ def periodic_eval(model, runtime, cfg, step: int, tokens: int, val_loader: Token
             results.update(result.to_record())
             logger.write({"step": step, "tokens": tokens, **result.to_record()})
     if getattr(cfg, "sample_prompt", ""):
-        from shared.sampling import sample_text
+        from shared.train.sampling import sample_text
 
         (sample,) = sample_text(model, runtime, [cfg.sample_prompt], getattr(cfg, "sample_tokens", 32),
                                 seed=cfg.seed, bf16=cfg.bf16, warn=_warn_once(log))

@@ -12,21 +12,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from shared.errors import UserError, describe_error, within
-from shared.kaggle.facts import record_fact
 from shared.tpu import TPU_GENERATIONS, default_xla_env, detect_tpu_generation
-from shared.train.attention import FLASH, SDPA_CHOICE, candidates, choose
-from shared.train.attention_probe import (
-    PROBE_TIMEOUT_S,
-    ProbeBudget,
-    ProbeHung,
-    end_at_exit_without_device_wait,
-    hung_line,
-    probe_attention_kernel,
-)
-from shared.train.mosaic_version import pin_version as pin_mosaic_version
-from shared.train.mosaic_version import plan_for_libtpu as plan_mosaic_for_libtpu
-from shared.train.mosaic_version import readable_version as readable_mosaic_version
+from shared.train.attention import AttentionChoice
+from shared.train.attention_select import select_on_mesh
 from shared.train.runtime import Runtime
 from shared.train.xla_notices import quiet_known_messages
 
@@ -85,133 +73,11 @@ class XlaRuntime(Runtime):
         self.tpu_generation = TPU_GENERATIONS.get(name or "")
 
     def select_attention(self, batch: int, n_head: int, seq_len: int, head_dim: int, setting: str = "auto",
-                         batch_for: Callable[[str], int] | None = None) -> None:
-        # The image's jax may not be the one this torch_xla was built against (Kaggle's TPU image pairs torch_xla
-        # 2.8.0 with jax 0.7.x, docs/kaggle-tpu.md), and Mosaic compiles a kernel per shape: each kernel runs
-        # forward and backward at this session's own shapes, sharded as training shards them, and is kept only if
-        # it runs and agrees with SDPA, rather than dying (or training wrong) at the first step. Which kernels, in
-        # which order, and the loop that tries them, are shared/train/attention.py's (the step tracer and --plan
-        # ask the same); here, the kernels over this mesh and their probe within the session's budget, each probed
-        # once, at the micro-batch it would train at (`batch_for`).
-        self.attention_choice = SDPA_CHOICE  # the runtime is process-wide: a previous session's does not carry over
-        generation = self.tpu_generation.name if self.tpu_generation else None
-        if self.tpu_generation and self.tpu_generation.pallas_flash_attention:  # before any kernel is lowered
-            said = plan_mosaic_for_libtpu()
-            if said:
-                print(said, flush=True)
-        self.attention_choice = choose(
-            candidates(generation, seq_len, setting), (batch, n_head, seq_len, head_dim), self._attention_kernel,
-            probe=lambda name, kernel, instead, shape: self._probe_and_record(name, kernel, shape, instead),
-            start=self._start_probing, devices=self.num_devices, batch_for=batch_for)
-
-    def _attention_kernel(self, kind: str, instead: str) -> Callable | None:
-        """Pallas kernel `kind` over this mesh, or None (said) where it does not import."""
-        return self._flash_attention_kernel() if kind == FLASH else self._splash_attention_kernel(instead)
-
-    _probe_budget: ProbeBudget | None = None
-
-    def _start_probing(self, kernels: list[str]) -> None:
-        """Say which kernels this selection probes, and in what time: the budget all its probes share starts."""
-        self._probe_budget = ProbeBudget()
-        if kernels:
-            print(self._probe_budget.start_line(kernels), flush=True)
-
-    def _probe_and_record(self, name: str, kernel: Callable, shape: tuple[int, int, int, int],
-                          instead: str) -> str | None | bool:
-        """`_probe`, its result kept in the session's facts (`attention_probes`: passed, failed or hung, at which
-        micro-batch), which the chain reads back to start its next session past a kernel that hung or failed
-        (scripts/chain/attention_carry.py)."""
-        fact = {"micro_batch": shape[0]}
-        try:
-            failure = self._probe(name, kernel, shape, instead)
-        except ProbeHung as err:
-            record_fact("attention_probes", name, {**fact, "result": "hung", "why": str(err)})
-            raise
-        if failure is not False:  # False: not probed (the budget spent)
-            record_fact("attention_probes", name, {**fact, "result": "failed" if failure else "passed",
-                                                   **({"why": failure} if failure else {})})
-        return failure
-
-    def _probe(self, name: str, kernel: Callable, shape: tuple[int, int, int, int], instead: str) -> str | None | bool:
-        """None where `kernel` runs and agrees with SDPA at `shape`; else why not, in a line (the attention loop,
-        shared/train/attention.py `choose`, says it). Within what is left of the session's probe budget: none left,
-        a notice ending with `instead` and False; a probe that outlasts it stops the session (ProbeHung: its graph
-        may hold the device, docs/tpu-throughput.md)."""
-        budget = self._probe_budget = self._probe_budget or ProbeBudget()
-        try:
-            failure = self._probe_within(budget, name, kernel, shape, instead)
-            version = readable_mosaic_version(failure or "")
-            if version is not None and pin_mosaic_version(version):
-                # jax serialized the kernel for a newer libtpu than this one (Kaggle's image: jax 0.7.2, libtpu
-                # 0.0.17): lowered again at the version libtpu names, and probed again.
-                print(f"notice: this libtpu reads Pallas kernels up to Mosaic version {version}, older than jax "
-                      f"serializes them at; the {name}-attention kernel is lowered at version {version}", flush=True)
-                failure = self._probe_within(budget, name, kernel, shape, instead)
-        except ProbeHung as err:
-            if self._hardware == "TPU":  # the exit must not wait for the device either
-                end_at_exit_without_device_wait()
-            raise ProbeHung(hung_line(name, err)) from None
-        return failure
-
-    def _probe_within(self, budget: ProbeBudget, name: str, kernel: Callable, shape: tuple[int, int, int, int],
-                      instead: str) -> str | None | bool:
-        """The probe's line (None: it passed) in what is left of `budget`; False, said, where too little is."""
-        if not budget.allows_a_probe():
-            print(budget.spent_line(name, instead), flush=True)
-            return False
-        return probe_attention_kernel(kernel, shape, self.device, self.shard_batch, self.sync,
-                                      timeout_s=budget.left())
-
-    def _splash_attention_kernel(self, instead: str = "trying the flash-attention kernel") -> Callable | None:
-        """jax's splash attention (q, k, v) -> out over this mesh (shared/train/splash.py), or None where it may
-        not run. Asked only where shared/train/attention.py puts it (its TPU, switches and sequence length) and
-        the flash kernel's jax came: here torchax for `call_jax` (installed in a session whose image has none;
-        one that does not import is a notice ending with `instead`)."""
-        from shared.kaggle.packages import provide
-        from shared.train.splash import splash_attention
-
-        problem = provide("torchax", "jax's splash attention")
-        if problem:
-            print(f"notice: {problem}; {instead}", flush=True)
-            return None
-
-        def import_kernel():
-            import jax  # noqa: F401
-            import torchax  # noqa: F401
-            from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel  # noqa: F401
-
-        try:  # bounded like the probe, which it precedes
-            within(PROBE_TIMEOUT_S, import_kernel)
-        except Exception as err:  # noqa: BLE001 - a torchax or jax that does not fit this torch_xla: flash instead
-            print(f"notice: importing jax's splash attention gave {describe_error(err)}; {instead}", flush=True)
-            return None
-        return splash_attention(self.mesh)
-
-    def _flash_attention_kernel(self) -> Callable | None:
-        """torch_xla's Pallas flash attention (q, k, v) -> out over this mesh, or None where jax (torch_xla[pallas])
-        does not import. Asked only where shared/train/attention.py puts a Pallas kernel (a generation whose Mosaic
-        compiles it: not v2/v3, nor an unknown TPU, nor a CPU)."""
-
-        def import_kernel():
-            import jax  # noqa: F401
-            from torch_xla.experimental.custom_kernel import flash_attention
-
-            return flash_attention
-
-        try:  # importing jax may load libtpu's plugin: bounded like the probe, which it precedes
-            flash_attention = within(PROBE_TIMEOUT_S, import_kernel)
-        except ImportError:
-            return None
-        except UserError as err:
-            print(f"notice: importing jax for the Pallas flash-attention kernel gave {err}; using SDPA", flush=True)
-            return None
-        mesh = self.mesh
-
-        def tpu_flash_attention(q, k, v):
-            return flash_attention(q, k, v, causal=True, sm_scale=q.shape[-1] ** -0.5,
-                                   partition_spec=("data", None, None, None), mesh=mesh)
-
-        return tpu_flash_attention
+                         batch_for: Callable[[str], int] | None = None) -> AttentionChoice:
+        """The attention for these shapes: the Pallas kernels over this mesh, each probed once at the micro-batch it
+        would train at (`batch_for`), within the session's budget (shared/train/attention_select.py); kept nowhere
+        here, the session gives it to its model and its step."""
+        return select_on_mesh(self, batch, n_head, seq_len, head_dim, setting, batch_for)
 
     def shard_batch(self, tensor: torch.Tensor) -> torch.Tensor:
         """A device tensor's first (batch) dimension sharded over the mesh, as `batch_to_device` lays out batches."""
@@ -283,9 +149,15 @@ class XlaRuntime(Runtime):
         # the first step, so step 1 and step 2 are one graph (and a resumed run compiles that same graph).
         self._xs.mark_sharding(tensor, self.mesh, self._param_spec(param))
 
+    @property
+    def shards_parameters(self) -> bool:
+        return self._fsdp
+
     def replicate(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self._fsdp:  # GSPMD gathers the shards where the annotation asks for the whole tensor
-            self._xs.mark_sharding(tensor, self.mesh, (None,) * tensor.dim())
+        """The graph gathers `tensor` onto every device (GSPMD inserts the gather where the annotation asks for the
+        whole tensor): reading a sharded tensor on the host would compile a replication program at every read
+        (batch-sharded results, FSDP-sharded parameters)."""
+        self._xs.mark_sharding(tensor, self.mesh, (None,) * tensor.dim())
         return tensor
 
     def sync(self) -> None:

@@ -641,7 +641,7 @@ def test_the_hellaswag_file_becomes_a_dataset_the_train_kernel_reads(local_kaggl
     assert out == {"again": ref, "ref": ref, "sources": [CKPT, CKPT + "-b", "alice/tokens", ref],
                    "setting": True}
     assert live_numbers(local_kaggle, ref) == [1] and f"uploaded HellaSwag (demo) as {ref}" in log
-    from shared.hellaswag import read_jsonl
+    from shared.train.hellaswag import read_jsonl
 
     files = list((local_kaggle.root / "datasets").rglob("hellaswag_val.jsonl"))
     assert files and len(read_jsonl(files[0])) == 200  # the demo set, in HellaSwag's own format

@@ -388,7 +388,7 @@ def _report(attention: str, micro_batch: int, peak_gib: float, fits: bool = True
 ])
 def test_plan_compiles_the_splash_step_and_says_what_the_flash_and_sdpa_fallbacks_need(monkeypatch, micro_batch,
                                                                                        flash, sdpa, says):
-    import scripts.tpu_compile as tpu_compile
+    import scripts.tpu_compile_step as tpu_compile
     from scripts.chain.plan import compiled_fit
 
     asked = []
@@ -412,7 +412,7 @@ def test_plan_compiles_the_splash_step_and_says_what_the_flash_and_sdpa_fallback
 
 
 def test_with_the_attention_setting_flash_plan_compiles_the_flash_step_first(monkeypatch):
-    import scripts.tpu_compile as tpu_compile
+    import scripts.tpu_compile_step as tpu_compile
     from scripts.chain.plan import compiled_fit
 
     asked = []
@@ -444,7 +444,7 @@ def _demo_config(**train):
     (256, ["splash", "flash", "sdpa"], "(the splash step, micro-batch 8)"),
 ])
 def test_plan_compiles_only_the_steps_a_session_would_run_at_its_sequence_length(monkeypatch, seq_len, asked, says):
-    import scripts.tpu_compile as tpu_compile
+    import scripts.tpu_compile_step as tpu_compile
     from scripts.chain.plan import compiled_fit
 
     kernels = {"splash": "pallas-splash", "flash": "pallas-flash", "sdpa": "sdpa"}
@@ -463,7 +463,7 @@ def test_plan_compiles_only_the_steps_a_session_would_run_at_its_sequence_length
 
 
 def test_a_fallback_that_does_not_compile_is_one_clause_of_the_line_and_the_plan_goes_on(monkeypatch, tmp_path):
-    import scripts.tpu_compile as tpu_compile
+    import scripts.tpu_compile_step as tpu_compile
 
     def compile_step(settings, tpu, log, attention="auto"):
         if attention == "flash":
@@ -485,7 +485,7 @@ def test_a_fallback_that_does_not_compile_is_one_clause_of_the_line_and_the_plan
 
 
 def test_a_primary_step_that_does_not_compile_is_one_line_and_the_arithmetic_checks_hbm(monkeypatch):
-    import scripts.tpu_compile as tpu_compile
+    import scripts.tpu_compile_step as tpu_compile
     from scripts.chain.plan import compiled_fit
 
     def compile_step(settings, tpu, log, attention="auto"):

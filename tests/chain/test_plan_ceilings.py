@@ -48,7 +48,7 @@ STEPS = {
 ])
 def test_plan_gives_the_head_dim_aware_and_llmc_ceilings_and_plans_at_a_share_of_the_expected_kernels(
         monkeypatch, tmp_path, shape, ceilings, rates):
-    import scripts.tpu_compile as tpu_compile
+    import scripts.tpu_compile_step as tpu_compile
 
     monkeypatch.setattr(tpu_compile, "compile_step", lambda settings, tpu, log, attention: STEPS[shape][attention])
     monkeypatch.setattr(tpu_compile, "compiler_python", lambda: Path("/venv-tpu/bin/python"))
@@ -84,7 +84,7 @@ def test_plan_gives_the_head_dim_aware_and_llmc_ceilings_and_plans_at_a_share_of
 
 def test_an_sdpa_step_has_one_ceiling_and_no_fallback_rate(monkeypatch, tmp_path):
     # gpt2-demo's 32 tokens: neither Pallas kernel tiles them, the session runs SDPA, the plan's rate is its share.
-    import scripts.tpu_compile as tpu_compile
+    import scripts.tpu_compile_step as tpu_compile
 
     sdpa = {**_report("sdpa", 0.1, None, 128, 8), "preset": "tiny"}
     monkeypatch.setattr(tpu_compile, "compile_step", lambda settings, tpu, log, attention: sdpa)

@@ -16,12 +16,12 @@ from shared.config import TrainConfig
 from shared.data import TokenLoader, find_shards
 from shared.eval.hf import export_hf
 from shared.model_shape import ModelConfig
-from shared.sampling import generate_tokens, sample_text
 from shared.train.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from shared.train.device import make_runtime
 from shared.train.metrics import read_metrics
 from shared.train.model import GPT
 from shared.train.runtime import Runtime
+from shared.train.sampling import generate_tokens, sample_text
 from shared.train.validation import validation_loss
 
 transformers = pytest.importorskip("transformers")
@@ -132,7 +132,7 @@ def test_prompt_longer_than_the_context_is_a_warning(gpt2_ranks):
 
 @pytest.fixture(scope="module")
 def hellaswag_file(gpt2_ranks, tmp_path_factory) -> Path:
-    from shared.hellaswag import demo_examples, write_jsonl
+    from shared.train.hellaswag import demo_examples, write_jsonl
 
     folder = made_once(tmp_path_factory, "hellaswag_demo", lambda out: write_jsonl(
         out / "hellaswag_demo.jsonl", demo_examples(24, max_chars=300_000)))

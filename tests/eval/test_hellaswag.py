@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from shared import hellaswag as hs
 from shared.eval.hf import export_hf
 from shared.model_shape import ModelConfig
+from shared.train import hellaswag as hs
 from shared.train.device import make_runtime
 from shared.train.model import GPT
 from shared.train.runtime import Runtime
@@ -174,7 +174,7 @@ def test_unreadable_or_empty_files_are_one_line_errors(tmp_path):
 
 
 def test_the_in_training_subset_is_a_seeded_random_sample_in_file_order_the_same_every_time():
-    from shared.hellaswag import SAMPLE_SEED, demo_examples, sample_examples
+    from shared.train.hellaswag import SAMPLE_SEED, demo_examples, sample_examples
 
     examples = demo_examples(60, max_chars=200_000)
     picked = sample_examples(examples, 20)

@@ -11,11 +11,7 @@ def xla_runtime_first(suite_xla_runtime):
 
 @pytest.fixture
 def xla_runtime():
-    """The suite's XLA runtime (8 CPU devices), its attention restored to SDPA afterwards."""
-    from shared.train.attention import SDPA_CHOICE
+    """The suite's XLA runtime (8 CPU devices); it keeps no attention choice, so each test's selection is its own."""
     from shared.train.device import make_runtime
 
-    runtime = make_runtime("xla")
-    runtime._probe_budget = None  # each test's probing is a session of its own
-    yield runtime
-    runtime.attention_choice = SDPA_CHOICE
+    return make_runtime("xla")

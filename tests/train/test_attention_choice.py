@@ -10,6 +10,7 @@ import types
 
 import pytest
 
+import shared.train.attention_select as attention_select
 from shared.config import TrainConfig
 from shared.errors import UserError
 from shared.tpu import TPU_GENERATIONS
@@ -72,12 +73,12 @@ def test_the_session_plan_compile_tool_and_bench_pick_the_same_step(xla_runtime,
     from scripts.bench_mfu import chain_step
     from scripts.chain.config import ChainConfig
     from scripts.chain.plan import planned_train
-    from scripts.tpu_compile import traced_attention
+    from scripts.tpu_compile_step import traced_attention
     from shared.tpu import micro_batch_for
     from shared.train.step import select_attention_and_micro_batch
 
     assert xla_runtime.num_devices == 8  # as the v5e-8 and v6e-8 machines
-    _kernels(monkeypatch, xla_runtime, [], passing=("splash", "flash"))
+    _kernels(monkeypatch, [], passing=("splash", "flash"))
 
     for setting in ATTENTION_SETTINGS:
         for generation, accelerator in (("v5e", "TpuV5E8"), ("v6e", "TpuV6E8")):
@@ -91,24 +92,24 @@ def test_the_session_plan_compile_tool_and_bench_pick_the_same_step(xla_runtime,
                 assert planned.micro_batch == want, (setting, generation, seq_len)
                 assert chain_step(8, seq_len, generation, setting)[0] == want // 8
                 monkeypatch.setattr(xla_runtime, "tpu_generation", TPU_GENERATIONS[generation])
-                session = select_attention_and_micro_batch(cfg, xla_runtime, log=lambda line: None)
-                assert (xla_runtime.attention, session.micro_batch) == (first, want), (setting, generation, seq_len)
+                session, choice = select_attention_and_micro_batch(cfg, xla_runtime, log=lambda line: None)
+                assert (choice.kind, session.micro_batch) == (first, want), (setting, generation, seq_len)
 
 
-def _kernels(monkeypatch, runtime, probed: list[str], passing: tuple[str, ...]):
+def _kernels(monkeypatch, probed: list[str], passing: tuple[str, ...]):
     def flash(q, k, v):
         raise AssertionError("not run: the probe is faked")
 
     def splash(q, k, v):
         raise AssertionError("not run: the probe is faked")
 
-    def probe(name, kernel, *args, **kwargs):
+    def probe(self, name, kernel, *args, **kwargs):
         probed.append(name)
         return None if name in passing else "it differs from SDPA"
 
-    monkeypatch.setattr(runtime, "_flash_attention_kernel", lambda: flash)
-    monkeypatch.setattr(runtime, "_splash_attention_kernel", lambda *args: splash)
-    monkeypatch.setattr(runtime, "_probe", probe)
+    monkeypatch.setattr(attention_select, "flash_attention_kernel", lambda mesh: flash)
+    monkeypatch.setattr(attention_select, "splash_attention_kernel", lambda *args: splash)
+    monkeypatch.setattr(attention_select.MeshProbes, "probe", probe)
 
 
 @pytest.mark.parametrize("setting", ATTENTION_SETTINGS)
@@ -120,15 +121,14 @@ def test_the_session_probes_the_candidates_in_order_and_keeps_the_first_that_pas
             want = expected(generation, seq_len, setting)
             pallas = [k.removeprefix("pallas-") for k in want[:-1]]
             probed: list[str] = []
-            _kernels(monkeypatch, xla_runtime, probed, passing=())  # every probe fails
-            xla_runtime.select_attention(8, 2, seq_len, 64, setting)
-            assert (probed, xla_runtime.attention) == (pallas, D), (generation, seq_len)
+            _kernels(monkeypatch, probed, passing=())  # every probe fails
+            choice = xla_runtime.select_attention(8, 2, seq_len, 64, setting)
+            assert (probed, choice.kind) == (pallas, D), (generation, seq_len)
             for passing in pallas:  # the first that passes is kept, none after it probed
                 probed = []
-                _kernels(monkeypatch, xla_runtime, probed, (passing,))
-                xla_runtime.select_attention(8, 2, seq_len, 64, setting)
+                _kernels(monkeypatch, probed, (passing,))
+                choice = xla_runtime.select_attention(8, 2, seq_len, 64, setting)
                 assert probed == pallas[:pallas.index(passing) + 1], (generation, seq_len)
-                choice = xla_runtime.attention_choice
                 assert (choice.kind, choice.seq_len) == (f"pallas-{passing}", seq_len)
                 assert choice.qkv_layout == {"splash": "BHDT", "flash": "BHTD"}[passing]
 
@@ -136,23 +136,21 @@ def test_the_session_probes_the_candidates_in_order_and_keeps_the_first_that_pas
 @pytest.mark.parametrize("setting", ATTENTION_SETTINGS)
 def test_the_step_tracer_traces_the_first_candidate(monkeypatch, setting):
     import shared.train.step_trace as step_trace
-    from shared.train.xla_runtime import XlaRuntime
 
     lowered = []
     monkeypatch.setattr(step_trace, "lower_pallas_for_tpu", lambda: lowered.append(True))
+    monkeypatch.setattr(attention_select, "flash_attention_kernel", lambda mesh: "flash")
+    monkeypatch.setattr(attention_select, "splash_attention_kernel", lambda *args: "splash")
     for generation in GENERATIONS:
         for seq_len in TILED:
             lowered.clear()
             tracer = types.SimpleNamespace(tpu_generation=TPU_GENERATIONS.get(generation or "") or
-                                           types.SimpleNamespace(name=generation),
-                                           _flash_attention_kernel=lambda: "flash",
-                                           _splash_attention_kernel=lambda *args: "splash")
-            tracer._attention_kernel = types.MethodType(XlaRuntime._attention_kernel, tracer)
-            step_trace.TraceRuntime.select_attention(tracer, 8, 2, seq_len, 64, setting)
+                                           types.SimpleNamespace(name=generation), mesh=None)
+            choice = step_trace.TraceRuntime.select_attention(tracer, 8, 2, seq_len, 64, setting)
             first = expected(generation, seq_len, setting)[0]
-            assert tracer.attention_choice.kind == first, (generation, seq_len)
+            assert choice.kind == first, (generation, seq_len)
             assert lowered == ([True] if first != D else [])  # a Pallas kernel is lowered for the TPU
-            assert tracer.attention_choice.kernel == {S: "splash", F: "flash", D: None}[first]
+            assert choice.kernel == {S: "splash", F: "flash", D: None}[first]
 
 
 class _Loop:
@@ -262,14 +260,14 @@ def test_a_session_at_micro_batch_auto_probes_each_kernel_once_at_the_batch_it_t
         return None if name == "flash" else "it differs from SDPA"
 
     monkeypatch.setattr(xla_runtime, "tpu_generation", TPU_GENERATIONS["v5e"])
-    monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", lambda: "flash")
-    monkeypatch.setattr(xla_runtime, "_splash_attention_kernel", lambda *args: "splash")
-    monkeypatch.setattr(xla_runtime, "_probe", probe)
+    monkeypatch.setattr(attention_select, "flash_attention_kernel", lambda mesh: "flash")
+    monkeypatch.setattr(attention_select, "splash_attention_kernel", lambda *args: "splash")
+    monkeypatch.setattr(attention_select.MeshProbes, "probe", lambda self, *args: probe(*args))
     cfg = TrainConfig(preset="gpt2", micro_batch="auto", total_batch_tokens=524288)
     lines = []
-    session = select_attention_and_micro_batch(cfg, xla_runtime, log=lines.append)
+    session, choice = select_attention_and_micro_batch(cfg, xla_runtime, log=lines.append)
     want = {kind: micro_batch_for(cfg, "v5e", kind, 8) for kind in (S, F, D)}
     assert want[S] > want[D]  # the kernels train at micro-batches of their own
     assert probed == [("splash", want[S]), ("flash", want[F])]  # once each, at its own
-    assert (xla_runtime.attention, session.micro_batch) == (F, want[F])
+    assert (choice.kind, session.micro_batch) == (F, want[F])
     assert lines == [f"micro-batch auto: {want[F]} ({want[F] // 8} a device; TPU v5e, pallas-flash attention)"]

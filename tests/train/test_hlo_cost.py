@@ -175,7 +175,7 @@ def test_the_compilers_own_total_decides_the_fit_and_the_summed_buffers_only_whe
     The compiler's peak decides where it gives one, else its report's total; the sum only where neither is there."""
     import json
 
-    from scripts.tpu_compile import analyse, report_lines
+    from scripts.tpu_compile_step import analyse, report_lines
     from shared.config import TrainConfig
 
     (tmp_path / "step.json").write_text(json.dumps({
@@ -235,7 +235,7 @@ def test_the_report_gives_the_ceiling_both_ways_with_the_kernels_slower_by_the_h
     """tiny's head dim 32: a quarter of v5e's 128-wide MXU, an eighth of v6e's 256-wide one."""
     import json
 
-    from scripts.tpu_compile import analyse, report_lines
+    from scripts.tpu_compile_step import analyse, report_lines
     from shared.config import TrainConfig
 
     (tmp_path / "step.json").write_text(json.dumps({

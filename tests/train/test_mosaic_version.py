@@ -10,6 +10,7 @@ import subprocess
 import pytest
 from helpers import REPO
 
+import shared.train.attention_select as attention_select
 from shared.tpu import TPU_GENERATIONS
 from shared.train.attention_probe import sdpa_causal
 
@@ -88,9 +89,8 @@ def test_the_version_libtpu_reads_is_pinned_before_the_first_kernel_is_lowered(x
         return sdpa_causal(q, k, v)
 
     monkeypatch.setattr(xla_runtime, "tpu_generation", TPU_GENERATIONS["v5e"])
-    monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", lambda: kaggle_flash)
-    xla_runtime.select_attention(*FLASH_SHAPE, "flash")
-    assert xla_runtime.attention == "pallas-flash"
+    monkeypatch.setattr(attention_select, "flash_attention_kernel", lambda mesh: kaggle_flash)
+    assert xla_runtime.select_attention(*FLASH_SHAPE, "flash").kind == "pallas-flash"
     assert lowered[0] == 4 and set(lowered) == {4}  # the first lowering already at 4: the pin came before it
     assert capsys.readouterr().out.splitlines() == [
         f"Pallas kernels are lowered at Mosaic version 4: this libtpu ({tmp_path / 'libtpu.so'}) was built on "

@@ -1,7 +1,7 @@
-"""The attention kernels' probes as a session runs them (shared/train/attention_probe.py, XlaRuntime._probe):
-one budget for all of them, a probe that hangs stopping the session (and its exit not waiting for the device), the
-forward without gradients probed too, the Mosaic re-pin lowering the kernel afresh, and the versions a session
-logs against those --plan compiled with."""
+"""The attention kernels' probes as a session runs them (shared/train/attention_probe.py, and
+shared/train/attention_select.py `MeshProbes`): one budget for all of them, a probe that hangs stopping the session
+(and its exit not waiting for the device), the forward without gradients probed too, the Mosaic re-pin lowering
+the kernel afresh, and the versions a session logs against those --plan compiled with."""
 
 import subprocess
 import sys
@@ -10,6 +10,7 @@ import threading
 import pytest
 import torch
 
+import shared.train.attention_select as attention_select
 from shared.tpu import TPU_GENERATIONS
 from shared.train.attention_probe import sdpa_causal
 
@@ -76,8 +77,9 @@ def test_a_repin_after_libtpu_refuses_the_version_lowers_the_kernel_afresh(xla_r
                                f"expected <= 4 but got {payloads[-1]}")
         return sdpa_causal(q, k, v)
 
-    xla_runtime._start_probing(["flash"])
-    assert xla_runtime._probe("flash", kaggle_flash, SHAPE, "using SDPA") is None
+    probes = attention_select.MeshProbes(xla_runtime)
+    probes.start(["flash"])
+    assert probes.probe("flash", kaggle_flash, SHAPE, "using SDPA") is None
     assert payloads[0] == 7 and payloads[1:] and set(payloads[1:]) == {4}  # each call after the pin lowered anew
     from shared.train.runtime import runtime_versions
 
@@ -114,7 +116,6 @@ def hanging_kernel(released: threading.Event, calls: list):
 def test_a_probe_that_hangs_costs_at_most_the_budget_and_stops_the_session_before_training(
         xla_runtime, monkeypatch, capsys):
     import shared.train.attention_probe as attention_probe
-    import shared.train.xla_runtime as runtime_module
     from shared.train.attention_probe import ProbeHung
 
     monkeypatch.setattr(attention_probe, "PROBE_BUDGET_S", 0.5)
@@ -122,11 +123,11 @@ def test_a_probe_that_hangs_costs_at_most_the_budget_and_stops_the_session_befor
     limits, calls, guards = [], [], []
     within = attention_probe.within
     monkeypatch.setattr(attention_probe, "within", lambda seconds, fn: limits.append(seconds) or within(seconds, fn))
-    monkeypatch.setattr(runtime_module, "end_at_exit_without_device_wait", lambda: guards.append(1))
+    monkeypatch.setattr(attention_select, "end_at_exit_without_device_wait", lambda: guards.append(1))
     released = threading.Event()
     monkeypatch.setattr(xla_runtime, "tpu_generation", TPU_GENERATIONS["v5e"])
-    monkeypatch.setattr(xla_runtime, "_splash_attention_kernel", lambda *args: hanging_kernel(released, calls))
-    monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", lambda: calls.append("flash") or sdpa_causal)
+    monkeypatch.setattr(attention_select, "splash_attention_kernel", lambda *args: hanging_kernel(released, calls))
+    monkeypatch.setattr(attention_select, "flash_attention_kernel", lambda mesh: calls.append("flash") or sdpa_causal)
     try:
         with pytest.raises(ProbeHung) as stopped:
             xla_runtime.select_attention(*SHAPE)
@@ -143,7 +144,6 @@ def test_a_probe_that_hangs_costs_at_most_the_budget_and_stops_the_session_befor
     # One probe, given the whole budget; flash's kernel was made (its jax import comes first) but never probed.
     assert len(limits) == 2 and all(0 < limit <= 0.5 for limit in limits)
     assert calls == ["flash", "splash"] * 2 and guards == [1]
-    assert (xla_runtime.attention, xla_runtime.attention_choice.kernel) == ("sdpa", None)
     assert capsys.readouterr().out == "probing attention kernels: splash, then flash, at most 0.5 s in all\n" * 2
 
 
@@ -152,11 +152,10 @@ def test_a_spent_budget_skips_the_later_probes_with_a_notice_and_keeps_sdpa(xla_
     # with less than a minute left, and SDPA trains.
     import functools
 
-    import shared.train.xla_runtime as runtime_module
     from shared.train.attention_probe import ProbeBudget
 
     now = [0.0]
-    monkeypatch.setattr(runtime_module, "ProbeBudget", functools.partial(ProbeBudget, clock=lambda: now[0]))
+    monkeypatch.setattr(attention_select, "ProbeBudget", functools.partial(ProbeBudget, clock=lambda: now[0]))
     probed = []
 
     def slow_and_wrong(q, k, v):
@@ -166,11 +165,11 @@ def test_a_spent_budget_skips_the_later_probes_with_a_notice_and_keeps_sdpa(xla_
         return sdpa_causal(q, k, v) + 0.5 * (v - v.detach())  # dv off by half
 
     monkeypatch.setattr(xla_runtime, "tpu_generation", TPU_GENERATIONS["v5e"])
-    monkeypatch.setattr(xla_runtime, "_splash_attention_kernel", lambda *args: slow_and_wrong)
+    monkeypatch.setattr(attention_select, "splash_attention_kernel", lambda *args: slow_and_wrong)
     flash = lambda q, k, v: probed.append("flash") or sdpa_causal(q, k, v)  # noqa: E731
-    monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", lambda: flash)
-    xla_runtime.select_attention(*SHAPE)
-    assert xla_runtime.attention == "sdpa" and set(probed) == {"splash"}
+    monkeypatch.setattr(attention_select, "flash_attention_kernel", lambda mesh: flash)
+    choice = xla_runtime.select_attention(*SHAPE)
+    assert choice.kind == "sdpa" and set(probed) == {"splash"}
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "probing attention kernels: splash, then flash, at most 15 minutes in all"
     assert lines[1].startswith("notice: the Pallas splash-attention kernel failed its probe") and lines[1].endswith(
@@ -277,10 +276,11 @@ def test_each_probes_result_and_micro_batch_go_into_the_sessions_facts_for_the_c
         return sdpa_causal(q, k, v) + 0.5 * (v - v.detach())
 
     monkeypatch.setattr(xla_runtime, "tpu_generation", TPU_GENERATIONS["v5e"])
-    monkeypatch.setattr(xla_runtime, "_splash_attention_kernel", lambda *args: wrong_dv)
-    monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", lambda: sdpa_causal)
-    xla_runtime.select_attention(*SHAPE, batch_for={"pallas-splash": 16, "pallas-flash": 8, "sdpa": 8}.__getitem__)
-    assert xla_runtime.attention == "pallas-flash"
+    monkeypatch.setattr(attention_select, "splash_attention_kernel", lambda *args: wrong_dv)
+    monkeypatch.setattr(attention_select, "flash_attention_kernel", lambda mesh: sdpa_causal)
+    choice = xla_runtime.select_attention(*SHAPE,
+                                          batch_for={"pallas-splash": 16, "pallas-flash": 8, "sdpa": 8}.__getitem__)
+    assert choice.kind == "pallas-flash"
     probes = json.loads((tmp_path / "working" / FACTS_FILE).read_text())["attention_probes"]
     assert probes["flash"] == {"micro_batch": 8, "result": "passed"}
     assert (probes["splash"]["micro_batch"], probes["splash"]["result"]) == (16, "failed")

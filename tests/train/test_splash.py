@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+import shared.train.attention_select as attention_select
 from shared.tpu import TPU_GENERATIONS
 from shared.train.attention import splash_fits
 from shared.train.attention_probe import probe_attention_kernel, sdpa_causal
@@ -96,11 +97,11 @@ def test_a_session_tries_splash_then_flash_then_sdpa_keeping_the_first_that_pass
         xla_runtime, monkeypatch, capsys, splash_kernel, flash_kernel, attention, notice):
     kernels = {"right": sdpa_causal, "wrong": wrong_dv, None: None}
     monkeypatch.setattr(xla_runtime, "tpu_generation", TPU_GENERATIONS["v5e"])
-    monkeypatch.setattr(xla_runtime, "_splash_attention_kernel", lambda instead: kernels[splash_kernel])
-    monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", lambda: kernels[flash_kernel])
-    xla_runtime.select_attention(*SHAPE)
-    assert xla_runtime.attention == attention
-    assert xla_runtime.attention_choice.kernel is (None if attention == "sdpa" else sdpa_causal)
+    monkeypatch.setattr(attention_select, "splash_attention_kernel", lambda mesh, instead: kernels[splash_kernel])
+    monkeypatch.setattr(attention_select, "flash_attention_kernel", lambda mesh: kernels[flash_kernel])
+    choice = xla_runtime.select_attention(*SHAPE)
+    assert choice.kind == attention
+    assert choice.kernel is (None if attention == "sdpa" else sdpa_causal)
     out = capsys.readouterr().out
     if flash_kernel:  # first the line that says which kernels are probed, and in what time
         start, out = out.split("\n", 1)
@@ -120,8 +121,8 @@ def test_on_a_host_whose_kernels_cannot_run_both_probes_fail_in_a_line_each_and_
     # The real kernels, lowered for a TPU, on the CPU devices: Mosaic cannot run them, as a TPU whose jax and
     # libtpu disagree could not. Each probe says so in one line, and the session goes on with SDPA.
     monkeypatch.setattr(xla_runtime, "tpu_generation", TPU_GENERATIONS["v6e"])
-    xla_runtime.select_attention(*SHAPE)
-    assert (xla_runtime.attention, xla_runtime.attention_choice.kernel) == ("sdpa", None)
+    choice = xla_runtime.select_attention(*SHAPE)
+    assert (choice.kind, choice.kernel) == ("sdpa", None)
     lines = capsys.readouterr().out.splitlines()[1:]  # after the line that starts the probing
     assert [line.split(" failed its probe")[0] for line in lines] == [
         "notice: the Pallas splash-attention kernel", "notice: the Pallas flash-attention kernel"]
@@ -193,11 +194,10 @@ def test_the_kernel_runs_only_at_the_length_its_probe_passed_and_sdpa_takes_the_
         return sdpa_causal(q, k, v)
 
     monkeypatch.setattr(xla_runtime, "tpu_generation", TPU_GENERATIONS["v5e"])
-    monkeypatch.setattr(xla_runtime, "_splash_attention_kernel", lambda instead: recording)
-    monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", lambda: sdpa_causal)
-    xla_runtime.select_attention(*SHAPE)
-    assert xla_runtime.attention == "pallas-splash" and calls == [256] * 2  # its probe: with gradients, without
-    chosen = xla_runtime.attention_choice
+    monkeypatch.setattr(attention_select, "splash_attention_kernel", lambda mesh, instead: recording)
+    monkeypatch.setattr(attention_select, "flash_attention_kernel", lambda mesh: sdpa_causal)
+    chosen = xla_runtime.select_attention(*SHAPE)
+    assert chosen.kind == "pallas-splash" and calls == [256] * 2  # its probe: with gradients, without
     q, k, v = (torch.randn(2, 2, 192, 64) for _ in range(3))
     out = model.causal_attention(q, k, v, chosen)
     assert calls == [256] * 2
@@ -208,14 +208,11 @@ def test_the_kernel_runs_only_at_the_length_its_probe_passed_and_sdpa_takes_the_
 
 
 def test_a_torchax_or_jax_that_breaks_on_import_is_a_notice_and_flash_is_tried(xla_runtime, monkeypatch, capsys):
-    import shared.train.xla_runtime as runtime_module
-
     def broken(timeout_s, fn):
         raise AttributeError("module 'jax.experimental' has no attribute 'shard_map'")
 
-    monkeypatch.setattr(xla_runtime, "tpu_generation", TPU_GENERATIONS["v5e"])
-    monkeypatch.setattr(runtime_module, "within", broken)
-    assert xla_runtime._splash_attention_kernel() is None
+    monkeypatch.setattr(attention_select, "within", broken)
+    assert attention_select.splash_attention_kernel(xla_runtime.mesh) is None
     assert capsys.readouterr().out == (
         "notice: importing jax's splash attention gave AttributeError: module 'jax.experimental' has no attribute "
         "'shard_map'; trying the flash-attention kernel\n")
@@ -229,20 +226,15 @@ def test_training_with_splash_compiles_nothing_after_step_two_and_follows_sdpas_
     from helpers import small_config, train_in_process
 
     from shared.train.attention import SPLASH, kernel_choice
+    from shared.train.device import make_runtime
     from shared.train.metrics import read_metrics
-    from shared.train.xla_runtime import XlaRuntime
 
-    def install_splash(self, batch, n_head, seq_len, head_dim, setting="auto", batch_for=None):
-        self.attention_choice = kernel_choice(SPLASH, splash_attention(self.mesh, interpret=True), seq_len)
-
+    splash = kernel_choice(SPLASH, splash_attention(make_runtime("xla").mesh, interpret=True), 128)
     losses = {}
     for attention in ("splash", "sdpa"):
         out = tmp_path / attention
         cfg = small_config(demo_data, out, seq_len=128, micro_batch=8, total_batch_tokens=2048, total_steps=5)
-        with monkeypatch.context() as patch:
-            if attention == "splash":
-                patch.setattr(XlaRuntime, "select_attention", install_splash)
-            result, _ = train_in_process(cfg)
+        result, _ = train_in_process(cfg, attention=splash if attention == "splash" else None)
         assert result.step == 5
         records = {r["step"]: r for r in read_metrics(out / "metrics.jsonl") if "loss" in r}
         assert records[5]["compiles"] == records[2]["compiles"], attention

@@ -89,9 +89,9 @@ def test_parse_tpu_generation(text, expected):
 
 
 class FakeRuntime:
-    def __init__(self, generation=None, attention="sdpa", name="xla"):
+    def __init__(self, generation=None, name="xla"):
         self.tpu_generation = TPU_GENERATIONS.get(generation or "")
-        self.attention, self.name = attention, name
+        self.name = name
 
 
 def one_micro_step(preset: str) -> dict:
@@ -109,21 +109,22 @@ def one_micro_step(preset: str) -> dict:
     ("gpt2-xl", None, "sdpa", False, False),  # XLA's CPU devices (no TPU): auto leaves both off
 ])
 def test_auto_step_plan_per_preset_and_tpu(preset, generation, attention, checkpointing, scan):
-    runtime = FakeRuntime(generation, attention)
-    single = plan_step(TrainConfig(preset=preset, **one_micro_step(preset)), runtime, scan_available=True)
+    runtime = FakeRuntime(generation)
+    single = plan_step(TrainConfig(preset=preset, **one_micro_step(preset)), runtime, attention, scan_available=True)
     assert (single.activation_checkpointing, single.scan_layers, single.accum_loop) == (checkpointing, scan, False)
     # With accumulation the step is one graph (the XLA loop), and the scan, wrong inside that loop, stays off.
-    accumulating = plan_step(TrainConfig(preset=preset), runtime, scan_available=True)
+    accumulating = plan_step(TrainConfig(preset=preset), runtime, attention, scan_available=True)
     assert TrainConfig(preset=preset).grad_accum_steps > 1
     assert (accumulating.activation_checkpointing, accumulating.scan_layers, accumulating.accum_loop) == (
         checkpointing, False, True)
-    no_loop = plan_step(TrainConfig(preset=preset, grad_accum_loop=False), runtime, scan_available=True)
+    no_loop = plan_step(TrainConfig(preset=preset, grad_accum_loop=False), runtime, attention, scan_available=True)
     assert (no_loop.scan_layers, no_loop.accum_loop) == (scan, False)
     # Without jax/torchax the scan is never chosen; explicit settings win over auto.
-    without_jax = plan_step(TrainConfig(preset=preset, **one_micro_step(preset)), runtime, scan_available=False)
+    without_jax = plan_step(TrainConfig(preset=preset, **one_micro_step(preset)), runtime, attention,
+                            scan_available=False)
     assert not without_jax.scan_layers
     forced = plan_step(TrainConfig(preset=preset, activation_checkpointing="on", scan_layers="off",
-                                   grad_accum_loop=False), runtime, scan_available=True)
+                                   grad_accum_loop=False), runtime, attention, scan_available=True)
     assert (forced.activation_checkpointing, forced.scan_layers, forced.accum_loop) == (True, False, False)
 
 
@@ -264,7 +265,7 @@ def test_an_import_of_jax_that_hangs_leaves_sdpa_with_one_line(xla_runtime, monk
     import sys
     import threading
 
-    import shared.train.xla_runtime as runtime_module
+    import shared.train.attention_select as attention_select
 
     released = threading.Event()
 
@@ -277,10 +278,9 @@ def test_an_import_of_jax_that_hangs_leaves_sdpa_with_one_line(xla_runtime, monk
 
     monkeypatch.delitem(sys.modules, "jax", raising=False)
     monkeypatch.setattr(sys, "meta_path", [HangingJax(), *sys.meta_path])
-    monkeypatch.setattr(runtime_module, "PROBE_TIMEOUT_S", 0.5)
-    monkeypatch.setattr(xla_runtime, "tpu_generation", TPU_GENERATIONS["v5e"])
+    monkeypatch.setattr(attention_select, "PROBE_TIMEOUT_S", 0.5)
     try:
-        assert xla_runtime._flash_attention_kernel() is None
+        assert attention_select.flash_attention_kernel(xla_runtime.mesh) is None
     finally:
         released.set()
     assert capsys.readouterr().out == ("notice: importing jax for the Pallas flash-attention kernel gave no answer "
@@ -288,10 +288,12 @@ def test_an_import_of_jax_that_hangs_leaves_sdpa_with_one_line(xla_runtime, monk
 
 
 def test_the_runtime_keeps_sdpa_with_a_notice_when_the_kernel_is_wrong(flash_host, monkeypatch, capsys):
+    import shared.train.attention_select as attention_select
+
     xla_runtime = flash_host
-    monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", lambda: wrong_dk_kernel(1.5))
-    xla_runtime.select_attention(*FLASH_SHAPE, "flash")
-    assert (xla_runtime.attention, xla_runtime.attention_choice.kernel) == ("sdpa", None)
+    monkeypatch.setattr(attention_select, "flash_attention_kernel", lambda mesh: wrong_dk_kernel(1.5))
+    choice = xla_runtime.select_attention(*FLASH_SHAPE, "flash")
+    assert (choice.kind, choice.kernel) == ("sdpa", None)
     start, out = capsys.readouterr().out.split("\n", 1)
     assert start == "probing attention kernels: flash, at most 15 minutes in all"
     assert out.count("\n") == 1 and out.startswith(
@@ -299,22 +301,23 @@ def test_the_runtime_keeps_sdpa_with_a_notice_when_the_kernel_is_wrong(flash_hos
         "heads x 128 tokens x 16 per device): it differs from SDPA: dk by 0.5")
     assert out.endswith("; using SDPA\n")
     # Where the kernel agrees it is installed; a later session's probe that fails puts SDPA back.
-    monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", lambda: manual_attention)
-    xla_runtime.select_attention(*FLASH_SHAPE, "flash")
-    assert (xla_runtime.attention, xla_runtime.attention_choice.kernel) == ("pallas-flash", manual_attention)
-    monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", lambda: wrong_dk_kernel(1.5))
-    xla_runtime.select_attention(*FLASH_SHAPE, "flash")
-    assert (xla_runtime.attention, xla_runtime.attention_choice.kernel) == ("sdpa", None)
+    monkeypatch.setattr(attention_select, "flash_attention_kernel", lambda mesh: manual_attention)
+    choice = xla_runtime.select_attention(*FLASH_SHAPE, "flash")
+    assert (choice.kind, choice.kernel) == ("pallas-flash", manual_attention)
+    monkeypatch.setattr(attention_select, "flash_attention_kernel", lambda mesh: wrong_dk_kernel(1.5))
+    choice = xla_runtime.select_attention(*FLASH_SHAPE, "flash")
+    assert (choice.kind, choice.kernel) == ("sdpa", None)
 
 
 def test_the_trainer_probes_the_kernel_at_its_own_shapes_sharded_per_device(flash_host, monkeypatch, tmp_path):
     import numpy as np
     import torch_xla
 
+    import shared.train.attention_select as attention_select
+    import shared.train.trainer as trainer
     from shared.data import write_shard
     from shared.train.attention_probe import sdpa_causal
     from shared.train.trainer import train
-    from shared.train.xla_runtime import XlaRuntime
 
     calls = []
 
@@ -325,14 +328,14 @@ def test_the_trainer_probes_the_kernel_at_its_own_shapes_sharded_per_device(flas
     class Probed(Exception):
         pass
 
-    select_attention = XlaRuntime.select_attention
+    select = trainer.select_attention_and_micro_batch
 
-    def select_then_stop(self, *shapes, **settings):
-        select_attention(self, *shapes, **settings)
-        raise Probed(self.attention)  # the probe is what this test is about: no training step
+    def select_then_stop(*args, **kwargs):
+        _, attention = select(*args, **kwargs)
+        raise Probed(attention.kind)  # the probe is what this test is about: no training step
 
-    monkeypatch.setattr(flash_host, "_flash_attention_kernel", lambda: recording_kernel)
-    monkeypatch.setattr(XlaRuntime, "select_attention", select_then_stop)
+    monkeypatch.setattr(attention_select, "flash_attention_kernel", lambda mesh: recording_kernel)
+    monkeypatch.setattr(trainer, "select_attention_and_micro_batch", select_then_stop)
     write_shard(tmp_path / "t_train_000000.bin", np.arange(20_000) % 1000)
     cfg = TrainConfig(preset="tiny", data_dir=str(tmp_path), out_dir=str(tmp_path / "out"), seq_len=128,
                       micro_batch=16, total_batch_tokens=16 * 128, eval_every=0, progress=False, wandb_project="",
@@ -414,7 +417,7 @@ def test_micro_batch_auto_with_default_settings_matches_the_docs_table(generatio
     assert got == expected
     for preset, size in zip(("gpt2-medium", "gpt2-large"), expected[1:], strict=True):
         cfg = TrainConfig(preset=preset)
-        step = plan_step(cfg, FakeRuntime(generation, attention), scan_available=False)
+        step = plan_step(cfg, FakeRuntime(generation), attention, scan_available=False)
         # 512 sequences a step: every power of two up to it divides them, so nothing is lowered
         assert auto_micro_batch(generation, attention, cfg.model, 1024, 8, step.activation_checkpointing) == size
 
@@ -426,15 +429,17 @@ class _ProbedRuntime:
         from shared.tpu import TPU_GENERATIONS
 
         self.tpu_generation = TPU_GENERATIONS.get(generation or "")
-        self.num_devices, self.flash_up_to, self.attention, self.probed = num_devices, flash_up_to, "sdpa", []
+        self.num_devices, self.flash_up_to, self.probed = num_devices, flash_up_to, []
 
     def select_attention(self, batch: int, n_head: int, seq_len: int, head_dim: int, setting: str = "auto",
-                         batch_for=None) -> None:
+                         batch_for=None):
         # As XlaRuntime's: the Pallas kernel probed once, at the micro-batch it would train at (`batch_for`).
+        from shared.train.attention import AttentionChoice
+
         flash = self.tpu_generation is not None and self.tpu_generation.pallas_flash_attention
         at = batch_for("pallas-flash") if flash and batch_for else batch
         self.probed.append(at)
-        self.attention = "pallas-flash" if flash and at <= self.flash_up_to else "sdpa"
+        return AttentionChoice("pallas-flash" if flash and at <= self.flash_up_to else "sdpa")
 
 
 @pytest.mark.parametrize("preset, generation, flash_up_to, probed, chosen, attention", [
@@ -451,12 +456,13 @@ def test_micro_batch_auto_follows_the_attention_kernel_that_passed(preset, gener
 
     runtime = _ProbedRuntime(generation, flash_up_to)
     lines = []
-    cfg = select_attention_and_micro_batch(TrainConfig(preset=preset, micro_batch="auto"), runtime, lines.append)
-    assert (runtime.probed, cfg.micro_batch, runtime.attention) == (probed, chosen, attention)
+    cfg, choice = select_attention_and_micro_batch(TrainConfig(preset=preset, micro_batch="auto"), runtime,
+                                                   lines.append)
+    assert (runtime.probed, cfg.micro_batch, choice.kind) == (probed, chosen, attention)
     assert cfg.grad_accum_steps == 512 // chosen
     assert lines == [f"micro-batch auto: {chosen} ({chosen // 8} a device; TPU {generation or 'none'}, {attention} "
                      "attention)"]
-    fixed = select_attention_and_micro_batch(TrainConfig(preset="gpt2", micro_batch=32), runtime, lines.append)
+    fixed, _ = select_attention_and_micro_batch(TrainConfig(preset="gpt2", micro_batch=32), runtime, lines.append)
     assert fixed.micro_batch == 32 and runtime.probed[-1] == 32 and len(lines) == 1
 
 
@@ -479,10 +485,12 @@ def test_a_kernel_libtpu_refuses_for_its_mosaic_version_is_lowered_at_the_versio
                                f"INTERNAL: Unsupported version: expected <= 4 but got {calls[-1]}\n(stack)")
         return sdpa_causal(q, k, v)
 
+    import shared.train.attention_select as attention_select
+
     xla_runtime = flash_host
-    monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", lambda: kaggle_flash)
-    xla_runtime.select_attention(*FLASH_SHAPE, "flash")
-    assert (xla_runtime.attention, xla_runtime.attention_choice.kernel) == ("pallas-flash", kaggle_flash)
+    monkeypatch.setattr(attention_select, "flash_attention_kernel", lambda mesh: kaggle_flash)
+    choice = xla_runtime.select_attention(*FLASH_SHAPE, "flash")
+    assert (choice.kind, choice.kernel) == ("pallas-flash", kaggle_flash)
     assert calls[0] == 7 and set(calls[1:]) == {4}  # refused once, then probed (forward and backward) at 4
     assert capsys.readouterr().out == (
         "probing attention kernels: flash, at most 15 minutes in all\n"
@@ -499,10 +507,12 @@ def test_a_kernel_that_fails_at_the_pinned_version_too_leaves_sdpa_with_libtpus_
     def refused(q, k, v):
         raise RuntimeError("INTERNAL: Unsupported version: expected <= 3 but got 8")
 
+    import shared.train.attention_select as attention_select
+
     xla_runtime = flash_host
-    monkeypatch.setattr(xla_runtime, "_flash_attention_kernel", lambda: refused)
-    xla_runtime.select_attention(*FLASH_SHAPE, "flash")
-    assert xla_runtime.attention == "sdpa" and tpu_custom_call.get_ir_version(None) == 3
+    monkeypatch.setattr(attention_select, "flash_attention_kernel", lambda mesh: refused)
+    choice = xla_runtime.select_attention(*FLASH_SHAPE, "flash")
+    assert choice.kind == "sdpa" and tpu_custom_call.get_ir_version(None) == 3
     lines = capsys.readouterr().out.splitlines()[1:]  # after the line that starts the probing
     assert len(lines) == 2 and lines[1].startswith("notice: the Pallas flash-attention kernel failed its probe")
     assert "RuntimeError: Unsupported version: expected <= 3 but got 8; using SDPA" in lines[1]

@@ -3,7 +3,8 @@ the session's attention selection sees a v5e, and every Pallas kernel's probe ha
 run never comes back on a TPU does: the probe's thread blocks for ever inside the kernel, on the session's own XLA
 devices, and the session's probe budget (3 s here, 15 minutes on Kaggle) runs out. Nothing else in the session is
 changed: the patch goes in when the session imports shared/train/xla_runtime.py (the copy its bootstrap unpacked),
-and the generation is the v5e's only while the kernels are chosen."""
+on it and on shared/train/attention_select.py (which makes the kernels), and the generation is the v5e's only
+while the kernels are chosen."""
 
 import importlib.abc
 import importlib.util
@@ -16,6 +17,7 @@ PROBE_BUDGET_S = 3.0
 
 def _patch(module) -> None:
     import shared.train.attention_probe as attention_probe
+    import shared.train.attention_select as attention_select
     from shared.tpu import TPU_GENERATIONS
 
     attention_probe.PROBE_BUDGET_S, attention_probe.PROBE_FLOOR_S = PROBE_BUDGET_S, 0.0
@@ -25,18 +27,18 @@ def _patch(module) -> None:
     def select_on_a_v5e(self, *args, **kwargs):
         real, self.tpu_generation = self.tpu_generation, TPU_GENERATIONS["v5e"]
         try:
-            select(self, *args, **kwargs)
+            return select(self, *args, **kwargs)
         finally:
             self.tpu_generation = real
 
-    def hanging_kernel(self, kind, instead):
+    def hanging_kernel(mesh, kind, instead):
         def hangs(q, k, v):
             NEVER.wait()
 
         return hangs
 
     runtime.select_attention = select_on_a_v5e
-    runtime._attention_kernel = hanging_kernel
+    attention_select.make_kernel = hanging_kernel
 
 
 class _PatchingLoader(importlib.abc.Loader):

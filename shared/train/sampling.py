@@ -56,16 +56,6 @@ def decode_step(model, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
     return logits.float()
 
 
-def replicated(runtime, tensor: torch.Tensor) -> torch.Tensor:
-    """Under XLA SPMD, have the graph gather `tensor` onto every device: reading a sharded tensor on the host
-    would compile a replication program at every read (batch-sharded results, FSDP-sharded parameters)."""
-    if getattr(runtime, "name", "") == "xla":
-        import torch_xla.distributed.spmd as xs
-
-        xs.mark_sharding(tensor, runtime.mesh, (None,) * tensor.dim())
-    return tensor
-
-
 @dataclass
 class Sample:
     prompt: str
@@ -115,7 +105,7 @@ def generate_tokens(model, runtime, prompt_tokens: list[int], max_new_tokens: in
     for i in range(steps):
         with runtime.autocast(bf16):
             logits = decode_step(model, feed.to(device), cache)
-        values, indices = (replicated(runtime, t) for t in torch.topk(logits, k, dim=-1))  # sorted: 0 = argmax
+        values, indices = (runtime.replicate(t) for t in torch.topk(logits, k, dim=-1))  # sorted: 0 = argmax
         runtime.sync()
         values, indices = values.cpu(), indices.cpu()
         if i + 1 < len(prompt_tokens):  # still reading the prompt

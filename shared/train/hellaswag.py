@@ -26,7 +26,6 @@ import numpy as np
 import torch
 
 from shared.errors import UserError
-from shared.sampling import replicated
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 HUB_DATASET = "Rowan/hellaswag"
@@ -284,7 +283,7 @@ def score(model, runtime, data: Encoded, batch_rows: int = 64, bf16: bool = True
             # XLA: the batch sharded over the mesh. Elsewhere (DDP included) each process scores every row.
             rows = (runtime.batch_to_device(chunk) if getattr(runtime, "name", "") == "xla"
                     else torch.from_numpy(chunk).to(runtime.device))
-            out = replicated(runtime, _row_logprobs(model, rows))
+            out = runtime.replicate(_row_logprobs(model, rows))
         runtime.sync()
         take = min(batch_rows, n_rows - start)
         sums[start:start + take] = out.cpu().numpy()[:take]
