@@ -22,6 +22,7 @@ from pathlib import Path
 
 from shared.checkpoint_names import STABLE_DIR, checkpoint_name
 from shared.errors import UserError, describe_error, duration_text, within
+from shared.kaggle.calls import kaggle_call
 from shared.kaggle.checkpoint_files import checkpoint_step, decode_name, manifest_step
 from shared.kaggle.credential import (
     CANNOT_PUBLISH,
@@ -231,7 +232,8 @@ def _fetch_expected(ckpt: dict, folder: Path | None, input_step: int | None, pat
     log(f"notice: {stale} ({which}); fetching version {version} with kagglehub, for at most "
         f"{duration_text(cap)}{until}")
     try:
-        fetched = fetch_dataset_version(dataset, version, paths.temp / f"gpt2k-fetch-v{version}", timeout_s=cap)
+        fetched = fetch_dataset_version(dataset, version, paths.temp / f"gpt2k-fetch-v{version}", timeout_s=cap,
+                                        log=log)
     except UserError as err:
         raise UserError(f"{stale}, and version {version} could not be fetched ({err}{until}); not starting over"
                         ) from None
@@ -243,13 +245,15 @@ def _fetch_expected(ckpt: dict, folder: Path | None, input_step: int | None, pat
     return fetched, step
 
 
-def fetch_dataset_version(dataset: str, version: int, dest: Path, timeout_s: float | None = None) -> Path:
+def fetch_dataset_version(dataset: str, version: int, dest: Path, timeout_s: float | None = None,
+                          log=print) -> Path:
     """Version `version` of `dataset` (owner/slug) downloaded over HTTP into `dest`, through kagglehub (in Kaggle's
     images) with its Kaggle-cache resolver off (DISABLE_KAGGLE_CACHE: kagglehub 1.0.3 kaggle_cache_resolver.py
     L104-112, config.py L28, L124). In a notebook that resolver would attach the version as a new datasource
     (AttachDatasourceUsingJwt), which third-party reports say batch sessions cannot do; the download needs only the
     credential in use (the notebook's token, else the attached key). Errors are one line, with no secret in it;
-    one that has run `timeout_s` (default FETCH_TIMEOUT_S) stops as "no answer within ..."."""
+    one that has run `timeout_s` (default FETCH_TIMEOUT_S) stops as "no answer within ...". A transient fault (a
+    5xx, a 429, a reset) is tried again within that time (shared/kaggle/calls.py), a notice line each."""
     try:
         secrets_to_env()
     except UserError:
@@ -263,7 +267,8 @@ def fetch_dataset_version(dataset: str, version: int, dest: Path, timeout_s: flo
     previous = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     try:
-        return Path(within(timeout_s or FETCH_TIMEOUT_S, download))
+        return Path(within(timeout_s or FETCH_TIMEOUT_S,
+                           lambda: kaggle_call(download, f"fetching version {version} of {dataset}", log)))
     except UserError:
         raise
     except Exception as err:  # kagglehub's and requests' own types; masked, one line

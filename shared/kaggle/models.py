@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 from shared.errors import UserError, within
+from shared.kaggle.calls import kaggle_call
 from shared.kaggle.credential import candidates, kaggle_api, use_credential
 
 # The upload's limit: the kaggle client sets no timeout of its own, and a hung upload would hold the eval session
@@ -37,8 +38,11 @@ def _upload(folder: Path, handle: str, notes: str, log) -> None:
     if available:
         use_credential(available[0])
     api = kaggle_api(from_secrets=not available)  # with none, a UserError names what is missing
+    # Each call tried again after a transient fault (a 5xx, a 429, a reset: shared/kaggle/calls.py), so that one
+    # is never read as "the model does not exist yet".
     try:
-        api.model_instance_version_create(handle, str(folder), version_notes=notes, quiet=True)
+        kaggle_call(lambda: api.model_instance_version_create(handle, str(folder), version_notes=notes, quiet=True),
+                    f"uploading a version of Kaggle Model {handle}", log)
         log(f"uploaded {folder} as a new version of Kaggle Model {handle}")
         return
     except Exception as err:
@@ -49,7 +53,7 @@ def _upload(folder: Path, handle: str, notes: str, log) -> None:
                 "ownerSlug": owner, "slug": model_slug, "title": model_slug, "isPrivate": True,
                 "description": "GPT-2 pretrained with gpt2-on-kaggle"}))
             try:
-                api.model_create_new(tmp)
+                kaggle_call(lambda: api.model_create_new(tmp), f"creating Kaggle Model {owner}/{model_slug}", log)
             except Exception:
                 pass  # it exists already
         staging = Path(tempfile.mkdtemp())
@@ -59,7 +63,8 @@ def _upload(folder: Path, handle: str, notes: str, log) -> None:
         (staging / "model-instance-metadata.json").write_text(json.dumps({
             "ownerSlug": owner, "modelSlug": model_slug, "instanceSlug": variation, "framework": framework,
             "licenseName": "Apache 2.0", "overview": notes}))
-        api.model_instance_create(str(staging), quiet=True)
+        kaggle_call(lambda: api.model_instance_create(str(staging), quiet=True),
+                    f"creating Kaggle Model instance {handle}", log)
         shutil.rmtree(staging, ignore_errors=True)
         log(f"created Kaggle Model {handle} from {folder}")
     except Exception as err:

@@ -532,6 +532,70 @@ def test_a_kaggle_model_upload_that_never_answers_is_one_line_and_the_eval_goes_
                               "the evaluation goes on")
 
 
+class HttpFault(Exception):
+    """A reply with an HTTP status, as requests' HTTPError carries it (`response.status_code`)."""
+
+    def __init__(self, status: int):
+        super().__init__(f"HTTP {status}")
+        self.response = type("Reply", (), {"status_code": status, "headers": {}})()
+
+
+def test_a_kaggle_model_upload_tries_a_5xx_again_and_never_reads_it_as_a_missing_model(session, monkeypatch):
+    from shared.kaggle import calls, models
+
+    answers, made = [HttpFault(503), HttpFault(502)], []
+
+    class FlakyApi:
+        def model_instance_version_create(self, handle, folder, version_notes, quiet):
+            if answers:
+                raise answers.pop(0)
+            made.append(("version", handle, version_notes))
+
+        def model_create_new(self, folder):
+            made.append(("model", folder))
+
+    monkeypatch.setattr(calls, "FIRST_WAIT_S", 0.01)
+    monkeypatch.setattr(models, "candidates", lambda: [])
+    monkeypatch.setattr(models, "kaggle_api", lambda from_secrets: FlakyApi())
+    lines = []
+    models.upload_kaggle_model(session, "alice/gpt2/pyTorch/base", "step 10", log=lines.append)
+    assert made == [("version", "alice/gpt2/pyTorch/base", "step 10")]  # no model created over a passing fault
+    assert [line.split(";")[0] for line in lines[:2]] == [
+        "notice: uploading a version of Kaggle Model alice/gpt2/pyTorch/base failed (HTTP 503)",
+        "notice: uploading a version of Kaggle Model alice/gpt2/pyTorch/base failed (HTTP 502)"]
+    assert lines[2] == f"uploaded {session} as a new version of Kaggle Model alice/gpt2/pyTorch/base"
+
+
+def test_a_checkpoint_fetch_tries_a_5xx_again_within_its_time(monkeypatch, tmp_path):
+    import sys
+    from types import SimpleNamespace
+
+    from shared.kaggle import bootstrap, calls
+
+    answers = [HttpFault(500), ConnectionResetError("reset by peer")]
+
+    def download(handle, output_dir):
+        if answers:
+            raise answers.pop(0)
+        Path(output_dir).mkdir(parents=True)
+        return output_dir
+
+    monkeypatch.setitem(sys.modules, "kagglehub", SimpleNamespace(dataset_download=download))
+    monkeypatch.setattr(calls, "FIRST_WAIT_S", 0.01)
+    lines = []
+    got = bootstrap.fetch_dataset_version("alice/run-checkpoints", 3, tmp_path / "fetch", log=lines.append)
+    assert got == tmp_path / "fetch" and got.is_dir()
+    assert [line.split(";")[0] for line in lines] == [
+        "notice: fetching version 3 of alice/run-checkpoints failed (HTTP 500)",
+        "notice: fetching version 3 of alice/run-checkpoints failed (ConnectionResetError)"]
+    # A fault no try mends is one line at once, with its status.
+    monkeypatch.setitem(sys.modules, "kagglehub", SimpleNamespace(
+        dataset_download=lambda handle, output_dir: (_ for _ in ()).throw(HttpFault(404))))
+    with pytest.raises(UserError):
+        bootstrap.fetch_dataset_version("alice/run-checkpoints", 4, tmp_path / "fetch4", log=lines.append)
+    assert len(lines) == 2
+
+
 # bytes, as the chain bakes them; MBs, so the session's own facts file (the image's packages) leaves room
 DISK_NEEDS = {"rotation": 2_000_000, "midway": 1_000_000, "fetch": 2_000_000, "fetched": 1_000_000}
 
