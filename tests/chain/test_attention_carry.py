@@ -87,6 +87,9 @@ def test_a_chain_carries_a_hung_kernel_forward_to_the_next_session(local_kaggle,
         (None, {"splash": "hung"}, 0), ("flash", {"flash": "hung"}, 0), ("sdpa", None, 2)]
     first, second = (session_log(work / "sessions" / f"train-0{n}") for n in (1, 2))
     assert "probing attention kernels: splash, then flash, at most 3 s in all" in first
-    assert "error: stopping before training: the splash-attention kernel's probe gave no answer within 3 s" in first
+    # The probe had what was left of the 3-s budget when it started: 3 s, or a few ms less on a loaded machine.
+    hung = re.search(r"error: stopping before training: the splash-attention kernel's probe gave no answer within "
+                     r"(\d+(?:\.\d+)?) s", first)
+    assert hung and 2.5 <= float(hung.group(1)) <= 3.0, first[-2000:]
     assert "probing attention kernels: flash, at most 3 s in all" in second
     assert "probing" not in session_log(work / "sessions" / "train-03")
