@@ -79,10 +79,15 @@ class TrainConfig(LoggingSettings, EvalSettings, SessionSettings, StepSettings, 
 
     def __post_init__(self) -> None:
         check_field_types(self)
-        for section in TRAIN_SECTIONS.values():  # each section's own checks (by its class: each is named check)
-            section.check(self)
+        self.check()
         if self.micro_batch != AUTO:
             self.grad_accum_steps  # noqa: B018 - raises unless the batch is a whole number of micro-batches
+
+    def check(self) -> None:
+        """Every section's own checks, each by its class (each section names its `check` alike, so inheritance
+        alone would run only the first base's)."""
+        for section in TRAIN_SECTIONS.values():
+            section.check(self)
 
     def validate(self, num_devices: int = 1) -> None:
         """Every check again (a field may have been set since), then what needs the machine: the micro-batch is

@@ -145,3 +145,13 @@ def test_a_section_built_alone_runs_its_own_checks():
         OptimizerSettings(lr="3e-4")
     with pytest.raises(UserError, match="--extend needs --schedule wsd"):
         ScheduleSettings(extend=True)
+
+
+def test_a_train_configs_check_runs_every_sections_check_not_only_its_first_bases():
+    cfg = TrainConfig()
+    cfg.lr = -1.0  # the optimizer's section; the logging section's check alone would pass it
+    with pytest.raises(UserError):
+        cfg.check()
+    cfg.lr, cfg.warmup_steps = TrainConfig().lr, -1  # the schedule's
+    with pytest.raises(UserError):
+        cfg.check()
