@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from helpers import REPO, error_lines, importable_in
 from kaggle_fixtures import write_kernel
+from test_session_faults import Reply
 
 from shared.errors import UserError, run_cli
 from shared.kaggle import packages
@@ -532,18 +533,10 @@ def test_a_kaggle_model_upload_that_never_answers_is_one_line_and_the_eval_goes_
                               "the evaluation goes on")
 
 
-class HttpFault(Exception):
-    """A reply with an HTTP status, as requests' HTTPError carries it (`response.status_code`)."""
-
-    def __init__(self, status: int):
-        super().__init__(f"HTTP {status}")
-        self.response = type("Reply", (), {"status_code": status, "headers": {}})()
-
-
 def test_a_kaggle_model_upload_tries_a_5xx_again_and_never_reads_it_as_a_missing_model(session, monkeypatch):
     from shared.kaggle import calls, models
 
-    answers, made = [HttpFault(503), HttpFault(502)], []
+    answers, made = [Reply(503), Reply(502)], []
 
     class FlakyApi:
         def model_instance_version_create(self, handle, folder, version_notes, quiet):
@@ -572,7 +565,7 @@ def test_a_checkpoint_fetch_tries_a_5xx_again_within_its_time(monkeypatch, tmp_p
 
     from shared.kaggle import bootstrap, calls
 
-    answers = [HttpFault(500), ConnectionResetError("reset by peer")]
+    answers = [Reply(500), ConnectionResetError("reset by peer")]
 
     def download(handle, output_dir):
         if answers:
@@ -590,7 +583,7 @@ def test_a_checkpoint_fetch_tries_a_5xx_again_within_its_time(monkeypatch, tmp_p
         "notice: fetching version 3 of alice/run-checkpoints failed (ConnectionResetError)"]
     # A fault no try mends is one line at once, with its status.
     monkeypatch.setitem(sys.modules, "kagglehub", SimpleNamespace(
-        dataset_download=lambda handle, output_dir: (_ for _ in ()).throw(HttpFault(404))))
+        dataset_download=lambda handle, output_dir: (_ for _ in ()).throw(Reply(404))))
     with pytest.raises(UserError):
         bootstrap.fetch_dataset_version("alice/run-checkpoints", 4, tmp_path / "fetch4", log=lines.append)
     assert len(lines) == 2
