@@ -100,7 +100,7 @@ def local_demo(args) -> dict:
     def make_chain(chain_cfg, chain_dir: Path) -> Chain:
         chain = Chain(chain_cfg, chain_dir, on_new_notebooks=attach_secrets)
         chain.connect()
-        for ref in chain_cfg.tokenize_section.inputs:
+        for ref in chain_cfg.tokenize.inputs:
             ensure_corpus_dataset(chain, ref, args.demo_chars)
         return chain
 

@@ -40,7 +40,7 @@ class Chain:
         self.ctx = StageContext(cfg, self.client, self.state, self.workdir)
         self.tokenize, self.train, self.eval = TokenizeStage(self.ctx), TrainStage(self.ctx), EvalStage(self.ctx)
         parts = {f"tokenize-part-{n}": functools.partial(self.tokenize.build, n)
-                 for n in range(cfg.tokenize_section.parts)}
+                 for n in range(cfg.tokenize.parts)}
         self.notebooks = NotebooksStage(self.ctx, {"train": self.train.build, "eval": self.eval.build, **parts},
                                         on_new_notebooks)
 
@@ -50,7 +50,7 @@ class Chain:
     def check_inputs(self) -> None:
         """Every input the config names exists, before anything is pushed."""
         cfg, client = self.cfg, self.client
-        for ref in [*cfg.tokenize_section.inputs, *cfg.token_datasets, *cfg.eval_section.inputs]:
+        for ref in [*cfg.tokenize.inputs, *cfg.token_datasets, *cfg.eval.inputs]:
             if not client.dataset_exists(ref):
                 raise UserError(f"dataset {ref} does not exist (or is not visible to {client.user}); check the config")
         for ref in cfg.token_kernels:
@@ -82,7 +82,7 @@ class Chain:
         data["done"] = False
         self.state.save()
         self.ctx.log(f"chain {cfg.name} finished at step {final}; training on to total_steps {cfg.total_steps}"
-                     + (" (train.extend: from where the stable phase ended)" if cfg.train_config.extend else ""))
+                     + (" (train.extend: from where the stable phase ended)" if cfg.train.config.extend else ""))
 
     def run(self) -> dict:
         cfg, data, log = self.cfg, self.state.data, self.ctx.log
@@ -91,7 +91,7 @@ class Chain:
         self.connect()
         log(f"chain {cfg.name}: {cfg.total_steps} steps on {cfg.accelerator or 'CPU'} as {self.client.user}; "
             f"state {self.state.path}")
-        for notice in shape_notices({cfg.accelerator, cfg.eval_section.accelerator, cfg.tokenize_section.accelerator}):
+        for notice in shape_notices({cfg.accelerator, cfg.eval.accelerator, cfg.tokenize.accelerator}):
             log(notice)
         self.check_inputs()
         self.train.check_work_left()

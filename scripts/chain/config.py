@@ -1,32 +1,33 @@
 """The chain's config: one dataclass read from JSON or TOML and checked field by field, so a mistake is a
 one-line error before anything is pushed. It flows one way: the stages read it, and the client gets its slice
-(`ChainConfig.client`). Its train, tokenize and eval sections come as the file gives them (dicts: a kernel is built
-with the settings the user set, not every default) and typed (`train_config`, `tokenize_section`, `eval_section`:
-every default filled, in one place), built from them once."""
+(`ChainConfig.client`). Its train, tokenize and eval sections are typed at load, alike (scripts/chain/sections.py):
+each holds its kernel's settings as the file gives them (a kernel is built with the settings the user set, not every
+default), the same with every default filled, and the stage's own keys. A config changed after load is loaded again
+(`ChainConfig.with_train`), so it is checked like any other."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import re
 from pathlib import Path
 
 from scripts.chain.build import check_settings
-from scripts.chain.limits import (
-    ASSUMED_UPLOAD_BYTES_PER_S,
-    MACHINE_SHAPES,
-    MIDWAY_PUBLISH_MIN_S,
-    OUTPUT_LIMIT_BYTES,
-    SESSION_MAX_S,
-    TPU_STARTUP_MARGIN_S,
+from scripts.chain.checkpoint_room import (
+    check_checkpoint_room,
+    checkpoint_uploads,
+    checkpoints_in_temp,
+    keeps_stable,
+    placed_settings,
+    publish_needs_s,
+    publish_words,
 )
-from scripts.chain.sections import EvalSection, TokenizeSection, section_keys
-from shared.config import NINE_HOURS, TrainConfig
+from scripts.chain.limits import MACHINE_SHAPES, MIDWAY_PUBLISH_MIN_S, SESSION_MAX_S, TPU_STARTUP_MARGIN_S
+from scripts.chain.sections import STAGES, EvalSection, TokenizeSection, TrainSection, section_keys
+from shared.config import NINE_HOURS
 from shared.errors import UserError
 from shared.flags import check_field_types
-from shared.kaggle.publish import TEMP_PUBLISH_VERIFY_S
 from shared.train_sections import flatten_sections
 
 # --smoke's sizes and limits; a config's `smoke` section may change any of them (scripts/chain/smoke.py)
@@ -42,7 +43,7 @@ SMOKE_DEFAULTS = {
     # (scripts/chain/limits.py TPU_STARTUP_S); a train session's deadline leaves it before its train_s
     "startup_margin_s": TPU_STARTUP_MARGIN_S,
     # 0: 60 s + the checkpoint's upload at the assumed rate (+ the 600-s wait for a version of checkpoints kept in
-    # /kaggle/temp), at least 120 s (scripts/chain/config.py publish_needs_s)
+    # /kaggle/temp), at least 120 s (scripts/chain/checkpoint_room.py publish_needs_s)
     "publish_margin_s": 0.0,
     "val_tokens": 1_048_576,  # the eval's subset
     "hellaswag_examples": 200,
@@ -62,10 +63,6 @@ class ClientConfig:
     retry_base_s: float
     poll_initial_s: float
     poll_max_s: float
-
-
-# What ChainConfig builds from its fields once, on first use (functools.cached_property).
-_BUILT = ("train_config", "tokenize_section", "eval_section")
 
 
 @dataclasses.dataclass
@@ -114,14 +111,16 @@ class ChainConfig:
     # Training tokens/s that `--plan` counts sessions with (0: the newest --smoke measurement on this accelerator
     # and preset, else an estimate from the TPU's peak: scripts/chain/plan.py).
     plan_tokens_per_s: float = 0
-    train: dict = dataclasses.field(default_factory=dict)  # TrainConfig settings (model, batch, lr, ...): train_config
-    # parts, settings, inputs, accelerator, hf_token (scripts/chain/sections.py TokenizeSection: tokenize_section)
-    tokenize: dict = dataclasses.field(default_factory=dict)
+    # settings: the train kernel's (model, batch, lr, ...; scripts/chain/sections.py TrainSection). A file may give
+    # them directly as `train` too, the older shape (`_stage_dicts`).
+    train: TrainSection = dataclasses.field(kw_only=True)
+    # parts, settings, inputs, accelerator, hf_token (scripts/chain/sections.py TokenizeSection)
+    tokenize: TokenizeSection = dataclasses.field(kw_only=True)
     token_datasets: list = dataclasses.field(default_factory=list)  # existing datasets of shards (instead/as well)
     token_kernels: list = dataclasses.field(default_factory=list)  # existing kernels whose output holds shards
     # enabled, settings, inputs, accelerator, session_limit_s (the eval session's limit; default session_limit_s):
-    # eval_section
-    eval: dict = dataclasses.field(default_factory=dict)
+    # scripts/chain/sections.py EvalSection
+    eval: EvalSection = dataclasses.field(kw_only=True)
     slugs: dict = dataclasses.field(default_factory=dict)  # tokenize, train, eval, checkpoints
     smoke: dict = dataclasses.field(default_factory=dict)  # --smoke's sizes and limits (scripts/chain/smoke.py)
     # HellaSwag for the train sessions' evals: download, demo, a local jsonl, or "" (none); the chain uploads it as
@@ -135,31 +134,21 @@ class ChainConfig:
     retry_attempts: int = 6
     retry_base_s: float = 5.0
 
-    def __setattr__(self, name: str, value) -> None:
-        """A field set after the sections were built (a test's probe sets `train`) drops them: they are built again
-        from the new values when next read."""
-        object.__setattr__(self, name, value)
-        for built in _BUILT:
-            self.__dict__.pop(built, None)
-
     @property
     def train_settings(self) -> dict:
-        """A train session's settings before the session's own (its data, folders, clock): the config's `train`, as
-        loading placed its checkpoints, and the run's total_steps."""
-        return {**self.train, "total_steps": self.total_steps}
+        """A train session's settings before the session's own (its data, folders, clock): the config's train
+        settings, as loading placed its checkpoints, and the run's total_steps."""
+        return {**self.train.settings, "total_steps": self.total_steps}
 
-    @functools.cached_property
-    def train_config(self) -> TrainConfig:
-        """`train_settings` typed, every default filled: what the chain reads the run's settings from."""
-        return TrainConfig(**self.train_settings)
+    def raw(self) -> dict:
+        """The config as a file gives it (each stage section in the one shape: `settings` and the stage's keys),
+        built (its checkpoints placed, its publish margin sized): what `config_from_dict` loads back to it."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in STAGES}
+        return {**fields, **{stage: getattr(self, stage).raw() for stage in STAGES}}
 
-    @functools.cached_property
-    def tokenize_section(self) -> TokenizeSection:
-        return TokenizeSection.of(self.tokenize)
-
-    @functools.cached_property
-    def eval_section(self) -> EvalSection:
-        return EvalSection.of(self.eval, self.accelerator, self.session_limit_s)
+    def with_train(self, where: str = "config", **changes) -> ChainConfig:
+        """This config with its train settings changed, loaded again: checked and built as a file's would be."""
+        return config_from_dict({**self.raw(), "train": {"settings": {**self.train.settings, **changes}}}, where)
 
     def slug(self, what: str) -> str:
         """The slug of a kernel (tokenize, train, eval; `tokenize-part-N`: part N's notebook) or of a checkpoint
@@ -220,14 +209,14 @@ class ChainConfig:
 
     @property
     def eval_kind(self) -> str:
-        return self.eval_section.kind
+        return self.eval.kind
 
     @property
     def eval_session_limit_s(self) -> float:
         """The eval session's limit: its own where set, since an eval's length is its work, not a training
         budget (a demo whose train sessions last 1.5-2.5 minutes still needs its eval to finish); else
         session_limit_s."""
-        return self.eval_section.session_limit_s
+        return self.eval.session_limit_s
 
     @property
     def client(self) -> ClientConfig:
@@ -235,12 +224,12 @@ class ChainConfig:
 
     @property
     def checkpoint_bytes(self) -> int:
-        return self.train_config.model.checkpoint_bytes()
+        return self.train.config.model.checkpoint_bytes()
 
     @property
     def version_bytes(self) -> int:
         """A checkpoint dataset version's size: the newest checkpoint and, for a wsd run, the stable-phase one."""
-        return checkpoint_uploads(self.train_config) * self.checkpoint_bytes
+        return checkpoint_uploads(self.train.config) * self.checkpoint_bytes
 
 
 def check_hellaswag_source(source: str, where: str) -> None:
@@ -273,24 +262,47 @@ def load_config(path: str | os.PathLike, overrides: dict | None = None) -> Chain
 
 
 def config_from_dict(raw: dict, where: str = "config") -> ChainConfig:
-    """A checked ChainConfig from a dict of its fields: what the dict gives is checked, the config built from it
-    (its checkpoints placed, its publish margin sized: `_built`), then what needs the built config is checked;
-    nothing is changed while it is checked. `where` starts every error message."""
+    """A checked ChainConfig from a dict of its fields: the fields as given are checked and each stage section is
+    checked and typed (`_train`: its checkpoints placed), then the config is built (its publish margin sized:
+    `_built`) and what needs the built config is checked; nothing is changed while it is checked. `where` starts
+    every error message."""
     fields = {f.name: f for f in dataclasses.fields(ChainConfig)}
     unknown = sorted(set(raw) - set(fields))
     if unknown:
         raise UserError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(fields)}")
-    if isinstance(raw.get("train"), dict):  # written flat or in TrainConfig's sections: flat from here on
-        raw = {**raw, "train": flatten_sections(raw["train"], f"{where}: train")}
-    given = ChainConfig(**raw)
+    sections = _stage_dicts(raw, where)
+    # The fields but the stage sections, whose typing reads them (total_steps, accelerator): checked first.
+    given = ChainConfig(**{k: v for k, v in raw.items() if k not in STAGES}, **dict.fromkeys(STAGES))
     _check_given(given, where)
-    cfg = _built(given)
+    train = _train(given, sections["train"], where)
+    tokenize, evals = _stage_sections(given, sections, where)
+    cfg = _built(dataclasses.replace(given, train=train, tokenize=tokenize, eval=evals))
     _check_built(cfg, where)
     return cfg
 
 
+def _stage_dicts(raw: dict, where: str) -> dict[str, dict]:
+    """Each stage section as the file gives it, in the one shape (its kernel's `settings` and the stage's keys). The
+    one converter of the older shape: a `train` without `settings` holds the train settings directly. Train settings
+    written flat or in TrainConfig's sections are flat from here on."""
+    sections = {}
+    for stage in STAGES:
+        section = raw.get(stage, {})
+        if not isinstance(section, dict):
+            raise UserError(f"{where}: {stage} must be a section ({{\"key\": value, ...}}), got {section!r}")
+        sections[stage] = section
+    train = sections["train"] if "settings" in sections["train"] else {"settings": sections["train"]}
+    extra = sorted(set(train) - section_keys(TrainSection))
+    if extra:
+        raise UserError(f"{where}: unknown train key(s) {', '.join(extra)}; known: settings")
+    settings = train["settings"]
+    if not isinstance(settings, dict):
+        raise UserError(f"{where}: train.settings must be a section ({{\"key\": value, ...}}), got {settings!r}")
+    return {**sections, "train": {"settings": flatten_sections(settings, f"{where}: train")}}
+
+
 def _check_given(cfg: ChainConfig, where: str) -> None:
-    """The fields as given, the train settings among them, and that their checkpoints can be placed."""
+    """The fields as given, but the stage sections."""
     try:
         check_field_types(cfg, name=str)
     except UserError as err:
@@ -310,32 +322,40 @@ def _check_given(cfg: ChainConfig, where: str) -> None:
     if cfg.session_limit_s > longest:
         raise UserError(f"{where}: session_limit_s {cfg.session_limit_s:g} is over the {longest / 3600:g} h Kaggle "
                         f"allows a {cfg.accelerator_kind.upper()} session ({cfg.accelerator or 'CPU'})")
+
+
+def _train(given: ChainConfig, raw: dict, where: str) -> TrainSection:
+    """The train section as given, checked, then typed with its checkpoints placed (scripts/chain/checkpoint_room.py:
+    checked that they can be)."""
+    settings = raw["settings"]
     for key in ("data_dir", "out_dir", "resume_from", "total_steps", "time_budget", "session_deadline", "wandb_run_id"):
-        if key in cfg.train:
+        if key in settings:
             raise UserError(f"{where}: train.{key} is set by the chain; remove it")
-    check_settings("train", cfg.train_settings, f"{where}: train", cfg.accelerator)
-    _check_checkpoint_room(cfg, where)
+    check_settings("train", {**settings, "total_steps": given.total_steps}, f"{where}: train", given.accelerator)
+    train = TrainSection.of(raw, given.total_steps)
+    size = train.config.model.checkpoint_bytes()
+    check_checkpoint_room(train.config, settings, size, where)
+    return TrainSection.of({"settings": placed_settings(settings, train.config, size)}, given.total_steps)
 
 
 def _built(cfg: ChainConfig) -> ChainConfig:
-    """`cfg` (checked as given) with its checkpoints placed (`_placed_train`) and, where 0, its publish margin sized
-    from the checkpoint's upload: 600 s + what publishing needs, at least 1200 s."""
-    placed = dataclasses.replace(cfg, train=_placed_train(cfg))
-    if placed.publish_margin_s:
-        return placed
-    needed = publish_needs_s(placed.train_config, placed.checkpoint_bytes)
-    return dataclasses.replace(placed, publish_margin_s=max(1200.0, 600.0 + needed))
+    """`cfg` with, where 0, its publish margin sized from the checkpoint's upload: 600 s + what publishing needs, at
+    least 1200 s."""
+    if cfg.publish_margin_s:
+        return cfg
+    needed = publish_needs_s(cfg.train.config, cfg.checkpoint_bytes)
+    return dataclasses.replace(cfg, publish_margin_s=max(1200.0, 600.0 + needed))
 
 
 def _check_built(cfg: ChainConfig, where: str) -> None:
     """What needs the config built (the publish margin, the versions the quota holds, the training time), then the
-    rest of it, the tokenize and eval sections among it."""
-    size, train = cfg.checkpoint_bytes, cfg.train_config
+    rest of it."""
+    size, train = cfg.checkpoint_bytes, cfg.train.config
     needed = publish_needs_s(train, size)
     if cfg.publish_margin_s < needed:
         # The session is killed mid-upload with its output unsaved: the session's training is lost.
         raise UserError(f"{where}: publish_margin_s {cfg.publish_margin_s:g} is shorter than publishing takes: "
-                        f"{_publish_words(train, size)}, ~{needed:.0f} s; raise it or set 0 (sized for you)")
+                        f"{publish_words(train, size)}, ~{needed:.0f} s; raise it or set 0 (sized for you)")
     if not 0 <= cfg.fill_session <= 1:
         raise UserError(f"{where}: fill_session must be a share of the session between 0 (off) and 1, got "
                         f"{cfg.fill_session:g}")
@@ -361,15 +381,7 @@ def _check_built(cfg: ChainConfig, where: str) -> None:
         raise UserError(f"{where}: session_train_s {cfg.session_train_s:g} must be >= 0, and with startup_margin_s "
                         f"{cfg.startup_margin_s:g} + publish_margin_s {cfg.publish_margin_s:g} fit session_limit_s "
                         f"{cfg.session_limit_s:g}, the longest a session may be made")
-    for section, typed in (("tokenize", TokenizeSection), ("eval", EvalSection)):
-        keys = section_keys(typed)
-        extra = sorted(set(getattr(cfg, section)) - keys)
-        if extra:
-            raise UserError(f"{where}: unknown {section} key(s) {', '.join(extra)}; known: {', '.join(sorted(keys))}")
-    check_settings("tokenize", cfg.tokenize.get("settings", {}), f"{where}: tokenize.settings")
-    _check_eval(cfg, where)
-    _check_tokenize(cfg, where)
-    if not cfg.tokenize_section.parts and not cfg.token_datasets and not cfg.token_kernels:
+    if not cfg.tokenize.parts and not cfg.token_datasets and not cfg.token_kernels:
         raise UserError(f"{where}: no training data: set tokenize.parts, token_datasets or token_kernels")
     unknown_slugs = sorted(set(cfg.slugs) - {"tokenize", "train", "eval", "checkpoints"})
     if unknown_slugs:
@@ -380,121 +392,49 @@ def _check_built(cfg: ChainConfig, where: str) -> None:
         raise UserError(f"{where}: unknown smoke key(s) {', '.join(unknown_smoke)}; known: {', '.join(SMOKE_DEFAULTS)}")
 
 
-def _check_tokenize(cfg: ChainConfig, where: str) -> None:
-    """The tokenize section as given (its settings were checked), then its typed form (cfg.tokenize_section)."""
-    parts = cfg.tokenize.get("parts", 0)
+def _stage_sections(given: ChainConfig, sections: dict, where: str) -> tuple[TokenizeSection, EvalSection]:
+    """The tokenize and eval sections as given (their keys, their kernels' settings), then typed and checked."""
+    for section, typed in (("tokenize", TokenizeSection), ("eval", EvalSection)):
+        keys = section_keys(typed)
+        extra = sorted(set(sections[section]) - keys)
+        if extra:
+            raise UserError(f"{where}: unknown {section} key(s) {', '.join(extra)}; known: {', '.join(sorted(keys))}")
+    check_settings("tokenize", sections["tokenize"].get("settings", {}), f"{where}: tokenize.settings")
+    evals = _eval(given, sections["eval"], where)
+    return _tokenize(sections["tokenize"], where), evals
+
+
+def _tokenize(raw: dict, where: str) -> TokenizeSection:
+    """The tokenize section as given (its settings were checked), then typed."""
+    parts = raw.get("parts", 0)
     if not isinstance(parts, int) or isinstance(parts, bool) or parts < 0:
         raise UserError(f"{where}: tokenize.parts must be a whole number >= 0, got {parts!r}")
+    tok = TokenizeSection.of(raw)
     try:
-        cfg.tokenize_section.config.check_parts(parts)
+        tok.config.check_parts(parts)
     except UserError as err:
         raise UserError(f"{where}: {err}") from None
-    if not isinstance(cfg.tokenize_section.hf_token, bool):
+    if not isinstance(tok.hf_token, bool):
         raise UserError(f"{where}: tokenize.hf_token must be true or false (the parts read the Hub with the "
-                        f"HF_TOKEN secret), got {cfg.tokenize_section.hf_token!r}")
-    shape = cfg.tokenize_section.accelerator
-    if shape and shape not in MACHINE_SHAPES:
-        raise UserError(f"{where}: unknown tokenize.accelerator {shape!r}")
+                        f"HF_TOKEN secret), got {tok.hf_token!r}")
+    if tok.accelerator and tok.accelerator not in MACHINE_SHAPES:
+        raise UserError(f"{where}: unknown tokenize.accelerator {tok.accelerator!r}")
+    return tok
 
 
-def _check_eval(cfg: ChainConfig, where: str) -> None:
-    """The eval section as given, then its typed form (cfg.eval_section): its session's limit on its machine."""
-    if "session_limit_s" in cfg.eval:  # else the train sessions', checked above
-        limit = cfg.eval["session_limit_s"]
+def _eval(given: ChainConfig, raw: dict, where: str) -> EvalSection:
+    """The eval section as given, then typed: its session's limit on its machine (the train sessions' where the
+    section sets none)."""
+    if "session_limit_s" in raw:  # else the train sessions', checked with the fields
+        limit = raw["session_limit_s"]
         if isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0:
             raise UserError(f"{where}: eval.session_limit_s must be a number of seconds > 0, got {limit!r}")
-    if not isinstance(cfg.eval.get("enabled", True), bool):
-        raise UserError(f"{where}: eval.enabled must be true or false, got {cfg.eval['enabled']!r}")
-    check_settings("eval", cfg.eval.get("settings", {}), f"{where}: eval.settings")
-    ev = cfg.eval_section
+    if not isinstance(raw.get("enabled", True), bool):
+        raise UserError(f"{where}: eval.enabled must be true or false, got {raw['enabled']!r}")
+    check_settings("eval", raw.get("settings", {}), f"{where}: eval.settings")
+    ev = EvalSection.of(raw, given.accelerator, given.session_limit_s)
     longest = SESSION_MAX_S[ev.kind]
     if ev.session_limit_s > longest:
         raise UserError(f"{where}: eval.session_limit_s {ev.session_limit_s:g} is over the {longest / 3600:g} h Kaggle "
                         f"allows a {ev.kind.upper()} session ({ev.accelerator or 'CPU'})")
-
-
-def checkpoints_in_temp(train: TrainConfig) -> bool:
-    """Whether the train sessions keep their checkpoints in /kaggle/temp (gone with the session, not in its
-    output): the session's own publish is then the only copy."""
-    return train.checkpoint_dir.startswith("{temp}")
-
-
-def publish_verify_s(train: TrainConfig) -> float:
-    """How long a train session waits for its own new checkpoint version, publishing again if that failed
-    (shared.kaggle.publish `verify_publish`): only for checkpoints in /kaggle/temp, which the chain cannot publish
-    from the output, so a failed version after a deleting publish would leave none anywhere."""
-    return TEMP_PUBLISH_VERIFY_S if checkpoints_in_temp(train) else 0.0
-
-
-def keeps_stable(train: TrainConfig) -> bool:
-    """Whether the run keeps (and the checkpoint dataset carries) the checkpoint where a wsd schedule's stable
-    phase ends (train.keep_stable, for --extend)."""
-    return train.schedule == "wsd" and train.keep_stable
-
-
-def checkpoint_uploads(train: TrainConfig) -> int:
-    """Checkpoints a session's publish uploads: the newest, and for a wsd run the stable-phase one beside it."""
-    return 2 if keeps_stable(train) else 1
-
-
-# A publish uploads its checkpoint once, a deleting one too: its create deletes the older versions of the checkpoint
-# dataset it publishes to, while the other holds the newest proven one (scripts/chain/checkpoints.py `publish_target`).
-PUBLISH_UPLOADS = 1
-
-
-def publish_needs_s(train: TrainConfig, size: int) -> float:
-    """The least a session's publish can take: its checkpoint's upload at the assumed rate, and for checkpoints in
-    /kaggle/temp the session's wait for its version."""
-    return upload_s(train, size) + publish_verify_s(train)
-
-
-def upload_s(train: TrainConfig, size: int) -> float:
-    """A session's publish uploads at the assumed rate: its checkpoints (the newest, the stable-phase one), once."""
-    return PUBLISH_UPLOADS * checkpoint_uploads(train) * size / ASSUMED_UPLOAD_BYTES_PER_S
-
-
-def _publish_words(train: TrainConfig, size: int) -> str:
-    uploads = PUBLISH_UPLOADS * checkpoint_uploads(train)
-    words = f"{uploads} x " + (f"{size / 1e9:.2g} GB at an assumed {ASSUMED_UPLOAD_BYTES_PER_S / 1e6:g} MB/s "
-                               "(uploaded once, a deleting publish too)")
-    if publish_verify_s(train):
-        words += f" + the session's {publish_verify_s(train):.0f}-s wait for its version"
-    return words
-
-
-# Checkpoints must fit the session's 20 GB output, with one more being written before the oldest goes: models too
-# large for that keep one checkpoint in /kaggle/temp (the session publishes it from there); a setting that would
-# overflow the output is an error at load, not a full disk hours into a session. The publish margin grows with the
-# upload (the stable-phase checkpoint travels beside the newest), and where checkpoints live in /kaggle/temp with
-# the session's wait for its version (TEMP_PUBLISH_VERIFY_S).
-
-def _output_peak(train: TrainConfig, size: int) -> int:
-    """What the checkpoints hold in the output at most: those kept, the one being written, the stable-phase one."""
-    return (train.keep_checkpoints + 1 + int(keeps_stable(train))) * size
-
-
-def _check_checkpoint_room(cfg: ChainConfig, where: str) -> None:
-    train, size = cfg.train_config, cfg.checkpoint_bytes
-    if checkpoints_in_temp(train):
-        return
-    if train.checkpoint_dir and not train.checkpoint_dir.startswith("{working}"):
-        raise UserError(f"{where}: train.checkpoint_dir {train.checkpoint_dir!r} must be under {{working}} or {{temp}}")
-    peak = _output_peak(train, size)
-    if peak > OUTPUT_LIMIT_BYTES and ("checkpoint_dir" in cfg.train or "keep_checkpoints" in cfg.train):
-        keep, stable = train.keep_checkpoints, keeps_stable(train)
-        also = " and the stable-phase one" if stable else ""
-        raise UserError(f"{where}: {keep} kept checkpoints of {size / 1e9:.1f} GB ({keep + 1} while one is written"
-                        f"{also}, {peak / 1e9:.1f} GB) overflow the session's {OUTPUT_LIMIT_BYTES / 1e9:g} GB output; "
-                        "set train.checkpoint_dir to \"{temp}/checkpoints\" and train.keep_checkpoints to 1")
-
-
-def _placed_train(cfg: ChainConfig) -> dict:
-    """The config's train settings with its checkpoints placed (checked by `_check_checkpoint_room`): where they
-    overflow the output, one kept in /kaggle/temp; in /kaggle/temp no stable-phase one (it would go with the
-    session)."""
-    train = cfg.train_config
-    if checkpoints_in_temp(train):
-        return {**cfg.train, "keep_stable": False}
-    if _output_peak(train, cfg.checkpoint_bytes) <= OUTPUT_LIMIT_BYTES:
-        return cfg.train
-    return {**cfg.train, "checkpoint_dir": "{temp}/checkpoints", "keep_checkpoints": 1, "keep_stable": False}
+    return ev

@@ -19,7 +19,7 @@ class EvalStage:
 
     def run(self) -> None:
         ctx = self.ctx
-        if not ctx.cfg.eval_section.enabled:
+        if not ctx.cfg.eval.enabled:
             return
         if (ctx.state.data.get("eval") or {}).get("status") == "COMPLETE":
             return
@@ -56,7 +56,7 @@ class EvalStage:
 
     def build(self, push_id: str) -> Path:
         """The eval kernel on the checkpoint dataset, with the first token part's validation shards."""
-        ctx, cfg, ev = self.ctx, self.ctx.cfg, self.ctx.cfg.eval_section
+        ctx, cfg, ev = self.ctx, self.ctx.cfg, self.ctx.cfg.eval
         expected = self.expected_checkpoint()  # the checkpoint dataset holding the newest checkpoint of the two
         ckpt_ref = expected["dataset"]
         _datasets, kernels, _ = data_sources(ctx)

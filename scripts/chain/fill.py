@@ -10,7 +10,6 @@ schedule of a run already training (its checkpoints carry the schedule they were
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from pathlib import Path
@@ -83,7 +82,7 @@ def _tokens_per_part(cfg: ChainConfig, plan: dict, tokens: int) -> int:
     parts = plan["parts"]
     if not parts:
         return 0
-    shard = cfg.tokenize_section.config.shard_size
+    shard = cfg.tokenize.config.shard_size
     needed = math.ceil((tokens + plan["validation_tokens"]) / parts / shard) * shard
     return needed if needed < plan["tokens_per_part"] else 0
 
@@ -92,10 +91,10 @@ def apply_fill(cfg: ChainConfig, fill: Fill | None) -> ChainConfig:
     """`cfg` with the fill's total_steps and tokens per part, checked as a config is (unchanged without a fill)."""
     if fill is None:
         return cfg
-    tokenize = cfg.tokenize
+    tokenize = cfg.tokenize.raw()
     if fill.tokens_per_part:
-        tokenize = {**tokenize, "settings": {**tokenize.get("settings", {}), "tokens_per_part": fill.tokens_per_part}}
-    raw = {**dataclasses.asdict(cfg), "total_steps": fill.total_steps, "tokenize": tokenize}
+        tokenize["settings"] = {**tokenize["settings"], "tokens_per_part": fill.tokens_per_part}
+    raw = {**cfg.raw(), "total_steps": fill.total_steps, "tokenize": tokenize}
     return config_from_dict(raw, "fill_session")
 
 

@@ -54,6 +54,6 @@ def ensure_hellaswag_dataset(ctx: StageContext) -> str | None:
 
 def hellaswag_settings(ctx: StageContext, ref: str | None) -> dict:
     """The train kernel's setting for the file in its inputs (none where the config sets hellaswag_file itself)."""
-    if not ref or "hellaswag_file" in ctx.cfg.train:
+    if not ref or "hellaswag_file" in ctx.cfg.train.settings:
         return {}
     return {"hellaswag_file": "{input:" + ref + "}/" + HELLASWAG_FILE}

@@ -29,17 +29,17 @@ def needed_secrets(cfg, kaggle: tuple[str, ...] = CREDENTIAL_NAMES) -> dict[str,
     carry the user's Kaggle credential (`credential_secrets`: KAGGLE_API_TOKEN for a user who signs in with an API
     token, else KAGGLE_USERNAME and KAGGLE_KEY)."""
     # The user's own project only: TrainConfig's default one is used where a key exists, none asked for.
-    wandb = bool(cfg.train.get("wandb_project"))
+    wandb = bool(cfg.train.settings.get("wandb_project"))
     needs = {"train": [*kaggle] + ([WANDB_SECRET] if wandb else [])}
-    ev = cfg.eval_section
+    ev = cfg.eval
     if ev.enabled:
         names = list(kaggle) if ev.config.kaggle_model else []
         if ev.config.wandb_project or wandb:
             names.append(WANDB_SECRET)
         if names:
             needs["eval"] = names
-    if cfg.tokenize_section.hf_token:  # each part is a notebook of its own
-        for part in range(cfg.tokenize_section.parts):
+    if cfg.tokenize.hf_token:  # each part is a notebook of its own
+        for part in range(cfg.tokenize.parts):
             needs[f"tokenize-part-{part}"] = [HF_SECRET]
     return needs
 

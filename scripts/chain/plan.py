@@ -19,14 +19,14 @@ from pathlib import Path
 
 from scripts.chain.account import list_private_datasets, read_quota
 from scripts.chain.ceilings import ceilings_text, compiled_rates, head_dim_aware, planning_ceiling
-from scripts.chain.config import (
+from scripts.chain.checkpoint_room import (
     PUBLISH_UPLOADS,
-    ChainConfig,
     checkpoints_in_temp,
     keeps_stable,
     publish_verify_s,
     upload_s,
 )
+from scripts.chain.config import ChainConfig
 from scripts.chain.limits import (
     ASSUMED_UPLOAD_BYTES_PER_S,
     MACHINE_SHAPES,
@@ -117,7 +117,7 @@ def planned_train(cfg: ChainConfig) -> tuple[TrainConfig, str]:
     """The train settings a session will run with, `micro_batch: auto` resolved as the session would on the
     chain's machine (with the first attention kernel it tries there, shared/train/attention.py, passing its
     probe), and a note saying so, with what a fallback kernel would take where it differs ('' if not auto)."""
-    train = cfg.train_config
+    train = cfg.train.config
     if train.micro_batch != AUTO:
         return train, ""
     from shared.tpu import micro_batch_for  # standard library only at import
@@ -153,8 +153,8 @@ def make_plan(cfg: ChainConfig, quota: tuple[float, float, str] | None = None,
     measured."""
     train, _ = planned_train(cfg)
     model = train.model
-    tok = cfg.tokenize_section.config
-    parts = cfg.tokenize_section.parts
+    tok = cfg.tokenize.config
+    parts = cfg.tokenize.parts
     kind = MACHINE_SHAPES.get(cfg.accelerator)
     train_tokens = cfg.total_steps * train.total_batch_tokens
     made_tokens = tok.tokens_in_parts(parts)
@@ -187,8 +187,8 @@ def make_plan(cfg: ChainConfig, quota: tuple[float, float, str] | None = None,
         plan.update(train_seconds=train_s, sessions=sessions, session_seconds=session_s,
                     session_tokens=session_s * speed.tokens_per_s / (1 + eval_share),
                     train_quota_s=min(train_s * cfg.time_budget / session_s, sessions * cfg.time_budget) + overhead_s)
-        plan["eval_quota_s"] = _eval_seconds(cfg, speed.tokens_per_s) if cfg.eval_section.enabled else 0.0
-        eval_kind = MACHINE_SHAPES.get(cfg.eval_section.accelerator)
+        plan["eval_quota_s"] = _eval_seconds(cfg, speed.tokens_per_s) if cfg.eval.enabled else 0.0
+        eval_kind = MACHINE_SHAPES.get(cfg.eval.accelerator)
         plan["quota_s"] = plan["train_quota_s"] + (plan["eval_quota_s"] if eval_kind == kind else 0.0)
     weekly = quota[1] if quota else WEEKLY_QUOTA_S.get(kind) if kind else None
     plan["weekly_quota_s"], plan["quota_left_s"] = weekly, quota[0] if quota else None
@@ -211,7 +211,7 @@ def hellaswag_every_steps(train: TrainConfig) -> int:
 
 def _eval_seconds(cfg: ChainConfig, train_tokens_per_s: float) -> float:
     """An eval session: start-up, then forward passes at three times the training rate (forward only)."""
-    ev = cfg.eval_section.config
+    ev = cfg.eval.config
     rows = 0 if ev.hellaswag == "off" else ev.hellaswag_examples * 4 or HELLASWAG_ROWS
     forward_tokens = ev.val_tokens + rows * HELLASWAG_TOKENS_PER_ROW
     return cfg.startup_margin_s + forward_tokens / (3 * train_tokens_per_s)
@@ -223,9 +223,9 @@ def plan_lines(cfg: ChainConfig, plan: dict, source: str = "") -> list[str]:
     model, user = train.model, cfg.user or "<you>"
     shape = cfg.accelerator or "CPU"
     lines = [f"plan for chain {cfg.name}{f' ({source})' if source else ''}: nothing is pushed", ""]
-    tok_shape = cfg.tokenize_section.accelerator or "CPU"
+    tok_shape = cfg.tokenize.accelerator or "CPU"
     if plan["parts"]:
-        tok = cfg.tokenize_section.config
+        tok = cfg.tokenize.config
         corpus = tok.data_files or f"{tok.dataset} {tok.config}".strip()
         lines.append(f"tokenize  {tok_shape}, internet on: {plan['parts']} part(s) x {_tokens(tok.tokens_per_part)} "
                      f"tokens = {_tokens(plan['tokenized_tokens'])} tokens of {corpus}, shards of "
@@ -255,9 +255,9 @@ def plan_lines(cfg: ChainConfig, plan: dict, source: str = "") -> list[str]:
         lines.append("          train.extend: a finished or decaying run trains on from the stable-phase checkpoint "
                      "its dataset carries (the chain names the step before pushing); the steps and hours here "
                      "count the whole run from step 0")
-    if cfg.eval_section.enabled:
-        ev = cfg.eval_section.config
-        lines.append(f"eval      {cfg.eval_section.accelerator or 'CPU'}: validation loss on "
+    if cfg.eval.enabled:
+        ev = cfg.eval.config
+        lines.append(f"eval      {cfg.eval.accelerator or 'CPU'}: validation loss on "
                      f"{_tokens(ev.val_tokens) if ev.val_tokens else 'all'} tokens, HellaSwag {ev.hellaswag}, "
                      f"samples, HF export {'on' if ev.export else 'off'}; a session of at most "
                  f"{_hours(cfg.eval_session_limit_s)}")
@@ -331,7 +331,7 @@ def margins(cfg: ChainConfig, plan: dict) -> list[str]:
         spare = plan["tokenized_tokens"] - need
         out.append(f"tokens: {_tokens(plan['tokenized_tokens'])} tokenized for {_tokens(plan['train_tokens'])} "
                    f"trained + {_tokens(plan['validation_tokens'])} validation: {spare / need:+.1%}")
-    uploads_s = upload_s(cfg.train_config, plan["checkpoint_bytes"])
+    uploads_s = upload_s(cfg.train.config, plan["checkpoint_bytes"])
     out.append(f"session: {cfg.startup_margin_s:g} s for start-up (imports, data, compile); "
                f"{cfg.publish_margin_s:g} s to publish, the upload alone ~{uploads_s:.0f} s at an assumed "
                f"{ASSUMED_UPLOAD_BYTES_PER_S / 1e6:g} MB/s, once: a deleting publish no longer uploads it again "
@@ -378,13 +378,13 @@ def check_builds(cfg: ChainConfig) -> int:
             from scripts.chain.hellaswag import hellaswag_ref
 
             chain.state.data["hellaswag_dataset"] = hellaswag_ref(chain.ctx)
-        parts = cfg.tokenize_section.parts
+        parts = cfg.tokenize.parts
         for part in range(parts):
             chain.tokenize.build(part, "plan")
         chain.train.build("plan", 0)
-        if cfg.eval_section.enabled:
+        if cfg.eval.enabled:
             chain.eval.build("plan")
-        return parts + 1 + int(cfg.eval_section.enabled)
+        return parts + 1 + int(cfg.eval.enabled)
 
 
 def check_arithmetic_fit(cfg: ChainConfig, generation: str) -> None:
@@ -423,7 +423,7 @@ def compiled_fit(cfg: ChainConfig, log=print) -> tuple[dict | None, str]:
                "is not installed (bash scripts/setup.sh makes .venv-tpu)")
         check_arithmetic_fit(cfg, generation)
         return None, f"the TPU compiler {why}: HBM checked by arithmetic only"
-    settings, train = cfg.train_settings, cfg.train_config
+    settings, train = cfg.train_settings, cfg.train.config
     seq_len = train.model.block_size
     tried = candidates(generation, seq_len, train.attention)
     untiled = untiled_kernels(generation, seq_len, train.attention) if tried == (SDPA,) else []

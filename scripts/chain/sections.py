@@ -1,18 +1,40 @@
-"""A chain config's tokenize and eval sections, typed: built once from the dicts a config file gives (scripts/chain/
-config.py ChainConfig.tokenize_section, .eval_section), so the stages read every default from one place."""
+"""A chain config's stage sections, typed at load (scripts/chain/config.py `config_from_dict`): `train`, `tokenize`
+and `eval` alike, each its kernel's settings as the config gives them (`settings`: what the kernel is built with),
+those settings with every default filled (`config`: what the chain reads them from), and the stage's chain-only keys
+(its parts, inputs, machine, ...). `raw()` is the section as a config file writes it, which loads back to it."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from scripts.chain.limits import MACHINE_SHAPES
-from shared.config import EvalConfig, TokenizeConfig
+from shared.config import EvalConfig, TokenizeConfig, TrainConfig
+
+STAGES = ("train", "tokenize", "eval")  # the ChainConfig fields that are stage sections
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSection:
+    """A config's `train`, typed: the train kernel's settings as the config gives them, with its checkpoints placed
+    by the chain (`settings`: what each train session is built with, before the run's total_steps and the session's
+    own), and with every default filled and the run's total_steps (`config`: the TrainConfig a session gets)."""
+
+    settings: dict
+    config: TrainConfig
+
+    @classmethod
+    def of(cls, raw: dict, total_steps: int) -> TrainSection:
+        settings = dict(raw.get("settings", {}))
+        return cls(settings=settings, config=TrainConfig(**settings, total_steps=total_steps))
+
+    def raw(self) -> dict:
+        return {"settings": dict(self.settings)}
 
 
 @dataclasses.dataclass(frozen=True)
 class TokenizeSection:
-    """A config's `tokenize`, typed: how many parts, their kernel settings as the config gives them (`settings`,
-    what each part is built with) and with every default filled (`config`, part 0's), the datasets they read, their
+    """A config's `tokenize`, typed: how many parts, their kernel settings as the config gives them (`settings`, what
+    each part is built with) and with every default filled (`config`, part 0's), the datasets they read, their
     machine ('': CPU), and whether they read the HF_TOKEN secret."""
 
     parts: int
@@ -28,6 +50,10 @@ class TokenizeSection:
         return cls(parts=int(raw.get("parts") or 0), settings=settings,
                    config=TokenizeConfig(**{**settings, "part": 0}), inputs=tuple(raw.get("inputs", [])),
                    accelerator=raw.get("accelerator", ""), hf_token=raw.get("hf_token", False))
+
+    def raw(self) -> dict:
+        return {"parts": self.parts, "settings": dict(self.settings), "inputs": list(self.inputs),
+                "accelerator": self.accelerator, "hf_token": self.hf_token}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +75,10 @@ class EvalSection:
         return cls(enabled=raw.get("enabled", True), settings=settings, config=EvalConfig(**settings),
                    inputs=tuple(raw.get("inputs", [])), accelerator=raw.get("accelerator", accelerator),
                    session_limit_s=float(raw.get("session_limit_s", session_limit_s)))
+
+    def raw(self) -> dict:
+        return {"enabled": self.enabled, "settings": dict(self.settings), "inputs": list(self.inputs),
+                "accelerator": self.accelerator, "session_limit_s": self.session_limit_s}
 
     @property
     def kind(self) -> str:

@@ -19,14 +19,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from scripts.chain.config import (
-    SMOKE_DEFAULTS,
-    ChainConfig,
-    config_from_dict,
-    keeps_stable,
-    one_line,
-    publish_needs_s,
-)
+from scripts.chain.checkpoint_room import keeps_stable, publish_needs_s
+from scripts.chain.config import SMOKE_DEFAULTS, ChainConfig, config_from_dict, one_line
 from scripts.chain.limits import MACHINE_SHAPES
 from scripts.chain.plan import MEASURED_THROUGHPUT, SHAPE_GENERATION, planned_train, running_shape
 from shared.errors import UserError
@@ -43,14 +37,14 @@ def smoke_config(cfg: ChainConfig) -> ChainConfig:
     """The short chain: the same model, batch and machines as `cfg`, its own slugs, two short train sessions,
     one small tokenize part, an eval on a subset; checked like any config."""
     s = {**SMOKE_DEFAULTS, **cfg.smoke}  # the keys were checked with the config
-    raw = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    raw = cfg.raw()
     changes = {"profile_steps": int(s["profile_steps"])}  # a trace to hold against the roofline
-    if keeps_stable(cfg.train_config) and not cfg.train_config.extend:
+    if keeps_stable(cfg.train.config) and not cfg.train.config.extend:
         changes["keep_stable"] = False  # two short sessions never reach the end of a wsd run's stable phase
-    train = {**cfg.train, **changes}
+    train = {"settings": {**cfg.train.settings, **changes}}
     # With checkpoints in /kaggle/temp (gpt2-large/xl) the session also waits for its own version to settle.
     publish = s["publish_margin_s"] or max(120.0, 60.0 + publish_needs_s(
-        dataclasses.replace(cfg.train_config, **changes), cfg.checkpoint_bytes))
+        dataclasses.replace(cfg.train.config, **changes), cfg.checkpoint_bytes))
     limit = s["session_limit_s"] or math.ceil(s["startup_margin_s"] + publish + s["train_s"])
     if limit <= s["startup_margin_s"] + publish:
         raise UserError(f"{cfg.name}: smoke.session_limit_s {limit:g} leaves no training time after the smoke's "
@@ -59,16 +53,16 @@ def smoke_config(cfg: ChainConfig) -> ChainConfig:
     raw.update(name=f"{cfg.name}-smoke", slugs={k: f"{v}-smoke" for k, v in cfg.slugs.items()},
                train=train, max_train_sessions=2, max_failed_sessions=1, session_limit_s=limit, session_train_s=0,
                startup_margin_s=s["startup_margin_s"], publish_margin_s=publish, smoke={})
-    tok = cfg.tokenize_section
+    tok = cfg.tokenize
     if tok.parts:
         shard = min(tok.config.shard_size, int(s["shard_size"]))
-        raw["tokenize"] = {**cfg.tokenize, "parts": 1,
+        raw["tokenize"] = {**cfg.tokenize.raw(), "parts": 1,
                            "settings": {**tok.settings, "tokens_per_part": int(s["tokens"]), "shard_size": shard}}
-    ev = {**cfg.eval_section.settings, "val_tokens": int(s["val_tokens"]), "kaggle_model": "",
+    ev = {**cfg.eval.settings, "val_tokens": int(s["val_tokens"]), "kaggle_model": "",
           "samples_per_prompt": 1, "max_new_tokens": 16}
-    if cfg.eval_section.config.hellaswag != "off":
+    if cfg.eval.config.hellaswag != "off":
         ev["hellaswag_examples"] = int(s["hellaswag_examples"])
-    raw["eval"] = {**cfg.eval, "settings": ev,
+    raw["eval"] = {**cfg.eval.raw(), "settings": ev,
                    "session_limit_s": min(cfg.eval_session_limit_s,
                                           float(s["eval_session_limit_s"] or limit))}
     return config_from_dict(raw, f"{cfg.name} smoke")
@@ -79,7 +73,7 @@ def quota_cost_s(smoke: ChainConfig) -> float:
     kind = MACHINE_SHAPES.get(smoke.accelerator)
     if not kind:
         return 0.0
-    eval_on_it = smoke.eval_section.enabled and MACHINE_SHAPES.get(smoke.eval_section.accelerator) == kind
+    eval_on_it = smoke.eval.enabled and MACHINE_SHAPES.get(smoke.eval.accelerator) == kind
     return smoke.max_train_sessions * smoke.session_limit_s + int(bool(eval_on_it)) * smoke.eval_session_limit_s
 
 
@@ -127,10 +121,10 @@ def readiness_rows(smoke: ChainConfig, workdir: Path, failure: str = "", rooflin
     facts = _read_json(folders[0] / FACTS_FILE) if folders else {}
     local = bool(facts.get("session", {}).get("local_kaggle"))
     rows = []
-    if smoke.tokenize_section.parts:
+    if smoke.tokenize.parts:
         done = state.get("tokenize", {}).get("0") == "COMPLETE"
         secs = state.get("tokenize_seconds", {}).get("0")
-        rows.append(Row("tokenize part", done, f"{smoke.tokenize_section.config.tokens_per_part:,} tokens"
+        rows.append(Row("tokenize part", done, f"{smoke.tokenize.config.tokens_per_part:,} tokens"
                         + (f" in {secs:.0f} s" if secs else "") if done else "not complete"))
     rows.append(_packages_row(facts))
     rows.append(_secrets_row(facts))
@@ -303,7 +297,7 @@ def _publish_row(sessions: list[dict], folders: list[Path]) -> Row:
 
 
 def _eval_row(smoke: ChainConfig, state: dict, workdir: Path) -> Row:
-    if not smoke.eval_section.enabled:
+    if not smoke.eval.enabled:
         return Row("eval", None, "off in the config")
     ev = state.get("eval") or {}
     if ev.get("status") != "COMPLETE":

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from scripts.chain.config import ChainConfig, checkpoints_in_temp, keeps_stable
+from scripts.chain.checkpoint_room import checkpoints_in_temp, keeps_stable
+from scripts.chain.config import ChainConfig
 from shared.kaggle.disk import disk_needs, peak_bytes
 
 
@@ -108,15 +109,15 @@ def room_line(cfg: ChainConfig, plan: StoragePlan, datasets: dict[str, int] | No
 def session_disk(cfg: ChainConfig) -> dict[str, int]:
     """What a train session puts on /kaggle/temp's disk, by part (shared/kaggle/disk.py): baked into the train
     kernel, whose bootstrap compares it with the free disk before training."""
-    train = cfg.train_config
+    train = cfg.train.config
     return disk_needs(cfg.checkpoint_bytes, cfg.version_bytes, train.keep_checkpoints, keeps_stable(train))
 
 
 def disk_line(cfg: ChainConfig, midway: bool) -> str:
     """--plan's words: the most a train session puts on /kaggle/temp's disk at once, and what makes it up."""
-    needs, in_temp = session_disk(cfg), checkpoints_in_temp(cfg.train_config)
+    needs, in_temp = session_disk(cfg), checkpoints_in_temp(cfg.train.config)
     peak = peak_bytes(needs, fetching=True, midway=midway, rotation=in_temp)
-    parts = [f"{cfg.train_config.keep_checkpoints + 1} checkpoints rotating {_gb(needs['rotation'])}"] if in_temp \
+    parts = [f"{cfg.train.config.keep_checkpoints + 1} checkpoints rotating {_gb(needs['rotation'])}"] if in_temp \
         else []
     if midway:
         parts.append(f"the midway publish's links {_gb(needs['midway'])}")

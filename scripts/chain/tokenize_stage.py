@@ -20,7 +20,7 @@ def token_part_ref(ctx: StageContext, part: int) -> str:
 
 def data_sources(ctx: StageContext) -> tuple[list[str], list[str], str]:
     """(token datasets, kernels whose output holds token parts, the train kernel's data_dir naming them all)."""
-    parts = ctx.cfg.tokenize_section.parts
+    parts = ctx.cfg.tokenize.parts
     kernels = [token_part_ref(ctx, p) for p in range(parts)] + list(ctx.cfg.token_kernels)
     datasets = list(ctx.cfg.token_datasets)
     data_dir = ",".join("{input:" + r + "}" for r in kernels + datasets)
@@ -33,7 +33,7 @@ class TokenizeStage:
 
     def run(self) -> None:
         ctx = self.ctx
-        parts = ctx.cfg.tokenize_section.parts
+        parts = ctx.cfg.tokenize.parts
         done = ctx.state.data.setdefault("tokenize", {})
         for part in range(parts):
             if done.get(str(part)) == "COMPLETE":
@@ -94,7 +94,7 @@ class TokenizeStage:
                                 f"(last: {error or message or status}); see {logs}")
 
     def build(self, part: int, push_id: str) -> Path:
-        ctx, t = self.ctx, self.ctx.cfg.tokenize_section
+        ctx, t = self.ctx, self.ctx.cfg.tokenize
         settings = {"progress": False, **t.settings, "part": part, "out_dir": "{working}"}
         kernel_sources = []
         if part > 0:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from scripts.chain.attention_carry import PROBES_FACT, carried_attention, probe_results
 from scripts.chain.build import build_kernel
+from scripts.chain.checkpoint_room import publish_verify_s
 from scripts.chain.checkpoints import (
     checkpoint_refs,
     dataset_step,
@@ -30,7 +31,7 @@ from scripts.chain.checkpoints import (
     version_problem,
 )
 from scripts.chain.client import ApiFailure, VersionMissing, log_error_line
-from scripts.chain.config import ChainConfig, publish_verify_s
+from scripts.chain.config import ChainConfig
 from scripts.chain.context import StageContext
 from scripts.chain.hellaswag import ensure_hellaswag_dataset, hellaswag_settings
 from scripts.chain.limits import MACHINE_SHAPES
@@ -63,7 +64,7 @@ class TrainStage:
         if step >= self.cfg.total_steps and not self.ctx.state.data["train_sessions"]:
             raise UserError(f"nothing to train: checkpoint dataset {ckpt_ref} already holds step {step} of "
                             f"total_steps {self.cfg.total_steps} (raise total_steps to train further)")
-        if self.cfg.train_config.extend and step:
+        if self.cfg.train.config.extend and step:
             start = extend_start(self.ctx, ckpt_ref, version, self.cfg)
             if start < step and start != self.extend_from:
                 self.extend_from = start
@@ -129,7 +130,7 @@ class TrainStage:
         target = publish_target(ctx, resume if step else None)
         before = version if target == resume else ctx.client.dataset_version(target)[0]
         delete_old, midway = session_publishes(ctx, before, length.limit_s, ref=target)
-        attention, why = carried_attention(self.cfg.train_config.attention, sessions)
+        attention, why = carried_attention(self.cfg.train.config.attention, sessions)
         if why:
             self.ctx.log(f"train session {n} starts from the {attention} attention kernel (train.attention "
                          f"\"{attention}\"): {why}")
@@ -209,7 +210,7 @@ class TrainStage:
                                                 "resume_setting": "resume_from", "publish": True,
                                                 "title": f"{cfg.name} checkpoints", "expect_step": expect_step,
                                                 "expect_version": expect_version, "delete_old_versions": delete_old,
-                                                "verify_s": publish_verify_s(cfg.train_config),
+                                                "verify_s": publish_verify_s(cfg.train.config),
                                                 "publish_s": cfg.publish_margin_s,
                                                 "midway_s": cfg.midway_publish_s(limit_s or cfg.session_limit_s)
                                                 if midway else 0.0,
@@ -388,7 +389,7 @@ def extend_start(ctx: StageContext, ref: str, version: int, cfg: ChainConfig) ->
     with the longer schedule. Neither agreeing is one line here, before any session is pushed."""
     from shared.train.optim import same_schedule_until, saved_schedule
 
-    train = cfg.train_config
+    train = cfg.train.config
     seen = []
     for prefix in ("", STABLE_PREFIX):
         state_file = ctx.workdir / "dataset-probe" / f"{prefix}{STATE_FILE}"
