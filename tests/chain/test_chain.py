@@ -404,10 +404,10 @@ def test_config_errors_are_one_line(tmp_path):
     with pytest.raises(UserError, match="not valid json"):
         load_config(bad)
     real = load_config(REPO / "examples" / "chain-gpt2-124m.json")
-    assert real.time_budget == 32400 - 1310 - 1200 and real.train["preset"] == "gpt2"
+    assert real.time_budget == 32400 - 1310 - 1200 and real.train.settings["preset"] == "gpt2"
     toml = tmp_path / "run.toml"
     toml.write_text('name = "toml-run"\ntoken_datasets = ["a/b"]\n[train]\npreset = "gpt2"\n')
-    assert load_config(toml).train == {"preset": "gpt2"}
+    assert load_config(toml).train.settings == {"preset": "gpt2"}
 
 
 @pytest.mark.slow

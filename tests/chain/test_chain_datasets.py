@@ -227,10 +227,10 @@ def test_train_extend_is_checked_against_the_dataset_before_any_session(local_ka
     train = {"preset": "tiny", "seq_len": 32, "micro_batch": 8, "total_batch_tokens": 256, "schedule": "wsd",
              "warmup_steps": 1, "cooldown_frac": 0.5}
     out, log = probe(lk, tmp_path, """
-        chain.cfg.train = {**chain.cfg.train, "extend": True}  # (the probe's config is written as Python)
+        chain.cfg = chain.ctx.cfg = chain.train.cfg = chain.cfg.with_train(extend=True)  # (written as Python)
         out["work"] = chain.train.check_work_left()
         chain.train.check_work_left()
-        chain.cfg.train = {**chain.cfg.train, "cooldown_frac": 0.9}
+        chain.cfg = chain.ctx.cfg = chain.train.cfg = chain.cfg.with_train(cooldown_frac=0.9)
         try:
             chain.train.check_work_left()
         except UserError as err:
@@ -599,11 +599,11 @@ def test_a_checkpoint_kept_only_in_temp_deletes_older_versions_and_its_session_v
         import time
         from shared.kaggle.proof import dataset_version, verify_publish
         from shared.kaggle.publish import publish_checkpoint
-        from scripts.chain.config import publish_verify_s
+        from scripts.chain.checkpoint_room import publish_verify_s
         ctx.state.data["checkpoint_versions"] = [1, 2]
-        out["working"] = (session_publishes(ctx, 2, 1800)[0], publish_verify_s(ctx.cfg.train_config))
-        ctx.cfg.train = {**ctx.cfg.train, "checkpoint_dir": "{temp}/checkpoints", "keep_checkpoints": 1}
-        out["temp"] = (session_publishes(ctx, 2, 1800)[0], publish_verify_s(ctx.cfg.train_config))
+        out["working"] = (session_publishes(ctx, 2, 1800)[0], publish_verify_s(ctx.cfg.train.config))
+        ctx.cfg = ctx.cfg.with_train(checkpoint_dir="{temp}/checkpoints", keep_checkpoints=1)
+        out["temp"] = (session_publishes(ctx, 2, 1800)[0], publish_verify_s(ctx.cfg.train.config))
         ckpt = ctx.workdir / "temp" / "step_000030"
         ckpt.mkdir(parents=True)
         (ckpt / "checkpoint.json").write_text(json.dumps({"format": 1, "step": 30, "files": {}}))

@@ -181,24 +181,24 @@ def test_the_eval_session_has_its_own_limit_checked_against_its_own_machine():
 
 def test_checkpoints_are_placed_where_they_fit_and_the_publish_margin_grows_with_them():
     gpt2 = config_from_dict({**BASE, "train": {"preset": "gpt2"}})
-    assert "checkpoint_dir" not in gpt2.train and gpt2.publish_margin_s == 1200  # 1.5 GB checkpoints
+    assert "checkpoint_dir" not in gpt2.train.settings and gpt2.publish_margin_s == 1200  # 1.5 GB checkpoints
     xl = config_from_dict({**BASE, "train": {"preset": "gpt2-xl"}})
     size = MODEL_PRESETS["gpt2-xl"].checkpoint_bytes()
     assert 18e9 < size < 19.5e9
-    assert xl.train["checkpoint_dir"] == "{temp}/checkpoints" and xl.train["keep_checkpoints"] == 1
-    assert xl.train["keep_stable"] is False  # in /kaggle/temp it would go with the session
+    assert xl.train.settings["checkpoint_dir"] == "{temp}/checkpoints" and xl.train.settings["keep_checkpoints"] == 1
+    assert xl.train.settings["keep_stable"] is False  # in /kaggle/temp it would go with the session
     # The upload, and the session's wait for its version (the checkpoint has no copy in the output).
     assert xl.publish_margin_s == pytest.approx(600 + size / 10e6 + 600)  # one upload, a deleting publish too
     assert xl.time_budget == xl.session_limit_s - xl.startup_margin_s - xl.publish_margin_s
     large = config_from_dict({**BASE, "train": {"preset": "gpt2-large"}})  # 9.3 GB: 3 on disk overflow 20 GB
-    assert large.train["checkpoint_dir"] == "{temp}/checkpoints"
+    assert large.train.settings["checkpoint_dir"] == "{temp}/checkpoints"
     with pytest.raises(UserError) as err:
         config_from_dict({**BASE, "train": {"preset": "gpt2-large", "keep_checkpoints": 2}})
     assert str(err.value) == (
         "config: 2 kept checkpoints of 9.3 GB (3 while one is written, 27.9 GB) overflow the session's 20 GB output; "
         "set train.checkpoint_dir to \"{temp}/checkpoints\" and train.keep_checkpoints to 1")
     medium = config_from_dict({**BASE, "train": {"preset": "gpt2-medium", "keep_checkpoints": 2}})  # 3 x 4.3 GB
-    assert "checkpoint_dir" not in medium.train
+    assert "checkpoint_dir" not in medium.train.settings
     wsd = {"preset": "gpt2-medium", "schedule": "wsd", "keep_checkpoints": 3}  # 4 + the stable one: 5 x 4.3 GB
     with pytest.raises(UserError) as err:
         config_from_dict({**BASE, "train": wsd})
@@ -206,14 +206,14 @@ def test_checkpoints_are_placed_where_they_fit_and_the_publish_margin_grows_with
         "config: 3 kept checkpoints of 4.3 GB (4 while one is written and the stable-phase one, 21.3 GB) overflow "
         "the session's 20 GB output; set train.checkpoint_dir to \"{temp}/checkpoints\" and train.keep_checkpoints "
         "to 1")
-    assert "checkpoint_dir" not in config_from_dict({**BASE, "train": {**wsd, "keep_stable": False}}).train
+    assert "checkpoint_dir" not in config_from_dict({**BASE, "train": {**wsd, "keep_stable": False}}).train.settings
     assert config_from_dict({**BASE, "publish_margin_s": 30}).publish_margin_s == 30  # an explicit margin stays
 
 
 def test_a_config_is_built_then_checked_unchanged_and_the_stages_read_its_typed_sections():
     """Loading checks what the file gives, builds the config (checkpoints placed, the publish margin sized) and checks
-    the built one without changing it; the file's sections stay dicts as given (what the kernels are built with), and
-    their typed forms, every default filled, are built once, and again from a field set later."""
+    the built one without changing it; each section holds its settings as given (what the kernels are built with)
+    and their typed forms, every default filled, built at load; a config changed later is loaded again."""
     raw = {**BASE, "train": {"preset": "gpt2-xl"}, "tokenize": {"parts": 2, "settings": {"shard_size": 1000}},
            "eval": {"settings": {"val_tokens": 4096}, "inputs": ["alice/hs"]}}
     xl = config_from_dict(raw)
@@ -222,20 +222,20 @@ def test_a_config_is_built_then_checked_unchanged_and_the_stages_read_its_typed_
     built = dataclasses.asdict(xl)
     _check_built(xl, "config")
     assert dataclasses.asdict(xl) == built
-    train = xl.train_config
+    train = xl.train.config
     assert (train.checkpoint_dir, train.keep_checkpoints, train.keep_stable) == ("{temp}/checkpoints", 1, False)
     assert (train.total_steps, train.lr, train.schedule) == (xl.total_steps, TrainConfig().lr, "cosine")
-    assert xl.train_config is train  # built once
-    tok = xl.tokenize_section
+    assert xl.train.config is train  # built once
+    tok = xl.tokenize
     assert (tok.parts, tok.settings, tok.inputs, tok.accelerator, tok.hf_token) == (2, {"shard_size": 1000}, (), "",
                                                                                    False)
     assert (tok.config.shard_size, tok.config.tokens_per_part) == (1000, TokenizeConfig().tokens_per_part)
-    ev = xl.eval_section
+    ev = xl.eval
     assert (ev.enabled, ev.settings, ev.inputs) == (True, {"val_tokens": 4096}, ("alice/hs",))
     assert (ev.accelerator, ev.session_limit_s, ev.kind) == (xl.accelerator, xl.session_limit_s, "tpu")
     assert (ev.config.val_tokens, ev.config.hellaswag) == (4096, EvalConfig().hellaswag)
-    xl.train = {**xl.train, "schedule": "wsd"}  # a field set later (a test's probe does): built again from it
-    assert xl.train_config.schedule == "wsd" and xl.version_bytes == xl.checkpoint_bytes  # none kept in temp
+    xl = xl.with_train(schedule="wsd")  # a config changed later (a test's probe does): loaded again
+    assert xl.train.config.schedule == "wsd" and xl.version_bytes == xl.checkpoint_bytes  # none kept in temp
     with pytest.raises(UserError) as err:
         config_from_dict({**BASE, "eval": {"enabled": 0}})
     assert str(err.value) == "config: eval.enabled must be true or false, got 0"
@@ -265,7 +265,7 @@ def test_a_chain_extends_a_wsd_run_whose_stable_phase_checkpoint_travels_and_ref
     wsd = config_from_dict({**BASE, "train": {"preset": "gpt2-medium", "schedule": "wsd", "extend": True}})
     cosine = config_from_dict({**BASE, "train": {"preset": "gpt2-medium"}})
     size = wsd.checkpoint_bytes  # 4.3 GB: 3 of them (and the stable one) fit the output
-    assert size > 4e9 and wsd.train["extend"] is True and "checkpoint_dir" not in wsd.train
+    assert size > 4e9 and wsd.train.settings["extend"] is True and "checkpoint_dir" not in wsd.train.settings
     assert wsd.publish_margin_s == pytest.approx(600 + 2 * size / 10e6)  # both checkpoints, once, at 10 MB/s
     assert cosine.publish_margin_s == 1200  # one checkpoint, once: 600 + ~426 s, under the 1200-s floor
     with pytest.raises(UserError) as err:

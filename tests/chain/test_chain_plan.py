@@ -57,7 +57,7 @@ def test_the_micro_batch_is_split_over_the_target_machines_devices():
                                                   "total_batch_tokens": 12 * 1024 * 2}}
     with pytest.raises(UserError, match="--micro-batch 12 must be a multiple of the 8 devices"):
         config_from_dict({**twelve, "accelerator": "TpuV6E8"})
-    assert config_from_dict({**twelve, "accelerator": "NvidiaTeslaT4"}).train["micro_batch"] == 12
+    assert config_from_dict({**twelve, "accelerator": "NvidiaTeslaT4"}).train.settings["micro_batch"] == 12
 
 
 @pytest.mark.parametrize("section, settings, message", [
@@ -126,7 +126,7 @@ def test_plan_of_every_example_config_counts_its_sessions_and_tpu_hours(example,
     cfg = load_config(example)
     lines: list[str] = []
     plan = print_plan(cfg, log=lines.append, with_quota=False, measured_path=_no_measurement(tmp_path))
-    assert plan["kernels_built"] == cfg.tokenize_section.parts + 2  # every kernel built and checked
+    assert plan["kernels_built"] == cfg.tokenize.parts + 2  # every kernel built and checked
     train, _ = planned_train(cfg)
     # The estimate: 30% of a v5e-8's 8 x 197 TFLOP/s over the model's FLOPs per token (docs/tpu-throughput.md
     # section 2 lists 549,702 tokens/s for gpt2 at 30%).
@@ -292,7 +292,7 @@ def test_micro_batch_auto_is_resolved_for_the_chains_tpu():
     from shared.tpu import micro_batch_for
 
     cfg = load_config(REPO / "examples" / "chain-gpt2-124m.json")
-    assert cfg.train["micro_batch"] == "auto"
+    assert cfg.train.settings["micro_batch"] == "auto"
     train, note = planned_train(cfg)
     # docs/tpu-throughput.md's compiled v5e-8 rows: flash at 128 (11.4 GiB a chip), SDPA at 64 (9.9 GiB); splash, which
     # a session tries first, is sized as flash is (no T x T in HBM either), so only SDPA's differs.

@@ -12,6 +12,7 @@ import pytest
 from helpers import REPO, run_script
 
 from scripts.chain.config import config_from_dict, load_config
+from scripts.chain.sections import TokenizeSection
 from scripts.chain.smoke import (
     SMOKE_TPU_BUDGET_S,
     Row,
@@ -35,10 +36,10 @@ def test_the_smoke_chain_is_a_short_copy_of_the_config_under_its_own_names():
         "gpt2-124m-smoke", "gpt2-124m-smoke-checkpoints", "gpt2-124m-smoke-train")
     assert (smoke.max_train_sessions, smoke.max_failed_sessions, smoke.accelerator) == (2, 1, "TpuV5E8")
     # the same model, batch, schedule; each session traces 3 compiled steps (for the readiness report's profile)
-    assert smoke.train == {**cfg.train, "profile_steps": 3} and smoke.total_steps == cfg.total_steps
-    assert smoke.tokenize["parts"] == 1
-    assert smoke.tokenize["settings"] == {"tokens_per_part": 50_000_000, "shard_size": 10_000_000}
-    assert smoke.eval["settings"]["kaggle_model"] == "" and smoke.eval["settings"]["hellaswag_examples"] == 200
+    assert smoke.train.settings == {**cfg.train.settings, "profile_steps": 3} and smoke.total_steps == cfg.total_steps
+    assert smoke.tokenize.parts == 1
+    assert smoke.tokenize.settings == {"tokens_per_part": 50_000_000, "shard_size": 10_000_000}
+    assert smoke.eval.settings["kaggle_model"] == "" and smoke.eval.settings["hellaswag_examples"] == 200
     # 30-min sessions: a TPU's 1,310-s start-up, 60 s + 1.49 GB at the assumed 10 MB/s to publish (uploaded once:
     # the two checkpoint datasets are used in turn), 240 s of training
     assert smoke.publish_margin_s == pytest.approx(60 + 12 * 124_475_904 / 10e6)
@@ -55,7 +56,6 @@ def test_the_gpt2_smokes_sessions_train_their_whole_budget_after_up_to_900_s_of_
     import dataclasses
     import time
 
-    from scripts.chain.config import ChainConfig
     from scripts.chain.limits import TPU_STARTUP_MARGIN_S, TPU_STARTUP_S
     from shared.train.attention_probe import PROBE_BUDGET_S
     from shared.train.trainer import session_clock
@@ -63,9 +63,9 @@ def test_the_gpt2_smokes_sessions_train_their_whole_budget_after_up_to_900_s_of_
     smoke = smoke_config(load_config(REPO / "examples" / "chain-gpt2-124m.json"))
     # The margin covers the probes' whole budget, gpt2's step compile (70-145 s) and the baseline eval.
     assert TPU_STARTUP_S["attention probes"] == PROBE_BUDGET_S and TPU_STARTUP_S["step compile"] >= 145
-    assert smoke.startup_margin_s == ChainConfig().startup_margin_s == TPU_STARTUP_MARGIN_S > PROBE_BUDGET_S + 145
+    assert smoke.startup_margin_s == config_from_dict({"token_datasets": ["a/b"]}).startup_margin_s == TPU_STARTUP_MARGIN_S > PROBE_BUDGET_S + 145
     settings = smoke.session_clock(smoke.session_limit_s)
-    train = dataclasses.replace(smoke.train_config, **settings)
+    train = dataclasses.replace(smoke.train.config, **settings)
     for startup in (30.0, 300.0, 600.0, 900.0, PROBE_BUDGET_S + 145 + 145):
         now = time.monotonic()
         timer, clock = session_clock(train, None, 124_475_904, now - startup + 30.0, now - startup, None)
@@ -107,13 +107,13 @@ def test_a_smoke_of_a_larger_model_lengthens_its_sessions_by_the_publish_and_say
                               "them")
     # A wsd run's two short sessions never reach the end of its stable phase: one checkpoint to publish, once.
     wsd = smoke_config(config_from_dict({"token_datasets": ["a/b"], "train": {"preset": "gpt2", "schedule": "wsd"}}))
-    assert wsd.train["keep_stable"] is False and wsd.publish_margin_s == pytest.approx(60 + 149.3710848)
+    assert wsd.train.settings["keep_stable"] is False and wsd.publish_margin_s == pytest.approx(60 + 149.3710848)
 
 
 def test_a_smoke_of_checkpoints_kept_in_temp_leaves_time_for_the_sessions_own_publish_check():
     cfg = config_from_dict({"token_datasets": ["a/b"], "train": {"preset": "gpt2-large"},
                             "smoke": {"session_limit_s": 5400}})
-    assert cfg.train["checkpoint_dir"].startswith("{temp}")
+    assert cfg.train.settings["checkpoint_dir"].startswith("{temp}")
     size = 12 * MODEL_PRESETS["gpt2-large"].num_params()
     assert smoke_config(cfg).publish_margin_s == pytest.approx(60 + size / 10e6 + 600)
 
@@ -139,7 +139,7 @@ def test_a_configs_own_smoke_slugs_never_reuse_the_real_runs():
                             "smoke": {"session_limit_s": 1800}})
     smoke = smoke_config(cfg)
     assert smoke.slug("checkpoints") == "my-ckpts-smoke" and smoke.session_limit_s == 1800
-    assert smoke.tokenize == {} and smoke.token_datasets == ["a/b"]  # no parts to shorten: the data as given
+    assert smoke.tokenize == TokenizeSection.of({}) and smoke.token_datasets == ["a/b"]  # no parts to shorten: as given
     with pytest.raises(UserError, match="unknown smoke key.*minutes"):
         config_from_dict({"token_datasets": ["a/b"], "smoke": {"minutes": 10}})
 

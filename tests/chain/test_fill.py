@@ -50,7 +50,7 @@ def test_a_measured_machine_fills_the_share_of_the_session_it_is_given(tmp_path)
     assert fill.line.startswith("fill_session: total_steps 12787 (6.70B tokens, 85% of a 9-h session) at the "
                                 "250,000 tokens/s measured by --smoke: 7.52 h of training, evals included, ending ")
     filled = apply_fill(cfg, fill)
-    assert filled.total_steps == 12_787 and filled.tokenize["settings"]["tokens_per_part"] == fill.tokens_per_part
+    assert filled.total_steps == 12_787 and filled.tokenize.settings["tokens_per_part"] == fill.tokens_per_part
     plan = make_plan(filled, measured_path=measured(tmp_path, 250_000))
     assert plan["sessions"] == 1 and plan["tokenized_tokens"] >= fill.tokens + plan["validation_tokens"]
 

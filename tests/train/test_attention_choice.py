@@ -71,7 +71,7 @@ def test_the_session_plan_compile_tool_and_bench_pick_the_same_step(xla_runtime,
     # compile tool's traced kernel and bench_mfu's default step, each over generation x length x setting, against
     # the table.
     from scripts.bench_mfu import chain_step
-    from scripts.chain.config import ChainConfig
+    from scripts.chain.config import config_from_dict
     from scripts.chain.plan import planned_train
     from scripts.tpu_compile_step import traced_attention
     from shared.tpu import micro_batch_for
@@ -88,7 +88,8 @@ def test_the_session_plan_compile_tool_and_bench_pick_the_same_step(xla_runtime,
                 assert traced_attention(train, generation) == first, (setting, generation, seq_len)
                 cfg = TrainConfig(**train)
                 want = micro_batch_for(cfg, generation, first, 8)
-                planned, _ = planned_train(ChainConfig(accelerator=accelerator, train=train))
+                planned, _ = planned_train(config_from_dict({"accelerator": accelerator, "train": train,
+                                                                "token_datasets": ["a/b"]}))
                 assert planned.micro_batch == want, (setting, generation, seq_len)
                 assert chain_step(8, seq_len, generation, setting)[0] == want // 8
                 monkeypatch.setattr(xla_runtime, "tpu_generation", TPU_GENERATIONS[generation])

@@ -354,7 +354,7 @@ def test_one_session_recipe_config_is_muon_filling_its_session_with_full_hellasw
     # Filled to 85% of the session once --smoke measured the TPU, up to two passes over sample-10BT's two parts
     # (tests/chain/test_fill.py); unmeasured it trains 7.0B tokens, within one pass of them.
     assert chain.fill_session >= 0.8 and chain.fill_passes == 2
-    parts, per_part = chain.tokenize["parts"], chain.tokenize["settings"]["tokens_per_part"]
+    parts, per_part = chain.tokenize.parts, chain.tokenize.settings["tokens_per_part"]
     assert (parts, per_part) == (2, 5_000_000_000)
     assert 7.0e9 <= tokens < 7.01e9 and tokens <= parts * per_part - 100_000_000
     assert (cfg.hellaswag_examples, cfg.hellaswag_every, cfg.eval_every) == (0, 1000, 250)  # all 10,042

@@ -115,8 +115,8 @@ def test_a_chain_config_may_write_its_train_settings_in_sections():
     assert {"model", "optim", "lr_schedule", "step", "evals", "logging"} <= set(nested)
     flat = {key: value for section in nested.values() for key, value in section.items()}
     flat_cfg, nested_cfg = config_from_dict({**raw, "train": flat}), config_from_dict(raw)
-    assert nested_cfg.train == flat_cfg.train and nested_cfg.train_config == flat_cfg.train_config
-    assert (nested_cfg.train_config.muon_lr, nested_cfg.train_config.cooldown_frac) == (0.00036, 0.29)
+    assert nested_cfg.train.settings == flat_cfg.train.settings and nested_cfg.train.config == flat_cfg.train.config
+    assert (nested_cfg.train.config.muon_lr, nested_cfg.train.config.cooldown_frac) == (0.00036, 0.29)
     with pytest.raises(UserError) as err:
         config_from_dict({**raw, "train": {**nested, "optim": {**nested["optim"], "eval_every": 100}}}, "c.json")
     assert str(err.value) == ("c.json: train.optim: eval_every is not a setting of this section; it belongs in the "
