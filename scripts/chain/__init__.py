@@ -9,7 +9,8 @@ Kaggle API is reached through a small retrying client (`client`).
 
 The modules stand in layers, each importing only those below it (tests/test_layout.py finds any import circle):
 1. `limits`, `state`, `build`: Kaggle's limits, the state file, the kernel builder; `sections`: the config's
-   tokenize and eval sections, typed;
+   train, tokenize and eval sections, typed; `checkpoint_room`: where a session's checkpoints live and what
+   publishing them takes;
 2. `config`: the chain's config and its checks;
 3. `client`, `sizing`; then `context`, which the stages share;
 4. the stages: `checkpoints`, `notebooks`, `hellaswag`, `tokenize_stage`, `train_stage`, `eval_stage`;

@@ -63,7 +63,8 @@ def test_the_gpt2_smokes_sessions_train_their_whole_budget_after_up_to_900_s_of_
     smoke = smoke_config(load_config(REPO / "examples" / "chain-gpt2-124m.json"))
     # The margin covers the probes' whole budget, gpt2's step compile (70-145 s) and the baseline eval.
     assert TPU_STARTUP_S["attention probes"] == PROBE_BUDGET_S and TPU_STARTUP_S["step compile"] >= 145
-    assert smoke.startup_margin_s == config_from_dict({"token_datasets": ["a/b"]}).startup_margin_s == TPU_STARTUP_MARGIN_S > PROBE_BUDGET_S + 145
+    default = config_from_dict({"token_datasets": ["a/b"]}).startup_margin_s
+    assert smoke.startup_margin_s == default == TPU_STARTUP_MARGIN_S > PROBE_BUDGET_S + 145
     settings = smoke.session_clock(smoke.session_limit_s)
     train = dataclasses.replace(smoke.train.config, **settings)
     for startup in (30.0, 300.0, 600.0, 900.0, PROBE_BUDGET_S + 145 + 145):
