@@ -347,7 +347,7 @@ def load_recipe():
 
 def test_one_session_recipe_config_is_muon_filling_its_session_with_full_hellaswag():
     chain = load_recipe()
-    cfg = TrainConfig(**chain.train, total_steps=chain.total_steps)
+    cfg = TrainConfig(**chain.train.settings, total_steps=chain.total_steps)
     cfg.validate(8)
     tokens = chain.total_steps * cfg.total_batch_tokens
     assert cfg.optimizer == "muon" and cfg.schedule == "wsd" and cfg.preset == "gpt2"
@@ -397,7 +397,7 @@ def test_bench_recipe_remaps_to_the_most_frequent_tokens_and_reads_tokens_needed
     # --compare: the record's settings are the recipe's (at the recipe's AdamW LR), and "before issue 32" at gpt2's
     # width and length is the recipe as it was (muon_lr 0.02 in the Muon README's convention, 100/300 warm-ups)
     compared = bench.compared_settings(0.0036, 768, 13352)
-    chain = TrainConfig(**{k: v for k, v in load_recipe().train.items() if k in compared["record"]})
+    chain = TrainConfig(**{k: v for k, v in load_recipe().train.settings.items() if k in compared["record"]})
     assert all(getattr(chain, k) == pytest.approx(v) for k, v in compared["record"].items() if k != "grad_clip")
     assert (compared["record"]["grad_clip"], chain.grad_clip) == (0.0, 1.0)  # the record clips nothing; ours does
     before = compared["before-issue-32"]
