@@ -271,7 +271,8 @@ def config_from_dict(raw: dict, where: str = "config") -> ChainConfig:
     if unknown:
         raise UserError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(fields)}")
     sections = _stage_dicts(raw, where)
-    # The fields but the stage sections, whose typing reads them (total_steps, accelerator): checked first.
+    # The fields but the stage sections (None until typed), checked first: typing the sections reads them
+    # (total_steps, accelerator, session_limit_s).
     given = ChainConfig(**{k: v for k, v in raw.items() if k not in STAGES}, **dict.fromkeys(STAGES))
     _check_given(given, where)
     train = _train(given, sections["train"], where)

@@ -410,6 +410,27 @@ def test_config_errors_are_one_line(tmp_path):
     assert load_config(toml).train.settings == {"preset": "gpt2"}
 
 
+def test_the_train_section_may_hold_its_settings_under_settings_as_tokenize_and_eval_do():
+    """One shape for the three stage sections: the train settings under `settings` load as the older shape (settings
+    directly in `train`) does; a built config written out loads back to itself, and a changed one is checked."""
+    flat = config_from_dict({"token_datasets": ["a/b"], "train": {"preset": "gpt2", "lr": 0.001}})
+    shaped = config_from_dict({"token_datasets": ["a/b"], "train": {"settings": {"model": {"preset": "gpt2"},
+                                                                                  "optim": {"lr": 0.001}}}})
+    assert shaped == flat and shaped.train.settings == {"preset": "gpt2", "lr": 0.001}
+    assert (shaped.train.config.lr, shaped.train.config.total_steps) == (0.001, shaped.total_steps)
+    assert config_from_dict(flat.raw()) == flat
+    assert flat.with_train(lr=0.002).train.config.lr == 0.002 and flat.train.config.lr == 0.001
+    with pytest.raises(UserError) as err:
+        flat.with_train(lr=-1)
+    assert str(err.value).startswith("config: train: ")
+    with pytest.raises(UserError) as err:
+        config_from_dict({"token_datasets": ["a/b"], "train": {"settings": {"preset": "gpt2"}, "lr": 0.001}})
+    assert str(err.value) == "config: unknown train key(s) lr; known: settings"
+    with pytest.raises(UserError) as err:
+        config_from_dict({"token_datasets": ["a/b"], "eval": ["x"]})
+    assert str(err.value) == "config: eval must be a section ({\"key\": value, ...}), got ['x']"
+
+
 @pytest.mark.slow
 def test_bad_input_gives_one_line_errors_and_loses_nothing(local_kaggle, tmp_path):
     lk = local_kaggle
