@@ -151,7 +151,7 @@ class ChainConfig:
     @functools.cached_property
     def train_config(self) -> TrainConfig:
         """`train_settings` typed, every default filled: what the chain reads the run's settings from."""
-        return TrainConfig(**self.train_settings)
+        return TrainConfig.from_dict(self.train_settings)
 
     @functools.cached_property
     def tokenize_section(self) -> TokenizeSection:
@@ -235,7 +235,7 @@ class ChainConfig:
 
     @property
     def checkpoint_bytes(self) -> int:
-        return self.train_config.model.checkpoint_bytes()
+        return self.train_config.model.shape.checkpoint_bytes()
 
     @property
     def version_bytes(self) -> int:
@@ -348,7 +348,7 @@ def _check_built(cfg: ChainConfig, where: str) -> None:
         cfg.dataset_room()
     except UserError as err:
         raise UserError(f"{where}: {err}") from None
-    if train.extend and not keeps_stable(train):
+    if train.lr_schedule.extend and not keeps_stable(train):
         why = ("the checkpoints of a model this large live in /kaggle/temp, where none is kept"
                if checkpoints_in_temp(train) else "train.keep_stable is false")
         raise UserError(f"{where}: train.extend trains on from the checkpoint where the stable phase ended, and {why}; "
@@ -416,7 +416,7 @@ def _check_eval(cfg: ChainConfig, where: str) -> None:
 def checkpoints_in_temp(train: TrainConfig) -> bool:
     """Whether the train sessions keep their checkpoints in /kaggle/temp (gone with the session, not in its
     output): the session's own publish is then the only copy."""
-    return train.checkpoint_dir.startswith("{temp}")
+    return train.session.checkpoint_dir.startswith("{temp}")
 
 
 def publish_verify_s(train: TrainConfig) -> float:
@@ -429,7 +429,7 @@ def publish_verify_s(train: TrainConfig) -> float:
 def keeps_stable(train: TrainConfig) -> bool:
     """Whether the run keeps (and the checkpoint dataset carries) the checkpoint where a wsd schedule's stable
     phase ends (train.keep_stable, for --extend)."""
-    return train.schedule == "wsd" and train.keep_stable
+    return train.lr_schedule.schedule == "wsd" and train.session.keep_stable
 
 
 def checkpoint_uploads(train: TrainConfig) -> int:
@@ -470,18 +470,18 @@ def _publish_words(train: TrainConfig, size: int) -> str:
 
 def _output_peak(train: TrainConfig, size: int) -> int:
     """What the checkpoints hold in the output at most: those kept, the one being written, the stable-phase one."""
-    return (train.keep_checkpoints + 1 + int(keeps_stable(train))) * size
+    return (train.session.keep_checkpoints + 1 + int(keeps_stable(train))) * size
 
 
 def _check_checkpoint_room(cfg: ChainConfig, where: str) -> None:
     train, size = cfg.train_config, cfg.checkpoint_bytes
     if checkpoints_in_temp(train):
         return
-    if train.checkpoint_dir and not train.checkpoint_dir.startswith("{working}"):
-        raise UserError(f"{where}: train.checkpoint_dir {train.checkpoint_dir!r} must be under {{working}} or {{temp}}")
+    if train.session.checkpoint_dir and not train.session.checkpoint_dir.startswith("{working}"):
+        raise UserError(f"{where}: train.checkpoint_dir {train.session.checkpoint_dir!r} must be under {{working}} or {{temp}}")
     peak = _output_peak(train, size)
     if peak > OUTPUT_LIMIT_BYTES and ("checkpoint_dir" in cfg.train or "keep_checkpoints" in cfg.train):
-        keep, stable = train.keep_checkpoints, keeps_stable(train)
+        keep, stable = train.session.keep_checkpoints, keeps_stable(train)
         also = " and the stable-phase one" if stable else ""
         raise UserError(f"{where}: {keep} kept checkpoints of {size / 1e9:.1f} GB ({keep + 1} while one is written"
                         f"{also}, {peak / 1e9:.1f} GB) overflow the session's {OUTPUT_LIMIT_BYTES / 1e9:g} GB output; "

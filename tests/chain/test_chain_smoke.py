@@ -52,7 +52,6 @@ def test_the_gpt2_smokes_sessions_train_their_whole_budget_after_up_to_900_s_of_
     """A TPU's start-up (PJRT, the attention probes up to their 900-s budget, W&B, the baseline eval, the step's
     compile) comes before the budget, which the trainer counts from the end of the first step; the deadline leaves
     the start-up margin for it. So after 900 s of start-up the session still trains its 240 s and publishes."""
-    import dataclasses
     import time
 
     from scripts.chain.config import ChainConfig
@@ -65,7 +64,7 @@ def test_the_gpt2_smokes_sessions_train_their_whole_budget_after_up_to_900_s_of_
     assert TPU_STARTUP_S["attention probes"] == PROBE_BUDGET_S and TPU_STARTUP_S["step compile"] >= 145
     assert smoke.startup_margin_s == ChainConfig().startup_margin_s == TPU_STARTUP_MARGIN_S > PROBE_BUDGET_S + 145
     settings = smoke.session_clock(smoke.session_limit_s)
-    train = dataclasses.replace(smoke.train_config, **settings)
+    train = smoke.train_config.replace(**settings)
     for startup in (30.0, 300.0, 600.0, 900.0, PROBE_BUDGET_S + 145 + 145):
         now = time.monotonic()
         timer, clock = session_clock(train, None, 124_475_904, now - startup + 30.0, now - startup, None)

@@ -179,7 +179,7 @@ def test_the_compilers_own_total_decides_the_fit_and_the_summed_buffers_only_whe
     from shared.config import TrainConfig
 
     (tmp_path / "step.json").write_text(json.dumps({
-        "train": TrainConfig(preset="tiny").to_dict(), "micro_batch": 8, "grad_accum_steps": 4,
+        "train": TrainConfig.from_dict(dict(preset="tiny")).to_dict(), "micro_batch": 8, "grad_accum_steps": 4,
         "attention": "pallas-flash", "activation_checkpointing": True, "scan_layers": False}))
     gib = 2**30
     memory = {"arguments": int(8.65 * gib), "outputs": int(8.65 * gib), "aliased": int(8.65 * gib),
@@ -239,7 +239,7 @@ def test_the_report_gives_the_ceiling_both_ways_with_the_kernels_slower_by_the_h
     from shared.config import TrainConfig
 
     (tmp_path / "step.json").write_text(json.dumps({
-        "train": TrainConfig(preset="tiny").to_dict(), "micro_batch": 8, "grad_accum_steps": 3,
+        "train": TrainConfig.from_dict(dict(preset="tiny")).to_dict(), "micro_batch": 8, "grad_accum_steps": 3,
         "attention": "pallas-splash", "activation_checkpointing": False, "scan_layers": False}))
     memory = {"arguments": 2**20, "outputs": 2**20, "aliased": 2**20, "temps": 2**20, "code": 0, "host_temps": 0,
               "peak": 2**22, "compiler_total": 0}

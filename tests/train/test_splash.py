@@ -66,13 +66,13 @@ def test_a_step_with_splash_attention_gives_sdpas_loss_and_gradients(xla_runtime
     from shared.train.attention import SDPA_CHOICE, SPLASH, kernel_choice
     from shared.train.model import GPT
 
-    cfg = TrainConfig(preset="tiny", seq_len=256)
+    cfg = TrainConfig.from_dict(dict(preset="tiny", seq_len=256))
     tokens = np.random.default_rng(0).integers(0, 50257, (2, 8, 257)).astype(np.int32)  # 2 micro-steps of 8
     results = []
     splash = kernel_choice(SPLASH, splash_attention(xla_runtime.mesh, interpret=True), 256)  # as a session's
     for attention in (splash, SDPA_CHOICE):
         torch.manual_seed(0)
-        model = xla_runtime.prepare_model(GPT(cfg.model, attention), fsdp=False)
+        model = xla_runtime.prepare_model(GPT(cfg.model.shape, attention), fsdp=False)
         loss = xla_runtime.forward_backward(model, tokens, bf16=False, scaler=None)
         xla_runtime.sync()
         results.append((loss.item(), [p.grad.detach().cpu() for p in model.parameters()]))

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -104,7 +103,7 @@ def test_no_recompilation_after_step_two(demo_data, tmp_path):
     # Between the logs of steps 8 and 9 lie the eval after step 8 and step 9 itself: host-to-device the step's
     # tokens, one batch per eval batch and the health check's rows; device-to-host the three logged scalars, the
     # eval's mean loss, and the health check's two reads (the weight RMS by kind, the attention logits by layer).
-    assert records[9]["h2d_transfers"] - records[8]["h2d_transfers"] == 1 + cfg.eval_batches + 1
+    assert records[9]["h2d_transfers"] - records[8]["h2d_transfers"] == 1 + cfg.evals.eval_batches + 1
     assert records[9]["d2h_transfers"] - records[8]["d2h_transfers"] == 3 + 1 + 2
     val = [(r["step"], r["val_loss"]) for r in read_metrics(tmp_path / "metrics.jsonl") if "val_loss" in r]
     # At the session start, after steps 2, 4, 6, 8, and at the run's last step, 9, though 9 is no multiple of 2.
@@ -147,7 +146,7 @@ def test_fsdp_shards_parameters_and_matches_replicated_training(demo_data, tmp_p
     from shared.train.model import GPT
 
     runtime = make_runtime("xla")
-    model = runtime.prepare_model(GPT(small_config(demo_data, tmp_path).model), fsdp=True)
+    model = runtime.prepare_model(GPT(small_config(demo_data, tmp_path).model.shape), fsdp=True)
     spec = torch_xla._XLAC._get_xla_sharding_spec(model.transformer.wte.weight)
     assert "devices=[8,1]" in spec
     runtime._fsdp = False
@@ -316,7 +315,7 @@ def test_the_accumulation_loop_is_traced_once_and_never_waits_for_the_device():
 
     runtime = make_runtime("xla")
     torch.manual_seed(0)
-    model = runtime.prepare_model(GPT(TrainConfig(preset="tiny", seq_len=32).model), fsdp=False)
+    model = runtime.prepare_model(GPT(TrainConfig.from_dict(dict(preset="tiny", seq_len=32)).model.shape), fsdp=False)
     runtime.sync()
     rng, losses, waits = np.random.default_rng(0), [], count_device_waits()
     for _ in range(3):
@@ -396,8 +395,8 @@ def test_extend_with_no_checkpoint_at_all_starts_at_step_zero(tmp_path):
     # A chain's first session (or its smoke run) with train.extend set: nothing to extend, nothing refused.
     from shared.train.session import resume_point
 
-    cfg = TrainConfig(preset="tiny", seq_len=32, micro_batch=8, total_batch_tokens=256, total_steps=8, schedule="wsd",
-                      extend=True, resume_from=str(tmp_path / "mount"))
+    cfg = TrainConfig.from_dict(dict(preset="tiny", seq_len=32, micro_batch=8, total_batch_tokens=256, total_steps=8, schedule="wsd",
+                      extend=True, resume_from=str(tmp_path / "mount")))
     lines = []
     assert resume_point(cfg, tmp_path / "checkpoints", log=lines.append) is None
     assert lines == [f"--extend: no checkpoint yet in {tmp_path / 'checkpoints'}, {tmp_path / 'mount'}, "
@@ -419,7 +418,7 @@ def test_extend_trains_on_from_the_stable_phase_as_a_longer_run_would_bit_exactl
         train_in_process(small_config(demo_data, extended, total_steps=6, extend=True, **wsd))
     assert [p.name for p in list_checkpoints(checkpoints)] == ["step_000008"]
     longer = small_config(demo_data, extended, total_steps=12, extend=True, **wsd)
-    first, lines = train_in_process(replace(longer, stop_after_steps=2))
+    first, lines = train_in_process(longer.replace(stop_after_steps=2))
     assert first.step == 7
     ended, stable = checkpoints / "step_000008", checkpoints / "stable" / "step_000005"
     assert lines[:2] == [f"notice: --extend: {ended} (step 8 of a 8-step wsd schedule) holds updates --total-steps 12 "
