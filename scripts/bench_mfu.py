@@ -65,7 +65,8 @@ def chain_step(devices: int, seq_len: int, generation: str | None = None,
 
     train = chain_train_settings()
     kept = {k: v for k, v in train.items() if k in ("micro_batch", "total_batch_tokens", "attention")}
-    cfg = TrainConfig.from_dict(dict(**{**kept, **({"attention": attention} if attention else {})}, preset="gpt2", seq_len=seq_len))
+    cfg = TrainConfig.from_dict({**kept, **({"attention": attention} if attention else {}), "preset": "gpt2",
+                                 "seq_len": seq_len})
     if cfg.step.micro_batch == AUTO:
         first = candidates(generation, seq_len, cfg.step.attention)[0]
         cfg = cfg.replace(micro_batch=micro_batch_for(cfg, generation, first, devices))
@@ -328,11 +329,12 @@ def main() -> None:
         # Every process (DDP) writes the same shards into its own folder; the loader wraps around them.
         write_random_shards(Path(tmp) / "data", 4 * tokens_per_micro_step + 1,
                             min(model_cfg.vocab_size, GPT2_VOCAB_SIZE))
-        cfg = TrainConfig.from_dict(dict(preset=args.preset, seq_len=args.seq_len, data_dir=f"{tmp}/data", out_dir=f"{tmp}/run",
-                          micro_batch=global_micro, total_batch_tokens=tokens_per_micro_step * accum,
-                          total_steps=warmup + steps, warmup_steps=max(1, warmup + steps), log_every=log_every,
-                          eval_every=0, checkpoint_every=0, keep_checkpoints=1, progress=False, wandb_project="",
-                          xla_cache=False, backend=backend, optimizer=args.optimizer, attention=attention))
+        cfg = TrainConfig.from_dict(dict(
+            preset=args.preset, seq_len=args.seq_len, data_dir=f"{tmp}/data", out_dir=f"{tmp}/run",
+            micro_batch=global_micro, total_batch_tokens=tokens_per_micro_step * accum,
+            total_steps=warmup + steps, warmup_steps=max(1, warmup + steps), log_every=log_every,
+            eval_every=0, checkpoint_every=0, keep_checkpoints=1, progress=False, wandb_project="",
+            xla_cache=False, backend=backend, optimizer=args.optimizer, attention=attention))
         train(cfg, runtime, log=lambda msg, *a, **k: say(f"  [trainer] {msg}", flush=True))
         peak_mem = (torch.cuda.max_memory_allocated(runtime.device) / 2**30
                     if runtime.device.type == "cuda" else None)

@@ -351,11 +351,12 @@ def main() -> None:
         raise UserError(f"--eval-batches {args.eval_batches}: the validation split holds {val_batches} batches of "
                         f"{args.micro_batch} x {args.seq_len}; use a smaller --micro-batch or fewer batches")
     eval_every = max(1, steps // args.evals)
-    base = TrainConfig.from_dict(dict(preset="bench", micro_batch=args.micro_batch, total_batch_tokens=args.batch_tokens,
-                       data_dir=str(data_dir), backend=args.backend, bf16=args.backend != "cpu",
-                       eval_batches=args.eval_batches, eval_every=eval_every, warmup_steps=max(1, steps // 20),
-                       checkpoint_every=0, keep_checkpoints=1, keep_stable=False, progress=True, wandb_project="",
-                       xla_cache=False, time_budget=1e9, log_every=10, schedule="wsd", lr=args.adamw_lr))
+    base = TrainConfig.from_dict(dict(
+        preset="bench", micro_batch=args.micro_batch, total_batch_tokens=args.batch_tokens,
+        data_dir=str(data_dir), backend=args.backend, bf16=args.backend != "cpu",
+        eval_batches=args.eval_batches, eval_every=eval_every, warmup_steps=max(1, steps // 20),
+        checkpoint_every=0, keep_checkpoints=1, keep_stable=False, progress=True, wandb_project="",
+        xla_cache=False, time_budget=1e9, log_every=10, schedule="wsd", lr=args.adamw_lr))
     out_root = Path(args.out_dir)
     if args.compare:
         report = compare(base, args, steps, out_root)

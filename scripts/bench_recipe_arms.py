@@ -279,11 +279,12 @@ def main() -> None:
             raise UserError(f"--arms: no arm {', '.join(sorted(unknown))}; the arms are {', '.join(arms)}")
         arms = {name: arm for name, arm in arms.items() if name in args.arms.split(",") or name == "shipped"}
     eval_every = max(1, args.steps // args.evals)
-    base = TrainConfig.from_dict(dict(preset="bench", micro_batch=args.micro_batch, total_batch_tokens=args.batch_tokens,
-                       data_dir=str(data_dir), backend="cpu", bf16=False, eval_batches=args.eval_batches,
-                       eval_every=eval_every, checkpoint_every=eval_every, keep_checkpoints=args.evals + 2,
-                       keep_stable=False, progress=True, wandb_project="", xla_cache=False, time_budget=1e9,
-                       log_every=10, total_steps=args.steps, seed=args.first_seed))
+    base = TrainConfig.from_dict(dict(
+        preset="bench", micro_batch=args.micro_batch, total_batch_tokens=args.batch_tokens,
+        data_dir=str(data_dir), backend="cpu", bf16=False, eval_batches=args.eval_batches,
+        eval_every=eval_every, checkpoint_every=eval_every, keep_checkpoints=args.evals + 2,
+        keep_stable=False, progress=True, wandb_project="", xla_cache=False, time_budget=1e9,
+        log_every=10, total_steps=args.steps, seed=args.first_seed))
     out_root = Path(args.out_dir)
     windows = seed_data_dirs(data_dir, out_root, args.window + args.seeds, args.steps * args.batch_tokens + 1)
     print(f"corpus: {corpus['train_tokens']:,} train tokens; {len(arms)} arms x {args.seeds} seeds x {args.steps} "

@@ -200,7 +200,8 @@ def analyse(trace_dir: Path, tpu: str) -> dict:
     train = TrainConfig.from_dict(meta["train"])
     head = {"tpu": tpu, "device_kind": compiled["device_kind"], "devices": compiled["devices"],
             "versions": {"jax": compiled["jax"], "libtpu": compiled["libtpu"]}, "compile_s": compiled["compile_s"],
-            "preset": train.model.preset, "micro_batch": meta["micro_batch"], "grad_accum_steps": meta["grad_accum_steps"],
+            "preset": train.model.preset, "micro_batch": meta["micro_batch"],
+            "grad_accum_steps": meta["grad_accum_steps"],
             "attention": meta["attention"], "activation_checkpointing": meta["activation_checkpointing"],
             "scan_layers": meta["scan_layers"], "fsdp": train.step.fsdp}
     if "out_of_memory" in compiled:  # the compiler refused it: its own figures, nothing else to read

@@ -128,7 +128,8 @@ class TrainConfig:
         """Every check again (a field may have been set since), then what needs the machine: the micro-batch is
         split evenly over its devices."""
         self.check()
-        total, micro_batch, block_size = self.step.total_batch_tokens, self.step.micro_batch, self.model.shape.block_size
+        total, micro_batch = self.step.total_batch_tokens, self.step.micro_batch
+        block_size = self.model.shape.block_size
         if micro_batch == AUTO:  # auto picks a multiple of the devices that divides the batch: one must exist
             smallest = num_devices * block_size
             if total % smallest:

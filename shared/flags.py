@@ -96,7 +96,8 @@ def _int_or_word(text: str) -> int | str:
 
 
 def parse_dataclass(cls: type, argv: list[str] | None = None, description: str = "", defaults: dict | None = None):
-    """Parse `argv` into an instance of `cls` (a sectioned one by its `from_dict`); `defaults` (e.g. baked into a Kaggle build) override field defaults."""
+    """Parse `argv` into an instance of `cls` (a class with sections by its `from_dict`); `defaults` (e.g. baked
+    into a Kaggle build) override field defaults."""
     parser = argparse.ArgumentParser(description=description)
     add_dataclass_args(parser, cls)
     if defaults:  # under their current names (a build baked before a rename bakes the old ones)

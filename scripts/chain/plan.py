@@ -247,10 +247,10 @@ def plan_lines(cfg: ChainConfig, plan: dict, source: str = "") -> list[str]:
         hs_every = hellaswag_every_steps(train)
         examples = (f"a seeded sample of {train.evals.hellaswag_examples}" if train.evals.hellaswag_examples
                     else f"all {HELLASWAG_VALIDATION_EXAMPLES:,}")
-        lines.append(f"          every {train.evals.eval_every} steps: validation loss; every {hs_every}, at the stable "
-                     f"phase's end and at the last step: HellaSwag on {examples} examples "
-                     f"({cfg.hellaswag or train.evals.hellaswag_file}), acc_norm with its standard error, plotted beside "
-                     "the loss")
+        lines.append(f"          every {train.evals.eval_every} steps: validation loss; every {hs_every}, at the "
+                     f"stable phase's end and at the last step: HellaSwag on {examples} examples "
+                     f"({cfg.hellaswag or train.evals.hellaswag_file}), acc_norm with its standard error, plotted "
+                     "beside the loss")
     if train.lr_schedule.extend:
         lines.append("          train.extend: a finished or decaying run trains on from the stable-phase checkpoint "
                      "its dataset carries (the chain names the step before pushing); the steps and hours here "
@@ -354,8 +354,8 @@ def warnings(cfg: ChainConfig, plan: dict, train: TrainConfig) -> list[str]:
                    f"{_tokens(plan['train_tokens'])}: the run repeats data ({passes:.2f} passes over the training "
                    "shards)")
     if train.lr_schedule.warmup_steps >= cfg.total_steps:
-        out.append(f"warmup_steps {train.lr_schedule.warmup_steps} >= total_steps {cfg.total_steps}: the learning rate never "
-                   "reaches its peak")
+        out.append(f"warmup_steps {train.lr_schedule.warmup_steps} >= total_steps {cfg.total_steps}: the learning "
+                   "rate never reaches its peak")
     if plan["tokens_per_s"] is None:
         out.append("no tokens/s for this machine: sessions and quota are not estimated")
     if plan.get("sessions_this_week") == 0 and plan.get("sessions_per_week"):
@@ -400,7 +400,8 @@ def check_arithmetic_fit(cfg: ChainConfig, generation: str) -> None:
     need = smallest_step_bytes(generation, attention, model, model.block_size, devices, checkpointing, train.step.fsdp)
     if need is not None and need[0] > need[1]:
         raise UserError(f"the train step cannot fit a {generation} chip's HBM: {need[0] / 2**30:.1f} GiB a chip at "
-                        f"one sequence per micro-step ({train.model.preset}{', fsdp' if train.step.fsdp else ''}), over the "
+                        f"one sequence per micro-step ({train.model.preset}{', fsdp' if train.step.fsdp else ''}), "
+                        "over the "
                         f"{need[1] / 2**30:.1f} GiB its buffers may use (arithmetic: shared/tpu.py); set "
                         "train.fsdp true" + ("" if checkpointing else ", or train.activation_checkpointing \"on\""))
 
@@ -446,7 +447,8 @@ def compiled_fit(cfg: ChainConfig, log=print) -> tuple[dict | None, str]:
     line = (f"{tpu} by libtpu {report['versions']['libtpu']} (the {step} step{why_sdpa}, micro-batch "
             f"{report['micro_batch']}): HBM per chip {hbm} ({report['free_fraction']:.0%} free); "
             f"all-reduce inside the loop {sum(g['count'] for g in in_loop)}, "
-            f"{sum(g['bytes'] for g in in_loop) / 1e6:.1f} MB per micro-step; {ceilings_text(report, train.model.shape)}")
+            f"{sum(g['bytes'] for g in in_loop) / 1e6:.1f} MB per micro-step; "
+            f"{ceilings_text(report, train.model.shape)}")
     # The steps a session trains with where its probes fail, in the order it tries them.
     report["fallback_reports"] = {}
     for failed, attention in zip(tried, tried[1:], strict=False):

@@ -116,8 +116,8 @@ def disk_line(cfg: ChainConfig, midway: bool) -> str:
     """--plan's words: the most a train session puts on /kaggle/temp's disk at once, and what makes it up."""
     needs, in_temp = session_disk(cfg), checkpoints_in_temp(cfg.train_config)
     peak = peak_bytes(needs, fetching=True, midway=midway, rotation=in_temp)
-    parts = [f"{cfg.train_config.session.keep_checkpoints + 1} checkpoints rotating {_gb(needs['rotation'])}"] if in_temp \
-        else []
+    keep = cfg.train_config.session.keep_checkpoints
+    parts = [f"{keep + 1} checkpoints rotating {_gb(needs['rotation'])}"] if in_temp else []
     if midway:
         parts.append(f"the midway publish's links {_gb(needs['midway'])}")
     parts.append(f"a fetched version {_gb(needs['fetched'])} (a stale mount; {_gb(needs['fetch'])} while its zip is "

@@ -397,7 +397,8 @@ def extend_start(ctx: StageContext, ref: str, version: int, cfg: ChainConfig) ->
             seen.append((step, was, same_schedule_until(was, train, step)))
     agreeing = [step for step, _, agrees in seen if agrees]
     if not agreeing:
-        found = "; ".join(f"step {step} of a {was.lr_schedule.total_steps}-step {was.lr_schedule.schedule} schedule" for step, was, _ in seen)
+        found = "; ".join(f"step {step} of a {was.lr_schedule.total_steps}-step {was.lr_schedule.schedule} schedule"
+                          for step, was, _ in seen)
         raise UserError(f"train.extend: no checkpoint in version {version} of {ref} agrees with total_steps "
                         f"{cfg.total_steps} ({found or 'none found'}): its decay must start after the stable phase "
                         "the run kept (docs/recipe.md section 6)")

@@ -96,8 +96,8 @@ def find_resume_point(cfg: TrainConfig, ckpt_root: Path, log=print) -> LoadedChe
     owned = (ckpt_root, ckpt_root / STABLE_DIR)  # --resume-from is another run's, or a read-only dataset
     for path, what in passed_over.items():
         if path.parent in owned:
-            set_aside_checkpoint(path, f"--extend: {path} ({what}) holds updates --total-steps {cfg.lr_schedule.total_steps} "
-                                       "makes differently", log=log)
+            set_aside_checkpoint(path, f"--extend: {path} ({what}) holds updates --total-steps "
+                                       f"{cfg.lr_schedule.total_steps} makes differently", log=log)
     log(f"--extend: training on from step {resumed.step} ({resumed.path}) to step {cfg.lr_schedule.total_steps}")
     return resumed
 
@@ -212,7 +212,8 @@ def log_reference_check(cfg: TrainConfig, logger: MetricsLogger, step: int, resu
     from 0.5B tokens on, with the early verdict from 2B tokens on."""
     if cfg.model.preset != "gpt2" or cfg.model.shape.block_size != 1024 or results.get("val_loss") is None:
         return
-    found = check(step, step * cfg.step.total_batch_tokens, results["val_loss"], cfg.lr_schedule.total_steps, cfg.step.total_batch_tokens,
+    batch = cfg.step.total_batch_tokens
+    found = check(step, step * batch, results["val_loss"], cfg.lr_schedule.total_steps, batch,
                   results.get("hellaswag_acc_norm"), results.get("hellaswag_examples") or 10_042)
     if found is None:
         return
@@ -232,12 +233,12 @@ def log_projection(cfg: TrainConfig, logger: MetricsLogger, at_step: int, stable
 
 
 class StepProfiler:
-    """torch_xla's profiler over `cfg.logging.profile_steps` steps of a session once its step graph has compiled (steps 1
-    and 2 compile), written to <out_dir>/profile/ (an .xplane.pb under plugins/profile/, which TensorBoard's profile
-    plugin reads): the device's per-op time of a real TPU step, to hold against scripts/hlo_cost.py's roofline. A
-    profiler that fails is one notice; training goes on. Where the trace starts and stops is recorded too
-    (`profile_start`, `profile_end` through `record`, metrics.jsonl, after the step lines queued before them): the
-    throughput leaves those steps out (shared/train/throughput.py)."""
+    """torch_xla's profiler over `cfg.logging.profile_steps` steps of a session once its step graph has compiled
+    (steps 1 and 2 compile), written to <out_dir>/profile/ (an .xplane.pb under plugins/profile/, which
+    TensorBoard's profile plugin reads): the device's per-op time of a real TPU step, to hold against
+    scripts/hlo_cost.py's roofline. A profiler that fails is one notice; training goes on. Where the trace starts
+    and stops is recorded too (`profile_start`, `profile_end` through `record`, metrics.jsonl, after the step lines
+    queued before them): the throughput leaves those steps out (shared/train/throughput.py)."""
 
     def __init__(self, cfg: TrainConfig, runtime: Runtime, start_step: int, log,
                  record: Callable[[dict], None] = lambda record: None):

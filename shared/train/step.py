@@ -109,10 +109,11 @@ class TrainStep:
         loss = self.runtime.forward_backward(self.model, tokens, cfg.step.bf16, scaler, self.plan.accum_loop)
         scaler.unscale_(opt)
         grad_norm = clip_grad_norm([p for _, p in self.named_params], cfg.optim.grad_clip)
-        lr = lr_at(self.step_t, cfg)  # a fresh tensor each step: the logging thread reads it after lr_t moved on
+        # a fresh tensor each step: the logging thread reads it after lr_t moved on
+        lr = lr_at(self.step_t, cfg.optim, cfg.lr_schedule)
         self.lr_t.copy_(lr)
         if self.momentum_t is not None:
-            self.momentum_t.copy_(muon_momentum_at(self.step_t, cfg))
+            self.momentum_t.copy_(muon_momentum_at(self.step_t, cfg.optim))
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
@@ -132,18 +133,20 @@ def build_step(cfg: TrainConfig, runtime: Runtime, model: torch.nn.Module, atten
     session chose): laid out on the runtime's devices as the
     plan says, the schedule's scalars at `start_step` on the device, the optimizer with its state (zeros, or
     `saved_optimizer`), all materialised as device data before the first step."""
-    plan = plan_step(cfg, runtime, attention)
-    step_model = runtime.prepare_model(model, cfg.step.fsdp, cfg.step.compile, plan.activation_checkpointing, plan.scan_layers)
+    plan, optim = plan_step(cfg, runtime, attention), cfg.optim
+    step_model = runtime.prepare_model(model, cfg.step.fsdp, cfg.step.compile, plan.activation_checkpointing,
+                                       plan.scan_layers)
     step_t = torch.tensor(float(start_step)).to(runtime.device)
-    lr_t = lr_at(step_t, cfg)
+    lr_t = lr_at(step_t, optim, cfg.lr_schedule)
     # Muon's momentum moves with the step only while it warms up; otherwise it stays a constant in the graph.
-    momentum_t = muon_momentum_at(step_t, cfg) if cfg.optim.optimizer == "muon" and cfg.optim.muon_momentum_warmup_steps else None
+    warms_up = optim.optimizer == "muon" and optim.muon_momentum_warmup_steps
+    momentum_t = muon_momentum_at(step_t, optim) if warms_up else None
     for scalar in (step_t, lr_t, momentum_t):
         if scalar is not None:
             runtime.shard_like(scalar, scalar)
     runtime.sync()  # AdamW's constructor reads the LR's value once; let it read device data
     named_params = list(model.named_parameters())
-    opt = make_optimizer(named_params, cfg, runtime, lr_t, saved_optimizer, momentum_t)
+    opt = make_optimizer(named_params, optim, runtime, lr_t, saved_optimizer, momentum_t)
     scaler = runtime.grad_scaler(cfg.step.bf16)  # active only for fp16 autocast (GPUs without bf16)
     runtime.sync()  # materialise params and optimizer state as device data before the first step
     return TrainStep(cfg, runtime, plan, step_model, named_params, opt, scaler, step_t, lr_t, momentum_t)

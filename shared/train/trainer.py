@@ -40,6 +40,7 @@ from shared.train.runtime import Runtime, plan_versions_notice, runtime_versions
 from shared.train.session import Evaluator, StepLog, StepProfiler, log_projection, resume_point
 from shared.train.step import build_step, select_attention_and_micro_batch
 from shared.train.xla_notices import runtime_notices
+from shared.train_sections import SessionSettings
 
 
 @dataclass
@@ -81,7 +82,7 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
     start_step = resumed.step if resumed else 0
     train_step = build_step(cfg, runtime, model, attention.kind, start_step, resumed.optimizer if resumed else None)
     restore_grad_scaler(train_step, resumed)
-    ckpt_timer, clock = session_clock(cfg, resumed, model.num_params(), session_start, started, startup_parts)
+    ckpt_timer, clock = session_clock(cfg.session, resumed, model.num_params(), session_start, started, startup_parts)
     logger = start_logging(cfg, runtime, versions, model, resumed, clock, log, wandb_key)
     log(train_step.plan.describe(runtime, cfg.grad_accum_steps))
 
@@ -95,8 +96,9 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
                              ckpt_root, session_start)
     checkpointer = Checkpointer(cfg, ckpt_root, start_step, ckpt_timer, write, on_checkpoint)
     evaluator = Evaluator(model, runtime, cfg, val_loader, logger, background)
-    step_log = StepLog(runtime, logger, background, start_step, cfg.step.total_batch_tokens, cfg.model.shape.flops_per_token(),
-                       session_start, cfg.model.shape.flops_per_token_llmc())
+    shape = cfg.model.shape
+    step_log = StepLog(runtime, logger, background, start_step, cfg.step.total_batch_tokens, shape.flops_per_token(),
+                       session_start, shape.flops_per_token_llmc())
     profiler = StepProfiler(cfg, runtime, start_step, log, lambda record: (background.flush(), logger.write(record)))
 
     # --- the loop ----------------------------------------------------------------------------------------------
@@ -179,8 +181,8 @@ def make_loaders(cfg: TrainConfig, train_shards: list, val_shards: list, resumed
     if loader.changed:
         log(f"the training shards changed since the checkpoint ({loader.changed}): epoch {loader.state.epoch} "
             "starts now over the shards given")
-    val_loader = (TokenLoader(val_shards, cfg.step.micro_batch, block, shuffle=False) if val_shards and cfg.evals.eval_every
-                  else None)
+    val_loader = (TokenLoader(val_shards, cfg.step.micro_batch, block, shuffle=False)
+                  if val_shards and cfg.evals.eval_every else None)
     if val_loader and cfg.evals.eval_batches > val_loader.batches_per_pass():
         log(f"notice: the validation shards hold {val_loader.batches_per_pass()} batches, fewer than --eval-batches "
             f"{cfg.evals.eval_batches}; each eval uses those {val_loader.batches_per_pass()}")
@@ -206,19 +208,21 @@ def restore_grad_scaler(train_step, resumed: LoadedCheckpoint | None) -> None:
         train_step.scaler.load_state_dict(resumed.state["grad_scaler"])
 
 
-def session_clock(cfg: TrainConfig, resumed: LoadedCheckpoint | None, num_params: int, session_start: float,
+def session_clock(session: SessionSettings, resumed: LoadedCheckpoint | None, num_params: int, session_start: float,
                   started: float | None, startup_parts: dict | None) -> tuple[CheckpointTimer, SessionClock]:
-    """The checkpoint's timer (last session's measured write, else an estimate) and the session's time budget."""
+    """The checkpoint's timer (last session's measured write, else an estimate) and the session's time budget, from
+    the session's settings."""
     measured = resumed.state.get("timings", {}).get("checkpoint_seconds") if resumed else None
     ckpt_timer = CheckpointTimer(measured or estimate_checkpoint_seconds(num_params))
-    if cfg.session.time_budget and cfg.session.time_budget < ckpt_timer.seconds:
-        raise UserError(f"--time-budget {cfg.session.time_budget:g}s is shorter than one checkpoint "
+    budget = session.time_budget
+    if budget and budget < ckpt_timer.seconds:
+        raise UserError(f"--time-budget {budget:g}s is shorter than one checkpoint "
                         f"(~{ckpt_timer.seconds:.0f}s for {num_params / 1e6:.1f}M parameters)")
     # A budget given is training time, counted once start-up (probes, compiles, the baseline eval) has ended; the
     # default is a whole session's length, counted from here (shared/session_clock.py).
     clock = SessionClock(session_start if started is None else min(started, session_start), session_start,
-                         cfg.session.time_budget or default_time_budget(ckpt_timer.seconds), cfg.session.session_deadline,
-                         dict(startup_parts or {}), budget_after_startup=bool(cfg.session.time_budget))
+                         budget or default_time_budget(ckpt_timer.seconds), session.session_deadline,
+                         dict(startup_parts or {}), budget_after_startup=bool(budget))
     return ckpt_timer, clock
 
 
@@ -233,14 +237,16 @@ def start_logging(cfg: TrainConfig, runtime: Runtime, versions: dict, model: GPT
         shutil.copyfile(resumed.path / METRICS_FILE, metrics_path)
     elif runtime.is_main and metrics_path.exists():
         metrics_path.unlink()
-    logger = MetricsLogger(out_dir, cfg.lr_schedule.total_steps, start_step, cfg.to_dict(), cfg.logging.wandb_project, cfg.logging.run_name,
-                           progress=cfg.logging.progress, log=log, enabled=runtime.is_main, run_id=cfg.logging.wandb_run_id,
-                           wandb_key=wandb_key)
+    logging = cfg.logging
+    logger = MetricsLogger(out_dir, cfg.lr_schedule.total_steps, start_step, cfg.to_dict(), logging.wandb_project,
+                           logging.run_name, progress=logging.progress, log=log, enabled=runtime.is_main,
+                           run_id=logging.wandb_run_id, wandb_key=wandb_key)
     tpu = runtime.tpu_generation
     logger.write({"event": "session_start", "step": start_step, "tokens": start_step * cfg.step.total_batch_tokens,
                   "device": runtime.description, "versions": versions, "time_budget_s": round(clock.budget_s, 1),
                   "session_deadline_s": cfg.session.session_deadline or None,
-                  "micro_batch": cfg.step.micro_batch, "attention": model.attention.kind, "tpu": tpu.name if tpu else None,
+                  "micro_batch": cfg.step.micro_batch, "attention": model.attention.kind,
+                  "tpu": tpu.name if tpu else None,
                   "unix_time": round(time.time(), 1), "elapsed_s": round(time.monotonic() - clock.train_start, 3)})
     log(f"{runtime.description}: {cfg.model.preset} ({model.num_params() / 1e6:.2f}M params), {cfg.grad_accum_steps} "
         f"micro-steps of {cfg.step.micro_batch}x{cfg.model.shape.block_size} per step, "

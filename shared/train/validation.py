@@ -84,10 +84,10 @@ def _training_hellaswag(path: str, examples: int, block_size: int, log):
 
 def periodic_eval(model, runtime, cfg, step: int, tokens: int, val_loader: TokenLoader | None, logger,
                   hellaswag: bool = True) -> dict:
-    """The evaluation every `cfg.evals.eval_every` steps: validation loss and the model's health (weight RMS and the largest
-    attention logit, shared/train/health.py; when there are validation shards), HellaSwag
-    (with `hellaswag`) on `cfg.evals.hellaswag_examples` seeded random examples of `cfg.evals.hellaswag_file` (when set), and
-    one sample from `cfg.evals.sample_prompt` (when set). Each result is one record in the metrics JSONL (and W&B).
+    """The evaluation every `cfg.evals.eval_every` steps: validation loss and the model's health (weight RMS and the
+    largest attention logit, shared/train/health.py; when there are validation shards), HellaSwag (with `hellaswag`)
+    on `cfg.evals.hellaswag_examples` seeded random examples of `cfg.evals.hellaswag_file` (when set), and one sample
+    from `cfg.evals.sample_prompt` (when set). Each result is one record in the metrics JSONL (and W&B).
 
     All of it runs with fixed shapes (the same batches, rows and cache every time), so after the first eval it
     compiles nothing new; the sample uses its own seeded generator and leaves the training RNG alone.

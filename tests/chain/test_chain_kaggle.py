@@ -223,8 +223,10 @@ def test_a_config_is_built_then_checked_unchanged_and_the_stages_read_its_typed_
     _check_built(xl, "config")
     assert dataclasses.asdict(xl) == built
     train = xl.train_config
-    assert (train.session.checkpoint_dir, train.session.keep_checkpoints, train.session.keep_stable) == ("{temp}/checkpoints", 1, False)
-    assert (train.lr_schedule.total_steps, train.optim.lr, train.lr_schedule.schedule) == (xl.total_steps, TrainConfig().optim.lr, "cosine")
+    session, schedule = train.session, train.lr_schedule
+    assert (session.checkpoint_dir, session.keep_checkpoints, session.keep_stable) == ("{temp}/checkpoints", 1, False)
+    assert (schedule.total_steps, schedule.schedule) == (xl.total_steps, "cosine")
+    assert train.optim.lr == TrainConfig().optim.lr
     assert xl.train_config is train  # built once
     tok = xl.tokenize_section
     assert (tok.parts, tok.settings, tok.inputs, tok.accelerator, tok.hf_token) == (2, {"shard_size": 1000}, (), "",
@@ -235,7 +237,8 @@ def test_a_config_is_built_then_checked_unchanged_and_the_stages_read_its_typed_
     assert (ev.accelerator, ev.session_limit_s, ev.kind) == (xl.accelerator, xl.session_limit_s, "tpu")
     assert (ev.config.val_tokens, ev.config.hellaswag) == (4096, EvalConfig().hellaswag)
     xl.train = {**xl.train, "schedule": "wsd"}  # a field set later (a test's probe does): built again from it
-    assert xl.train_config.lr_schedule.schedule == "wsd" and xl.version_bytes == xl.checkpoint_bytes  # none kept in temp
+    # none kept in temp
+    assert xl.train_config.lr_schedule.schedule == "wsd" and xl.version_bytes == xl.checkpoint_bytes
     with pytest.raises(UserError) as err:
         config_from_dict({**BASE, "eval": {"enabled": 0}})
     assert str(err.value) == "config: eval.enabled must be true or false, got 0"

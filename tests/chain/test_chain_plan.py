@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
-from helpers import REPO, error_lines, example_config, run_script
+from helpers import REPO, error_lines, example_config, run_script, train_config
 
 from scripts.chain.config import config_from_dict, load_config
 from scripts.chain.limits import session_devices
@@ -301,12 +301,12 @@ def test_micro_batch_auto_is_resolved_for_the_chains_tpu():
     v6e = config_from_dict({**{k: v for k, v in example_config("chain-gpt2-124m.json")
                                .items() if not k.startswith("_")}, "accelerator": "TpuV6E8"})
     assert planned_train(v6e)[0].micro_batch == 256  # 22.7 GiB a chip (libtpu)
-    small = TrainConfig.from_dict(dict(preset="gpt2", micro_batch="auto", total_batch_tokens=8 * 1024 * 3))
+    small = train_config(preset="gpt2", micro_batch="auto", total_batch_tokens=8 * 1024 * 3)
     assert micro_batch_for(small, "v6e", "pallas-flash", 8) == 8  # 24 sequences: only 1 a device divides them
     with pytest.raises(UserError, match="--micro-batch: expected a whole number or auto, got 'lots'"):
         parse_dataclass(TrainConfig, ["--micro-batch", "lots"])
     with pytest.raises(UserError, match="is not a multiple of 8 devices x seq-len 1024 = 8192, so no micro-batch"):
-        TrainConfig.from_dict(dict(preset="gpt2", micro_batch="auto", total_batch_tokens=4096)).validate(8)
+        train_config(preset="gpt2", micro_batch="auto", total_batch_tokens=4096).validate(8)
 
 
 def test_plan_counts_only_the_tokens_the_corpus_holds(tmp_path):

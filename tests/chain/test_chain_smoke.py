@@ -67,7 +67,7 @@ def test_the_gpt2_smokes_sessions_train_their_whole_budget_after_up_to_900_s_of_
     train = smoke.train_config.replace(**settings)
     for startup in (30.0, 300.0, 600.0, 900.0, PROBE_BUDGET_S + 145 + 145):
         now = time.monotonic()
-        timer, clock = session_clock(train, None, 124_475_904, now - startup + 30.0, now - startup, None)
+        timer, clock = session_clock(train.session, None, 124_475_904, now - startup + 30.0, now - startup, None)
         clock.first_step_done(1, now - 1.0, now, 1.0, timer.seconds, lambda record: None, lambda line: None)
         assert clock.stop_at - now == pytest.approx(settings["time_budget"]) and clock.budget_s >= 240, startup
         # Its training and final checkpoint end by the deadline: the publish margin is left whole.

@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import train_config
 
 from scripts.chain.chain import Chain
 from scripts.chain.config import config_from_dict
 from scripts.chain.sizing import session_length, session_measurements, training_s
-from shared.config import TrainConfig
 from shared.errors import UserError
 
 BASE = {"name": "unit-run", "token_datasets": ["alice/tokens"]}
@@ -27,7 +27,7 @@ def test_a_fixed_session_stops_training_by_its_margins_and_never_past_its_limit_
 
 
 def test_a_sessions_planned_training_is_its_budget_less_its_checkpoint_writes():
-    gpt2 = TrainConfig.from_dict(dict(preset="gpt2", micro_batch=16, checkpoint_every=1000))
+    gpt2 = train_config(preset="gpt2", micro_batch=16, checkpoint_every=1000)
     write_s = 5 + 12 * 124_475_904 / 50e6  # the trainer's estimate before a write is timed: 34.9 s
     # At one step a second: room for the final write (1.5 writes, and the 2 steps the trainer stops ahead), then
     # one write every 1,000 steps: 28 in the 29,836 s left.

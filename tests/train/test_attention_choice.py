@@ -9,6 +9,7 @@ from __future__ import annotations
 import types
 
 import pytest
+from helpers import train_config
 
 import shared.train.attention_select as attention_select
 from shared.config import TrainConfig
@@ -44,7 +45,7 @@ def test_the_settings_words_are_the_kernels_in_the_order_tried():
     assert tuple(FIRST_KERNEL) == ATTENTION_SETTINGS == ("auto", "splash", "flash", "sdpa")
     assert TrainConfig().step.attention == "auto"
     with pytest.raises(UserError, match="^--attention must be auto, splash, flash or sdpa, got 'pallas-flash'$"):
-        TrainConfig.from_dict(dict(attention="pallas-flash"))
+        train_config(attention="pallas-flash")
 
 
 def test_the_kernels_blocks_tile_the_lengths_of_the_table():
@@ -263,7 +264,7 @@ def test_a_session_at_micro_batch_auto_probes_each_kernel_once_at_the_batch_it_t
     monkeypatch.setattr(attention_select, "flash_attention_kernel", lambda mesh: "flash")
     monkeypatch.setattr(attention_select, "splash_attention_kernel", lambda *args: "splash")
     monkeypatch.setattr(attention_select.MeshProbes, "probe", lambda self, *args: probe(*args))
-    cfg = TrainConfig.from_dict(dict(preset="gpt2", micro_batch="auto", total_batch_tokens=524288))
+    cfg = train_config(preset="gpt2", micro_batch="auto", total_batch_tokens=524288)
     lines = []
     session, choice = select_attention_and_micro_batch(cfg, xla_runtime, log=lines.append)
     want = {kind: micro_batch_for(cfg, "v5e", kind, 8) for kind in (S, F, D)}

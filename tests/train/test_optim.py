@@ -12,6 +12,7 @@ from helpers import (
     loss_history,
     small_config,
     train_cli,
+    train_config,
     train_in_process,
 )
 
@@ -32,6 +33,7 @@ from shared.train.optim import (
     stable_phase_end,
 )
 from shared.train.runtime import Runtime
+from shared.train_sections import OptimizerSettings
 
 MUON = ("--optimizer", "muon", "--schedule", "wsd", "--lr", "3e-3", "--muon-lr", "0.03")
 
@@ -83,14 +85,14 @@ def test_newton_schulz_keeps_the_singular_vectors_and_flattens_the_spectrum():
 
 @pytest.mark.parametrize("scale, muon_lr", [("shape", 0.05), ("max_dim", 0.004)])
 def test_muon_update_matches_a_direct_computation(scale, muon_lr):
-    cfg = TrainConfig.from_dict(dict(preset="tiny", optimizer="muon", lr=1e-3, muon_lr=muon_lr, muon_momentum=0.9,
-                      muon_weight_decay=0.1, weight_decay=0.0, muon_scale=scale))
+    cfg = train_config(preset="tiny", optimizer="muon", lr=1e-3, muon_lr=muon_lr, muon_momentum=0.9,
+                      muon_weight_decay=0.1, weight_decay=0.0, muon_scale=scale)
     torch.manual_seed(0)
     model = GPT(cfg.model.shape)
     named = list(model.named_parameters())
     params = dict(named)
     lr = torch.tensor(cfg.optim.lr)
-    opt = make_optimizer(named, cfg, Runtime("cpu"), lr)
+    opt = make_optimizer(named, cfg.optim, Runtime("cpu"), lr)
     watched = {"transformer.h.0.mlp.c_fc.weight": 1, "transformer.h.1.attn.c_proj.weight": 1,
                "transformer.h.0.mlp.c_proj.weight": 1, "transformer.h.1.attn.c_attn.weight": 3}
     start = {name: params[name].detach().numpy().copy() for name in watched}
@@ -130,10 +132,10 @@ def test_muon_orthogonalises_each_shape_of_matrix_once_a_step_as_a_batch(monkeyp
     batches = []
     real = optim.newton_schulz
     monkeypatch.setattr(optim, "newton_schulz", lambda x, **kw: batches.append(tuple(x.shape)) or real(x, **kw))
-    cfg = TrainConfig.from_dict(dict(preset="tiny", optimizer="muon"))
+    cfg = train_config(preset="tiny", optimizer="muon")
     model = GPT(cfg.model.shape)
     named = list(model.named_parameters())
-    opt = make_optimizer(named, cfg, Runtime("cpu"), torch.tensor(cfg.optim.lr))
+    opt = make_optimizer(named, cfg.optim, Runtime("cpu"), torch.tensor(cfg.optim.lr))
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     opt.step()
@@ -145,12 +147,12 @@ def test_muon_orthogonalises_each_shape_of_matrix_once_a_step_as_a_batch(monkeyp
 def test_muon_leaves_embeddings_biases_and_gains_to_adamw_as_torch_computes_it(aux_lr):
     """AdamW for the rest, at --lr; with --aux-lr the position embedding, biases and gains at that instead, the
     token embedding (the tied head) still at --lr."""
-    cfg = TrainConfig.from_dict(dict(preset="tiny", optimizer="muon", lr=2e-3, weight_decay=0.1, aux_lr=aux_lr))
+    cfg = train_config(preset="tiny", optimizer="muon", lr=2e-3, weight_decay=0.1, aux_lr=aux_lr)
     torch.manual_seed(0)
     model, twin = GPT(cfg.model.shape), GPT(cfg.model.shape)
     twin.load_state_dict(model.state_dict())
     named = list(model.named_parameters())
-    opt = make_optimizer(named, cfg, Runtime("cpu"), torch.tensor(cfg.optim.lr))
+    opt = make_optimizer(named, cfg.optim, Runtime("cpu"), torch.tensor(cfg.optim.lr))
     adam_names = [n for n, p in named if not muon_matrix_shape(n, p)]
     assert "transformer.wte.weight" in adam_names and "transformer.h.0.ln_1.weight" in adam_names
     assert "transformer.h.0.attn.c_attn.bias" in adam_names and "transformer.h.0.mlp.c_fc.weight" not in adam_names
@@ -178,13 +180,13 @@ def test_muon_leaves_embeddings_biases_and_gains_to_adamw_as_torch_computes_it(a
 def test_adamw_with_a_matrix_lr_is_torchs_adamw_with_muons_groups():
     """--matrix-lr (the bench's AdamW control): the blocks' matrices at their own LR, everything else at --lr, both
     following the schedule's tensor; the reference is torch's AdamW with those groups and LRs."""
-    cfg = TrainConfig.from_dict(dict(preset="tiny", optimizer="adamw", lr=4e-3, matrix_lr=1e-3, weight_decay=0.1))
+    cfg = train_config(preset="tiny", optimizer="adamw", lr=4e-3, matrix_lr=1e-3, weight_decay=0.1)
     torch.manual_seed(0)
     model, twin = GPT(cfg.model.shape), GPT(cfg.model.shape)
     twin.load_state_dict(model.state_dict())
     named = list(model.named_parameters())
     lr = torch.tensor(cfg.optim.lr)
-    opt = make_optimizer(named, cfg, Runtime("cpu"), lr)
+    opt = make_optimizer(named, cfg.optim, Runtime("cpu"), lr)
     matrices = {n for n, p in named if muon_matrix_shape(n, p)}
     twin_params = dict(twin.named_parameters())
     reference = torch.optim.AdamW(
@@ -208,32 +210,35 @@ def test_adamw_with_a_matrix_lr_is_torchs_adamw_with_muons_groups():
     assert set(optimizer_tensors(opt, named)) == {f"{n}.{k}" for n, _ in named for k in ("exp_avg", "exp_avg_sq",
                                                                                          "step")}
     with pytest.raises(UserError, match=r"^--matrix-lr is AdamW's; Muon's matrices take --muon-lr"):
-        TrainConfig.from_dict(dict(optimizer="muon", matrix_lr=1e-3))
+        train_config(optimizer="muon", matrix_lr=1e-3)
 
 
 def test_wsd_schedule_warms_up_holds_then_decays_to_zero():
-    cfg = TrainConfig.from_dict(dict(schedule="wsd", lr=1e-3, warmup_steps=10, total_steps=100, cooldown_frac=0.4))
-    lrs = [float(lr_at(torch.tensor(float(s)), cfg)) for s in range(100)]
+    cfg = train_config(schedule="wsd", lr=1e-3, warmup_steps=10, total_steps=100, cooldown_frac=0.4)
+    lrs = [float(lr_at(torch.tensor(float(s)), cfg.optim, cfg.lr_schedule)) for s in range(100)]
     assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
     assert lrs[10:61] == [pytest.approx(1e-3)] * 51  # constant until 60% of the run
     assert lrs[80] == pytest.approx(1e-3 * 20 / 40) and lrs[99] == pytest.approx(1e-3 / 40)
-    assert float(lr_at(torch.tensor(100.0), cfg)) == 0.0
+    assert float(lr_at(torch.tensor(100.0), cfg.optim, cfg.lr_schedule)) == 0.0
     assert all(a >= b for a, b in zip(lrs[10:], lrs[11:], strict=False))
     cosine = cfg.replace(schedule="cosine", min_lr_ratio=0.1)
-    assert float(lr_at(torch.tensor(100.0), cosine)) == pytest.approx(1e-4)
+    assert float(lr_at(torch.tensor(100.0), cosine.optim, cosine.lr_schedule)) == pytest.approx(1e-4)
 
 
 def test_a_one_minus_sqrt_cooldown_follows_epfls_sqrt_decay_and_ends_its_stable_phase_where_linear_does():
     """epfml/schedules-and-scaling src/optim/utils.py (decay_type "sqrt"): 1 - sqrt((step - n_hold) / n_anneal)."""
-    cfg = TrainConfig.from_dict(dict(schedule="wsd", lr=1e-3, warmup_steps=10, total_steps=100, cooldown_frac=0.4,
-                      cooldown_shape="1-sqrt"))
+    cfg = train_config(schedule="wsd", lr=1e-3, warmup_steps=10, total_steps=100, cooldown_frac=0.4,
+                      cooldown_shape="1-sqrt")
     n_hold, n_anneal = 60, 40
+    def lr(step: float) -> float:
+        return float(lr_at(torch.tensor(step), cfg.optim, cfg.lr_schedule))
+
     for step in (60, 61, 70, 85, 99):
         expected = 1e-3 * (1 - ((step - n_hold) / n_anneal) ** 0.5)
-        assert float(lr_at(torch.tensor(float(step)), cfg)) == pytest.approx(expected, rel=1e-5), step
-    assert float(lr_at(torch.tensor(70.0), cfg)) == pytest.approx(5e-4)  # a quarter of the way: half the LR
-    assert float(lr_at(torch.tensor(100.0), cfg)) == 0.0
-    assert float(lr_at(torch.tensor(9.0), cfg)) == pytest.approx(1e-3)
+        assert lr(float(step)) == pytest.approx(expected, rel=1e-5), step
+    assert lr(70.0) == pytest.approx(5e-4)  # a quarter of the way: half the LR
+    assert lr(100.0) == 0.0
+    assert lr(9.0) == pytest.approx(1e-3)
     assert stable_phase_end(cfg) == stable_phase_end(cfg.replace(cooldown_shape="linear")) == 61
     assert not same_schedule_until(cfg, cfg.replace(cooldown_shape="linear"), 62)
     with pytest.raises(UserError, match="--cooldown-shape must be linear or 1-sqrt, got 'cosine'"):
@@ -252,16 +257,16 @@ def test_a_zero_clip_measures_the_gradient_norm_and_leaves_the_gradients_alone()
     total = sum(float(p.grad.square().sum()) for p in params) ** 0.5
     assert total == pytest.approx(1.0, rel=1e-4)
     with pytest.raises(UserError, match="--grad-clip must be >= 0, got -1.0"):
-        TrainConfig.from_dict(dict(grad_clip=-1.0))
+        train_config(grad_clip=-1.0)
 
 
 def test_bad_optimizer_and_schedule_flags_are_one_line_errors():
     with pytest.raises(UserError, match="--optimizer must be adamw or muon, got 'sgd'"):
-        TrainConfig.from_dict(dict(optimizer="sgd")).validate()
+        train_config(optimizer="sgd").validate()
     with pytest.raises(UserError, match="--schedule must be cosine or wsd, got 'linear'"):
-        TrainConfig.from_dict(dict(schedule="linear")).validate()
+        train_config(schedule="linear").validate()
     with pytest.raises(UserError, match=r"--cooldown-frac must be in \(0, 1\], got 1.5"):
-        TrainConfig.from_dict(dict(cooldown_frac=1.5)).validate()
+        train_config(cooldown_frac=1.5).validate()
 
 
 # --- under XLA (8 CPU devices, SPMD) ----------------------------------------------------------------------------
@@ -293,14 +298,14 @@ def test_muon_under_fsdp_steps_as_replicated(demo_data, tmp_path):
     from shared.train.device import make_runtime
 
     runtime = make_runtime("xla")
-    cfg = TrainConfig.from_dict(dict(preset="tiny", optimizer="muon", lr=1e-3, muon_lr=0.05))
+    cfg = train_config(preset="tiny", optimizer="muon", lr=1e-3, muon_lr=0.05)
     after = {}
     for fsdp in (False, True):
         torch.manual_seed(0)
         model = GPT(cfg.model.shape)
         runtime.prepare_model(model, fsdp=fsdp)
         named = list(model.named_parameters())
-        opt = make_optimizer(named, cfg, runtime, torch.tensor(cfg.optim.lr).to(runtime.device))
+        opt = make_optimizer(named, cfg.optim, runtime, torch.tensor(cfg.optim.lr).to(runtime.device))
         opt.ns_dtype = torch.float32
         gen = torch.Generator().manual_seed(1)
         for _, p in named:
@@ -355,13 +360,16 @@ def test_one_session_recipe_config_is_muon_filling_its_session_with_full_hellasw
     parts, per_part = chain.tokenize["parts"], chain.tokenize["settings"]["tokens_per_part"]
     assert (parts, per_part) == (2, 5_000_000_000)
     assert 7.0e9 <= tokens < 7.01e9 and tokens <= parts * per_part - 100_000_000
-    assert (cfg.evals.hellaswag_examples, cfg.evals.hellaswag_every, cfg.evals.eval_every) == (0, 1000, 250)  # all 10,042
+    # all 10,042
+    assert (cfg.evals.hellaswag_examples, cfg.evals.hellaswag_every, cfg.evals.eval_every) == (0, 1000, 250)
     assert chain.session_limit_s == 9 * 3600 and chain.accelerator == "TpuV5E8"
     # the 2024-10-10 Muon record's settings, one source for all (docs/recipe.md section 1), but the gradient clip
     # at 1.0 that scripts/bench_recipe_arms.py chose for this architecture (docs/recipe.md section 4)
-    assert (cfg.optim.muon_scale, cfg.optim.muon_lr, cfg.optim.lr, cfg.optim.aux_lr, cfg.optim.muon_momentum, cfg.optim.muon_momentum_warmup_steps,
-            cfg.optim.muon_weight_decay, cfg.optim.weight_decay, cfg.optim.grad_clip, cfg.lr_schedule.warmup_steps, cfg.lr_schedule.cooldown_frac,
-            cfg.lr_schedule.cooldown_shape) == ("max_dim", 0.00036, 0.0036, 0.0, 0.95, 0, 0.0, 0.0, 1.0, 0, 0.29, "linear")
+    optim, schedule = cfg.optim, cfg.lr_schedule
+    assert (optim.muon_scale, optim.muon_lr, optim.lr, optim.aux_lr, optim.muon_momentum,
+            optim.muon_momentum_warmup_steps, optim.muon_weight_decay, optim.weight_decay, optim.grad_clip,
+            schedule.warmup_steps, schedule.cooldown_frac, schedule.cooldown_shape) == (
+        "max_dim", 0.00036, 0.0036, 0.0, 0.95, 0, 0.0, 0.0, 1.0, 0, 0.29, "linear")
 
 
 def test_bench_recipe_remaps_to_the_most_frequent_tokens_and_reads_tokens_needed(tmp_path):
@@ -408,13 +416,13 @@ def test_bench_recipe_remaps_to_the_most_frequent_tokens_and_reads_tokens_needed
 def test_muon_momentum_warms_up_linearly_then_holds():
     from shared.train.optim import muon_momentum_at
 
-    cfg = TrainConfig.from_dict(dict(optimizer="muon", muon_momentum_warmup_steps=300))
+    cfg = train_config(optimizer="muon", muon_momentum_warmup_steps=300)
     steps = torch.tensor([0.0, 150.0, 299.0, 300.0, 5000.0])
     expected = [0.85 + 0.10 * min(s / 300, 1.0) for s in steps.tolist()]  # the records' 0.85 -> 0.95 over 300
-    assert muon_momentum_at(steps, cfg).tolist() == pytest.approx(expected, abs=1e-7)
-    assert muon_momentum_at(torch.tensor(7.0), TrainConfig.from_dict(dict(optimizer="muon"))).item() == pytest.approx(0.95)
+    assert muon_momentum_at(steps, cfg.optim).tolist() == pytest.approx(expected, abs=1e-7)
+    assert muon_momentum_at(torch.tensor(7.0), OptimizerSettings(optimizer="muon")).item() == pytest.approx(0.95)
     with pytest.raises(UserError, match="--muon-momentum-start must be in"):
-        TrainConfig.from_dict(dict(muon_momentum_start=1.0))
+        train_config(muon_momentum_start=1.0)
 
 
 def _two_muon_steps(momenta: list, as_tensor: bool) -> torch.Tensor:
@@ -460,7 +468,7 @@ def test_zero_initialised_projections_start_each_block_as_the_identity_and_still
     loss.backward()
     assert all(p.weight.grad.abs().sum() > 0 for p in projections)
     assert set(to_hf_state_dict(model)) == keys  # the export's layout is unchanged
-    assert TrainConfig.from_dict(dict(zero_init_projections=True)).model.zero_init_projections
+    assert train_config(zero_init_projections=True).model.zero_init_projections
 
 
 # --- the stable phase and --extend ---------------------------------------------------------------------------
@@ -472,8 +480,8 @@ def test_zero_initialised_projections_start_each_block_as_the_identity_and_still
     (8, 1.0, 2, 1),  # decays from the start: only the first warm-up step agrees with a longer run
 ])
 def test_the_stable_phase_ends_where_the_first_update_is_decayed(total_steps, cooldown_frac, warmup, expected):
-    cfg = TrainConfig.from_dict(dict(schedule="wsd", lr=6e-4, total_steps=total_steps, cooldown_frac=cooldown_frac,
-                      warmup_steps=warmup))
+    cfg = train_config(schedule="wsd", lr=6e-4, total_steps=total_steps, cooldown_frac=cooldown_frac,
+                      warmup_steps=warmup)
     assert stable_phase_end(cfg) == expected
     # directly: every update before it is made at the peak (or the warm-up's rate), the one at it below the peak
     lrs = [6e-4 * min((s + 1) / warmup, 1.0, (total_steps - s) / (cooldown_frac * total_steps))
@@ -484,8 +492,8 @@ def test_the_stable_phase_ends_where_the_first_update_is_decayed(total_steps, co
 
 
 def test_a_longer_wsd_schedule_agrees_with_a_shorter_one_until_its_stable_phase_ends():
-    short = TrainConfig.from_dict(dict(schedule="wsd", total_steps=8, cooldown_frac=0.5, warmup_steps=2, optimizer="muon",
-                        muon_momentum_warmup_steps=3))
+    short = train_config(schedule="wsd", total_steps=8, cooldown_frac=0.5, warmup_steps=2, optimizer="muon",
+                        muon_momentum_warmup_steps=3)
     longer = short.replace(total_steps=12)
     assert same_schedule_until(short, longer, 5) and not same_schedule_until(short, longer, 6)
     assert not same_schedule_until(short, longer.replace(muon_lr=0.01), 1)

@@ -8,10 +8,9 @@ import math
 
 import numpy as np
 import pytest
-from helpers import small_config, train_in_process
+from helpers import small_config, train_config, train_in_process
 
 from scripts.projection_coverage import simulate
-from shared.config import TrainConfig
 from shared.train.metrics import GPT2_124M_VAL_LOSS, GPT2_HELLASWAG, read_metrics
 from shared.train.optim import stable_phase_end
 from shared.train.projection import (
@@ -30,7 +29,7 @@ from shared.train.projection import (
     t_quantile,
 )
 
-RECIPE = TrainConfig.from_dict(dict(preset="gpt2", optimizer="muon", schedule="wsd", total_steps=10000, cooldown_frac=0.3))
+RECIPE = train_config(preset="gpt2", optimizer="muon", schedule="wsd", total_steps=10000, cooldown_frac=0.3)
 
 
 def test_the_published_decays_give_a_drop_of_about_fourteen_percent_per_unit_of_cooldown():

@@ -11,9 +11,7 @@ import json
 import re
 
 import pytest
-from helpers import REPO, error_lines, run_script
-
-from shared.config import TrainConfig
+from helpers import REPO, error_lines, run_script, train_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not (REPO / ".venv-tpu" / "bin" / "python").exists(),
                                                    reason="no .venv-tpu: run bash scripts/setup.sh")]
@@ -30,7 +28,7 @@ def test_tinys_step_compiles_for_v5e_8_and_v6e_8_in_line_with_the_step_and_the_s
     assert [(r["tpu"], r["device_kind"], r["devices"]) for r in reports] == [
         ("v5e-8", "TPU v5 lite", 8), ("v6e-8", "TPU v6 lite", 8)]
     assert [r["versions"] for r in reports] == [{"jax": "0.7.2", "libtpu": "0.0.17"}] * 2  # Kaggle's image's pins
-    cfg = TrainConfig.from_dict(dict(preset="tiny", micro_batch=16, total_batch_tokens=8192))
+    cfg = train_config(preset="tiny", micro_batch=16, total_batch_tokens=8192)
     params = cfg.model.shape.num_params()
     for r, hbm_gib in zip(reports, (16, 32), strict=True):
         # The step a session runs where its flash probe passes: the Pallas kernel lowered for the TPU here, at the

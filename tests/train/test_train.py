@@ -22,10 +22,10 @@ from helpers import (
     run_script,
     small_config,
     train_cli,
+    train_config,
     train_in_process,
 )
 
-from shared.config import TrainConfig
 from shared.data import find_shards, write_shard
 from shared.errors import UserError
 from shared.train.checkpoint import list_checkpoints
@@ -315,7 +315,7 @@ def test_the_accumulation_loop_is_traced_once_and_never_waits_for_the_device():
 
     runtime = make_runtime("xla")
     torch.manual_seed(0)
-    model = runtime.prepare_model(GPT(TrainConfig.from_dict(dict(preset="tiny", seq_len=32)).model.shape), fsdp=False)
+    model = runtime.prepare_model(GPT(train_config(preset="tiny", seq_len=32).model.shape), fsdp=False)
     runtime.sync()
     rng, losses, waits = np.random.default_rng(0), [], count_device_waits()
     for _ in range(3):
@@ -395,8 +395,8 @@ def test_extend_with_no_checkpoint_at_all_starts_at_step_zero(tmp_path):
     # A chain's first session (or its smoke run) with train.extend set: nothing to extend, nothing refused.
     from shared.train.session import resume_point
 
-    cfg = TrainConfig.from_dict(dict(preset="tiny", seq_len=32, micro_batch=8, total_batch_tokens=256, total_steps=8, schedule="wsd",
-                      extend=True, resume_from=str(tmp_path / "mount")))
+    cfg = train_config(preset="tiny", seq_len=32, micro_batch=8, total_batch_tokens=256, total_steps=8, schedule="wsd",
+                      extend=True, resume_from=str(tmp_path / "mount"))
     lines = []
     assert resume_point(cfg, tmp_path / "checkpoints", log=lines.append) is None
     assert lines == [f"--extend: no checkpoint yet in {tmp_path / 'checkpoints'}, {tmp_path / 'mount'}, "

@@ -179,7 +179,8 @@ def test_a_runs_length_is_total_steps_and_its_old_name_max_steps_still_reads():
 
     assert parse_dataclass(TrainConfig, ["--max-steps", "5"]).lr_schedule.total_steps == 5  # the old flag, an alias
     assert parse_dataclass(TrainConfig, ["--total-steps", "7"]).lr_schedule.total_steps == 7
-    assert parse_dataclass(TrainConfig, [], defaults={"max_steps": 9}).lr_schedule.total_steps == 9  # an older build's bake
+    # an older build's bake
+    assert parse_dataclass(TrainConfig, [], defaults={"max_steps": 9}).lr_schedule.total_steps == 9
     assert from_file({"max_steps": 11}).lr_schedule.total_steps == 11
     assert from_file({"lr_schedule": {"max_steps": 12}}).lr_schedule.total_steps == 12
     with pytest.raises(UserError, match="total_steps is set twice"):
