@@ -61,14 +61,13 @@ def shipped_settings(path: Path = SHIPPED_EXAMPLE) -> dict:
     """The optimizer and schedule settings the shipped example gives its train kernel, with the trainer's defaults
     for the ones it leaves out (so a key added to the example is benched as shipped)."""
     from shared.config import TrainConfig
-    from shared.train_sections import TRAIN_SECTIONS, flatten_sections
+    from shared.train_sections import flatten_sections
 
     train = flatten_sections(json.loads(path.read_text())["train"], f"{path}: train")
     defaults = TrainConfig()
     # The optimizer's and the schedule's sections, whole, but the run's own length (the bench's --steps) and --extend
-    keys = [f.name for section in (TRAIN_SECTIONS["optim"], TRAIN_SECTIONS["lr_schedule"])
-            for f in dataclasses.fields(section) if f.name not in ("total_steps", "extend")]
-    return {key: train.get(key, getattr(defaults, key)) for key in keys}
+    return {key: train.get(key, default) for section in (defaults.optim, defaults.lr_schedule)
+            for key, default in dataclasses.asdict(section).items() if key not in ("total_steps", "extend")}
 
 
 def recipe_arms(shipped: dict, steps: int, n_layer: int) -> dict[str, tuple[dict, float]]:

@@ -477,8 +477,7 @@ def _check_checkpoint_room(cfg: ChainConfig, where: str) -> None:
     train, size = cfg.train_config, cfg.checkpoint_bytes
     if checkpoints_in_temp(train):
         return
-    checkpoint_dir = train.session.checkpoint_dir
-    if checkpoint_dir and not checkpoint_dir.startswith("{working}"):
+    if (checkpoint_dir := train.session.checkpoint_dir) and not checkpoint_dir.startswith("{working}"):
         raise UserError(f"{where}: train.checkpoint_dir {checkpoint_dir!r} must be under {{working}} or {{temp}}")
     peak = _output_peak(train, size)
     if peak > OUTPUT_LIMIT_BYTES and ("checkpoint_dir" in cfg.train or "keep_checkpoints" in cfg.train):

@@ -96,9 +96,8 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
                              ckpt_root, session_start)
     checkpointer = Checkpointer(cfg, ckpt_root, start_step, ckpt_timer, write, on_checkpoint)
     evaluator = Evaluator(model, runtime, cfg, val_loader, logger, background)
-    shape = cfg.model.shape
-    step_log = StepLog(runtime, logger, background, start_step, cfg.step.total_batch_tokens, shape.flops_per_token(),
-                       session_start, shape.flops_per_token_llmc())
+    step_log = StepLog(runtime, logger, background, start_step, cfg.step.total_batch_tokens,
+                       cfg.model.shape.flops_per_token(), session_start, cfg.model.shape.flops_per_token_llmc())
     profiler = StepProfiler(cfg, runtime, start_step, log, lambda record: (background.flush(), logger.write(record)))
 
     # --- the loop ----------------------------------------------------------------------------------------------

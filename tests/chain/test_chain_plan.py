@@ -96,7 +96,7 @@ def test_a_kernel_refuses_a_setting_with_the_words_the_chain_uses():
 
 def test_a_config_changed_after_it_was_built_is_checked_again():
     cfg = TrainConfig()
-    cfg.lr = 0.0
+    cfg.optim.lr = 0.0
     with pytest.raises(UserError, match="--lr must be positive"):
         cfg.validate(8)
 
@@ -300,7 +300,7 @@ def test_micro_batch_auto_is_resolved_for_the_chains_tpu():
     assert note == "auto: 128 on v5e with pallas-splash attention, 64 if it falls back to SDPA"
     v6e = config_from_dict({**{k: v for k, v in example_config("chain-gpt2-124m.json")
                                .items() if not k.startswith("_")}, "accelerator": "TpuV6E8"})
-    assert planned_train(v6e)[0].micro_batch == 256  # 22.7 GiB a chip (libtpu)
+    assert planned_train(v6e)[0].step.micro_batch == 256  # 22.7 GiB a chip (libtpu)
     small = train_config(preset="gpt2", micro_batch="auto", total_batch_tokens=8 * 1024 * 3)
     assert micro_batch_for(small, "v6e", "pallas-flash", 8) == 8  # 24 sequences: only 1 a device divides them
     with pytest.raises(UserError, match="--micro-batch: expected a whole number or auto, got 'lots'"):
