@@ -120,7 +120,8 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, section):
                 raise UserError(f"train.{name}: expected a {section.__name__}, got {value!r}")
-            value.__post_init__()
+            check_field_types(value)
+            value.check()
         if self.step.micro_batch != AUTO:
             self.grad_accum_steps  # noqa: B018 - raises unless the batch is a whole number of micro-batches
 

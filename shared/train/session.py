@@ -75,7 +75,7 @@ def find_resume_point(cfg: TrainConfig, ckpt_root: Path, log=print) -> LoadedChe
         was, step = saved_schedule(cfg, saved_state(path))
         if same_schedule_until(was, cfg, step):
             return False
-        passed_over[path] = f"step {step} of a {was.total_steps}-step {was.schedule} schedule"
+        passed_over[path] = f"step {step} of a {was.lr_schedule.total_steps}-step {was.lr_schedule.schedule} schedule"
         return True
 
     try:

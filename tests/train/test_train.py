@@ -28,6 +28,7 @@ from helpers import (
 
 from shared.data import find_shards, write_shard
 from shared.errors import UserError
+from shared.fsutil import sha256_file
 from shared.train.checkpoint import list_checkpoints
 from shared.train.metrics import read_metrics
 
@@ -428,3 +429,29 @@ def test_extend_trains_on_from_the_stable_phase_as_a_longer_run_would_bit_exactl
     assert second.step == 12 and any("resuming at step 7" in line for line in lines)
     assert [p.name for p in list_checkpoints(checkpoints / "stable")] == ["step_000007"]  # the 12-step run's own
     assert_identical_runs(straight, extended, 12)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_written_with_flat_settings_resumes_and_extends(demo_data, tmp_path):
+    """Checkpoints from before TrainConfig's sections were objects carry its settings flat in state.json (a run's
+    length as max_steps before that): a later session resumes from one, --extend reading its schedule, and writes
+    its own checkpoints nested."""
+    wsd = {"schedule": "wsd", "cooldown_frac": 0.5, "lr": 3e-3}
+    run = tmp_path / "run"
+    train_in_process(small_config(demo_data, run, total_steps=8, **wsd))
+    states = sorted((run / "checkpoints").rglob("state.json"))
+    assert len(states) == 2  # step 8, and step 5 where the stable phase ended
+    for path in states:
+        state = json.loads(path.read_text())
+        flat = {key: value for section in state["config"]["train"].values() for key, value in section.items()}
+        flat["max_steps"] = flat.pop("total_steps")
+        path.write_text(json.dumps({**state, "config": {**state["config"], "train": flat}}))
+        manifest = json.loads((path.parent / "checkpoint.json").read_text())  # as such a checkpoint's own says
+        manifest["files"]["state.json"] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+        (path.parent / "checkpoint.json").write_text(json.dumps(manifest))
+    checkpoints = run / "checkpoints"
+    result, lines = train_in_process(small_config(demo_data, run, total_steps=12, extend=True, **wsd))
+    assert lines[1] == f"--extend: training on from step 5 ({checkpoints / 'stable' / 'step_000005'}) to step 12"
+    assert result.step == 12 and any("resuming at step 5" in line for line in lines)
+    written = json.loads((checkpoints / "step_000012" / "state.json").read_text())["config"]["train"]
+    assert written["lr_schedule"]["total_steps"] == 12 and "total_steps" not in written

@@ -207,3 +207,23 @@ def test_a_train_configs_check_runs_every_sections_check_not_only_its_first_base
     cfg.optim.lr, cfg.lr_schedule.warmup_steps = TrainConfig().optim.lr, -1  # the schedule's
     with pytest.raises(UserError):
         cfg.check()
+
+
+def test_a_checkpoints_config_reads_the_same_written_flat_nested_or_under_old_names():
+    """Checkpoints written before the sections were objects carry the train settings flat (a run's length as
+    max_steps before that, and maybe a setting since removed): a resume (saved_schedule) and an eval (saved_settings)
+    read them as they read today's nested ones."""
+    from shared.train.optim import saved_schedule
+    from shared.train_sections import saved_settings
+
+    run = TrainConfig.from_dict({"schedule": "wsd", "total_steps": 8, "cooldown_frac": 0.5, "optimizer": "muon",
+                                 "muon_lr": 0.01, "warmup_steps": 2})
+    nested = run.to_dict()
+    flat = {key: value for section in nested.values() for key, value in section.items()}
+    old = {**{k: v for k, v in flat.items() if k != "total_steps"}, "max_steps": 8, "a_setting_since_removed": 1}
+    removed_in_a_section = {**nested, "optim": {**nested["optim"], "a_setting_since_removed": 1}}
+    now = TrainConfig.from_dict({"schedule": "wsd", "total_steps": 12, "cooldown_frac": 0.5, "seq_len": 64})
+    for saved in (nested, flat, old, removed_in_a_section):
+        assert saved_settings(saved, "state.json") == flat
+        was, step = saved_schedule(now, {"step": 5, "config": {"train": saved}})
+        assert step == 5 and (was.optim, was.lr_schedule) == (run.optim, run.lr_schedule) and was.model == now.model
