@@ -86,12 +86,13 @@ class TrainConfig:
         return cls(**{name: TRAIN_SECTIONS[name](**values) for name, values in by_section.items()})
 
     def replace(self, **changes) -> TrainConfig:
-        """A copy with `changes` by setting name (`micro_batch=8`: each name is one section's), checked again."""
+        """A copy with `changes` by setting name (`micro_batch=8`: each name is one section's), checked again. Every
+        section is copied, so setting a field of the copy's leaves this config as it is."""
         owner = section_fields()
         check_known(changes, owner, "TrainConfig.replace", "train")
-        by_section: dict[str, dict] = {}
+        by_section: dict[str, dict] = {name: {} for name in TRAIN_SECTIONS}
         for key, value in changes.items():
-            by_section.setdefault(owner[key], {})[key] = value
+            by_section[owner[key]][key] = value
         return dataclasses.replace(self, **{name: dataclasses.replace(getattr(self, name), **values)
                                             for name, values in by_section.items()})
 

@@ -69,7 +69,9 @@ def test_replace_changes_settings_by_name_in_their_sections_and_checks_again():
     cfg = TrainConfig()
     changed = cfg.replace(lr=1e-3, micro_batch=8)
     assert (changed.optim.lr, changed.step.micro_batch, cfg.optim.lr, cfg.step.micro_batch) == (1e-3, 8, 6e-4, 16)
-    assert changed.lr_schedule is cfg.lr_schedule  # an untouched section is kept as it is
+    assert changed.lr_schedule == cfg.lr_schedule and changed.lr_schedule is not cfg.lr_schedule  # a copy
+    changed.lr_schedule.warmup_steps = 3
+    assert cfg.lr_schedule.warmup_steps == 715
     with pytest.raises(UserError, match="unknown train setting"):
         cfg.replace(learning_rate=1e-3)
     with pytest.raises(UserError, match="--lr must be positive"):
