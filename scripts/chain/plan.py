@@ -40,6 +40,7 @@ from scripts.chain.storage import disk_line, room_line, storage_line, storage_pl
 from shared.config import AUTO, HELLASWAG_VALIDATION_EXAMPLES, TrainConfig
 from shared.errors import UserError
 from shared.train.attention import FLASH, SDPA, SETTING_OF, SPLASH, candidates, untiled_kernels
+from shared.train_sections import EvalSettings
 
 REPO = Path(__file__).resolve().parents[2]
 # What --smoke measured, one record per run (newest last); the plan counts sessions with the newest that matches.
@@ -174,7 +175,7 @@ def make_plan(cfg: ChainConfig, quota: tuple[float, float, str] | None = None,
         eval_share = val_tokens / 3 / (train.evals.eval_every * train.step.total_batch_tokens)
         if train.evals.hellaswag_file or cfg.hellaswag:
             hs_tokens = (train.evals.hellaswag_examples * 4 or HELLASWAG_ROWS) * HELLASWAG_TOKENS_PER_ROW
-            eval_share += hs_tokens / 3 / (hellaswag_every_steps(train) * train.step.total_batch_tokens)
+            eval_share += hs_tokens / 3 / (hellaswag_every_steps(train.evals) * train.step.total_batch_tokens)
     plan["eval_share"] = eval_share
     if speed.tokens_per_s:
         train_s = train_tokens / speed.tokens_per_s * (1 + eval_share)
@@ -203,10 +204,10 @@ def make_plan(cfg: ChainConfig, quota: tuple[float, float, str] | None = None,
     return plan
 
 
-def hellaswag_every_steps(train: TrainConfig) -> int:
+def hellaswag_every_steps(evals: EvalSettings) -> int:
     """About how often in-training HellaSwag runs: at the first eval past each multiple of hellaswag_every, so never
     more often than the evals (0: at every eval)."""
-    return max(train.evals.hellaswag_every, train.evals.eval_every)
+    return max(evals.hellaswag_every, evals.eval_every)
 
 
 def _eval_seconds(cfg: ChainConfig, train_tokens_per_s: float) -> float:
@@ -244,7 +245,7 @@ def plan_lines(cfg: ChainConfig, plan: dict, source: str = "") -> list[str]:
                  f"{train.step.micro_batch}{auto_note and f' ({auto_note})'} x {train.grad_accum_steps} accumulation; "
                  f"{train.optim.optimizer} + {train.lr_schedule.schedule}")
     if train.evals.eval_every and (cfg.hellaswag or train.evals.hellaswag_file):
-        hs_every = hellaswag_every_steps(train)
+        hs_every = hellaswag_every_steps(train.evals)
         examples = (f"a seeded sample of {train.evals.hellaswag_examples}" if train.evals.hellaswag_examples
                     else f"all {HELLASWAG_VALIDATION_EXAMPLES:,}")
         lines.append(f"          every {train.evals.eval_every} steps: validation loss; every {hs_every}, at the "
