@@ -147,9 +147,9 @@ def train_two_sessions(demo_data: Path, hellaswag_file: Path, out: Path) -> None
     from shared.train.trainer import train
 
     cfg = train_config(preset="tiny", seq_len=32, micro_batch=8, total_batch_tokens=512, warmup_steps=2, log_every=1,
-                      eval_every=2, eval_batches=2, progress=False, wandb_project="", data_dir=str(demo_data),
-                      out_dir=str(out), total_steps=6, checkpoint_every=0, hellaswag_file=str(hellaswag_file),
-                      hellaswag_examples=8, hellaswag_every=4, sample_prompt="The Python interpreter", sample_tokens=8)
+                       eval_every=2, eval_batches=2, progress=False, wandb_project="", data_dir=str(demo_data),
+                       out_dir=str(out), total_steps=6, checkpoint_every=0, hellaswag_file=str(hellaswag_file),
+                       hellaswag_examples=8, hellaswag_every=4, sample_prompt="The Python interpreter", sample_tokens=8)
     runtime, lines = make_runtime("xla"), []
     assert train(cfg.replace(stop_after_steps=3), runtime, log=lines.append).step == 3
     assert train(cfg, runtime, log=lines.append).step == 6

@@ -52,8 +52,8 @@ def test_ddp_two_processes_match_one_process(demo_data, tmp_path):
 
 def _cfg(demo_data, out_dir, **kw) -> TrainConfig:
     return train_config(preset="tiny", data_dir=str(demo_data), out_dir=str(out_dir), seq_len=32, micro_batch=8,
-                       total_batch_tokens=512, warmup_steps=2, log_every=1, eval_every=0, progress=False,
-                       wandb_project="", bf16=False, checkpoint_every=0, **kw)
+                        total_batch_tokens=512, warmup_steps=2, log_every=1, eval_every=0, progress=False,
+                        wandb_project="", bf16=False, checkpoint_every=0, **kw)
 
 
 @pytest.mark.slow

@@ -7,16 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import (
-    assert_identical_runs,
-    loss_history,
-    small_config,
-    train_cli,
-    train_config,
-    train_in_process,
-)
+from helpers import assert_identical_runs, loss_history, small_config, train_cli, train_config, train_in_process
 
-from shared.config import TrainConfig
+from shared.config import OptimizerSettings, TrainConfig
 from shared.errors import UserError
 from shared.train.metrics import read_metrics
 from shared.train.model import GPT
@@ -33,7 +26,6 @@ from shared.train.optim import (
     stable_phase_end,
 )
 from shared.train.runtime import Runtime
-from shared.train_sections import OptimizerSettings
 
 MUON = ("--optimizer", "muon", "--schedule", "wsd", "--lr", "3e-3", "--muon-lr", "0.03")
 
@@ -86,7 +78,7 @@ def test_newton_schulz_keeps_the_singular_vectors_and_flattens_the_spectrum():
 @pytest.mark.parametrize("scale, muon_lr", [("shape", 0.05), ("max_dim", 0.004)])
 def test_muon_update_matches_a_direct_computation(scale, muon_lr):
     cfg = train_config(preset="tiny", optimizer="muon", lr=1e-3, muon_lr=muon_lr, muon_momentum=0.9,
-                      muon_weight_decay=0.1, weight_decay=0.0, muon_scale=scale)
+                       muon_weight_decay=0.1, weight_decay=0.0, muon_scale=scale)
     torch.manual_seed(0)
     model = GPT(cfg.model.shape)
     named = list(model.named_parameters())
@@ -228,17 +220,15 @@ def test_wsd_schedule_warms_up_holds_then_decays_to_zero():
 def test_a_one_minus_sqrt_cooldown_follows_epfls_sqrt_decay_and_ends_its_stable_phase_where_linear_does():
     """epfml/schedules-and-scaling src/optim/utils.py (decay_type "sqrt"): 1 - sqrt((step - n_hold) / n_anneal)."""
     cfg = train_config(schedule="wsd", lr=1e-3, warmup_steps=10, total_steps=100, cooldown_frac=0.4,
-                      cooldown_shape="1-sqrt")
+                       cooldown_shape="1-sqrt")
     n_hold, n_anneal = 60, 40
-    def lr(step: float) -> float:
-        return float(lr_at(torch.tensor(step), cfg.optim, cfg.lr_schedule))
-
+    lr = {s: float(lr_at(torch.tensor(float(s)), cfg.optim, cfg.lr_schedule)) for s in (9, 60, 61, 70, 85, 99, 100)}
     for step in (60, 61, 70, 85, 99):
         expected = 1e-3 * (1 - ((step - n_hold) / n_anneal) ** 0.5)
-        assert lr(float(step)) == pytest.approx(expected, rel=1e-5), step
-    assert lr(70.0) == pytest.approx(5e-4)  # a quarter of the way: half the LR
-    assert lr(100.0) == 0.0
-    assert lr(9.0) == pytest.approx(1e-3)
+        assert lr[step] == pytest.approx(expected, rel=1e-5), step
+    assert lr[70] == pytest.approx(5e-4)  # a quarter of the way: half the LR
+    assert lr[100] == 0.0
+    assert lr[9] == pytest.approx(1e-3)
     assert stable_phase_end(cfg) == stable_phase_end(cfg.replace(cooldown_shape="linear")) == 61
     assert not same_schedule_until(cfg, cfg.replace(cooldown_shape="linear"), 62)
     with pytest.raises(UserError, match="--cooldown-shape must be linear or 1-sqrt, got 'cosine'"):
@@ -365,10 +355,9 @@ def test_one_session_recipe_config_is_muon_filling_its_session_with_full_hellasw
     assert chain.session_limit_s == 9 * 3600 and chain.accelerator == "TpuV5E8"
     # the 2024-10-10 Muon record's settings, one source for all (docs/recipe.md section 1), but the gradient clip
     # at 1.0 that scripts/bench_recipe_arms.py chose for this architecture (docs/recipe.md section 4)
-    optim, schedule = cfg.optim, cfg.lr_schedule
-    assert (optim.muon_scale, optim.muon_lr, optim.lr, optim.aux_lr, optim.muon_momentum,
-            optim.muon_momentum_warmup_steps, optim.muon_weight_decay, optim.weight_decay, optim.grad_clip,
-            schedule.warmup_steps, schedule.cooldown_frac, schedule.cooldown_shape) == (
+    o, s = cfg.optim, cfg.lr_schedule
+    assert (o.muon_scale, o.muon_lr, o.lr, o.aux_lr, o.muon_momentum, o.muon_momentum_warmup_steps, o.muon_weight_decay,
+            o.weight_decay, o.grad_clip, s.warmup_steps, s.cooldown_frac, s.cooldown_shape) == (
         "max_dim", 0.00036, 0.0036, 0.0, 0.95, 0, 0.0, 0.0, 1.0, 0, 0.29, "linear")
 
 
@@ -481,7 +470,7 @@ def test_zero_initialised_projections_start_each_block_as_the_identity_and_still
 ])
 def test_the_stable_phase_ends_where_the_first_update_is_decayed(total_steps, cooldown_frac, warmup, expected):
     cfg = train_config(schedule="wsd", lr=6e-4, total_steps=total_steps, cooldown_frac=cooldown_frac,
-                      warmup_steps=warmup)
+                       warmup_steps=warmup)
     assert stable_phase_end(cfg) == expected
     # directly: every update before it is made at the peak (or the warm-up's rate), the one at it below the peak
     lrs = [6e-4 * min((s + 1) / warmup, 1.0, (total_steps - s) / (cooldown_frac * total_steps))
@@ -493,7 +482,7 @@ def test_the_stable_phase_ends_where_the_first_update_is_decayed(total_steps, co
 
 def test_a_longer_wsd_schedule_agrees_with_a_shorter_one_until_its_stable_phase_ends():
     short = train_config(schedule="wsd", total_steps=8, cooldown_frac=0.5, warmup_steps=2, optimizer="muon",
-                        muon_momentum_warmup_steps=3)
+                         muon_momentum_warmup_steps=3)
     longer = short.replace(total_steps=12)
     assert same_schedule_until(short, longer, 5) and not same_schedule_until(short, longer, 6)
     assert not same_schedule_until(short, longer.replace(muon_lr=0.01), 1)

@@ -124,7 +124,7 @@ def test_auto_step_plan_per_preset_and_tpu(preset, generation, attention, checkp
                             scan_available=False)
     assert not without_jax.scan_layers
     forced = plan_step(train_config(preset=preset, activation_checkpointing="on", scan_layers="off",
-                                   grad_accum_loop=False), runtime, attention, scan_available=True)
+                                    grad_accum_loop=False), runtime, attention, scan_available=True)
     assert (forced.activation_checkpointing, forced.scan_layers, forced.accum_loop) == (True, False, False)
 
 
@@ -338,8 +338,8 @@ def test_the_trainer_probes_the_kernel_at_its_own_shapes_sharded_per_device(flas
     monkeypatch.setattr(trainer, "select_attention_and_micro_batch", select_then_stop)
     write_shard(tmp_path / "t_train_000000.bin", np.arange(20_000) % 1000)
     cfg = train_config(preset="tiny", data_dir=str(tmp_path), out_dir=str(tmp_path / "out"), seq_len=128,
-                      micro_batch=16, total_batch_tokens=16 * 128, eval_every=0, progress=False, wandb_project="",
-                      xla_cache=False, attention="flash")
+                       micro_batch=16, total_batch_tokens=16 * 128, eval_every=0, progress=False, wandb_project="",
+                       xla_cache=False, attention="flash")
     with pytest.raises(Probed, match="pallas-flash"):
         train(cfg, flash_host, log=lambda *a: None)
     # The tiny preset's 4 heads of 128 / 4 = 32 over 128 tokens; 16 sequences, 2 on each of the 8 devices. Called

@@ -397,7 +397,7 @@ def test_extend_with_no_checkpoint_at_all_starts_at_step_zero(tmp_path):
     from shared.train.session import resume_point
 
     cfg = train_config(preset="tiny", seq_len=32, micro_batch=8, total_batch_tokens=256, total_steps=8, schedule="wsd",
-                      extend=True, resume_from=str(tmp_path / "mount"))
+                       extend=True, resume_from=str(tmp_path / "mount"))
     lines = []
     assert resume_point(cfg, tmp_path / "checkpoints", log=lines.append) is None
     assert lines == [f"--extend: no checkpoint yet in {tmp_path / 'checkpoints'}, {tmp_path / 'mount'}, "
