@@ -35,11 +35,11 @@ def main() -> None:
     # A build whose sessions are long publishes one checkpoint midway through too (PublishPlan.midway_s).
     midway = (MidwayPublish(BAKED_PUBLISH, started, kaggle_paths().temp / "gpt2k-midway")
               if getattr(BAKED_PUBLISH, "midway_s", 0) else None)
-    result = train(cfg, wandb_key=wandb_key() if cfg.wandb_project else None, started=started,
+    result = train(cfg, wandb_key=wandb_key() if cfg.logging.wandb_project else None, started=started,
                    startup_parts={"packages": installs} if installs else None, on_checkpoint=midway)
     # The session is killed publish_s after its deadline (the chain's publish margin): the publish gives up before.
     publish_s = getattr(BAKED_PUBLISH, "publish_s", 0)
-    end = started + cfg.session_deadline + publish_s if cfg.session_deadline and publish_s else None
+    end = started + cfg.session.session_deadline + publish_s if cfg.session.session_deadline and publish_s else None
     after_training(result, BAKED_PUBLISH, session_end=end, midway=midway)  # the final checkpoint, where built so
 
 

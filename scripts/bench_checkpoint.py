@@ -32,10 +32,10 @@ def main() -> None:
     from shared.train.optim import make_optimizer, optimizer_tensors
     from shared.train.runtime import Runtime
 
-    cfg = TrainConfig(preset=args.preset)
-    model = GPT(cfg.model)
+    cfg = TrainConfig.from_dict(dict(preset=args.preset))
+    model = GPT(cfg.model.shape)
     named = list(model.named_parameters())
-    opt = make_optimizer(named, cfg, Runtime("cpu"), torch.tensor(cfg.lr))
+    opt = make_optimizer(named, cfg.optim, Runtime("cpu"), torch.tensor(cfg.optim.lr))
     model_tensors = model.checkpoint_tensors()
     opt_tensors = optimizer_tensors(opt, named)
     nbytes = sum(t.numel() * t.element_size() for t in [*model_tensors.values(), *opt_tensors.values()])

@@ -58,7 +58,6 @@ def chain_step(devices: int, seq_len: int, generation: str | None = None,
     """(micro-batch per device, accumulation) of the gpt2 chain config (examples/chain-gpt2-124m.json): what a
     real session runs (`auto` as the session would choose it on TPU `generation`, with the first attention kernel
     it tries there for the `attention` setting, default the config's, passing its probe: shared/train/attention.py)."""
-    import dataclasses
 
     from shared.config import AUTO, TrainConfig
     from shared.tpu import micro_batch_for
@@ -66,11 +65,12 @@ def chain_step(devices: int, seq_len: int, generation: str | None = None,
 
     train = chain_train_settings()
     kept = {k: v for k, v in train.items() if k in ("micro_batch", "total_batch_tokens", "attention")}
-    cfg = TrainConfig(**{**kept, **({"attention": attention} if attention else {})}, preset="gpt2", seq_len=seq_len)
-    if cfg.micro_batch == AUTO:
-        first = candidates(generation, seq_len, cfg.attention)[0]
-        cfg = dataclasses.replace(cfg, micro_batch=micro_batch_for(cfg, generation, first, devices))
-    return max(1, cfg.micro_batch // devices), cfg.grad_accum_steps
+    cfg = TrainConfig.from_dict({**kept, **({"attention": attention} if attention else {}), "preset": "gpt2",
+                                 "seq_len": seq_len})
+    if cfg.step.micro_batch == AUTO:
+        first = candidates(generation, seq_len, cfg.step.attention)[0]
+        cfg = cfg.replace(micro_batch=micro_batch_for(cfg, generation, first, devices))
+    return max(1, cfg.step.micro_batch // devices), cfg.grad_accum_steps
 
 
 def chain_train_settings() -> dict:
@@ -290,8 +290,8 @@ def main() -> None:
     ddp = runtime.name == "ddp"
     say = print if runtime.is_main else (lambda *a, **k: None)
 
-    cfg_probe = TrainConfig(preset=args.preset, seq_len=args.seq_len)
-    model_cfg = cfg_probe.model
+    cfg_probe = TrainConfig.from_dict(dict(preset=args.preset, seq_len=args.seq_len))
+    model_cfg = cfg_probe.model.shape
     num_params = GPT(model_cfg).num_params()
     fpt = flops_per_token(num_params, model_cfg.n_layer, model_cfg.n_embd, model_cfg.block_size)
     peak_all = runtime.peak_flops()
@@ -329,11 +329,12 @@ def main() -> None:
         # Every process (DDP) writes the same shards into its own folder; the loader wraps around them.
         write_random_shards(Path(tmp) / "data", 4 * tokens_per_micro_step + 1,
                             min(model_cfg.vocab_size, GPT2_VOCAB_SIZE))
-        cfg = TrainConfig(preset=args.preset, seq_len=args.seq_len, data_dir=f"{tmp}/data", out_dir=f"{tmp}/run",
-                          micro_batch=global_micro, total_batch_tokens=tokens_per_micro_step * accum,
-                          total_steps=warmup + steps, warmup_steps=max(1, warmup + steps), log_every=log_every,
-                          eval_every=0, checkpoint_every=0, keep_checkpoints=1, progress=False, wandb_project="",
-                          xla_cache=False, backend=backend, optimizer=args.optimizer, attention=attention)
+        cfg = TrainConfig.from_dict(dict(
+            preset=args.preset, seq_len=args.seq_len, data_dir=f"{tmp}/data", out_dir=f"{tmp}/run",
+            micro_batch=global_micro, total_batch_tokens=tokens_per_micro_step * accum,
+            total_steps=warmup + steps, warmup_steps=max(1, warmup + steps), log_every=log_every,
+            eval_every=0, checkpoint_every=0, keep_checkpoints=1, progress=False, wandb_project="",
+            xla_cache=False, backend=backend, optimizer=args.optimizer, attention=attention))
         train(cfg, runtime, log=lambda msg, *a, **k: say(f"  [trainer] {msg}", flush=True))
         peak_mem = (torch.cuda.max_memory_allocated(runtime.device) / 2**30
                     if runtime.device.type == "cuda" else None)

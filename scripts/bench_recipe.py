@@ -34,7 +34,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -166,10 +165,10 @@ def run(name: str, cfg, out_root: Path) -> list[tuple[int, float]]:
 
     out = out_root / name
     metrics = out / "metrics.jsonl"
-    if not (metrics.exists() and any(r.get("event") == "session_end" and r["step"] == cfg.total_steps
+    if not (metrics.exists() and any(r.get("event") == "session_end" and r["step"] == cfg.lr_schedule.total_steps
                                      for r in read_metrics(metrics))):
         shutil.rmtree(out, ignore_errors=True)
-        result = train(replace(cfg, out_dir=str(out)), log=lambda *a, **k: None)
+        result = train(cfg.replace(out_dir=str(out)), log=lambda *a, **k: None)
         if result.stop_reason == "SIGTERM":  # the trainer ends a run cleanly on SIGTERM; the bench stops with it
             raise SystemExit(f"stopped (SIGTERM) during {name}; run again to go on from the finished runs")
     return [(r["tokens"], r["val_loss"]) for r in read_metrics(metrics) if "val_loss" in r]
@@ -264,14 +263,14 @@ def compare(base, args, steps: int, out_root: Path) -> str:
     finals: dict[str, list[float]] = {name: [] for name in settings}
     gains = []
     for index in range(args.seeds):
-        seed = base.seed + index
+        seed = base.model.seed + index
         for name, changes in settings.items():
-            cfg = replace(base, seed=seed, total_steps=steps, **changes)
+            cfg = base.replace(seed=seed, total_steps=steps, **changes)
             curve = run(f"compare-{name}-seed{seed}", cfg, out_root)
             finals[name].append(curve[-1][1])
             if name == "record":  # its loss where the stable phase ends (an eval's key step) and at the end
-                stable = dict(curve)[stable_phase_end(cfg) * cfg.total_batch_tokens]
-                gains.append((stable - curve[-1][1]) / stable / cfg.cooldown_frac)
+                stable = dict(curve)[stable_phase_end(cfg) * cfg.step.total_batch_tokens]
+                gains.append((stable - curve[-1][1]) / stable / cfg.lr_schedule.cooldown_frac)
     record = finals["record"]
     lines = [f"| settings | final val loss: mean ± sd (min–max), {args.seeds} seeds | minus the record's, per seed |",
              "| --- | --- | --- |"]
@@ -352,11 +351,12 @@ def main() -> None:
         raise UserError(f"--eval-batches {args.eval_batches}: the validation split holds {val_batches} batches of "
                         f"{args.micro_batch} x {args.seq_len}; use a smaller --micro-batch or fewer batches")
     eval_every = max(1, steps // args.evals)
-    base = TrainConfig(preset="bench", micro_batch=args.micro_batch, total_batch_tokens=args.batch_tokens,
-                       data_dir=str(data_dir), backend=args.backend, bf16=args.backend != "cpu",
-                       eval_batches=args.eval_batches, eval_every=eval_every, warmup_steps=max(1, steps // 20),
-                       checkpoint_every=0, keep_checkpoints=1, keep_stable=False, progress=True, wandb_project="",
-                       xla_cache=False, time_budget=1e9, log_every=10, schedule="wsd", lr=args.adamw_lr)
+    base = TrainConfig.from_dict(dict(
+        preset="bench", micro_batch=args.micro_batch, total_batch_tokens=args.batch_tokens,
+        data_dir=str(data_dir), backend=args.backend, bf16=args.backend != "cpu",
+        eval_batches=args.eval_batches, eval_every=eval_every, warmup_steps=max(1, steps // 20),
+        checkpoint_every=0, keep_checkpoints=1, keep_stable=False, progress=True, wandb_project="",
+        xla_cache=False, time_budget=1e9, log_every=10, schedule="wsd", lr=args.adamw_lr))
     out_root = Path(args.out_dir)
     if args.compare:
         report = compare(base, args, steps, out_root)
@@ -368,15 +368,15 @@ def main() -> None:
     curves: dict[str, list] = {name: [] for name in control_names.values()}
     muon_finals: list[list[tuple[int, float]]] = []
     for index in range(args.seeds):
-        seed = base.seed + index
+        seed = base.model.seed + index
         for lr, name in control_names.items():
-            control = replace(base, seed=seed, total_steps=steps, matrix_lr=lr)
+            control = base.replace(seed=seed, total_steps=steps, matrix_lr=lr)
             curves[name].append(run(f"control-{lr:g}-seed{seed}", control, out_root))
         finals = []
         for fraction in [float(f) for f in args.muon_fractions.split(",")]:
             # A shorter run ends on an eval (every eval_every steps): its final loss is its end's.
             muon_steps = steps if fraction >= 1 else max(eval_every, int(steps * fraction) // eval_every * eval_every)
-            muon = replace(base, seed=seed, total_steps=muon_steps, optimizer="muon", muon_lr=args.muon_lr)
+            muon = base.replace(seed=seed, total_steps=muon_steps, optimizer="muon", muon_lr=args.muon_lr)
             curve = run(f"muon-{fraction:g}-seed{seed}", muon, out_root)
             curves.setdefault(f"Muon + wsd (lr {args.muon_lr:g}), {muon_steps / steps:.2f}x budget", []).append(curve)
             finals.append((curve[-1][0], curve[-1][1]))

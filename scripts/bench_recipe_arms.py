@@ -42,7 +42,6 @@ import os
 import shutil
 import statistics
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -62,14 +61,13 @@ def shipped_settings(path: Path = SHIPPED_EXAMPLE) -> dict:
     """The optimizer and schedule settings the shipped example gives its train kernel, with the trainer's defaults
     for the ones it leaves out (so a key added to the example is benched as shipped)."""
     from shared.config import TrainConfig
-    from shared.train_sections import TRAIN_SECTIONS, flatten_sections
+    from shared.train_sections import flatten_sections
 
     train = flatten_sections(json.loads(path.read_text())["train"], f"{path}: train")
     defaults = TrainConfig()
     # The optimizer's and the schedule's sections, whole, but the run's own length (the bench's --steps) and --extend
-    keys = [f.name for section in (TRAIN_SECTIONS["optim"], TRAIN_SECTIONS["lr_schedule"])
-            for f in dataclasses.fields(section) if f.name not in ("total_steps", "extend")]
-    return {key: train.get(key, getattr(defaults, key)) for key in keys}
+    return {key: train.get(key, default) for section in (defaults.optim, defaults.lr_schedule)
+            for key, default in dataclasses.asdict(section).items() if key not in ("total_steps", "extend")}
 
 
 def recipe_arms(shipped: dict, steps: int, n_layer: int) -> dict[str, tuple[dict, float]]:
@@ -280,11 +278,12 @@ def main() -> None:
             raise UserError(f"--arms: no arm {', '.join(sorted(unknown))}; the arms are {', '.join(arms)}")
         arms = {name: arm for name, arm in arms.items() if name in args.arms.split(",") or name == "shipped"}
     eval_every = max(1, args.steps // args.evals)
-    base = TrainConfig(preset="bench", micro_batch=args.micro_batch, total_batch_tokens=args.batch_tokens,
-                       data_dir=str(data_dir), backend="cpu", bf16=False, eval_batches=args.eval_batches,
-                       eval_every=eval_every, checkpoint_every=eval_every, keep_checkpoints=args.evals + 2,
-                       keep_stable=False, progress=True, wandb_project="", xla_cache=False, time_budget=1e9,
-                       log_every=10, total_steps=args.steps, seed=args.first_seed)
+    base = TrainConfig.from_dict(dict(
+        preset="bench", micro_batch=args.micro_batch, total_batch_tokens=args.batch_tokens,
+        data_dir=str(data_dir), backend="cpu", bf16=False, eval_batches=args.eval_batches,
+        eval_every=eval_every, checkpoint_every=eval_every, keep_checkpoints=args.evals + 2,
+        keep_stable=False, progress=True, wandb_project="", xla_cache=False, time_budget=1e9,
+        log_every=10, total_steps=args.steps, seed=args.first_seed))
     out_root = Path(args.out_dir)
     windows = seed_data_dirs(data_dir, out_root, args.window + args.seeds, args.steps * args.batch_tokens + 1)
     print(f"corpus: {corpus['train_tokens']:,} train tokens; {len(arms)} arms x {args.seeds} seeds x {args.steps} "
@@ -292,9 +291,9 @@ def main() -> None:
     curves: dict[str, list] = {name: [] for name in arms}
     traces: dict[str, list] = {name: [] for name in arms}
     for index in range(args.seeds):
-        seed, window = base.seed + index, args.window + index
+        seed, window = base.model.seed + index, args.window + index
         for name, (settings, attn_scale) in arms.items():
-            cfg = replace(base, seed=seed, data_dir=str(windows[window]), **settings)
+            cfg = base.replace(seed=seed, data_dir=str(windows[window]), **settings)
             run_name = f"{name}-seed{seed}-window{window}"
             with attention_output_scaled(attn_scale):
                 curves[name].append(run(run_name, cfg, out_root))
@@ -306,7 +305,7 @@ def main() -> None:
     loss_png = plot_curves(curves, statistics.mean(finals["shipped"]), out_root / "val_loss.png",
                            f"{title}, {args.seeds} seeds, band: min to max", target_label="shipped's final")
     rms_png = plot_weight_rms({name: runs[0] for name, runs in traces.items()}, out_root / "weight_rms.png",
-                              f"{title}: block matrices' RMS (seed {base.seed}; band: the layers' min to max)")
+                              f"{title}: block matrices' RMS (seed {base.model.seed}; band: the layers' min to max)")
     (out_root / "report.md").write_text(f"{table}\n\n![val loss]({loss_png.name})\n\n![weight RMS]({rms_png.name})\n")
     print(table)
     print(f"plots: {loss_png}, {rms_png}")

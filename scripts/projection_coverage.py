@@ -28,7 +28,8 @@ from shared.config import TrainConfig
 from shared.train.metrics import GPT2_124M_VAL_LOSS, GPT2_HELLASWAG
 from shared.train.projection import Decay, project
 
-RECIPE = TrainConfig(preset="gpt2", optimizer="muon", schedule="wsd", total_steps=13352, cooldown_frac=0.29)
+RECIPE = TrainConfig.from_dict({"preset": "gpt2", "optimizer": "muon", "schedule": "wsd", "total_steps": 13352,
+                                "cooldown_frac": 0.29})
 STABLE_END = 9480  # shared/train/optim.py stable_phase_end(RECIPE)
 VAL_NOISE = 0.001  # a val-loss eval's own noise (the same val tokens each time: small)
 
@@ -60,7 +61,7 @@ def simulate_run(rng: np.random.Generator, examples: int, curvature: float, hell
             records.append({"step": step, "hellaswag_acc_norm": acc(loss)})
     decay = Decay.published()
     gain = decay.mean + decay.spread * rng.standard_t(decay.df)
-    final = stable * (1 - gain * RECIPE.cooldown_frac)
+    final = stable * (1 - gain * RECIPE.lr_schedule.cooldown_frac)
     return Run(records, final + rng.normal(0, VAL_NOISE), acc(final))
 
 

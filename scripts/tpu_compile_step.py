@@ -81,8 +81,8 @@ def traced_attention(settings: dict, generation: str) -> str:
     from shared.config import TrainConfig
     from shared.train.attention import candidates
 
-    cfg = TrainConfig(**settings)
-    return candidates(generation, cfg.model.block_size, cfg.attention)[0]
+    cfg = TrainConfig.from_dict(settings)
+    return candidates(generation, cfg.model.shape.block_size, cfg.step.attention)[0]
 
 
 def compile_step(settings: dict, tpu: str, log=print, cache_dir: Path = CACHE_DIR, keep: Path | None = None,
@@ -101,7 +101,7 @@ def compile_step(settings: dict, tpu: str, log=print, cache_dir: Path = CACHE_DI
 
     if attention is not None:
         settings = {**settings, "attention": attention}
-    TrainConfig(**settings)  # bad settings are one line before anything is traced
+    TrainConfig.from_dict(settings)  # bad settings are one line before anything is traced
     python = python or compiler_python()
     if python is None:
         raise UserError("the TPU compiler is not installed (.venv-tpu: jax and libtpu as Kaggle's image pins them); "
@@ -197,12 +197,13 @@ def analyse(trace_dir: Path, tpu: str) -> dict:
     gen = TPU_GENERATIONS[target["generation"]]
     meta = json.loads((trace_dir / "step.json").read_text())
     compiled = json.loads((trace_dir / "compiled.json").read_text())
-    train = TrainConfig(**meta["train"])
+    train = TrainConfig.from_dict(meta["train"])
     head = {"tpu": tpu, "device_kind": compiled["device_kind"], "devices": compiled["devices"],
             "versions": {"jax": compiled["jax"], "libtpu": compiled["libtpu"]}, "compile_s": compiled["compile_s"],
-            "preset": train.preset, "micro_batch": meta["micro_batch"], "grad_accum_steps": meta["grad_accum_steps"],
+            "preset": train.model.preset, "micro_batch": meta["micro_batch"],
+            "grad_accum_steps": meta["grad_accum_steps"],
             "attention": meta["attention"], "activation_checkpointing": meta["activation_checkpointing"],
-            "scan_layers": meta["scan_layers"], "fsdp": train.fsdp}
+            "scan_layers": meta["scan_layers"], "fsdp": train.step.fsdp}
     if "out_of_memory" in compiled:  # the compiler refused it: its own figures, nothing else to read
         oom = compiled["out_of_memory"]
         return {**head, "fits": False, "peak_bytes": oom["used"], "hbm_bytes": oom["capacity"],
@@ -224,16 +225,16 @@ def analyse(trace_dir: Path, tpu: str) -> dict:
         group["count"] += 1
         group["bytes"] += c.bytes
     collective_s = sum(collective_seconds(c, compiled["devices"], target["ici_bw"]) * c.runs for c in cost.collectives)
-    model_flops = train.model.flops_per_token() * train.total_batch_tokens / compiled["devices"]
+    model_flops = train.model.shape.flops_per_token() * train.step.total_batch_tokens / compiled["devices"]
     # The Pallas kernels (flash attention) are opaque to the HLO: their FLOPs are taken as attention's 12LCT of the
     # model's (the scores and values matmuls, none of which the HLO then holds), at peak, or their bytes at HBM
     # bandwidth, whichever is longer.
-    attention_flops = 12 * train.model.n_layer * train.model.n_embd * train.model.block_size
-    kernel_flops = attention_flops * train.total_batch_tokens / compiled["devices"] if cost.kernel_calls else 0.0
+    attention_flops = 12 * train.model.shape.n_layer * train.model.shape.n_embd * train.model.shape.block_size
+    kernel_flops = attention_flops * train.step.total_batch_tokens / compiled["devices"] if cost.kernel_calls else 0.0
     kernel_s = kernel_seconds(kernel_flops, cost.kernel_bytes, gen.peak_bf16_per_chip, target["hbm_bw"])
     step_s = cost.roofline_ops_s + kernel_s + collective_s
     # And with their matmuls filling only the head dim's share of the MXU (scripts/hlo_cost.py mxu_efficiency).
-    head_dim = train.model.n_embd // train.model.n_head
+    head_dim = train.model.shape.n_embd // train.model.shape.n_head
     efficiency = mxu_efficiency(head_dim, MXU_WIDTH[target["generation"]])
     kernel_mxu_s = kernel_seconds(kernel_flops, cost.kernel_bytes, gen.peak_bf16_per_chip, target["hbm_bw"],
                                   efficiency)

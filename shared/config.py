@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from shared.errors import UserError
-from shared.flags import at_least, check_field_types, one_of, positive
+from shared.flags import at_least, check_field_types, check_known, one_of, positive
 from shared.train_sections import (
     AUTO,
     BACKENDS,
@@ -32,6 +32,8 @@ from shared.train_sections import (
     ScheduleSettings,
     SessionSettings,
     StepSettings,
+    flatten_sections,
+    section_fields,
 )
 
 SHARD_HEADER_BYTES = 256 * 4  # llm.c's shard header: 256 int32 (shared/data.py)
@@ -49,59 +51,97 @@ CORPUS_TOKENS = {("HuggingFaceFW/fineweb-edu", "sample-10BT"): 10_000_000_000,
 NINE_HOURS = 9 * 3600.0
 
 
-# Sections listed last-first: a dataclass takes its bases' fields from the last base up, so flags and --help keep
-# the order model, data, optimizer, schedule, step, session, evals, logging.
+def _section(cls: type):
+    return field(default_factory=cls)
+
+
 @dataclass
-class TrainConfig(LoggingSettings, EvalSettings, SessionSettings, StepSettings, ScheduleSettings, OptimizerSettings,
-                  DataSettings, ModelSettings):
-    """One train session's settings: every section's fields (TRAIN_SECTIONS), each a flag (`--total-steps`) and a key
-    of a chain config's `train`. Checked in `__post_init__`, however the config is built: each section's own
-    checks, then those that span sections."""
+class TrainConfig:
+    """One train session's settings, one object per section (TRAIN_SECTIONS): `cfg.optim.lr`,
+    `cfg.lr_schedule.total_steps`, the model's shape `cfg.model.shape`. Each setting is a flag (`--optim.lr`, alias
+    `--lr`) and a key of a chain config's `train`, nested or flat (`from_dict`, the one reader of settings as JSON).
+    Checked in `__post_init__`, however the config is built: each section's own checks, then those that span
+    sections."""
+
+    model: ModelSettings = _section(ModelSettings)
+    data: DataSettings = _section(DataSettings)
+    optim: OptimizerSettings = _section(OptimizerSettings)
+    lr_schedule: ScheduleSettings = _section(ScheduleSettings)
+    step: StepSettings = _section(StepSettings)
+    session: SessionSettings = _section(SessionSettings)
+    evals: EvalSettings = _section(EvalSettings)
+    logging: LoggingSettings = _section(LoggingSettings)
 
     SECTIONS: ClassVar[dict[str, type]] = TRAIN_SECTIONS
     RENAMED: ClassVar[dict[str, str]] = RENAMED  # old name -> field: read from configs, kept as flag aliases
 
+    @classmethod
+    def from_dict(cls, settings: dict, where: str = "train") -> TrainConfig:
+        """Settings as JSON writes them: nested by section (`to_dict`), flat (`{"lr": ...}`, as configs and
+        checkpoints before the sections were objects), or both, under current names or old (`flatten_sections`)."""
+        by_section: dict[str, dict] = {name: {} for name in TRAIN_SECTIONS}
+        owner = section_fields()
+        for key, value in flatten_sections(settings, where).items():
+            by_section[owner[key]][key] = value
+        return cls(**{name: TRAIN_SECTIONS[name](**values) for name, values in by_section.items()})
+
+    def replace(self, **changes) -> TrainConfig:
+        """A copy with `changes` by setting name (`micro_batch=8`: each name is one section's), checked again. Every
+        section is copied, so setting a field of the copy's leaves this config as it is."""
+        owner = section_fields()
+        check_known(changes, owner, "TrainConfig.replace", "train")
+        by_section: dict[str, dict] = {name: {} for name in TRAIN_SECTIONS}
+        for key, value in changes.items():
+            by_section[owner[key]][key] = value
+        return dataclasses.replace(self, **{name: dataclasses.replace(getattr(self, name), **values)
+                                            for name, values in by_section.items()})
+
     @property
     def tokens_per_micro_step(self) -> int:
-        if self.micro_batch == AUTO:
+        if self.step.micro_batch == AUTO:
             raise UserError("--micro-batch auto is chosen once the runtime is up (shared/tpu.py micro_batch_for)")
-        return self.micro_batch * self.model.block_size
+        return self.step.micro_batch * self.model.shape.block_size
 
     @property
     def grad_accum_steps(self) -> int:
-        per_micro = self.tokens_per_micro_step
-        if self.total_batch_tokens % per_micro:
+        per_micro, total = self.tokens_per_micro_step, self.step.total_batch_tokens
+        if total % per_micro:
             raise UserError(
-                f"--total-batch-tokens {self.total_batch_tokens} is not a multiple of "
-                f"micro-batch x seq-len = {self.micro_batch} x {self.model.block_size} = {per_micro}"
+                f"--total-batch-tokens {total} is not a multiple of "
+                f"micro-batch x seq-len = {self.step.micro_batch} x {self.model.shape.block_size} = {per_micro}"
             )
-        return self.total_batch_tokens // per_micro
+        return total // per_micro
 
     def __post_init__(self) -> None:
-        check_field_types(self)
         self.check()
-        if self.micro_batch != AUTO:
-            self.grad_accum_steps  # noqa: B018 - raises unless the batch is a whole number of micro-batches
 
     def check(self) -> None:
-        """Every section's own checks, each by its class (each section names its `check` alike, so inheritance
-        alone would run only the first base's)."""
-        for section in TRAIN_SECTIONS.values():
-            section.check(self)
+        """Every section's own checks (types, then its `check`), then those that span sections."""
+        for name, section in TRAIN_SECTIONS.items():
+            value = getattr(self, name)
+            if not isinstance(value, section):
+                raise UserError(f"train.{name}: expected a {section.__name__}, got {value!r}")
+            check_field_types(value)
+            value.check()
+        if self.step.micro_batch != AUTO:
+            self.grad_accum_steps  # noqa: B018 - raises unless the batch is a whole number of micro-batches
 
     def validate(self, num_devices: int = 1) -> None:
         """Every check again (a field may have been set since), then what needs the machine: the micro-batch is
         split evenly over its devices."""
-        self.__post_init__()
-        if self.micro_batch == AUTO:  # auto picks a multiple of the devices that divides the batch: one must exist
-            smallest = num_devices * self.model.block_size
-            if self.total_batch_tokens % smallest:
-                raise UserError(f"--total-batch-tokens {self.total_batch_tokens} is not a multiple of {num_devices} "
-                                f"devices x seq-len {self.model.block_size} = {smallest}, so no micro-batch fits it")
-        elif self.micro_batch % num_devices:
-            raise UserError(f"--micro-batch {self.micro_batch} must be a multiple of the {num_devices} devices")
+        self.check()
+        total, micro_batch = self.step.total_batch_tokens, self.step.micro_batch
+        block_size = self.model.shape.block_size
+        if micro_batch == AUTO:  # auto picks a multiple of the devices that divides the batch: one must exist
+            smallest = num_devices * block_size
+            if total % smallest:
+                raise UserError(f"--total-batch-tokens {total} is not a multiple of {num_devices} "
+                                f"devices x seq-len {block_size} = {smallest}, so no micro-batch fits it")
+        elif micro_batch % num_devices:
+            raise UserError(f"--micro-batch {micro_batch} must be a multiple of the {num_devices} devices")
 
     def to_dict(self) -> dict:
+        """The settings nested by section, `{"model": {...}, "optim": {...}, ...}`: what `from_dict` reads."""
         return dataclasses.asdict(self)
 
 

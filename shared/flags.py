@@ -58,21 +58,26 @@ def one_of(config, name: str, allowed: tuple[str, ...]) -> None:
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
     """One flag per dataclass field (`micro_batch` -> `--micro-batch`), typed from the annotation. A class with
-    `SECTIONS` ({name: section dataclass}) lists its flags in --help under each section's name and summary, each
-    flag first by its place in a config file (`--optim.lr`, `--lr_schedule.total_steps`: the section and the key as
-    JSON writes them), the short flag (`--lr`) an alias; a class with `RENAMED` keeps each old flag as an alias."""
-    hints = typing.get_type_hints(cls)
-    groups, placed, old_flags = {}, {}, {}
-    for name, section in getattr(cls, "SECTIONS", {}).items():
-        group = parser.add_argument_group(name, (section.__doc__ or "").split("\n\n")[0].replace("\n    ", " "))
-        groups.update({f.name: group for f in dataclasses.fields(section)})
-        placed.update({f.name: [f"--{name}.{f.name}"] for f in dataclasses.fields(section)})
+    `SECTIONS` ({name: section dataclass}, a field each) takes its sections' fields instead, listed in --help under
+    each section's name and summary, each flag first by its place in a config file (`--optim.lr`,
+    `--lr_schedule.total_steps`: the section and the key as JSON writes them), the short flag (`--lr`) an alias; a
+    class with `RENAMED` keeps each old flag as an alias."""
+    old_flags = {}
     for old, new in getattr(cls, "RENAMED", {}).items():  # a user's scripts keep working
         old_flags.setdefault(new, []).append(flag(old))
+    sections = getattr(cls, "SECTIONS", None)
+    if sections is None:
+        _add_fields(parser, cls, [], old_flags)
+    for name, section in (sections or {}).items():
+        group = parser.add_argument_group(name, (section.__doc__ or "").split("\n\n")[0].replace("\n    ", " "))
+        _add_fields(group, section, [name], old_flags)
+
+
+def _add_fields(target, cls: type, section: list[str], old_flags: dict[str, list[str]]) -> None:
+    hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         kind = hints[f.name]
-        target = groups.get(f.name, parser)
-        names = [*placed.get(f.name, []), flag(f.name), *old_flags.get(f.name, [])]
+        names = [*(f"--{name}.{f.name}" for name in section), flag(f.name), *old_flags.get(f.name, [])]
         help_text = f"{f.metadata.get('help', '')} (default: {f.default!r})"
         if kind is bool:
             target.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
@@ -91,11 +96,12 @@ def _int_or_word(text: str) -> int | str:
 
 
 def parse_dataclass(cls: type, argv: list[str] | None = None, description: str = "", defaults: dict | None = None):
-    """Parse `argv` into an instance of `cls`; `defaults` (e.g. baked into a Kaggle build) override field defaults."""
+    """Parse `argv` into an instance of `cls` (a class with sections by its `from_dict`); `defaults` (e.g. baked
+    into a Kaggle build) override field defaults."""
     parser = argparse.ArgumentParser(description=description)
     add_dataclass_args(parser, cls)
     if defaults:  # under their current names (a build baked before a rename bakes the old ones)
         renamed = getattr(cls, "RENAMED", {})
         parser.set_defaults(**{renamed.get(key, key): value for key, value in defaults.items()})
     ns = parser.parse_args(argv)
-    return cls(**vars(ns))
+    return cls.from_dict(vars(ns)) if hasattr(cls, "SECTIONS") else cls(**vars(ns))

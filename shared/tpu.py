@@ -229,11 +229,11 @@ def micro_batch_for(cfg, generation: str | None, attention: str, num_devices: in
     """The micro-batch `--micro-batch auto` means for TrainConfig `cfg` on this machine: `auto_micro_batch` (with
     activation checkpointing as the step will run it), lowered to the largest power of two per device whose
     micro-steps make up the step's batch exactly."""
-    model = cfg.model
-    checkpointing = activation_checkpointing_on(cfg.activation_checkpointing, model.n_layer, generation)
+    model = cfg.model.shape
+    checkpointing = activation_checkpointing_on(cfg.step.activation_checkpointing, model.n_layer, generation)
     most = auto_micro_batch(generation, attention, model, model.block_size, num_devices,
-                            activation_checkpointing=checkpointing, fsdp=cfg.fsdp)
-    sequences = cfg.total_batch_tokens // model.block_size  # validate() made sure num_devices divides it
+                            activation_checkpointing=checkpointing, fsdp=cfg.step.fsdp)
+    sequences = cfg.step.total_batch_tokens // model.block_size  # validate() made sure num_devices divides it
     per_device = most // num_devices
     while per_device > 1 and sequences % (per_device * num_devices):
         per_device //= 2

@@ -1,10 +1,10 @@
 """The train kernel's settings, in the sections a reader looks for them: the model, the data, the optimizer, the
 learning-rate schedule, the step's structure, the session, the evals and logging (`TRAIN_SECTIONS`).
-`shared.config.TrainConfig` is all of them at once, so every field is still one flag (`--lr_schedule.total_steps`,
-alias `--total-steps`) and one key of a chain config's `train` (nested under its section's name,
-`{"optim": {"lr": 0.0036}}`, or flat: `flatten_sections`). Each section checks its own fields (`Section.check`),
-built alone or as part of TrainConfig, which runs every section's check in `__post_init__`, then those that span
-sections. Standard library only."""
+`shared.config.TrainConfig` holds one object of each (`cfg.optim.lr`); every field is still one flag
+(`--lr_schedule.total_steps`, alias `--total-steps`) and one key of a chain config's `train` (nested under its
+section's name, `{"optim": {"lr": 0.0036}}`, or flat: `flatten_sections`). Each section checks its own fields
+(`Section.check`) when built; TrainConfig runs every section's check again, then those that span sections.
+Standard library only."""
 
 from __future__ import annotations
 
@@ -50,7 +50,8 @@ class ModelSettings(Section):
                 "initialisation only: the architecture and the Hugging Face export are unchanged)"})
 
     @property
-    def model(self) -> ModelConfig:
+    def shape(self) -> ModelConfig:
+        """The model's shape: the preset's, with `seq_len` as its block size where set."""
         base = model_preset(self.preset)
         if self.seq_len and self.seq_len != base.block_size:
             if self.seq_len > base.block_size and self.preset != "tiny":
@@ -60,7 +61,7 @@ class ModelSettings(Section):
 
     def check(self) -> None:
         at_least(self, 0, "seq_len")
-        self.model  # noqa: B018 - raises on a bad preset or sequence length
+        self.shape  # noqa: B018 - raises on a bad preset or sequence length
 
 
 @dataclass
@@ -328,3 +329,17 @@ def flatten_sections(settings: dict, where: str = "train") -> dict:
                 raise UserError(f"{where}: {key} is set twice ({where}.{key} and {where}.{name}.{key})")
             flat[key] = value
     return flat
+
+
+def saved_settings(settings: dict, where: str) -> dict:
+    """A checkpoint's carried train settings (nested, or flat as written before the sections were objects; old
+    names too) as one flat dict, a setting the code no longer has dropped: what a resume or an eval reads of the
+    run that wrote it."""
+    owner, sections = section_fields(), TRAIN_SECTIONS
+    known = set(owner) | set(RENAMED)
+    kept = {key: value for key, value in settings.items() if key in known}
+    for name in sections:
+        if isinstance(settings.get(name), dict):
+            kept[name] = {key: value for key, value in settings[name].items()
+                          if owner.get(RENAMED.get(key, key)) == name}
+    return flatten_sections(kept, where)

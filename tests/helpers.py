@@ -10,7 +10,6 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -63,11 +62,16 @@ SMALL_ARGS = ["--preset", "tiny", "--seq-len", "32", "--micro-batch", "8", "--to
               "--wandb-project", "", "--backend", "xla"]
 
 
+def train_config(**settings) -> TrainConfig:
+    """A TrainConfig from settings by name (`lr=1e-3`, each name one section's): TrainConfig.from_dict, shorter."""
+    return TrainConfig.from_dict(settings)
+
+
 def small_config(data_dir, out_dir, **overrides) -> TrainConfig:
-    cfg = TrainConfig(preset="tiny", seq_len=32, micro_batch=8, total_batch_tokens=512, warmup_steps=2,
-                      log_every=1, eval_every=0, progress=False, wandb_project="", data_dir=str(data_dir),
-                      out_dir=str(out_dir), total_steps=6, checkpoint_every=0)
-    return replace(cfg, **overrides)
+    cfg = train_config(preset="tiny", seq_len=32, micro_batch=8, total_batch_tokens=512, warmup_steps=2,
+                       log_every=1, eval_every=0, progress=False, wandb_project="", data_dir=str(data_dir),
+                       out_dir=str(out_dir), total_steps=6, checkpoint_every=0)
+    return cfg.replace(**overrides)
 
 
 def train_in_process(cfg: TrainConfig, attention=None):

@@ -35,6 +35,7 @@ from scripts.chain.limits import MACHINE_SHAPES, session_devices
 from shared.config import KERNEL_SETTINGS
 from shared.errors import UserError
 from shared.flags import check_known
+from shared.train_sections import section_fields
 
 REPO = Path(__file__).resolve().parents[2]
 KERNEL_NAMES = ("tokenize", "train", "eval")
@@ -60,11 +61,12 @@ def check_settings(kernel: str, settings: dict, where: str, shape: str = "") -> 
     session runs at its start, run here first. A train config also splits its micro-batch over the devices of a
     session on machine `shape` ('': CPU) with its backend."""
     cls = KERNEL_SETTINGS[kernel]
-    check_known(settings, [f.name for f in dataclasses.fields(cls)], where, kernel)
+    train = kernel == "train"  # a train kernel's settings are baked flat, by setting name (section_fields)
+    check_known(settings, section_fields() if train else [f.name for f in dataclasses.fields(cls)], where, kernel)
     try:
-        config = cls(**settings)
-        if kernel == "train":
-            config.validate(session_devices(shape, config.backend))
+        config = cls.from_dict(settings) if train else cls(**settings)
+        if train:
+            config.validate(session_devices(shape, config.step.backend))
     except UserError as err:
         raise UserError(f"{where}: {err}") from None
 

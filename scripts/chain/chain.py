@@ -82,7 +82,8 @@ class Chain:
         data["done"] = False
         self.state.save()
         self.ctx.log(f"chain {cfg.name} finished at step {final}; training on to total_steps {cfg.total_steps}"
-                     + (" (train.extend: from where the stable phase ended)" if cfg.train.config.extend else ""))
+                     + (" (train.extend: from where the stable phase ended)"
+                        if cfg.train.config.lr_schedule.extend else ""))
 
     def run(self) -> dict:
         cfg, data, log = self.cfg, self.state.data, self.ctx.log

@@ -15,7 +15,7 @@ from shared.kaggle.publish import TEMP_PUBLISH_VERIFY_S
 def checkpoints_in_temp(train: TrainConfig) -> bool:
     """Whether the train sessions keep their checkpoints in /kaggle/temp (gone with the session, not in its
     output): the session's own publish is then the only copy."""
-    return train.checkpoint_dir.startswith("{temp}")
+    return train.session.checkpoint_dir.startswith("{temp}")
 
 
 def publish_verify_s(train: TrainConfig) -> float:
@@ -28,7 +28,7 @@ def publish_verify_s(train: TrainConfig) -> float:
 def keeps_stable(train: TrainConfig) -> bool:
     """Whether the run keeps (and the checkpoint dataset carries) the checkpoint where a wsd schedule's stable
     phase ends (train.keep_stable, for --extend)."""
-    return train.schedule == "wsd" and train.keep_stable
+    return train.lr_schedule.schedule == "wsd" and train.session.keep_stable
 
 
 def checkpoint_uploads(train: TrainConfig) -> int:
@@ -70,7 +70,7 @@ def publish_words(train: TrainConfig, size: int) -> str:
 
 def _output_peak(train: TrainConfig, size: int) -> int:
     """What the checkpoints hold in the output at most: those kept, the one being written, the stable-phase one."""
-    return (train.keep_checkpoints + 1 + int(keeps_stable(train))) * size
+    return (train.session.keep_checkpoints + 1 + int(keeps_stable(train))) * size
 
 
 def check_checkpoint_room(train: TrainConfig, given: dict, size: int, where: str) -> None:
@@ -79,11 +79,11 @@ def check_checkpoint_room(train: TrainConfig, given: dict, size: int, where: str
     to the chain (`placed_settings`)."""
     if checkpoints_in_temp(train):
         return
-    if train.checkpoint_dir and not train.checkpoint_dir.startswith("{working}"):
-        raise UserError(f"{where}: train.checkpoint_dir {train.checkpoint_dir!r} must be under {{working}} or {{temp}}")
+    if (checkpoint_dir := train.session.checkpoint_dir) and not checkpoint_dir.startswith("{working}"):
+        raise UserError(f"{where}: train.checkpoint_dir {checkpoint_dir!r} must be under {{working}} or {{temp}}")
     peak = _output_peak(train, size)
     if peak > OUTPUT_LIMIT_BYTES and ("checkpoint_dir" in given or "keep_checkpoints" in given):
-        keep, stable = train.keep_checkpoints, keeps_stable(train)
+        keep, stable = train.session.keep_checkpoints, keeps_stable(train)
         also = " and the stable-phase one" if stable else ""
         raise UserError(f"{where}: {keep} kept checkpoints of {size / 1e9:.1f} GB ({keep + 1} while one is written"
                         f"{also}, {peak / 1e9:.1f} GB) overflow the session's {OUTPUT_LIMIT_BYTES / 1e9:g} GB output; "

@@ -224,7 +224,7 @@ class ChainConfig:
 
     @property
     def checkpoint_bytes(self) -> int:
-        return self.train.config.model.checkpoint_bytes()
+        return self.train.config.model.shape.checkpoint_bytes()
 
     @property
     def version_bytes(self) -> int:
@@ -334,7 +334,7 @@ def _train(given: ChainConfig, raw: dict, where: str) -> TrainSection:
             raise UserError(f"{where}: train.{key} is set by the chain; remove it")
     check_settings("train", {**settings, "total_steps": given.total_steps}, f"{where}: train", given.accelerator)
     train = TrainSection.of(raw, given.total_steps)
-    size = train.config.model.checkpoint_bytes()
+    size = train.config.model.shape.checkpoint_bytes()
     check_checkpoint_room(train.config, settings, size, where)
     return TrainSection.of({"settings": placed_settings(settings, train.config, size)}, given.total_steps)
 
@@ -369,7 +369,7 @@ def _check_built(cfg: ChainConfig, where: str) -> None:
         cfg.dataset_room()
     except UserError as err:
         raise UserError(f"{where}: {err}") from None
-    if train.extend and not keeps_stable(train):
+    if train.lr_schedule.extend and not keeps_stable(train):
         why = ("the checkpoints of a model this large live in /kaggle/temp, where none is kept"
                if checkpoints_in_temp(train) else "train.keep_stable is false")
         raise UserError(f"{where}: train.extend trains on from the checkpoint where the stable phase ended, and {why}; "

@@ -40,7 +40,7 @@ def session_fill(cfg: ChainConfig, measured_path: Path = MEASURED_THROUGHPUT, no
     if not plan["tokens_per_s"] or not (source.startswith("measured") or source.startswith("plan_tokens_per_s")):
         return None
     train, _ = planned_train(cfg)
-    step_tokens = train.total_batch_tokens
+    step_tokens = train.step.total_batch_tokens
     # The share of the session, within its training budget (start-up is outside it), less its checkpoint writes.
     window_s = min(cfg.fill_session * cfg.session_limit_s, cfg.time_budget)
     train_s = training_s(window_s, train, plan["tokens_per_s"], plan["eval_share"])

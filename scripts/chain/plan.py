@@ -40,6 +40,7 @@ from scripts.chain.storage import disk_line, room_line, storage_line, storage_pl
 from shared.config import AUTO, HELLASWAG_VALIDATION_EXAMPLES, TrainConfig
 from shared.errors import UserError
 from shared.train.attention import FLASH, SDPA, SETTING_OF, SPLASH, candidates, untiled_kernels
+from shared.train_sections import EvalSettings
 
 REPO = Path(__file__).resolve().parents[2]
 # What --smoke measured, one record per run (newest last); the plan counts sessions with the newest that matches.
@@ -79,8 +80,8 @@ def measured_throughput(shape: str, train: TrainConfig, path: Path = MEASURED_TH
         records = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    matching = [r for r in records if r.get("accelerator") == shape and r.get("preset") == train.preset
-                and r.get("seq_len") == train.model.block_size and r.get("tokens_per_s")]
+    matching = [r for r in records if r.get("accelerator") == shape and r.get("preset") == train.model.preset
+                and r.get("seq_len") == train.model.shape.block_size and r.get("tokens_per_s")]
     return matching[-1] if matching else None
 
 
@@ -106,9 +107,9 @@ def train_throughput(cfg: ChainConfig, train: TrainConfig, measured_path: Path =
     board = gen.peak_bf16_per_device * session_devices(shape)
     peaks = f"{session_devices(shape)} x {gen.peak_bf16_per_device / 1e12:g} TFLOP/s bf16"
     if compiled and compiled.get("fits") and planning_ceiling(compiled):
-        rate, sdpa, text = compiled_rates(compiled, board, train.model, STEP_NAMES, f"{peaks} ({generation})")
+        rate, sdpa, text = compiled_rates(compiled, board, train.model.shape, STEP_NAMES, f"{peaks} ({generation})")
         return Throughput(rate, text, sdpa)
-    rate = board * PLAN_MFU / train.model.flops_per_token()
+    rate = board * PLAN_MFU / train.model.shape.flops_per_token()
     return Throughput(rate, f"estimate: {PLAN_MFU:.0%} MFU of {peaks} ({generation}; docs/tpu-throughput.md "
                             "section 7); not measured: run --smoke first")
 
@@ -118,20 +119,20 @@ def planned_train(cfg: ChainConfig) -> tuple[TrainConfig, str]:
     chain's machine (with the first attention kernel it tries there, shared/train/attention.py, passing its
     probe), and a note saying so, with what a fallback kernel would take where it differs ('' if not auto)."""
     train = cfg.train.config
-    if train.micro_batch != AUTO:
+    if train.step.micro_batch != AUTO:
         return train, ""
     from shared.tpu import micro_batch_for  # standard library only at import
 
     generation = SHAPE_GENERATION.get(running_shape(cfg.accelerator))
-    devices = session_devices(cfg.accelerator, train.backend)
-    first, *fallbacks = candidates(generation, train.model.block_size, train.attention)
+    devices = session_devices(cfg.accelerator, train.step.backend)
+    first, *fallbacks = candidates(generation, train.model.shape.block_size, train.step.attention)
     chosen = micro_batch_for(train, generation, first, devices)
     note = f"auto: {chosen} on {generation or 'no TPU'} with {first} attention"
     for attention in fallbacks:
         fallback = micro_batch_for(train, generation, attention, devices)
         if fallback != chosen:
             note += f", {fallback} if it falls back to {STEP_NAMES[attention]}"
-    return dataclasses.replace(train, micro_batch=chosen), note
+    return train.replace(micro_batch=chosen), note
 
 
 def _hours(seconds: float) -> str:
@@ -152,11 +153,11 @@ def make_plan(cfg: ChainConfig, quota: tuple[float, float, str] | None = None,
     report of the step (`compiled_fit`), whose ceiling the tokens/s estimate is a share of where nothing is
     measured."""
     train, _ = planned_train(cfg)
-    model = train.model
+    model = train.model.shape
     tok = cfg.tokenize.config
     parts = cfg.tokenize.parts
     kind = MACHINE_SHAPES.get(cfg.accelerator)
-    train_tokens = cfg.total_steps * train.total_batch_tokens
+    train_tokens = cfg.total_steps * train.step.total_batch_tokens
     made_tokens = tok.tokens_in_parts(parts)
     val_tokens = tok.shard_size if parts else 0  # part 0's first shard is the validation shard
     speed = train_throughput(cfg, train, measured_path, compiled)
@@ -164,17 +165,17 @@ def make_plan(cfg: ChainConfig, quota: tuple[float, float, str] | None = None,
             "parts": parts, "tokens_per_part": tok.tokens_per_part, "tokens_per_s": speed.tokens_per_s,
             "tokens_per_s_source": speed.source, "sdpa_tokens_per_s": speed.sdpa_tokens_per_s,
             "kind": kind, "devices": session_devices(
-                cfg.accelerator, train.backend), "time_budget_s": cfg.time_budget,
+                cfg.accelerator, train.step.backend), "time_budget_s": cfg.time_budget,
             "checkpoint_bytes": model.checkpoint_bytes(), "num_params": model.num_params()}
     # Periodic evals (validation loss every eval_every steps, HellaSwag where a file is given every
     # hellaswag_every) cost forward passes, a third of a training token's FLOPs each.
     eval_share = 0.0
-    if train.eval_every:
-        val_tokens = train.eval_batches * train.micro_batch * model.block_size
-        eval_share = val_tokens / 3 / (train.eval_every * train.total_batch_tokens)
-        if train.hellaswag_file or cfg.hellaswag:
-            hs_tokens = (train.hellaswag_examples * 4 or HELLASWAG_ROWS) * HELLASWAG_TOKENS_PER_ROW
-            eval_share += hs_tokens / 3 / (hellaswag_every_steps(train) * train.total_batch_tokens)
+    if train.evals.eval_every:
+        val_tokens = train.evals.eval_batches * train.step.micro_batch * model.block_size
+        eval_share = val_tokens / 3 / (train.evals.eval_every * train.step.total_batch_tokens)
+        if train.evals.hellaswag_file or cfg.hellaswag:
+            hs_tokens = (train.evals.hellaswag_examples * 4 or HELLASWAG_ROWS) * HELLASWAG_TOKENS_PER_ROW
+            eval_share += hs_tokens / 3 / (hellaswag_every_steps(train.evals) * train.step.total_batch_tokens)
     plan["eval_share"] = eval_share
     if speed.tokens_per_s:
         train_s = train_tokens / speed.tokens_per_s * (1 + eval_share)
@@ -203,10 +204,10 @@ def make_plan(cfg: ChainConfig, quota: tuple[float, float, str] | None = None,
     return plan
 
 
-def hellaswag_every_steps(train: TrainConfig) -> int:
+def hellaswag_every_steps(evals: EvalSettings) -> int:
     """About how often in-training HellaSwag runs: at the first eval past each multiple of hellaswag_every, so never
     more often than the evals (0: at every eval)."""
-    return max(train.hellaswag_every, train.eval_every)
+    return max(evals.hellaswag_every, evals.eval_every)
 
 
 def _eval_seconds(cfg: ChainConfig, train_tokens_per_s: float) -> float:
@@ -220,7 +221,7 @@ def _eval_seconds(cfg: ChainConfig, train_tokens_per_s: float) -> float:
 def plan_lines(cfg: ChainConfig, plan: dict, source: str = "") -> list[str]:
     """The plan as the lines --plan prints."""
     train, auto_note = planned_train(cfg)
-    model, user = train.model, cfg.user or "<you>"
+    model, user = train.model.shape, cfg.user or "<you>"
     shape = cfg.accelerator or "CPU"
     lines = [f"plan for chain {cfg.name}{f' ({source})' if source else ''}: nothing is pushed", ""]
     tok_shape = cfg.tokenize.accelerator or "CPU"
@@ -238,20 +239,20 @@ def plan_lines(cfg: ChainConfig, plan: dict, source: str = "") -> list[str]:
     for ref in list(cfg.token_datasets) + list(cfg.token_kernels):
         lines.append(f"tokens    {ref} (existing; not counted below)")
     retired = f" (retired: runs on {running_shape(shape)})" if shape in RETIRED_SHAPES else ""
-    lines.append(f"train     {shape}{retired}, {plan['devices']} devices: {train.preset} "
+    lines.append(f"train     {shape}{retired}, {plan['devices']} devices: {train.model.preset} "
                  f"({plan['num_params'] / 1e6:.1f}M params, T={model.block_size}), {cfg.total_steps:,} steps x "
-                 f"{train.total_batch_tokens:,} tokens = {_tokens(plan['train_tokens'])} tokens; micro-batch "
-                 f"{train.micro_batch}{auto_note and f' ({auto_note})'} x {train.grad_accum_steps} accumulation; "
-                 f"{train.optimizer} + {train.schedule}")
-    if train.eval_every and (cfg.hellaswag or train.hellaswag_file):
-        hs_every = hellaswag_every_steps(train)
-        examples = (f"a seeded sample of {train.hellaswag_examples}" if train.hellaswag_examples
+                 f"{train.step.total_batch_tokens:,} tokens = {_tokens(plan['train_tokens'])} tokens; micro-batch "
+                 f"{train.step.micro_batch}{auto_note and f' ({auto_note})'} x {train.grad_accum_steps} accumulation; "
+                 f"{train.optim.optimizer} + {train.lr_schedule.schedule}")
+    if train.evals.eval_every and (cfg.hellaswag or train.evals.hellaswag_file):
+        hs_every = hellaswag_every_steps(train.evals)
+        examples = (f"a seeded sample of {train.evals.hellaswag_examples}" if train.evals.hellaswag_examples
                     else f"all {HELLASWAG_VALIDATION_EXAMPLES:,}")
-        lines.append(f"          every {train.eval_every} steps: validation loss; every {hs_every}, at the stable "
-                     f"phase's end and at the last step: HellaSwag on {examples} examples "
-                     f"({cfg.hellaswag or train.hellaswag_file}), acc_norm with its standard error, plotted beside "
-                     "the loss")
-    if train.extend:
+        lines.append(f"          every {train.evals.eval_every} steps: validation loss; every {hs_every}, at the "
+                     f"stable phase's end and at the last step: HellaSwag on {examples} examples "
+                     f"({cfg.hellaswag or train.evals.hellaswag_file}), acc_norm with its standard error, plotted "
+                     "beside the loss")
+    if train.lr_schedule.extend:
         lines.append("          train.extend: a finished or decaying run trains on from the stable-phase checkpoint "
                      "its dataset carries (the chain names the step before pushing); the steps and hours here "
                      "count the whole run from step 0")
@@ -294,8 +295,8 @@ def plan_lines(cfg: ChainConfig, plan: dict, source: str = "") -> list[str]:
         lines.append(f"quota       {left}: {now}{plan.get('sessions_per_week', 0)} session(s) a week"
                      + (f" -> {weeks} week(s)" if weeks else ""))
     size = plan["checkpoint_bytes"]
-    ckpt_dir = train.checkpoint_dir or "{working}/train/checkpoints"
-    keep = train.keep_checkpoints
+    ckpt_dir = train.session.checkpoint_dir or "{working}/train/checkpoints"
+    keep = train.session.keep_checkpoints
     others = plan.get("private_datasets")  # the user's other private datasets, where read: they share the quota
     storage = storage_plan(cfg, taken=sum((others or {}).values()))
     versions = f"at most {storage.keep} versions kept in each"
@@ -353,9 +354,9 @@ def warnings(cfg: ChainConfig, plan: dict, train: TrainConfig) -> list[str]:
         out.append(f"the parts make {_tokens(plan['tokenized_tokens'])} tokens but training reads "
                    f"{_tokens(plan['train_tokens'])}: the run repeats data ({passes:.2f} passes over the training "
                    "shards)")
-    if train.warmup_steps >= cfg.total_steps:
-        out.append(f"warmup_steps {train.warmup_steps} >= total_steps {cfg.total_steps}: the learning rate never "
-                   "reaches its peak")
+    if train.lr_schedule.warmup_steps >= cfg.total_steps:
+        out.append(f"warmup_steps {train.lr_schedule.warmup_steps} >= total_steps {cfg.total_steps}: the learning "
+                   "rate never reaches its peak")
     if plan["tokens_per_s"] is None:
         out.append("no tokens/s for this machine: sessions and quota are not estimated")
     if plan.get("sessions_this_week") == 0 and plan.get("sessions_per_week"):
@@ -393,14 +394,15 @@ def check_arithmetic_fit(cfg: ChainConfig, generation: str) -> None:
     from shared.tpu import activation_checkpointing_on, smallest_step_bytes
 
     train, _ = planned_train(cfg)
-    model = train.model
-    checkpointing = activation_checkpointing_on(train.activation_checkpointing, model.n_layer, generation)
-    devices = session_devices(cfg.accelerator, train.backend)
-    attention = candidates(generation, model.block_size, train.attention)[0]  # the kernel a session tries first
-    need = smallest_step_bytes(generation, attention, model, model.block_size, devices, checkpointing, train.fsdp)
+    model = train.model.shape
+    checkpointing = activation_checkpointing_on(train.step.activation_checkpointing, model.n_layer, generation)
+    devices = session_devices(cfg.accelerator, train.step.backend)
+    attention = candidates(generation, model.block_size, train.step.attention)[0]  # the kernel a session tries first
+    need = smallest_step_bytes(generation, attention, model, model.block_size, devices, checkpointing, train.step.fsdp)
     if need is not None and need[0] > need[1]:
         raise UserError(f"the train step cannot fit a {generation} chip's HBM: {need[0] / 2**30:.1f} GiB a chip at "
-                        f"one sequence per micro-step ({train.preset}{', fsdp' if train.fsdp else ''}), over the "
+                        f"one sequence per micro-step ({train.model.preset}{', fsdp' if train.step.fsdp else ''}), "
+                        "over the "
                         f"{need[1] / 2**30:.1f} GiB its buffers may use (arithmetic: shared/tpu.py); set "
                         "train.fsdp true" + ("" if checkpointing else ", or train.activation_checkpointing \"on\""))
 
@@ -424,9 +426,9 @@ def compiled_fit(cfg: ChainConfig, log=print) -> tuple[dict | None, str]:
         check_arithmetic_fit(cfg, generation)
         return None, f"the TPU compiler {why}: HBM checked by arithmetic only"
     settings, train = cfg.train_settings, cfg.train.config
-    seq_len = train.model.block_size
-    tried = candidates(generation, seq_len, train.attention)
-    untiled = untiled_kernels(generation, seq_len, train.attention) if tried == (SDPA,) else []
+    seq_len = train.model.shape.block_size
+    tried = candidates(generation, seq_len, train.step.attention)
+    untiled = untiled_kernels(generation, seq_len, train.step.attention) if tried == (SDPA,) else []
     why_sdpa = f", what a session runs at T={seq_len}: the {' and '.join(untiled)} kernels' blocks do not tile it" \
         if untiled else ""
     try:
@@ -446,7 +448,8 @@ def compiled_fit(cfg: ChainConfig, log=print) -> tuple[dict | None, str]:
     line = (f"{tpu} by libtpu {report['versions']['libtpu']} (the {step} step{why_sdpa}, micro-batch "
             f"{report['micro_batch']}): HBM per chip {hbm} ({report['free_fraction']:.0%} free); "
             f"all-reduce inside the loop {sum(g['count'] for g in in_loop)}, "
-            f"{sum(g['bytes'] for g in in_loop) / 1e6:.1f} MB per micro-step; {ceilings_text(report, train.model)}")
+            f"{sum(g['bytes'] for g in in_loop) / 1e6:.1f} MB per micro-step; "
+            f"{ceilings_text(report, train.model.shape)}")
     # The steps a session trains with where its probes fail, in the order it tries them.
     report["fallback_reports"] = {}
     for failed, attention in zip(tried, tried[1:], strict=False):

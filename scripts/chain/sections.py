@@ -25,7 +25,7 @@ class TrainSection:
     @classmethod
     def of(cls, raw: dict, total_steps: int) -> TrainSection:
         settings = dict(raw.get("settings", {}))
-        return cls(settings=settings, config=TrainConfig(**settings, total_steps=total_steps))
+        return cls(settings=settings, config=TrainConfig.from_dict({**settings, "total_steps": total_steps}))
 
     def raw(self) -> dict:
         return {"settings": dict(self.settings)}

@@ -67,11 +67,11 @@ def training_s(budget_s: float, train: TrainConfig, tokens_per_s: float, eval_sh
     every checkpoint_every steps. A write takes the trainer's own estimate before one is timed
     (shared/session_clock.py estimate_checkpoint_seconds); a step, its tokens at `tokens_per_s` with the evals'
     share. At least one step: a session trains one however short its budget."""
-    write_s = estimate_checkpoint_seconds(train.model.num_params())
-    step_s = train.total_batch_tokens * (1 + eval_share) / tokens_per_s
+    write_s = estimate_checkpoint_seconds(train.model.shape.num_params())
+    step_s = train.step.total_batch_tokens * (1 + eval_share) / tokens_per_s
     left = budget_s - 1.5 * write_s - END_STEPS * step_s
-    if train.checkpoint_every and left > 0:
-        left -= write_s * (left // (train.checkpoint_every * step_s + write_s))
+    if train.session.checkpoint_every and left > 0:
+        left -= write_s * (left // (train.session.checkpoint_every * step_s + write_s))
     return max(left, step_s)
 
 

@@ -39,12 +39,12 @@ def smoke_config(cfg: ChainConfig) -> ChainConfig:
     s = {**SMOKE_DEFAULTS, **cfg.smoke}  # the keys were checked with the config
     raw = cfg.raw()
     changes = {"profile_steps": int(s["profile_steps"])}  # a trace to hold against the roofline
-    if keeps_stable(cfg.train.config) and not cfg.train.config.extend:
+    if keeps_stable(cfg.train.config) and not cfg.train.config.lr_schedule.extend:
         changes["keep_stable"] = False  # two short sessions never reach the end of a wsd run's stable phase
     train = {"settings": {**cfg.train.settings, **changes}}
     # With checkpoints in /kaggle/temp (gpt2-large/xl) the session also waits for its own version to settle.
     publish = s["publish_margin_s"] or max(120.0, 60.0 + publish_needs_s(
-        dataclasses.replace(cfg.train.config, **changes), cfg.checkpoint_bytes))
+        cfg.train.config.replace(**changes), cfg.checkpoint_bytes))
     limit = s["session_limit_s"] or math.ceil(s["startup_margin_s"] + publish + s["train_s"])
     if limit <= s["startup_margin_s"] + publish:
         raise UserError(f"{cfg.name}: smoke.session_limit_s {limit:g} leaves no training time after the smoke's "
@@ -153,8 +153,8 @@ def readiness_rows(smoke: ChainConfig, workdir: Path, failure: str = "", rooflin
     if failure:
         rows.append(Row("chain", False, failure))
     train, _ = planned_train(smoke)
-    measured = {"accelerator": running_shape(smoke.accelerator), "preset": train.preset,
-                "seq_len": train.model.block_size, "tokens_per_s": rate, "mfu": mfu,
+    measured = {"accelerator": running_shape(smoke.accelerator), "preset": train.model.preset,
+                "seq_len": train.model.shape.block_size, "tokens_per_s": rate, "mfu": mfu,
                 "mfu_llmc": throughput.mfu_llmc if throughput else None, "chain": smoke.name,
                 "measured_at": time.strftime("%Y-%m-%d %H:%M"), "attention": s1[0].get("attention"),
                 "tpu": s1[0].get("tpu"), "local_kaggle": local}
@@ -185,7 +185,7 @@ def roofline_row(settings: dict, start: dict, throughput: Throughput | None, loc
         report = (compile_step or compile_tool)(settings, tpu, lambda _: None, attention=SETTING_OF[attention])
     except Exception as err:  # noqa: BLE001 - no compiler here, or it failed: the row says so, the report goes on
         return Row(link, None, f"not compared: {one_line(str(err))}")
-    measured_s = TrainConfig(**settings).total_batch_tokens / throughput.tokens_per_s
+    measured_s = TrainConfig.from_dict(settings).step.total_batch_tokens / throughput.tokens_per_s
     roofline_s = report["step_s"]
     detail = (f"measured {measured_s * 1e3:,.0f} ms a step, the compiler's roofline {roofline_s * 1e3:,.0f} ms "
               f"({measured_s / roofline_s:.2f}x) for the {STEP_NAMES.get(attention, attention)} step at micro-batch "

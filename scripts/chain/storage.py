@@ -110,15 +110,15 @@ def session_disk(cfg: ChainConfig) -> dict[str, int]:
     """What a train session puts on /kaggle/temp's disk, by part (shared/kaggle/disk.py): baked into the train
     kernel, whose bootstrap compares it with the free disk before training."""
     train = cfg.train.config
-    return disk_needs(cfg.checkpoint_bytes, cfg.version_bytes, train.keep_checkpoints, keeps_stable(train))
+    return disk_needs(cfg.checkpoint_bytes, cfg.version_bytes, train.session.keep_checkpoints, keeps_stable(train))
 
 
 def disk_line(cfg: ChainConfig, midway: bool) -> str:
     """--plan's words: the most a train session puts on /kaggle/temp's disk at once, and what makes it up."""
     needs, in_temp = session_disk(cfg), checkpoints_in_temp(cfg.train.config)
     peak = peak_bytes(needs, fetching=True, midway=midway, rotation=in_temp)
-    parts = [f"{cfg.train.config.keep_checkpoints + 1} checkpoints rotating {_gb(needs['rotation'])}"] if in_temp \
-        else []
+    keep = cfg.train.config.session.keep_checkpoints
+    parts = [f"{keep + 1} checkpoints rotating {_gb(needs['rotation'])}"] if in_temp else []
     if midway:
         parts.append(f"the midway publish's links {_gb(needs['midway'])}")
     parts.append(f"a fetched version {_gb(needs['fetched'])} (a stale mount; {_gb(needs['fetch'])} while its zip is "

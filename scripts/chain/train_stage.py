@@ -64,7 +64,7 @@ class TrainStage:
         if step >= self.cfg.total_steps and not self.ctx.state.data["train_sessions"]:
             raise UserError(f"nothing to train: checkpoint dataset {ckpt_ref} already holds step {step} of "
                             f"total_steps {self.cfg.total_steps} (raise total_steps to train further)")
-        if self.cfg.train.config.extend and step:
+        if self.cfg.train.config.lr_schedule.extend and step:
             start = extend_start(self.ctx, ckpt_ref, version, self.cfg)
             if start < step and start != self.extend_from:
                 self.extend_from = start
@@ -130,7 +130,7 @@ class TrainStage:
         target = publish_target(ctx, resume if step else None)
         before = version if target == resume else ctx.client.dataset_version(target)[0]
         delete_old, midway = session_publishes(ctx, before, length.limit_s, ref=target)
-        attention, why = carried_attention(self.cfg.train.config.attention, sessions)
+        attention, why = carried_attention(self.cfg.train.config.step.attention, sessions)
         if why:
             self.ctx.log(f"train session {n} starts from the {attention} attention kernel (train.attention "
                          f"\"{attention}\"): {why}")
@@ -398,7 +398,8 @@ def extend_start(ctx: StageContext, ref: str, version: int, cfg: ChainConfig) ->
             seen.append((step, was, same_schedule_until(was, train, step)))
     agreeing = [step for step, _, agrees in seen if agrees]
     if not agreeing:
-        found = "; ".join(f"step {step} of a {was.total_steps}-step {was.schedule} schedule" for step, was, _ in seen)
+        found = "; ".join(f"step {step} of a {was.lr_schedule.total_steps}-step {was.lr_schedule.schedule} schedule"
+                          for step, was, _ in seen)
         raise UserError(f"train.extend: no checkpoint in version {version} of {ref} agrees with total_steps "
                         f"{cfg.total_steps} ({found or 'none found'}): its decay must start after the stable phase "
                         "the run kept (docs/recipe.md section 6)")

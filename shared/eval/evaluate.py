@@ -16,7 +16,7 @@ from shared.kaggle.models import upload_kaggle_model
 from shared.kaggle.secrets import wandb_key
 from shared.train.checkpoint import METRICS_FILE
 from shared.train.validation import one_pass_batches, validation_loss
-from shared.train_sections import current_names
+from shared.train_sections import saved_settings
 
 # --- the eval kernel ------------------------------------------------------------------------------------------
 
@@ -124,7 +124,7 @@ def run_eval(cfg: EvalConfig, runtime=None, log=print) -> dict:
         ckpt = _find_checkpoint(cfg, log)
         model = GPT.from_checkpoint(ckpt)
         step, tokens = ckpt.step, int(ckpt.state.get("tokens", 0))
-        train_cfg = current_names(ckpt.state["config"].get("train", {}), "the checkpoint's config")
+        train_cfg = saved_settings(ckpt.state["config"].get("train", {}), "the checkpoint's config")
         info["checkpoint"] = f"{ckpt.path} (step {step} of {train_cfg.get('total_steps', '?')}, {tokens:,} tokens)"
     _keep_previous_report(out, log)  # only now: a model that does not load leaves the folder as it was
     if ckpt is not None and (ckpt.path / METRICS_FILE).exists():

@@ -63,13 +63,13 @@ class Checkpointer:
         """on_save(step, path): called after each checkpoint of the rotation (not the stable phase's, not the
         session's last), e.g. to publish one midway through a session (shared/kaggle/publish.py MidwayPublish)."""
         self.cfg, self.root, self.timer, self.write, self.on_save = cfg, root, timer, write, on_save
-        self.stable_end = stable_phase_end(cfg) if cfg.keep_stable else None
+        self.stable_end = stable_phase_end(cfg) if cfg.session.keep_stable else None
         self.saved_step = step
 
     def maybe_save(self, step: int) -> None:
-        every = self.cfg.checkpoint_every
-        if every and step % every == 0 and step < self.cfg.total_steps:
-            path = self.write(self.root, step, self.cfg.keep_checkpoints)
+        every = self.cfg.session.checkpoint_every
+        if every and step % every == 0 and step < self.cfg.lr_schedule.total_steps:
+            path = self.write(self.root, step, self.cfg.session.keep_checkpoints)
             self.saved_step = step
             if self.on_save is not None:
                 self.on_save(step, path)
@@ -85,7 +85,7 @@ class Checkpointer:
     def final_save(self, step: int, start_step: int, resumed: LoadedCheckpoint | None) -> Path | None:
         """The session's last checkpoint: written unless this step's is already on disk."""
         if step != self.saved_step:
-            return self.write(self.root, step, self.cfg.keep_checkpoints)
+            return self.write(self.root, step, self.cfg.session.keep_checkpoints)
         if step > start_step:
             return self.root / checkpoint_name(step)
         return resumed.path if resumed else None  # nothing trained: the run was already complete
@@ -102,17 +102,17 @@ class CheckpointWriter:
         self.cfg, self.runtime, self.model, self.train_step, self.loader = cfg, runtime, model, train_step, loader
         self.timer, self.compile_cache, self.logger, self.background = timer, compile_cache, logger, background
         self.ckpt_root, self.session_start = ckpt_root, session_start
-        self.metrics_path = Path(cfg.out_dir) / METRICS_FILE
+        self.metrics_path = Path(cfg.session.out_dir) / METRICS_FILE
 
     def __call__(self, root: Path, step: int, keep: int) -> Path:
         self.background.flush()  # the logged steps before the checkpoint's record
         model_tensors = self.model.checkpoint_tensors()
         opt_tensors = optimizer_tensors(self.train_step.opt, self.train_step.named_params)
-        tokens, scaler = step * self.cfg.total_batch_tokens, self.train_step.scaler
+        tokens, scaler = step * self.cfg.step.total_batch_tokens, self.train_step.scaler
         path = root / checkpoint_name(step)
         if self.runtime.is_main:
             state = {"loader": self.loader.state.to_dict(), "rng": self.runtime.rng_state(), "config": {
-                "train": self.cfg.to_dict(), "model": self.cfg.model.to_dict()},
+                "train": self.cfg.to_dict(), "model": self.cfg.model.shape.to_dict()},
                 "timings": {"checkpoint_seconds": self.timer.seconds}, "tokens": tokens,
                 "grad_scaler": scaler.state_dict() if scaler.is_enabled() else None}
             extra = ({XLA_CACHE_DIR: self.compile_cache} if self.compile_cache and self.runtime.name == "xla"

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from shared.config import TrainConfig
-from shared.train_sections import OptimizerSettings, ScheduleSettings, current_names
+from shared.train_sections import OptimizerSettings, ScheduleSettings, saved_settings
 
 ADAM_BETAS, ADAM_EPS = (0.9, 0.95), 1e-8
 # The quintic Newton-Schulz iteration's coefficients, tuned for speed over exactness: singular values land in
@@ -30,21 +30,21 @@ NS_STEPS = 5
 NamedParams = list[tuple[str, torch.nn.Parameter]]
 
 
-def lr_at(step: torch.Tensor, cfg: TrainConfig) -> torch.Tensor:
+def lr_at(step: torch.Tensor, optim: OptimizerSettings, schedule: ScheduleSettings) -> torch.Tensor:
     """The AdamW learning rate at `step` (Muon's is this times muon_lr / lr).
 
     Tensor in, tensor out: on the device it is part of the step's graph, so a new LR is not a new graph.
     """
-    step = step.float()
-    warm = cfg.lr * (step + 1) / max(1, cfg.warmup_steps)
-    if cfg.schedule == "wsd":
-        left = ((cfg.total_steps - step) / max(1.0, cfg.cooldown_frac * cfg.total_steps)).clamp(0.0, 1.0)  # 1 -> 0
-        decayed = cfg.lr * (left if cfg.cooldown_shape == "linear" else 1.0 - torch.sqrt(1.0 - left))
-        return torch.where(step < cfg.warmup_steps, torch.minimum(warm, decayed), decayed)  # short runs overlap
-    min_lr = cfg.lr * cfg.min_lr_ratio
-    progress = ((step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps)).clamp(0.0, 1.0)
-    decayed = min_lr + 0.5 * (1.0 + torch.cos(math.pi * progress)) * (cfg.lr - min_lr)
-    return torch.where(step < cfg.warmup_steps, warm, decayed)
+    step, peak, warmup, total = step.float(), optim.lr, schedule.warmup_steps, schedule.total_steps
+    warm = peak * (step + 1) / max(1, warmup)
+    if schedule.schedule == "wsd":
+        left = ((total - step) / max(1.0, schedule.cooldown_frac * total)).clamp(0.0, 1.0)  # 1 -> 0
+        decayed = peak * (left if schedule.cooldown_shape == "linear" else 1.0 - torch.sqrt(1.0 - left))
+        return torch.where(step < warmup, torch.minimum(warm, decayed), decayed)  # short runs overlap
+    min_lr = peak * schedule.min_lr_ratio
+    progress = ((step - warmup) / max(1, total - warmup)).clamp(0.0, 1.0)
+    decayed = min_lr + 0.5 * (1.0 + torch.cos(math.pi * progress)) * (peak - min_lr)
+    return torch.where(step < warmup, warm, decayed)
 
 
 def newton_schulz(update: torch.Tensor, steps: int = NS_STEPS, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -218,28 +218,29 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     return total
 
 
-def muon_momentum_at(step: torch.Tensor, cfg: TrainConfig) -> torch.Tensor:
+def muon_momentum_at(step: torch.Tensor, optim: OptimizerSettings) -> torch.Tensor:
     """Muon's momentum at `step` (a device tensor, so the warm-up never recompiles): a linear rise from
     muon_momentum_start to muon_momentum over muon_momentum_warmup_steps, then constant."""
-    if not cfg.muon_momentum_warmup_steps:
-        return torch.full_like(step, cfg.muon_momentum)
-    progress = (step / cfg.muon_momentum_warmup_steps).clamp(0.0, 1.0)
-    return cfg.muon_momentum_start + (cfg.muon_momentum - cfg.muon_momentum_start) * progress
+    if not optim.muon_momentum_warmup_steps:
+        return torch.full_like(step, optim.muon_momentum)
+    progress = (step / optim.muon_momentum_warmup_steps).clamp(0.0, 1.0)
+    return optim.muon_momentum_start + (optim.muon_momentum - optim.muon_momentum_start) * progress
 
 
 def schedule_table(cfg: TrainConfig, steps: int) -> torch.Tensor:
     """What the optimizer is given at steps 0..steps-1, computed on the CPU as the step computes it: rows of
     (LR, the matrices' LR, Muon's momentum)."""
     at = torch.arange(steps, dtype=torch.float32)
-    lr = lr_at(at, cfg)
-    matrix_lr = cfg.muon_lr if cfg.optimizer == "muon" else cfg.matrix_lr or cfg.lr
-    return torch.stack([lr, lr * (matrix_lr / cfg.lr), muon_momentum_at(at, cfg)], dim=1)
+    optim = cfg.optim
+    lr = lr_at(at, optim, cfg.lr_schedule)
+    matrix_lr = optim.muon_lr if optim.optimizer == "muon" else optim.matrix_lr or optim.lr
+    return torch.stack([lr, lr * (matrix_lr / optim.lr), muon_momentum_at(at, optim)], dim=1)
 
 
 def same_schedule_until(a: TrainConfig, b: TrainConfig, steps: int) -> bool:
     """Whether configs `a` and `b` give the optimizer exactly the same values at steps 0..steps-1: then a
     checkpoint at `steps` made under one is where the other would be too."""
-    if a.optimizer != b.optimizer:
+    if a.optim.optimizer != b.optim.optimizer:
         return False
     return torch.equal(schedule_table(a, steps), schedule_table(b, steps))
 
@@ -247,49 +248,53 @@ def same_schedule_until(a: TrainConfig, b: TrainConfig, steps: int) -> bool:
 def saved_schedule(cfg: TrainConfig, state: dict) -> tuple[TrainConfig, int]:
     """(the schedule a checkpoint was trained on, as `cfg` with its saved schedule fields, and its step), from its
     state.json's contents."""
-    saved = current_names(state.get("config", {}).get("train", {}), "the checkpoint's config")
+    saved = saved_settings(state.get("config", {}).get("train", {}), "the checkpoint's config")
     # What decides a step's learning rates and Muon momentum: the optimizer's and the schedule's sections, whole
     # (a field the checkpoint predates keeps cfg's value).
     decides = [f.name for section in (OptimizerSettings, ScheduleSettings) for f in dataclasses.fields(section)]
-    return dataclasses.replace(cfg, **{k: saved[k] for k in decides if k in saved}), int(state.get("step", 0))
+    return cfg.replace(**{k: saved[k] for k in decides if k in saved}), int(state.get("step", 0))
 
 
 def stable_phase_end(cfg: TrainConfig) -> int | None:
     """wsd: the step where the stable phase ends, the first whose update a longer run would make differently (its
     checkpoint holds every full-LR update and none decayed); None for cosine, or where the decay starts at once."""
-    if cfg.schedule != "wsd":
+    if cfg.lr_schedule.schedule != "wsd":
         return None
-    never_decays = dataclasses.replace(cfg, total_steps=cfg.total_steps * 1000)
-    differs = (schedule_table(cfg, cfg.total_steps) != schedule_table(never_decays, cfg.total_steps)).any(dim=1)
+    steps = cfg.lr_schedule.total_steps
+    never_decays = cfg.replace(total_steps=steps * 1000)
+    differs = (schedule_table(cfg, steps) != schedule_table(never_decays, steps)).any(dim=1)
     end = int(differs.nonzero()[0, 0]) if differs.any() else None
     return end or None
 
 
-def make_optimizer(named: NamedParams, cfg: TrainConfig, runtime, lr: torch.Tensor,
+def make_optimizer(named: NamedParams, optim: OptimizerSettings, runtime, lr: torch.Tensor,
                    saved: dict[str, torch.Tensor] | None = None,
                    momentum: torch.Tensor | None = None) -> torch.optim.Optimizer:
-    """cfg.optimizer with its state created up front: zeros, or `saved` tensors, laid out like their parameters
+    """optim.optimizer with its state created up front: zeros, or `saved` tensors, laid out like their parameters
     (sharded under fsdp) instead of however the first step would make them. `momentum`: Muon's momentum as a
-    device tensor the trainer moves each step (the warm-up), else the constant cfg.muon_momentum."""
+    device tensor the trainer moves each step (the warm-up), else the constant optim.muon_momentum."""
     device = runtime.device
     on_accelerator = device.type != "cpu"
-    if cfg.optimizer == "muon" or cfg.matrix_lr:
+    if optim.optimizer == "muon" or optim.matrix_lr:
         shapes = {name: muon_matrix_shape(name, p) for name, p in named}
         matrices = [(n, p) for n, p in named if shapes[n]]
         adam = [(n, p) for n, p in named if not shapes[n]]
-        if cfg.optimizer == "muon":
-            matrix_group = {"kind": "muon", "lr_ratio": cfg.muon_lr / cfg.lr, "weight_decay": cfg.muon_weight_decay,
-                            "momentum": cfg.muon_momentum if momentum is None else momentum, "scale": cfg.muon_scale,
+        if optim.optimizer == "muon":
+            matrix_group = {"kind": "muon", "lr_ratio": optim.muon_lr / optim.lr,
+                            "weight_decay": optim.muon_weight_decay,
+                            "momentum": optim.muon_momentum if momentum is None else momentum,
+                            "scale": optim.muon_scale,
                             "shapes": {id(p): shapes[n] for n, p in matrices}}
         else:  # AdamW with its own LR for the matrices: the same groups and AdamW code as Muon's AdamW part
-            matrix_group = {"kind": "adam", "lr_ratio": cfg.matrix_lr / cfg.lr, "weight_decay": cfg.weight_decay}
-        aux = {"lr_ratio": cfg.aux_lr / cfg.lr} if cfg.aux_lr else {}  # positions, biases, gains
+            matrix_group = {"kind": "adam", "lr_ratio": optim.matrix_lr / optim.lr,
+                            "weight_decay": optim.weight_decay}
+        aux = {"lr_ratio": optim.aux_lr / optim.lr} if optim.aux_lr else {}  # positions, biases, gains
         token_embedding = [p for n, p in adam if n.endswith("wte.weight")]
         groups = [
             {"params": [p for _, p in matrices], **matrix_group},
-            {"params": token_embedding, "kind": "adam", "weight_decay": cfg.weight_decay},
+            {"params": token_embedding, "kind": "adam", "weight_decay": optim.weight_decay},
             {"params": [p for n, p in adam if p.dim() >= 2 and not n.endswith("wte.weight")], "kind": "adam",
-             "weight_decay": cfg.weight_decay, **aux},
+             "weight_decay": optim.weight_decay, **aux},
             {"params": [p for _, p in adam if p.dim() < 2], "kind": "adam", "weight_decay": 0.0, **aux},
         ]
         opt = MuonAdamW(groups, lr, ns_dtype=torch.bfloat16 if on_accelerator else torch.float32,
@@ -300,7 +305,7 @@ def make_optimizer(named: NamedParams, cfg: TrainConfig, runtime, lr: torch.Tens
         # capturable on an accelerator (the step on the device); under XLA traced in foreach calls (ForeachAdamW);
         # CUDA runs torch's fused kernel, the CPU torch's single-tensor path.
         opt = (ForeachAdamW if device.type == "xla" else torch.optim.AdamW)(
-            [{"params": [p for _, p in named if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+            [{"params": [p for _, p in named if p.dim() >= 2], "weight_decay": optim.weight_decay},
              {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}],
             lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS, capturable=on_accelerator, foreach=False,
             fused=True if device.type == "cuda" else None,

@@ -243,7 +243,8 @@ def project(records: list[dict], cfg: TrainConfig, at_step: int, stable_end: int
     slope = log_slope(evals)
     if stable_end > step and slope is not None and slope < 0:
         loss += slope * math.log(stable_end / step)
-    final, loss_sd = project_final_loss(loss, cfg.cooldown_frac), final_loss_sd(loss, cfg.cooldown_frac)
+    cooldown = cfg.lr_schedule.cooldown_frac
+    final, loss_sd = project_final_loss(loss, cooldown), final_loss_sd(loss, cooldown)
     pairs = hellaswag_pairs(records, dict(evals))
     line, note = hellaswag_line(pairs)
     hellaswag = line.interval(final.mid, loss_sd) if line else None
@@ -252,12 +253,12 @@ def project(records: list[dict], cfg: TrainConfig, at_step: int, stable_end: int
     if not any_hellaswag:
         reason, note = reason or "the loss alone: the run scores no HellaSwag", "no HellaSwag evals"
     base, trend = max(stable_end, step), slope is not None and slope < 0
-    for_loss = (steps_to_reach(GPT2_124M_VAL_LOSS, loss, base, slope, cfg.cooldown_frac)
+    for_loss = (steps_to_reach(GPT2_124M_VAL_LOSS, loss, base, slope, cfg.lr_schedule.cooldown_frac)
                 if trend and final.mid > GPT2_124M_VAL_LOSS else None)
     for_hellaswag = None
     if trend and hellaswag and hellaswag.mid < GPT2_HELLASWAG and line.slope < 0:
         target_loss = (GPT2_HELLASWAG - line.intercept) / line.slope  # where the line reaches the target
-        for_hellaswag = steps_to_reach(target_loss, loss, base, slope, cfg.cooldown_frac)
+        for_hellaswag = steps_to_reach(target_loss, loss, base, slope, cfg.lr_schedule.cooldown_frac)
     return Projection(step, loss, final, hellaswag, verdict, reason, note, for_loss, for_hellaswag)
 
 
@@ -285,8 +286,8 @@ def projection_lines(p: Projection, cfg: TrainConfig) -> list[str]:
     """The projection as log lines: the figures, then the verdict and recommendation."""
     gains, level = decay_gains(), f"{p.level:.0%}"
     lines = [f"projection from the stable phase (step {p.at_step}, val loss {p.stable_loss:.4f}): final val loss "
-             f"{p.final_loss.described(level + ' interval')} after a {cfg.cooldown_frac:g} cooldown (published "
-             f"Muon decays: {min(gains):.3f}-{max(gains):.3f} of the loss per unit of cooldown_frac; "
+             f"{p.final_loss.described(level + ' interval')} after a {cfg.lr_schedule.cooldown_frac:g} cooldown "
+             f"(published Muon decays: {min(gains):.3f}-{max(gains):.3f} of the loss per unit of cooldown_frac; "
              f"GPT-2 124M: {GPT2_124M_VAL_LOSS})"]
     if p.hellaswag:
         lines.append(f"projection: HellaSwag acc_norm {p.hellaswag.described(level + ' prediction interval')} at "

@@ -65,8 +65,8 @@ def find_resume_point(cfg: TrainConfig, ckpt_root: Path, log=print) -> LoadedChe
     the same learning rates), the stable-phase checkpoints included; the run's newer checkpoints, made on the
     shorter schedule, are then set aside, so this and every later session of the longer run go on from the right
     one. Nothing is renamed when no checkpoint agrees; with no checkpoint at all, the run starts at step 0."""
-    roots = [ckpt_root, Path(cfg.resume_from) if cfg.resume_from else None]
-    if not cfg.extend:
+    roots = [ckpt_root, Path(cfg.session.resume_from) if cfg.session.resume_from else None]
+    if not cfg.lr_schedule.extend:
         return latest_checkpoint(*roots, log=log, set_aside=True)
     roots += [root / STABLE_DIR for root in roots if root]
     passed_over: dict[Path, str] = {}
@@ -75,7 +75,7 @@ def find_resume_point(cfg: TrainConfig, ckpt_root: Path, log=print) -> LoadedChe
         was, step = saved_schedule(cfg, saved_state(path))
         if same_schedule_until(was, cfg, step):
             return False
-        passed_over[path] = f"step {step} of a {was.total_steps}-step {was.schedule} schedule"
+        passed_over[path] = f"step {step} of a {was.lr_schedule.total_steps}-step {was.lr_schedule.schedule} schedule"
         return True
 
     try:
@@ -89,25 +89,25 @@ def find_resume_point(cfg: TrainConfig, ckpt_root: Path, log=print) -> LoadedChe
         return None
     if resumed is None:
         found = "; ".join(f"{path}: {what}" for path, what in passed_over.items())
-        raise UserError(f"--extend --total-steps {cfg.total_steps}: no checkpoint in "
+        raise UserError(f"--extend --total-steps {cfg.lr_schedule.total_steps}: no checkpoint in "
                         f"{', '.join(str(r) for r in roots if r)} agrees with this schedule (a wsd run keeps the one "
                         f"where its stable phase ends in {STABLE_DIR}/; the new decay must start later)"
                         + (f"; passed over {found}" if found else ""))
     owned = (ckpt_root, ckpt_root / STABLE_DIR)  # --resume-from is another run's, or a read-only dataset
     for path, what in passed_over.items():
         if path.parent in owned:
-            set_aside_checkpoint(path, f"--extend: {path} ({what}) holds updates --total-steps {cfg.total_steps} "
-                                       "makes differently", log=log)
-    log(f"--extend: training on from step {resumed.step} ({resumed.path}) to step {cfg.total_steps}")
+            set_aside_checkpoint(path, f"--extend: {path} ({what}) holds updates --total-steps "
+                                       f"{cfg.lr_schedule.total_steps} makes differently", log=log)
+    log(f"--extend: training on from step {resumed.step} ({resumed.path}) to step {cfg.lr_schedule.total_steps}")
     return resumed
 
 
 def check_resumable(cfg: TrainConfig, resumed: LoadedCheckpoint) -> None:
     """The checkpoint holds this model's shape and this optimizer's state (one-line UserError otherwise)."""
-    check_same_shape(resumed, cfg.model.to_dict())
+    check_same_shape(resumed, cfg.model.shape.to_dict())
     saved_with = optimizer_of_state(resumed.optimizer)
-    if saved_with != cfg.optimizer:
-        raise UserError(f"--optimizer {cfg.optimizer}: the checkpoint {resumed.path} holds {saved_with}'s "
+    if saved_with != cfg.optim.optimizer:
+        raise UserError(f"--optimizer {cfg.optim.optimizer}: the checkpoint {resumed.path} holds {saved_with}'s "
                         f"state; resume with --optimizer {saved_with} (or start a new run in another --out-dir)")
 
 
@@ -179,19 +179,19 @@ class Evaluator:
                  logger: MetricsLogger, background: BackgroundCalls):
         self.model, self.runtime, self.cfg, self.val_loader = model, runtime, cfg, val_loader
         self.logger, self.background = logger, background
-        self.active = val_loader is not None and cfg.eval_every > 0
+        self.active = val_loader is not None and cfg.evals.eval_every > 0
         self.stable_end = stable_phase_end(cfg)
-        self.key_steps = {cfg.total_steps, self.stable_end} - {None}
+        self.key_steps = {cfg.lr_schedule.total_steps, self.stable_end} - {None}
         self.hellaswag_step = -1  # the last eval that scored HellaSwag
 
     def baseline(self, step: int) -> None:
-        if self.active and step < self.cfg.total_steps:
+        if self.active and step < self.cfg.lr_schedule.total_steps:
             self._run(step, hellaswag=True)
 
     def maybe_run(self, step: int) -> None:
-        if self.active and (step % self.cfg.eval_every == 0 or step in self.key_steps):
+        if self.active and (step % self.cfg.evals.eval_every == 0 or step in self.key_steps):
             # HellaSwag at the first eval at or past each multiple of hellaswag_every (whatever eval_every is).
-            every = self.cfg.hellaswag_every
+            every = self.cfg.evals.hellaswag_every
             due = not every or step // every > self.hellaswag_step // every
             self._run(step, hellaswag=due or step in self.key_steps)
 
@@ -199,7 +199,7 @@ class Evaluator:
         if hellaswag:
             self.hellaswag_step = step
         self.background.flush()  # the logged steps before the eval's records
-        results = periodic_eval(self.model, self.runtime, self.cfg, step, step * self.cfg.total_batch_tokens,
+        results = periodic_eval(self.model, self.runtime, self.cfg, step, step * self.cfg.step.total_batch_tokens,
                                 self.val_loader, self.logger, hellaswag)
         if self.logger.enabled:
             log_reference_check(self.cfg, self.logger, step, results)
@@ -210,9 +210,10 @@ class Evaluator:
 def log_reference_check(cfg: TrainConfig, logger: MetricsLogger, step: int, results: dict) -> None:
     """A gpt2 run's eval held against a published run's curve (shared/train/reference.py): log lines and a record,
     from 0.5B tokens on, with the early verdict from 2B tokens on."""
-    if cfg.preset != "gpt2" or cfg.model.block_size != 1024 or results.get("val_loss") is None:
+    if cfg.model.preset != "gpt2" or cfg.model.shape.block_size != 1024 or results.get("val_loss") is None:
         return
-    found = check(step, step * cfg.total_batch_tokens, results["val_loss"], cfg.total_steps, cfg.total_batch_tokens,
+    batch = cfg.step.total_batch_tokens
+    found = check(step, step * batch, results["val_loss"], cfg.lr_schedule.total_steps, batch,
                   results.get("hellaswag_acc_norm"), results.get("hellaswag_examples") or 10_042)
     if found is None:
         return
@@ -232,18 +233,18 @@ def log_projection(cfg: TrainConfig, logger: MetricsLogger, at_step: int, stable
 
 
 class StepProfiler:
-    """torch_xla's profiler over `cfg.profile_steps` steps of a session once its step graph has compiled (steps 1
-    and 2 compile), written to <out_dir>/profile/ (an .xplane.pb under plugins/profile/, which TensorBoard's profile
-    plugin reads): the device's per-op time of a real TPU step, to hold against scripts/hlo_cost.py's roofline. A
-    profiler that fails is one notice; training goes on. Where the trace starts and stops is recorded too
-    (`profile_start`, `profile_end` through `record`, metrics.jsonl, after the step lines queued before them): the
-    throughput leaves those steps out (shared/train/throughput.py)."""
+    """torch_xla's profiler over `cfg.logging.profile_steps` steps of a session once its step graph has compiled
+    (steps 1 and 2 compile), written to <out_dir>/profile/ (an .xplane.pb under plugins/profile/, which
+    TensorBoard's profile plugin reads): the device's per-op time of a real TPU step, to hold against
+    scripts/hlo_cost.py's roofline. A profiler that fails is one notice; training goes on. Where the trace starts
+    and stops is recorded too (`profile_start`, `profile_end` through `record`, metrics.jsonl, after the step lines
+    queued before them): the throughput leaves those steps out (shared/train/throughput.py)."""
 
     def __init__(self, cfg: TrainConfig, runtime: Runtime, start_step: int, log,
                  record: Callable[[dict], None] = lambda record: None):
-        self.first, self.last = start_step + 2, start_step + 2 + cfg.profile_steps
-        self.active = cfg.profile_steps > 0 and runtime.name == "xla" and runtime.is_main
-        self.folder, self.log, self.record, self.tracing = Path(cfg.out_dir) / "profile", log, record, False
+        self.first, self.last = start_step + 2, start_step + 2 + cfg.logging.profile_steps
+        self.active = cfg.logging.profile_steps > 0 and runtime.name == "xla" and runtime.is_main
+        self.folder, self.log, self.record, self.tracing = Path(cfg.session.out_dir) / "profile", log, record, False
         self.step = start_step  # the last step launched
 
     def after(self, step: int) -> None:

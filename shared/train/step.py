@@ -5,7 +5,6 @@ trainer calls it in its loop; `shared.train.step_trace` traces the same step for
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,22 +46,22 @@ def plan_step(cfg: TrainConfig, runtime: Runtime, attention: str = SDPA,
     wrong losses (tests/train/test_train.py shows it), so the two are never combined."""
     from shared.train.xla_runtime import scan_layers_available
 
-    n_layer, gen, xla = cfg.model.n_layer, runtime.tpu_generation, runtime.name == "xla"
-    loop = cfg.grad_accum_loop and xla and cfg.grad_accum_steps > 1
-    checkpointing = activation_checkpointing_on(cfg.activation_checkpointing, n_layer, gen.name if gen else None)
-    wanted = cfg.scan_layers == "on" or (cfg.scan_layers == "auto" and xla and bool(gen) and n_layer >= 24)
+    n_layer, gen, xla = cfg.model.shape.n_layer, runtime.tpu_generation, runtime.name == "xla"
+    loop = cfg.step.grad_accum_loop and xla and cfg.grad_accum_steps > 1
+    checkpointing = activation_checkpointing_on(cfg.step.activation_checkpointing, n_layer, gen.name if gen else None)
+    wanted = cfg.step.scan_layers == "on" or (cfg.step.scan_layers == "auto" and xla and bool(gen) and n_layer >= 24)
     if scan_available is None:  # asked only where the scan could run: it imports jax into this process
         scan_available = wanted and xla and scan_layers_available()
-    if cfg.scan_layers == "on" and not (xla and scan_available):
+    if cfg.step.scan_layers == "on" and not (xla and scan_available):
         raise UserError("--scan-layers on needs the xla backend with jax and torchax importable by torch_xla "
                         f"(backend {runtime.name}, jax+torchax {'working' if scan_available else 'not importable'})")
-    if cfg.scan_layers == "on" and loop:
+    if cfg.step.scan_layers == "on" and loop:
         raise UserError("--scan-layers on computes wrong losses inside torch_xla's gradient-accumulation loop; "
                         "add --no-grad-accum-loop (a graph per micro-step), or use one micro-step per step")
-    if cfg.scan_layers == "auto":
+    if cfg.step.scan_layers == "auto":
         scan = wanted and scan_available and attention == SDPA and not loop
     else:
-        scan = cfg.scan_layers == "on"
+        scan = cfg.step.scan_layers == "on"
     return StepPlan(accum_loop=loop, activation_checkpointing=checkpointing, scan_layers=scan, attention=attention)
 
 
@@ -72,20 +71,20 @@ def select_attention_and_micro_batch(cfg: TrainConfig, runtime: Runtime, log=pri
     `--micro-batch auto`, each kernel probed once at the micro-batch it and this TPU allow, the one the session
     then trains at: the config the session trains with, and the attention its model and step are given.
     `chosen`: an attention already chosen (a test's), which is not selected again."""
-    m = cfg.model
+    m = cfg.model.shape
     shape = (m.n_head, m.block_size, m.n_embd // m.n_head)
-    if cfg.micro_batch != AUTO:
-        return cfg, chosen or runtime.select_attention(cfg.micro_batch, *shape, cfg.attention)
+    if cfg.step.micro_batch != AUTO:
+        return cfg, chosen or runtime.select_attention(cfg.step.micro_batch, *shape, cfg.step.attention)
     generation = runtime.tpu_generation.name if runtime.tpu_generation else None
 
     def batch_for(kind: str) -> int:
         return micro_batch_for(cfg, generation, kind, runtime.num_devices)
 
-    attention = chosen or runtime.select_attention(batch_for(SDPA), *shape, cfg.attention, batch_for=batch_for)
+    attention = chosen or runtime.select_attention(batch_for(SDPA), *shape, cfg.step.attention, batch_for=batch_for)
     micro_batch = batch_for(attention.kind)
     log(f"micro-batch auto: {micro_batch} ({micro_batch // runtime.num_devices} a device; TPU {generation or 'none'}, "
         f"{attention.kind} attention)")
-    return dataclasses.replace(cfg, micro_batch=micro_batch), attention
+    return cfg.replace(micro_batch=micro_batch), attention
 
 
 @dataclass
@@ -107,13 +106,14 @@ class TrainStep:
 
     def __call__(self, tokens: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cfg, opt, scaler = self.cfg, self.opt, self.scaler
-        loss = self.runtime.forward_backward(self.model, tokens, cfg.bf16, scaler, self.plan.accum_loop)
+        loss = self.runtime.forward_backward(self.model, tokens, cfg.step.bf16, scaler, self.plan.accum_loop)
         scaler.unscale_(opt)
-        grad_norm = clip_grad_norm([p for _, p in self.named_params], cfg.grad_clip)
-        lr = lr_at(self.step_t, cfg)  # a fresh tensor each step: the logging thread reads it after lr_t moved on
+        grad_norm = clip_grad_norm([p for _, p in self.named_params], cfg.optim.grad_clip)
+        # a fresh tensor each step: the logging thread reads it after lr_t moved on
+        lr = lr_at(self.step_t, cfg.optim, cfg.lr_schedule)
         self.lr_t.copy_(lr)
         if self.momentum_t is not None:
-            self.momentum_t.copy_(muon_momentum_at(self.step_t, cfg))
+            self.momentum_t.copy_(muon_momentum_at(self.step_t, cfg.optim))
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
@@ -133,18 +133,20 @@ def build_step(cfg: TrainConfig, runtime: Runtime, model: torch.nn.Module, atten
     session chose): laid out on the runtime's devices as the
     plan says, the schedule's scalars at `start_step` on the device, the optimizer with its state (zeros, or
     `saved_optimizer`), all materialised as device data before the first step."""
-    plan = plan_step(cfg, runtime, attention)
-    step_model = runtime.prepare_model(model, cfg.fsdp, cfg.compile, plan.activation_checkpointing, plan.scan_layers)
+    plan, optim = plan_step(cfg, runtime, attention), cfg.optim
+    step_model = runtime.prepare_model(model, cfg.step.fsdp, cfg.step.compile, plan.activation_checkpointing,
+                                       plan.scan_layers)
     step_t = torch.tensor(float(start_step)).to(runtime.device)
-    lr_t = lr_at(step_t, cfg)
+    lr_t = lr_at(step_t, optim, cfg.lr_schedule)
     # Muon's momentum moves with the step only while it warms up; otherwise it stays a constant in the graph.
-    momentum_t = muon_momentum_at(step_t, cfg) if cfg.optimizer == "muon" and cfg.muon_momentum_warmup_steps else None
+    warms_up = optim.optimizer == "muon" and optim.muon_momentum_warmup_steps
+    momentum_t = muon_momentum_at(step_t, optim) if warms_up else None
     for scalar in (step_t, lr_t, momentum_t):
         if scalar is not None:
             runtime.shard_like(scalar, scalar)
     runtime.sync()  # AdamW's constructor reads the LR's value once; let it read device data
     named_params = list(model.named_parameters())
-    opt = make_optimizer(named_params, cfg, runtime, lr_t, saved_optimizer, momentum_t)
-    scaler = runtime.grad_scaler(cfg.bf16)  # active only for fp16 autocast (GPUs without bf16)
+    opt = make_optimizer(named_params, optim, runtime, lr_t, saved_optimizer, momentum_t)
+    scaler = runtime.grad_scaler(cfg.step.bf16)  # active only for fp16 autocast (GPUs without bf16)
     runtime.sync()  # materialise params and optimizer state as device data before the first step
     return TrainStep(cfg, runtime, plan, step_model, named_params, opt, scaler, step_t, lr_t, momentum_t)

@@ -17,7 +17,6 @@ splash probe falls back to, and `"attention": "sdpa"` the SDPA step.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -174,24 +173,24 @@ def trace_step(cfg: TrainConfig, generation: str) -> tuple[bytes, dict]:
     cfg.validate(runtime.num_devices)
     cfg, attention = select_attention_and_micro_batch(cfg, runtime, log=lambda _: None)
     with torch.device("meta"):
-        model = GPT(cfg.model, attention)
+        model = GPT(cfg.model.shape, attention)
     step = build_step(cfg, runtime, model, attention.kind, start_step=1)
     state = step.state_tensors()
-    tokens = np.zeros((cfg.grad_accum_steps, cfg.micro_batch, cfg.model.block_size + 1), dtype=np.int32)
+    tokens = np.zeros((cfg.grad_accum_steps, cfg.step.micro_batch, cfg.model.shape.block_size + 1), dtype=np.int32)
     loss, grad_norm, lr = step(tokens)
     outputs = state + [loss, grad_norm, lr]
     proto = torch_xla._XLAC._get_xla_tensors_hlo_proto(outputs)
     meta = {"inputs": runtime.inputs, "updated_outputs": len(state), "num_devices": runtime.num_devices,
-            "micro_batch": cfg.micro_batch, "grad_accum_steps": cfg.grad_accum_steps, "attention": attention.kind,
+            "micro_batch": cfg.step.micro_batch, "grad_accum_steps": cfg.grad_accum_steps, "attention": attention.kind,
             "accum_loop": step.plan.accum_loop, "activation_checkpointing": step.plan.activation_checkpointing,
-            "scan_layers": step.plan.scan_layers, "num_params": cfg.model.num_params(),
-            "train": {k: v for k, v in dataclasses.asdict(cfg).items() if isinstance(v, (str, int, float, bool))}}
+            "scan_layers": step.plan.scan_layers, "num_params": cfg.model.shape.num_params(),
+            "train": cfg.to_dict()}
     return proto, meta
 
 
 def main(argv: list[str]) -> None:
     settings_path, out_dir, generation = argv
-    cfg = TrainConfig(**json.loads(Path(settings_path).read_text()))
+    cfg = TrainConfig.from_dict(json.loads(Path(settings_path).read_text()))
     proto, meta = trace_step(cfg, generation)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

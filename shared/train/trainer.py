@@ -40,6 +40,7 @@ from shared.train.runtime import Runtime, plan_versions_notice, runtime_versions
 from shared.train.session import Evaluator, StepLog, StepProfiler, log_projection, resume_point
 from shared.train.step import build_step, select_attention_and_micro_batch
 from shared.train.xla_notices import runtime_notices
+from shared.train_sections import SessionSettings
 
 
 @dataclass
@@ -58,16 +59,16 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
     seconds before it, by name; `on_checkpoint`: see Checkpointer; `attention`: a caller's choice (None: selected)."""
     session_start = time.monotonic()
     cfg.validate()  # the flags; the device count is checked once the runtime is up
-    out_dir = Path(cfg.out_dir)
-    ckpt_root = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else out_dir / "checkpoints"
-    train_shards, val_shards = find_shards(cfg.data_dir, "train"), find_shards(cfg.data_dir, "val")
+    out_dir = Path(cfg.session.out_dir)
+    ckpt_root = Path(cfg.session.checkpoint_dir) if cfg.session.checkpoint_dir else out_dir / "checkpoints"
+    train_shards, val_shards = find_shards(cfg.data.data_dir, "train"), find_shards(cfg.data.data_dir, "val")
     if not train_shards:
-        raise UserError(f"--data-dir {cfg.data_dir}: no *_train_*.bin token shards found")
+        raise UserError(f"--data-dir {cfg.data.data_dir}: no *_train_*.bin token shards found")
     resumed = resume_point(cfg, ckpt_root, log)
 
     # XLA starts with the compiled graphs of the previous session when the checkpoint has them.
-    compile_cache = restore_compile_cache(resumed, out_dir) if cfg.xla_cache else None
-    runtime = runtime or make_runtime(cfg.backend, compile_cache)
+    compile_cache = restore_compile_cache(resumed, out_dir) if cfg.step.xla_cache else None
+    runtime = runtime or make_runtime(cfg.step.backend, compile_cache)
     versions = runtime_versions()
     log_runtime_notices(runtime, versions, resumed, compile_cache, log)
     if not runtime.is_main:  # under DDP one process speaks for all
@@ -81,7 +82,7 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
     start_step = resumed.step if resumed else 0
     train_step = build_step(cfg, runtime, model, attention.kind, start_step, resumed.optimizer if resumed else None)
     restore_grad_scaler(train_step, resumed)
-    ckpt_timer, clock = session_clock(cfg, resumed, model.num_params(), session_start, started, startup_parts)
+    ckpt_timer, clock = session_clock(cfg.session, resumed, model.num_params(), session_start, started, startup_parts)
     logger = start_logging(cfg, runtime, versions, model, resumed, clock, log, wandb_key)
     log(train_step.plan.describe(runtime, cfg.grad_accum_steps))
 
@@ -95,8 +96,8 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
                              ckpt_root, session_start)
     checkpointer = Checkpointer(cfg, ckpt_root, start_step, ckpt_timer, write, on_checkpoint)
     evaluator = Evaluator(model, runtime, cfg, val_loader, logger, background)
-    step_log = StepLog(runtime, logger, background, start_step, cfg.total_batch_tokens, cfg.model.flops_per_token(),
-                       session_start, cfg.model.flops_per_token_llmc())
+    step_log = StepLog(runtime, logger, background, start_step, cfg.step.total_batch_tokens,
+                       cfg.model.shape.flops_per_token(), session_start, cfg.model.shape.flops_per_token_llmc())
     profiler = StepProfiler(cfg, runtime, start_step, log, lambda record: (background.flush(), logger.write(record)))
 
     # --- the loop ----------------------------------------------------------------------------------------------
@@ -106,14 +107,14 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
     # Summed: the host's CPU time building steps (data, tracing); the syncs' wall time (hash, launch, runtime waits).
     host_trace_s = sync_s = 0.0
     try:
-        while step < cfg.total_steps:
+        while step < cfg.lr_schedule.total_steps:
             step_started, compile_before = time.monotonic(), runtime.compile_seconds()
             cpu_started = time.thread_time()  # the host's own work: blocking waits (back-pressure) are not in it
             tokens = np.stack([loader.next_batch() for _ in range(cfg.grad_accum_steps)])  # (accum, B, T+1)
             loss, grad_norm, lr = train_step(tokens)
             step += 1
             host_trace_s += time.thread_time() - cpu_started
-            if step % cfg.log_every == 0 or step == cfg.total_steps:
+            if step % cfg.logging.log_every == 0 or step == cfg.lr_schedule.total_steps:
                 runtime.add_step_closure(step_log.queue, (step, loss, grad_norm, lr, host_trace_s, sync_s))
             sync_started = time.monotonic()
             runtime.sync()  # launches the step; waits only for the previous step's graph to finish
@@ -132,7 +133,7 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
             # Under XLA the step just launched may still be running (the host runs a step ahead): count it too.
             in_flight = step_s if runtime.name == "xla" else 0.0
             stop_reason = ("SIGTERM" if stop_requested.is_set()
-                           else "stop_after_steps" if 0 < cfg.stop_after_steps <= step - start_step
+                           else "stop_after_steps" if 0 < cfg.session.stop_after_steps <= step - start_step
                            else "time_budget" if in_flight + step_s + checkpointer.seconds_after(step) > clock.left_s()
                            else "total_steps")
             if stop_reason != "total_steps":
@@ -148,7 +149,7 @@ def train(cfg: TrainConfig, runtime: Runtime | None = None, log=print, wandb_key
         logger.close()
     metrics_path = out_dir / METRICS_FILE
     loss_png = session_plot(metrics_path, out_dir / "loss.png") if runtime.is_main else None
-    log(f"session ended at step {step}/{cfg.total_steps} ({stop_reason}); checkpoint {path}; "
+    log(f"session ended at step {step}/{cfg.lr_schedule.total_steps} ({stop_reason}); checkpoint {path}; "
         f"metrics {metrics_path}; plot {loss_png}; {runtime.compile_count()} XLA compilations")
     return TrainResult(step, step_log.last_loss, path, stop_reason, start_step)
 
@@ -172,27 +173,27 @@ def log_runtime_notices(runtime: Runtime, versions: dict, resumed: LoadedCheckpo
 def make_loaders(cfg: TrainConfig, train_shards: list, val_shards: list, resumed: LoadedCheckpoint | None,
                  log) -> tuple[TokenLoader, TokenLoader | None]:
     """The training loader (at the checkpoint's position when resuming) and the validation loader, if evaluating."""
-    block = cfg.model.block_size
-    loader = TokenLoader(train_shards, cfg.micro_batch, block, seed=cfg.seed,
+    block = cfg.model.shape.block_size
+    loader = TokenLoader(train_shards, cfg.step.micro_batch, block, seed=cfg.model.seed,
                          state=LoaderState.from_dict(resumed.state["loader"]) if resumed else None,
-                         on_change=cfg.on_data_change)
+                         on_change=cfg.data.on_data_change)
     if loader.changed:
         log(f"the training shards changed since the checkpoint ({loader.changed}): epoch {loader.state.epoch} "
             "starts now over the shards given")
-    val_loader = (TokenLoader(val_shards, cfg.micro_batch, block, shuffle=False) if val_shards and cfg.eval_every
-                  else None)
-    if val_loader and cfg.eval_batches > val_loader.batches_per_pass():
+    val_loader = (TokenLoader(val_shards, cfg.step.micro_batch, block, shuffle=False)
+                  if val_shards and cfg.evals.eval_every else None)
+    if val_loader and cfg.evals.eval_batches > val_loader.batches_per_pass():
         log(f"notice: the validation shards hold {val_loader.batches_per_pass()} batches, fewer than --eval-batches "
-            f"{cfg.eval_batches}; each eval uses those {val_loader.batches_per_pass()}")
+            f"{cfg.evals.eval_batches}; each eval uses those {val_loader.batches_per_pass()}")
     return loader, val_loader
 
 
 def make_model(cfg: TrainConfig, runtime: Runtime, resumed: LoadedCheckpoint | None, attention: AttentionChoice) -> GPT:
     """The model with the session's `attention`, initialised on the CPU from the seed so every backend starts
     identically; or the checkpoint's weights and RNG state when resuming."""
-    torch.manual_seed(cfg.seed)
-    model = GPT(cfg.model, attention)  # the kernel the session chose for these shapes
-    if cfg.zero_init_projections and not resumed:
+    torch.manual_seed(cfg.model.seed)
+    model = GPT(cfg.model.shape, attention)  # the kernel the session chose for these shapes
+    if cfg.model.zero_init_projections and not resumed:
         model.zero_output_projections()
     if resumed:
         model.load_checkpoint_tensors(resumed.model, resumed.path)
@@ -206,19 +207,21 @@ def restore_grad_scaler(train_step, resumed: LoadedCheckpoint | None) -> None:
         train_step.scaler.load_state_dict(resumed.state["grad_scaler"])
 
 
-def session_clock(cfg: TrainConfig, resumed: LoadedCheckpoint | None, num_params: int, session_start: float,
+def session_clock(session: SessionSettings, resumed: LoadedCheckpoint | None, num_params: int, session_start: float,
                   started: float | None, startup_parts: dict | None) -> tuple[CheckpointTimer, SessionClock]:
-    """The checkpoint's timer (last session's measured write, else an estimate) and the session's time budget."""
+    """The checkpoint's timer (last session's measured write, else an estimate) and the session's time budget, from
+    the session's settings."""
     measured = resumed.state.get("timings", {}).get("checkpoint_seconds") if resumed else None
     ckpt_timer = CheckpointTimer(measured or estimate_checkpoint_seconds(num_params))
-    if cfg.time_budget and cfg.time_budget < ckpt_timer.seconds:
-        raise UserError(f"--time-budget {cfg.time_budget:g}s is shorter than one checkpoint "
+    budget = session.time_budget
+    if budget and budget < ckpt_timer.seconds:
+        raise UserError(f"--time-budget {budget:g}s is shorter than one checkpoint "
                         f"(~{ckpt_timer.seconds:.0f}s for {num_params / 1e6:.1f}M parameters)")
     # A budget given is training time, counted once start-up (probes, compiles, the baseline eval) has ended; the
     # default is a whole session's length, counted from here (shared/session_clock.py).
     clock = SessionClock(session_start if started is None else min(started, session_start), session_start,
-                         cfg.time_budget or default_time_budget(ckpt_timer.seconds), cfg.session_deadline,
-                         dict(startup_parts or {}), budget_after_startup=bool(cfg.time_budget))
+                         budget or default_time_budget(ckpt_timer.seconds), session.session_deadline,
+                         dict(startup_parts or {}), budget_after_startup=bool(budget))
     return ckpt_timer, clock
 
 
@@ -226,24 +229,26 @@ def start_logging(cfg: TrainConfig, runtime: Runtime, versions: dict, model: GPT
                   clock: SessionClock, log, wandb_key: str | None) -> MetricsLogger:
     """The metrics log, its history the checkpoint's copy (steps a killed session logged after its checkpoint are
     dropped); its session_start record, and the session's description in the log."""
-    out_dir, start_step = Path(cfg.out_dir), resumed.step if resumed else 0
+    out_dir, start_step = Path(cfg.session.out_dir), resumed.step if resumed else 0
     metrics_path = out_dir / METRICS_FILE
     out_dir.mkdir(parents=True, exist_ok=True)
     if runtime.is_main and resumed and (resumed.path / METRICS_FILE).exists():
         shutil.copyfile(resumed.path / METRICS_FILE, metrics_path)
     elif runtime.is_main and metrics_path.exists():
         metrics_path.unlink()
-    logger = MetricsLogger(out_dir, cfg.total_steps, start_step, cfg.to_dict(), cfg.wandb_project, cfg.run_name,
-                           progress=cfg.progress, log=log, enabled=runtime.is_main, run_id=cfg.wandb_run_id,
-                           wandb_key=wandb_key)
+    logging = cfg.logging
+    logger = MetricsLogger(out_dir, cfg.lr_schedule.total_steps, start_step, cfg.to_dict(), logging.wandb_project,
+                           logging.run_name, progress=logging.progress, log=log, enabled=runtime.is_main,
+                           run_id=logging.wandb_run_id, wandb_key=wandb_key)
     tpu = runtime.tpu_generation
-    logger.write({"event": "session_start", "step": start_step, "tokens": start_step * cfg.total_batch_tokens,
+    logger.write({"event": "session_start", "step": start_step, "tokens": start_step * cfg.step.total_batch_tokens,
                   "device": runtime.description, "versions": versions, "time_budget_s": round(clock.budget_s, 1),
-                  "session_deadline_s": cfg.session_deadline or None,
-                  "micro_batch": cfg.micro_batch, "attention": model.attention.kind, "tpu": tpu.name if tpu else None,
+                  "session_deadline_s": cfg.session.session_deadline or None,
+                  "micro_batch": cfg.step.micro_batch, "attention": model.attention.kind,
+                  "tpu": tpu.name if tpu else None,
                   "unix_time": round(time.time(), 1), "elapsed_s": round(time.monotonic() - clock.train_start, 3)})
-    log(f"{runtime.description}: {cfg.preset} ({model.num_params() / 1e6:.2f}M params), {cfg.grad_accum_steps} "
-        f"micro-steps of {cfg.micro_batch}x{cfg.model.block_size} per step, "
+    log(f"{runtime.description}: {cfg.model.preset} ({model.num_params() / 1e6:.2f}M params), {cfg.grad_accum_steps} "
+        f"micro-steps of {cfg.step.micro_batch}x{cfg.model.shape.block_size} per step, "
         f"{'resuming at step ' + str(start_step) + ' from ' + str(resumed.path) if resumed else 'fresh start'}")
     log(", ".join(f"{name} {version or '-'}" for name, version in versions.items())
         + (f"; TPU {tpu.name} from {runtime.tpu_generation_source}" if tpu
@@ -251,7 +256,7 @@ def start_logging(cfg: TrainConfig, runtime: Runtime, versions: dict, model: GPT
     if runtime.device_type == "TPU" and plan_versions_notice(versions):
         log(plan_versions_notice(versions))
     new_stable_end = stable_phase_end(cfg)
-    if cfg.extend and resumed and logger.enabled and new_stable_end and start_step < new_stable_end:
+    if cfg.lr_schedule.extend and resumed and logger.enabled and new_stable_end and start_step < new_stable_end:
         log_projection(cfg, logger, start_step, new_stable_end)  # the longer run's end, from the evals so far
     return logger
 
@@ -260,7 +265,7 @@ def session_end_record(cfg: TrainConfig, runtime: Runtime, clock: SessionClock, 
                        first_step_end: float, last_step_end: float, compiled_at_start: tuple[float, int]) -> dict:
     """The session_end record: why it stopped, and the session boundary's cost (start-up to the end of the first
     step, last step to the final checkpoint, the session's compiles)."""
-    return {"event": "session_end", "step": step, "tokens": step * cfg.total_batch_tokens,
+    return {"event": "session_end", "step": step, "tokens": step * cfg.step.total_batch_tokens,
             "stop_reason": stop_reason, "elapsed_s": round(time.monotonic() - clock.train_start, 3),
             "unix_time": round(time.time(), 1),
             "start_to_first_step_s": round(first_step_end - clock.train_start, 3),

@@ -84,10 +84,10 @@ def _training_hellaswag(path: str, examples: int, block_size: int, log):
 
 def periodic_eval(model, runtime, cfg, step: int, tokens: int, val_loader: TokenLoader | None, logger,
                   hellaswag: bool = True) -> dict:
-    """The evaluation every `cfg.eval_every` steps: validation loss and the model's health (weight RMS and the largest
-    attention logit, shared/train/health.py; when there are validation shards), HellaSwag
-    (with `hellaswag`) on `cfg.hellaswag_examples` seeded random examples of `cfg.hellaswag_file` (when set), and
-    one sample from `cfg.sample_prompt` (when set). Each result is one record in the metrics JSONL (and W&B).
+    """The evaluation every `cfg.evals.eval_every` steps: validation loss and the model's health (weight RMS and the
+    largest attention logit, shared/train/health.py; when there are validation shards), HellaSwag (with `hellaswag`)
+    on `cfg.evals.hellaswag_examples` seeded random examples of `cfg.evals.hellaswag_file` (when set), and one sample
+    from `cfg.evals.sample_prompt` (when set). Each result is one record in the metrics JSONL (and W&B).
 
     All of it runs with fixed shapes (the same batches, rows and cache every time), so after the first eval it
     compiles nothing new; the sample uses its own seeded generator and leaves the training RNG alone.
@@ -95,27 +95,28 @@ def periodic_eval(model, runtime, cfg, step: int, tokens: int, val_loader: Token
     log = getattr(logger, "log", print)
     results: dict = {}
     if val_loader is not None:
-        results["val_loss"] = validation_loss(model, val_loader, runtime, cfg.eval_batches, cfg.bf16)
+        results["val_loss"] = validation_loss(model, val_loader, runtime, cfg.evals.eval_batches, cfg.step.bf16)
         logger.write({"step": step, "tokens": tokens, "val_loss": results["val_loss"]})
-        health = health_record(model, runtime, first_rows(val_loader, runtime.num_devices), cfg.bf16)
+        health = health_record(model, runtime, first_rows(val_loader, runtime.num_devices), cfg.step.bf16)
         results.update(health)
         logger.write({"step": step, "tokens": tokens, **health})
     block_size = model.config.block_size
-    if hellaswag and getattr(cfg, "hellaswag_file", ""):
-        data = _training_hellaswag(cfg.hellaswag_file, cfg.hellaswag_examples, block_size, log)
+    evals = cfg.evals
+    if hellaswag and evals.hellaswag_file:
+        data = _training_hellaswag(evals.hellaswag_file, evals.hellaswag_examples, block_size, log)
         if data is not None:
             from shared.train.hellaswag import score
 
             # About one training micro-batch of tokens per forward pass: the memory training already needs.
-            rows = max(1, cfg.micro_batch * block_size // data.length)
-            result = score(model, runtime, data, rows, cfg.bf16)
+            rows = max(1, cfg.step.micro_batch * block_size // data.length)
+            result = score(model, runtime, data, rows, cfg.step.bf16)
             results.update(result.to_record())
             logger.write({"step": step, "tokens": tokens, **result.to_record()})
-    if getattr(cfg, "sample_prompt", ""):
+    if evals.sample_prompt:
         from shared.train.sampling import sample_text
 
-        (sample,) = sample_text(model, runtime, [cfg.sample_prompt], getattr(cfg, "sample_tokens", 32),
-                                seed=cfg.seed, bf16=cfg.bf16, warn=_warn_once(log))
+        (sample,) = sample_text(model, runtime, [evals.sample_prompt], evals.sample_tokens,
+                                seed=cfg.model.seed, bf16=cfg.step.bf16, warn=_warn_once(log))
         results["sample"] = sample.prompt + sample.text
         logger.write({"step": step, "tokens": tokens, "sample": results["sample"]})
     return results

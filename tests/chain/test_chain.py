@@ -417,9 +417,9 @@ def test_the_train_section_may_hold_its_settings_under_settings_as_tokenize_and_
     shaped = config_from_dict({"token_datasets": ["a/b"], "train": {"settings": {"model": {"preset": "gpt2"},
                                                                                   "optim": {"lr": 0.001}}}})
     assert shaped == flat and shaped.train.settings == {"preset": "gpt2", "lr": 0.001}
-    assert (shaped.train.config.lr, shaped.train.config.total_steps) == (0.001, shaped.total_steps)
+    assert (shaped.train.config.optim.lr, shaped.train.config.lr_schedule.total_steps) == (0.001, shaped.total_steps)
     assert config_from_dict(flat.raw()) == flat
-    assert flat.with_train(lr=0.002).train.config.lr == 0.002 and flat.train.config.lr == 0.001
+    assert flat.with_train(lr=0.002).train.config.optim.lr == 0.002 and flat.train.config.optim.lr == 0.001
     with pytest.raises(UserError) as err:
         flat.with_train(lr=-1)
     assert str(err.value).startswith("config: train: ")

@@ -223,8 +223,10 @@ def test_a_config_is_built_then_checked_unchanged_and_the_stages_read_its_typed_
     _check_built(xl, "config")
     assert dataclasses.asdict(xl) == built
     train = xl.train.config
-    assert (train.checkpoint_dir, train.keep_checkpoints, train.keep_stable) == ("{temp}/checkpoints", 1, False)
-    assert (train.total_steps, train.lr, train.schedule) == (xl.total_steps, TrainConfig().lr, "cosine")
+    session, schedule = train.session, train.lr_schedule
+    assert (session.checkpoint_dir, session.keep_checkpoints, session.keep_stable) == ("{temp}/checkpoints", 1, False)
+    assert (schedule.total_steps, schedule.schedule) == (xl.total_steps, "cosine")
+    assert train.optim.lr == TrainConfig().optim.lr
     assert xl.train.config is train  # built once
     tok = xl.tokenize
     assert (tok.parts, tok.settings, tok.inputs, tok.accelerator, tok.hf_token) == (2, {"shard_size": 1000}, (), "",
@@ -235,7 +237,8 @@ def test_a_config_is_built_then_checked_unchanged_and_the_stages_read_its_typed_
     assert (ev.accelerator, ev.session_limit_s, ev.kind) == (xl.accelerator, xl.session_limit_s, "tpu")
     assert (ev.config.val_tokens, ev.config.hellaswag) == (4096, EvalConfig().hellaswag)
     xl = xl.with_train(schedule="wsd")  # a config changed later (a test's probe does): loaded again
-    assert xl.train.config.schedule == "wsd" and xl.version_bytes == xl.checkpoint_bytes  # none kept in temp
+    assert xl.train.config.lr_schedule.schedule == "wsd"
+    assert xl.version_bytes == xl.checkpoint_bytes  # none kept in temp
     with pytest.raises(UserError) as err:
         config_from_dict({**BASE, "eval": {"enabled": 0}})
     assert str(err.value) == "config: eval.enabled must be true or false, got 0"

@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
-from helpers import REPO, error_lines, example_config, run_script
+from helpers import REPO, error_lines, example_config, run_script, train_config
 
 from scripts.chain.config import config_from_dict, load_config
 from scripts.chain.limits import session_devices
@@ -96,7 +96,7 @@ def test_a_kernel_refuses_a_setting_with_the_words_the_chain_uses():
 
 def test_a_config_changed_after_it_was_built_is_checked_again():
     cfg = TrainConfig()
-    cfg.lr = 0.0
+    cfg.optim.lr = 0.0
     with pytest.raises(UserError, match="--lr must be positive"):
         cfg.validate(8)
 
@@ -130,11 +130,11 @@ def test_plan_of_every_example_config_counts_its_sessions_and_tpu_hours(example,
     train, _ = planned_train(cfg)
     # The estimate: 30% of a v5e-8's 8 x 197 TFLOP/s over the model's FLOPs per token (docs/tpu-throughput.md
     # section 2 lists 549,702 tokens/s for gpt2 at 30%).
-    rate = 8 * 197e12 * PLAN_MFU / train.model.flops_per_token()
+    rate = 8 * 197e12 * PLAN_MFU / train.model.shape.flops_per_token()
     assert plan["tokens_per_s"] == pytest.approx(rate)
-    if train.preset == "gpt2":
+    if train.model.preset == "gpt2":
         assert round(plan["tokens_per_s"]) == 549_702
-    train_s = cfg.total_steps * train.total_batch_tokens / rate * (1 + plan["eval_share"])
+    train_s = cfg.total_steps * train.step.total_batch_tokens / rate * (1 + plan["eval_share"])
     # A session trains its budget less its checkpoint writes (scripts/chain/sizing.py training_s).
     session_s = training_s(cfg.time_budget, train, rate, plan["eval_share"])
     assert plan["session_seconds"] == pytest.approx(session_s) and session_s < cfg.time_budget
@@ -296,17 +296,17 @@ def test_micro_batch_auto_is_resolved_for_the_chains_tpu():
     train, note = planned_train(cfg)
     # docs/tpu-throughput.md's compiled v5e-8 rows: flash at 128 (11.4 GiB a chip), SDPA at 64 (9.9 GiB); splash, which
     # a session tries first, is sized as flash is (no T x T in HBM either), so only SDPA's differs.
-    assert (train.micro_batch, train.grad_accum_steps) == (128, 4)
+    assert (train.step.micro_batch, train.grad_accum_steps) == (128, 4)
     assert note == "auto: 128 on v5e with pallas-splash attention, 64 if it falls back to SDPA"
     v6e = config_from_dict({**{k: v for k, v in example_config("chain-gpt2-124m.json")
                                .items() if not k.startswith("_")}, "accelerator": "TpuV6E8"})
-    assert planned_train(v6e)[0].micro_batch == 256  # 22.7 GiB a chip (libtpu)
-    small = TrainConfig(preset="gpt2", micro_batch="auto", total_batch_tokens=8 * 1024 * 3)
+    assert planned_train(v6e)[0].step.micro_batch == 256  # 22.7 GiB a chip (libtpu)
+    small = train_config(preset="gpt2", micro_batch="auto", total_batch_tokens=8 * 1024 * 3)
     assert micro_batch_for(small, "v6e", "pallas-flash", 8) == 8  # 24 sequences: only 1 a device divides them
     with pytest.raises(UserError, match="--micro-batch: expected a whole number or auto, got 'lots'"):
         parse_dataclass(TrainConfig, ["--micro-batch", "lots"])
     with pytest.raises(UserError, match="is not a multiple of 8 devices x seq-len 1024 = 8192, so no micro-batch"):
-        TrainConfig(preset="gpt2", micro_batch="auto", total_batch_tokens=4096).validate(8)
+        train_config(preset="gpt2", micro_batch="auto", total_batch_tokens=4096).validate(8)
 
 
 def test_plan_counts_only_the_tokens_the_corpus_holds(tmp_path):

@@ -53,7 +53,6 @@ def test_the_gpt2_smokes_sessions_train_their_whole_budget_after_up_to_900_s_of_
     """A TPU's start-up (PJRT, the attention probes up to their 900-s budget, W&B, the baseline eval, the step's
     compile) comes before the budget, which the trainer counts from the end of the first step; the deadline leaves
     the start-up margin for it. So after 900 s of start-up the session still trains its 240 s and publishes."""
-    import dataclasses
     import time
 
     from scripts.chain.limits import TPU_STARTUP_MARGIN_S, TPU_STARTUP_S
@@ -66,10 +65,10 @@ def test_the_gpt2_smokes_sessions_train_their_whole_budget_after_up_to_900_s_of_
     default = config_from_dict({"token_datasets": ["a/b"]}).startup_margin_s
     assert smoke.startup_margin_s == default == TPU_STARTUP_MARGIN_S > PROBE_BUDGET_S + 145
     settings = smoke.session_clock(smoke.session_limit_s)
-    train = dataclasses.replace(smoke.train.config, **settings)
+    train = smoke.train.config.replace(**settings)
     for startup in (30.0, 300.0, 600.0, 900.0, PROBE_BUDGET_S + 145 + 145):
         now = time.monotonic()
-        timer, clock = session_clock(train, None, 124_475_904, now - startup + 30.0, now - startup, None)
+        timer, clock = session_clock(train.session, None, 124_475_904, now - startup + 30.0, now - startup, None)
         clock.first_step_done(1, now - 1.0, now, 1.0, timer.seconds, lambda record: None, lambda line: None)
         assert clock.stop_at - now == pytest.approx(settings["time_budget"]) and clock.budget_s >= 240, startup
         # Its training and final checkpoint end by the deadline: the publish margin is left whole.

@@ -94,7 +94,7 @@ def test_an_sdpa_step_has_one_ceiling_and_no_fallback_rate(monkeypatch, tmp_path
     lines: list[str] = []
     plan = print_plan(cfg, log=lines.append, with_quota=False, measured_path=tmp_path / "none.json")
     (compiled,) = [line for line in lines if line.startswith("compiled    ")]
-    model = cfg.train.config.model
+    model = cfg.train.config.model.shape
     llmc = 0.1 * model.flops_per_token_llmc() / model.flops_per_token()
     assert compiled.endswith(f"MFU ceiling 10.0%, {llmc:.1%} in llm.c's count (roofline estimate)")
     assert plan["tokens_per_s"] == pytest.approx(8 * 197e12 * PLAN_CEILING_SHARE * 0.1 / model.flops_per_token())

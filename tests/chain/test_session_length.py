@@ -4,15 +4,14 @@ counts as training; and what the chain does with a session that trained no step.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
+from helpers import train_config
 
 from scripts.chain.chain import Chain
 from scripts.chain.config import config_from_dict
 from scripts.chain.sizing import session_length, session_measurements, training_s
-from shared.config import TrainConfig
 from shared.errors import UserError
 
 BASE = {"name": "unit-run", "token_datasets": ["alice/tokens"]}
@@ -28,7 +27,7 @@ def test_a_fixed_session_stops_training_by_its_margins_and_never_past_its_limit_
 
 
 def test_a_sessions_planned_training_is_its_budget_less_its_checkpoint_writes():
-    gpt2 = TrainConfig(preset="gpt2", micro_batch=16, checkpoint_every=1000)
+    gpt2 = train_config(preset="gpt2", micro_batch=16, checkpoint_every=1000)
     write_s = 5 + 12 * 124_475_904 / 50e6  # the trainer's estimate before a write is timed: 34.9 s
     # At one step a second: room for the final write (1.5 writes, and the 2 steps the trainer stops ahead), then
     # one write every 1,000 steps: 28 in the 29,836 s left.
@@ -36,7 +35,7 @@ def test_a_sessions_planned_training_is_its_budget_less_its_checkpoint_writes():
     assert left // (1000 + write_s) == 28
     assert training_s(29890, gpt2, 524_288, 0.0) == pytest.approx(left - 28 * write_s)
     # The evals' share makes each step longer; no periodic checkpoints, only the final one's room.
-    assert training_s(3600, dataclasses.replace(gpt2, checkpoint_every=0), 524_288, 0.25) == pytest.approx(
+    assert training_s(3600, gpt2.replace(checkpoint_every=0), 524_288, 0.25) == pytest.approx(
         3600 - 1.5 * write_s - 2 * 1.25)
     assert training_s(10, gpt2, 524_288, 0.0) == 1.0  # a budget too short for the writes: the one step it trains
 

@@ -4,15 +4,13 @@ from that run's metrics; bad checkpoints and prompts as one-line errors or warni
 
 import json
 import shutil
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import error_lines, made_once, run_script
+from helpers import error_lines, made_once, run_script, train_config
 
-from shared.config import TrainConfig
 from shared.data import TokenLoader, find_shards
 from shared.eval.hf import export_hf
 from shared.model_shape import ModelConfig
@@ -148,12 +146,12 @@ def trained_run(demo_data, hellaswag_file, tmp_path_factory) -> Path:
 def train_two_sessions(demo_data: Path, hellaswag_file: Path, out: Path) -> None:
     from shared.train.trainer import train
 
-    cfg = TrainConfig(preset="tiny", seq_len=32, micro_batch=8, total_batch_tokens=512, warmup_steps=2, log_every=1,
-                      eval_every=2, eval_batches=2, progress=False, wandb_project="", data_dir=str(demo_data),
-                      out_dir=str(out), total_steps=6, checkpoint_every=0, hellaswag_file=str(hellaswag_file),
-                      hellaswag_examples=8, hellaswag_every=4, sample_prompt="The Python interpreter", sample_tokens=8)
+    cfg = train_config(preset="tiny", seq_len=32, micro_batch=8, total_batch_tokens=512, warmup_steps=2, log_every=1,
+                       eval_every=2, eval_batches=2, progress=False, wandb_project="", data_dir=str(demo_data),
+                       out_dir=str(out), total_steps=6, checkpoint_every=0, hellaswag_file=str(hellaswag_file),
+                       hellaswag_examples=8, hellaswag_every=4, sample_prompt="The Python interpreter", sample_tokens=8)
     runtime, lines = make_runtime("xla"), []
-    assert train(replace(cfg, stop_after_steps=3), runtime, log=lines.append).step == 3
+    assert train(cfg.replace(stop_after_steps=3), runtime, log=lines.append).step == 3
     assert train(cfg, runtime, log=lines.append).step == 6
 
 

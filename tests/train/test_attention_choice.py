@@ -9,6 +9,7 @@ from __future__ import annotations
 import types
 
 import pytest
+from helpers import train_config
 
 import shared.train.attention_select as attention_select
 from shared.config import TrainConfig
@@ -42,9 +43,9 @@ def expected(generation: str | None, seq_len: int, setting: str) -> tuple[str, .
 
 def test_the_settings_words_are_the_kernels_in_the_order_tried():
     assert tuple(FIRST_KERNEL) == ATTENTION_SETTINGS == ("auto", "splash", "flash", "sdpa")
-    assert TrainConfig().attention == "auto"
+    assert TrainConfig().step.attention == "auto"
     with pytest.raises(UserError, match="^--attention must be auto, splash, flash or sdpa, got 'pallas-flash'$"):
-        TrainConfig(attention="pallas-flash")
+        train_config(attention="pallas-flash")
 
 
 def test_the_kernels_blocks_tile_the_lengths_of_the_table():
@@ -86,15 +87,15 @@ def test_the_session_plan_compile_tool_and_bench_pick_the_same_step(xla_runtime,
                 first = expected(generation, seq_len, setting)[0]
                 train = {"preset": "gpt2", "seq_len": seq_len, "micro_batch": "auto", "attention": setting}
                 assert traced_attention(train, generation) == first, (setting, generation, seq_len)
-                cfg = TrainConfig(**train)
+                cfg = TrainConfig.from_dict(train)
                 want = micro_batch_for(cfg, generation, first, 8)
                 planned, _ = planned_train(config_from_dict({"accelerator": accelerator, "train": train,
                                                                 "token_datasets": ["a/b"]}))
-                assert planned.micro_batch == want, (setting, generation, seq_len)
+                assert planned.step.micro_batch == want, (setting, generation, seq_len)
                 assert chain_step(8, seq_len, generation, setting)[0] == want // 8
                 monkeypatch.setattr(xla_runtime, "tpu_generation", TPU_GENERATIONS[generation])
                 session, choice = select_attention_and_micro_batch(cfg, xla_runtime, log=lambda line: None)
-                assert (choice.kind, session.micro_batch) == (first, want), (setting, generation, seq_len)
+                assert (choice.kind, session.step.micro_batch) == (first, want), (setting, generation, seq_len)
 
 
 def _kernels(monkeypatch, probed: list[str], passing: tuple[str, ...]):
@@ -264,11 +265,11 @@ def test_a_session_at_micro_batch_auto_probes_each_kernel_once_at_the_batch_it_t
     monkeypatch.setattr(attention_select, "flash_attention_kernel", lambda mesh: "flash")
     monkeypatch.setattr(attention_select, "splash_attention_kernel", lambda *args: "splash")
     monkeypatch.setattr(attention_select.MeshProbes, "probe", lambda self, *args: probe(*args))
-    cfg = TrainConfig(preset="gpt2", micro_batch="auto", total_batch_tokens=524288)
+    cfg = train_config(preset="gpt2", micro_batch="auto", total_batch_tokens=524288)
     lines = []
     session, choice = select_attention_and_micro_batch(cfg, xla_runtime, log=lines.append)
     want = {kind: micro_batch_for(cfg, "v5e", kind, 8) for kind in (S, F, D)}
     assert want[S] > want[D]  # the kernels train at micro-batches of their own
     assert probed == [("splash", want[S]), ("flash", want[F])]  # once each, at its own
-    assert (choice.kind, session.micro_batch) == (F, want[F])
+    assert (choice.kind, session.step.micro_batch) == (F, want[F])
     assert lines == [f"micro-batch auto: {want[F]} ({want[F] // 8} a device; TPU v5e, pallas-flash attention)"]

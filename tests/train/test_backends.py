@@ -4,11 +4,10 @@ batch, and a checkpoint written on one backend resumes on another (TPU/XLA <-> G
 import os
 import subprocess
 import sys
-from dataclasses import replace
 
 import pytest
 import torch
-from helpers import REPO
+from helpers import REPO, train_config
 from safetensors.torch import load_file
 
 from shared.config import TrainConfig
@@ -52,9 +51,9 @@ def test_ddp_two_processes_match_one_process(demo_data, tmp_path):
 
 
 def _cfg(demo_data, out_dir, **kw) -> TrainConfig:
-    return TrainConfig(preset="tiny", data_dir=str(demo_data), out_dir=str(out_dir), seq_len=32, micro_batch=8,
-                       total_batch_tokens=512, warmup_steps=2, log_every=1, eval_every=0, progress=False,
-                       wandb_project="", bf16=False, checkpoint_every=0, **kw)
+    return train_config(preset="tiny", data_dir=str(demo_data), out_dir=str(out_dir), seq_len=32, micro_batch=8,
+                        total_batch_tokens=512, warmup_steps=2, log_every=1, eval_every=0, progress=False,
+                        wandb_project="", bf16=False, checkpoint_every=0, **kw)
 
 
 @pytest.mark.slow
@@ -65,7 +64,7 @@ def test_checkpoints_move_between_xla_and_torch_backends(demo_data, tmp_path):
     train(_cfg(demo_data, tmp_path / "x2c", total_steps=4, stop_after_steps=2), make_runtime("xla"), **quiet)
     x2c = train(_cfg(demo_data, tmp_path / "x2c", total_steps=4), make_runtime("cpu"), **quiet)
     train(_cfg(demo_data, tmp_path / "c2x", total_steps=4, stop_after_steps=2), make_runtime("cpu"), **quiet)
-    c2x = train(replace(_cfg(demo_data, tmp_path / "c2x", total_steps=4)), make_runtime("xla"), **quiet)
+    c2x = train(_cfg(demo_data, tmp_path / "c2x", total_steps=4), make_runtime("xla"), **quiet)
     assert reference.step == x2c.step == c2x.step == 4
     ref = _final_model(tmp_path / "cpu")
     for run in ("x2c", "c2x"):

@@ -3,9 +3,8 @@
 import importlib.util
 
 import pytest
-from helpers import REPO, run_script
+from helpers import REPO, run_script, train_config
 
-from shared.config import TrainConfig
 from shared.train.model import GPT
 
 
@@ -20,7 +19,7 @@ def test_flops_per_token_gpt2_hand_count():
     # gpt2 with the vocabulary padded to 50304: wte 50304*768 + wpe 1024*768 + 12 blocks + ln_f.
     block = (2 * 768) + (768 * 2304 + 2304) + (768 * 768 + 768) + (2 * 768) + (768 * 3072 + 3072) + (3072 * 768 + 768)
     n = 50304 * 768 + 1024 * 768 + 12 * block + 2 * 768
-    assert n == 124_475_904 == GPT(TrainConfig(preset="gpt2").model).num_params()
+    assert n == 124_475_904 == GPT(train_config(preset="gpt2").model.shape).num_params()
     fpt = load_bench().flops_per_token(n, n_layer=12, n_embd=768, seq_len=1024)
     assert fpt == 6 * 124_475_904 + 12 * 12 * 768 * 1024 == 860_101_632
 

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from helpers import example_config
+from helpers import example_config, train_config
 from safetensors.torch import save_file
 
 from scripts.bench_recipe_arms import (
@@ -34,7 +34,7 @@ def test_the_shipped_arm_is_the_example_files_optimizer_and_schedule(tmp_path):
     example = example_config("chain-gpt2-124m-muon.json")["train"]
     shipped = shipped_settings()
     assert {k: shipped[k] for k in shipped if k in example} == {k: example[k] for k in shipped if k in example}
-    assert shipped["aux_lr"] == TrainConfig().aux_lr  # left out of the example: the trainer's default
+    assert shipped["aux_lr"] == TrainConfig().optim.aux_lr  # left out of the example: the trainer's default
     changed = tmp_path / "example.json"
     changed.write_text(json.dumps({"train": {**example, "muon_lr": 0.0009}}))
     assert shipped_settings(changed)["muon_lr"] == 0.0009
@@ -59,7 +59,7 @@ def test_each_arm_changes_only_its_own_settings():
     assert arms["attn-scale"][1] == pytest.approx(8 ** -0.5) and {a[1] for n, a in arms.items() if n != "attn-scale"} \
         == {1.0}
     for settings, _ in arms.values():  # every arm is a config the trainer accepts
-        TrainConfig(**settings, total_steps=500)
+        train_config(**settings, total_steps=500)
 
 
 def test_the_attention_scale_multiplies_every_attention_output_and_is_undone_after():

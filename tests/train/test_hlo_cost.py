@@ -6,6 +6,7 @@ update) and collectives inside and outside the loop, on a small module written o
 from __future__ import annotations
 
 import pytest
+from helpers import train_config
 
 from scripts.hlo_cost import Collective, collective_seconds, parse_module, step_cost, trip_count
 
@@ -176,10 +177,9 @@ def test_the_compilers_own_total_decides_the_fit_and_the_summed_buffers_only_whe
     import json
 
     from scripts.tpu_compile_step import analyse, report_lines
-    from shared.config import TrainConfig
 
     (tmp_path / "step.json").write_text(json.dumps({
-        "train": TrainConfig(preset="tiny").to_dict(), "micro_batch": 8, "grad_accum_steps": 4,
+        "train": train_config(preset="tiny").to_dict(), "micro_batch": 8, "grad_accum_steps": 4,
         "attention": "pallas-flash", "activation_checkpointing": True, "scan_layers": False}))
     gib = 2**30
     memory = {"arguments": int(8.65 * gib), "outputs": int(8.65 * gib), "aliased": int(8.65 * gib),
@@ -236,10 +236,9 @@ def test_the_report_gives_the_ceiling_both_ways_with_the_kernels_slower_by_the_h
     import json
 
     from scripts.tpu_compile_step import analyse, report_lines
-    from shared.config import TrainConfig
 
     (tmp_path / "step.json").write_text(json.dumps({
-        "train": TrainConfig(preset="tiny").to_dict(), "micro_batch": 8, "grad_accum_steps": 3,
+        "train": train_config(preset="tiny").to_dict(), "micro_batch": 8, "grad_accum_steps": 3,
         "attention": "pallas-splash", "activation_checkpointing": False, "scan_layers": False}))
     memory = {"arguments": 2**20, "outputs": 2**20, "aliased": 2**20, "temps": 2**20, "code": 0, "host_temps": 0,
               "peak": 2**22, "compiler_total": 0}

@@ -4,20 +4,12 @@ model, and a resumed run is bit-exact."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
 import torch
-from helpers import (
-    assert_identical_runs,
-    loss_history,
-    small_config,
-    train_cli,
-    train_in_process,
-)
+from helpers import assert_identical_runs, loss_history, small_config, train_cli, train_config, train_in_process
 
-from shared.config import TrainConfig
+from shared.config import OptimizerSettings, TrainConfig
 from shared.errors import UserError
 from shared.train.metrics import read_metrics
 from shared.train.model import GPT
@@ -85,14 +77,14 @@ def test_newton_schulz_keeps_the_singular_vectors_and_flattens_the_spectrum():
 
 @pytest.mark.parametrize("scale, muon_lr", [("shape", 0.05), ("max_dim", 0.004)])
 def test_muon_update_matches_a_direct_computation(scale, muon_lr):
-    cfg = TrainConfig(preset="tiny", optimizer="muon", lr=1e-3, muon_lr=muon_lr, muon_momentum=0.9,
-                      muon_weight_decay=0.1, weight_decay=0.0, muon_scale=scale)
+    cfg = train_config(preset="tiny", optimizer="muon", lr=1e-3, muon_lr=muon_lr, muon_momentum=0.9,
+                       muon_weight_decay=0.1, weight_decay=0.0, muon_scale=scale)
     torch.manual_seed(0)
-    model = GPT(cfg.model)
+    model = GPT(cfg.model.shape)
     named = list(model.named_parameters())
     params = dict(named)
-    lr = torch.tensor(cfg.lr)
-    opt = make_optimizer(named, cfg, Runtime("cpu"), lr)
+    lr = torch.tensor(cfg.optim.lr)
+    opt = make_optimizer(named, cfg.optim, Runtime("cpu"), lr)
     watched = {"transformer.h.0.mlp.c_fc.weight": 1, "transformer.h.1.attn.c_proj.weight": 1,
                "transformer.h.0.mlp.c_proj.weight": 1, "transformer.h.1.attn.c_attn.weight": 3}
     start = {name: params[name].detach().numpy().copy() for name in watched}
@@ -107,7 +99,7 @@ def test_muon_update_matches_a_direct_computation(scale, muon_lr):
             grads[name].append(params[name].grad.numpy().copy())
         opt.step()
     for name, blocks in watched.items():
-        expected = reference_muon_steps(start[name], grads[name], [x * muon_lr / cfg.lr for x in lrs], 0.9, 0.1,
+        expected = reference_muon_steps(start[name], grads[name], [x * muon_lr / cfg.optim.lr for x in lrs], 0.9, 0.1,
                                         blocks, scale)
         assert np.allclose(params[name].detach().numpy(), expected, atol=2e-5), name
     if scale == "max_dim":  # every matrix, whatever its shape, moved by about muon_lr x the schedule RMS a step
@@ -116,7 +108,7 @@ def test_muon_update_matches_a_direct_computation(scale, muon_lr):
             assert 0.6 * muon_lr < np.sqrt(np.mean((first - start[name]) ** 2)) < 1.3 * muon_lr, name
     # c_attn is three matrices: orthogonalising it whole would give another update
     whole = reference_muon_steps(start["transformer.h.1.attn.c_attn.weight"],
-                                 grads["transformer.h.1.attn.c_attn.weight"], [x * muon_lr / cfg.lr for x in lrs],
+                                 grads["transformer.h.1.attn.c_attn.weight"], [x * muon_lr / cfg.optim.lr for x in lrs],
                                  0.9, 0.1, 1, scale)
     assert not np.allclose(params["transformer.h.1.attn.c_attn.weight"].detach().numpy(), whole, atol=1e-3)
     state = optimizer_tensors(opt, named)
@@ -132,14 +124,14 @@ def test_muon_orthogonalises_each_shape_of_matrix_once_a_step_as_a_batch(monkeyp
     batches = []
     real = optim.newton_schulz
     monkeypatch.setattr(optim, "newton_schulz", lambda x, **kw: batches.append(tuple(x.shape)) or real(x, **kw))
-    cfg = TrainConfig(preset="tiny", optimizer="muon")
-    model = GPT(cfg.model)
+    cfg = train_config(preset="tiny", optimizer="muon")
+    model = GPT(cfg.model.shape)
     named = list(model.named_parameters())
-    opt = make_optimizer(named, cfg, Runtime("cpu"), torch.tensor(cfg.lr))
+    opt = make_optimizer(named, cfg.optim, Runtime("cpu"), torch.tensor(cfg.optim.lr))
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     opt.step()
-    c = cfg.model.n_embd
+    c = cfg.model.shape.n_embd
     assert sorted(batches) == sorted([(2, 3, c, c), (2, c, c), (2, 4 * c, c), (2, c, 4 * c)])
 
 
@@ -147,24 +139,24 @@ def test_muon_orthogonalises_each_shape_of_matrix_once_a_step_as_a_batch(monkeyp
 def test_muon_leaves_embeddings_biases_and_gains_to_adamw_as_torch_computes_it(aux_lr):
     """AdamW for the rest, at --lr; with --aux-lr the position embedding, biases and gains at that instead, the
     token embedding (the tied head) still at --lr."""
-    cfg = TrainConfig(preset="tiny", optimizer="muon", lr=2e-3, weight_decay=0.1, aux_lr=aux_lr)
+    cfg = train_config(preset="tiny", optimizer="muon", lr=2e-3, weight_decay=0.1, aux_lr=aux_lr)
     torch.manual_seed(0)
-    model, twin = GPT(cfg.model), GPT(cfg.model)
+    model, twin = GPT(cfg.model.shape), GPT(cfg.model.shape)
     twin.load_state_dict(model.state_dict())
     named = list(model.named_parameters())
-    opt = make_optimizer(named, cfg, Runtime("cpu"), torch.tensor(cfg.lr))
+    opt = make_optimizer(named, cfg.optim, Runtime("cpu"), torch.tensor(cfg.optim.lr))
     adam_names = [n for n, p in named if not muon_matrix_shape(n, p)]
     assert "transformer.wte.weight" in adam_names and "transformer.h.0.ln_1.weight" in adam_names
     assert "transformer.h.0.attn.c_attn.bias" in adam_names and "transformer.h.0.mlp.c_fc.weight" not in adam_names
     twin_params = dict(twin.named_parameters())
-    rest = aux_lr or cfg.lr
+    rest = aux_lr or cfg.optim.lr
     reference = torch.optim.AdamW(
         [{"params": [twin_params["transformer.wte.weight"]], "weight_decay": 0.1},
          {"params": [twin_params[n] for n in adam_names if twin_params[n].dim() >= 2 and "wte" not in n],
           "weight_decay": 0.1, "lr": rest},
          {"params": [twin_params[n] for n in adam_names if twin_params[n].dim() < 2], "weight_decay": 0.0,
           "lr": rest}],
-        lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+        lr=cfg.optim.lr, betas=(0.9, 0.95), eps=1e-8)
     gen = torch.Generator().manual_seed(2)
     for _ in range(4):
         for (name, p) in named:
@@ -180,25 +172,25 @@ def test_muon_leaves_embeddings_biases_and_gains_to_adamw_as_torch_computes_it(a
 def test_adamw_with_a_matrix_lr_is_torchs_adamw_with_muons_groups():
     """--matrix-lr (the bench's AdamW control): the blocks' matrices at their own LR, everything else at --lr, both
     following the schedule's tensor; the reference is torch's AdamW with those groups and LRs."""
-    cfg = TrainConfig(preset="tiny", optimizer="adamw", lr=4e-3, matrix_lr=1e-3, weight_decay=0.1)
+    cfg = train_config(preset="tiny", optimizer="adamw", lr=4e-3, matrix_lr=1e-3, weight_decay=0.1)
     torch.manual_seed(0)
-    model, twin = GPT(cfg.model), GPT(cfg.model)
+    model, twin = GPT(cfg.model.shape), GPT(cfg.model.shape)
     twin.load_state_dict(model.state_dict())
     named = list(model.named_parameters())
-    lr = torch.tensor(cfg.lr)
-    opt = make_optimizer(named, cfg, Runtime("cpu"), lr)
+    lr = torch.tensor(cfg.optim.lr)
+    opt = make_optimizer(named, cfg.optim, Runtime("cpu"), lr)
     matrices = {n for n, p in named if muon_matrix_shape(n, p)}
     twin_params = dict(twin.named_parameters())
     reference = torch.optim.AdamW(
         [{"params": [twin_params[n] for n in sorted(matrices)], "weight_decay": 0.1, "lr": 1e-3},
          {"params": [p for n, p in twin_params.items() if n not in matrices and p.dim() >= 2], "weight_decay": 0.1},
          {"params": [p for n, p in twin_params.items() if n not in matrices and p.dim() < 2], "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+        lr=cfg.optim.lr, betas=(0.9, 0.95), eps=1e-8)
     gen = torch.Generator().manual_seed(2)
     for scale in (1.0, 0.5, 0.25):  # the schedule moves the shared tensor; every group follows it
-        lr.fill_(cfg.lr * scale)
+        lr.fill_(cfg.optim.lr * scale)
         for group in reference.param_groups:
-            group["lr"] = (1e-3 if group is reference.param_groups[0] else cfg.lr) * scale
+            group["lr"] = (1e-3 if group is reference.param_groups[0] else cfg.optim.lr) * scale
         for name, p in named:
             p.grad = torch.randn(p.shape, generator=gen)
             twin_params[name].grad = p.grad.clone()
@@ -210,36 +202,37 @@ def test_adamw_with_a_matrix_lr_is_torchs_adamw_with_muons_groups():
     assert set(optimizer_tensors(opt, named)) == {f"{n}.{k}" for n, _ in named for k in ("exp_avg", "exp_avg_sq",
                                                                                          "step")}
     with pytest.raises(UserError, match=r"^--matrix-lr is AdamW's; Muon's matrices take --muon-lr"):
-        TrainConfig(optimizer="muon", matrix_lr=1e-3)
+        train_config(optimizer="muon", matrix_lr=1e-3)
 
 
 def test_wsd_schedule_warms_up_holds_then_decays_to_zero():
-    cfg = TrainConfig(schedule="wsd", lr=1e-3, warmup_steps=10, total_steps=100, cooldown_frac=0.4)
-    lrs = [float(lr_at(torch.tensor(float(s)), cfg)) for s in range(100)]
+    cfg = train_config(schedule="wsd", lr=1e-3, warmup_steps=10, total_steps=100, cooldown_frac=0.4)
+    lrs = [float(lr_at(torch.tensor(float(s)), cfg.optim, cfg.lr_schedule)) for s in range(100)]
     assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
     assert lrs[10:61] == [pytest.approx(1e-3)] * 51  # constant until 60% of the run
     assert lrs[80] == pytest.approx(1e-3 * 20 / 40) and lrs[99] == pytest.approx(1e-3 / 40)
-    assert float(lr_at(torch.tensor(100.0), cfg)) == 0.0
+    assert float(lr_at(torch.tensor(100.0), cfg.optim, cfg.lr_schedule)) == 0.0
     assert all(a >= b for a, b in zip(lrs[10:], lrs[11:], strict=False))
-    cosine = replace(cfg, schedule="cosine", min_lr_ratio=0.1)
-    assert float(lr_at(torch.tensor(100.0), cosine)) == pytest.approx(1e-4)
+    cosine = cfg.replace(schedule="cosine", min_lr_ratio=0.1)
+    assert float(lr_at(torch.tensor(100.0), cosine.optim, cosine.lr_schedule)) == pytest.approx(1e-4)
 
 
 def test_a_one_minus_sqrt_cooldown_follows_epfls_sqrt_decay_and_ends_its_stable_phase_where_linear_does():
     """epfml/schedules-and-scaling src/optim/utils.py (decay_type "sqrt"): 1 - sqrt((step - n_hold) / n_anneal)."""
-    cfg = TrainConfig(schedule="wsd", lr=1e-3, warmup_steps=10, total_steps=100, cooldown_frac=0.4,
-                      cooldown_shape="1-sqrt")
+    cfg = train_config(schedule="wsd", lr=1e-3, warmup_steps=10, total_steps=100, cooldown_frac=0.4,
+                       cooldown_shape="1-sqrt")
     n_hold, n_anneal = 60, 40
+    lr = {s: float(lr_at(torch.tensor(float(s)), cfg.optim, cfg.lr_schedule)) for s in (9, 60, 61, 70, 85, 99, 100)}
     for step in (60, 61, 70, 85, 99):
         expected = 1e-3 * (1 - ((step - n_hold) / n_anneal) ** 0.5)
-        assert float(lr_at(torch.tensor(float(step)), cfg)) == pytest.approx(expected, rel=1e-5), step
-    assert float(lr_at(torch.tensor(70.0), cfg)) == pytest.approx(5e-4)  # a quarter of the way: half the LR
-    assert float(lr_at(torch.tensor(100.0), cfg)) == 0.0
-    assert float(lr_at(torch.tensor(9.0), cfg)) == pytest.approx(1e-3)
-    assert stable_phase_end(cfg) == stable_phase_end(replace(cfg, cooldown_shape="linear")) == 61
-    assert not same_schedule_until(cfg, replace(cfg, cooldown_shape="linear"), 62)
+        assert lr[step] == pytest.approx(expected, rel=1e-5), step
+    assert lr[70] == pytest.approx(5e-4)  # a quarter of the way: half the LR
+    assert lr[100] == 0.0
+    assert lr[9] == pytest.approx(1e-3)
+    assert stable_phase_end(cfg) == stable_phase_end(cfg.replace(cooldown_shape="linear")) == 61
+    assert not same_schedule_until(cfg, cfg.replace(cooldown_shape="linear"), 62)
     with pytest.raises(UserError, match="--cooldown-shape must be linear or 1-sqrt, got 'cosine'"):
-        replace(cfg, cooldown_shape="cosine")
+        cfg.replace(cooldown_shape="cosine")
 
 
 def test_a_zero_clip_measures_the_gradient_norm_and_leaves_the_gradients_alone():
@@ -254,16 +247,16 @@ def test_a_zero_clip_measures_the_gradient_norm_and_leaves_the_gradients_alone()
     total = sum(float(p.grad.square().sum()) for p in params) ** 0.5
     assert total == pytest.approx(1.0, rel=1e-4)
     with pytest.raises(UserError, match="--grad-clip must be >= 0, got -1.0"):
-        TrainConfig(grad_clip=-1.0)
+        train_config(grad_clip=-1.0)
 
 
 def test_bad_optimizer_and_schedule_flags_are_one_line_errors():
     with pytest.raises(UserError, match="--optimizer must be adamw or muon, got 'sgd'"):
-        TrainConfig(optimizer="sgd").validate()
+        train_config(optimizer="sgd").validate()
     with pytest.raises(UserError, match="--schedule must be cosine or wsd, got 'linear'"):
-        TrainConfig(schedule="linear").validate()
+        train_config(schedule="linear").validate()
     with pytest.raises(UserError, match=r"--cooldown-frac must be in \(0, 1\], got 1.5"):
-        TrainConfig(cooldown_frac=1.5).validate()
+        train_config(cooldown_frac=1.5).validate()
 
 
 # --- under XLA (8 CPU devices, SPMD) ----------------------------------------------------------------------------
@@ -295,14 +288,14 @@ def test_muon_under_fsdp_steps_as_replicated(demo_data, tmp_path):
     from shared.train.device import make_runtime
 
     runtime = make_runtime("xla")
-    cfg = TrainConfig(preset="tiny", optimizer="muon", lr=1e-3, muon_lr=0.05)
+    cfg = train_config(preset="tiny", optimizer="muon", lr=1e-3, muon_lr=0.05)
     after = {}
     for fsdp in (False, True):
         torch.manual_seed(0)
-        model = GPT(cfg.model)
+        model = GPT(cfg.model.shape)
         runtime.prepare_model(model, fsdp=fsdp)
         named = list(model.named_parameters())
-        opt = make_optimizer(named, cfg, runtime, torch.tensor(cfg.lr).to(runtime.device))
+        opt = make_optimizer(named, cfg.optim, runtime, torch.tensor(cfg.optim.lr).to(runtime.device))
         opt.ns_dtype = torch.float32
         gen = torch.Generator().manual_seed(1)
         for _, p in named:
@@ -347,23 +340,25 @@ def load_recipe():
 
 def test_one_session_recipe_config_is_muon_filling_its_session_with_full_hellaswag():
     chain = load_recipe()
-    cfg = TrainConfig(**chain.train.settings, total_steps=chain.total_steps)
+    cfg = TrainConfig.from_dict({**chain.train.settings, "total_steps": chain.total_steps})
     cfg.validate(8)
-    tokens = chain.total_steps * cfg.total_batch_tokens
-    assert cfg.optimizer == "muon" and cfg.schedule == "wsd" and cfg.preset == "gpt2"
+    tokens = chain.total_steps * cfg.step.total_batch_tokens
+    assert cfg.optim.optimizer == "muon" and cfg.lr_schedule.schedule == "wsd" and cfg.model.preset == "gpt2"
     # Filled to 85% of the session once --smoke measured the TPU, up to two passes over sample-10BT's two parts
     # (tests/chain/test_fill.py); unmeasured it trains 7.0B tokens, within one pass of them.
     assert chain.fill_session >= 0.8 and chain.fill_passes == 2
     parts, per_part = chain.tokenize.parts, chain.tokenize.settings["tokens_per_part"]
     assert (parts, per_part) == (2, 5_000_000_000)
     assert 7.0e9 <= tokens < 7.01e9 and tokens <= parts * per_part - 100_000_000
-    assert (cfg.hellaswag_examples, cfg.hellaswag_every, cfg.eval_every) == (0, 1000, 250)  # all 10,042
+    # all 10,042
+    assert (cfg.evals.hellaswag_examples, cfg.evals.hellaswag_every, cfg.evals.eval_every) == (0, 1000, 250)
     assert chain.session_limit_s == 9 * 3600 and chain.accelerator == "TpuV5E8"
     # the 2024-10-10 Muon record's settings, one source for all (docs/recipe.md section 1), but the gradient clip
     # at 1.0 that scripts/bench_recipe_arms.py chose for this architecture (docs/recipe.md section 4)
-    assert (cfg.muon_scale, cfg.muon_lr, cfg.lr, cfg.aux_lr, cfg.muon_momentum, cfg.muon_momentum_warmup_steps,
-            cfg.muon_weight_decay, cfg.weight_decay, cfg.grad_clip, cfg.warmup_steps, cfg.cooldown_frac,
-            cfg.cooldown_shape) == ("max_dim", 0.00036, 0.0036, 0.0, 0.95, 0, 0.0, 0.0, 1.0, 0, 0.29, "linear")
+    o, s = cfg.optim, cfg.lr_schedule
+    assert (o.muon_scale, o.muon_lr, o.lr, o.aux_lr, o.muon_momentum, o.muon_momentum_warmup_steps, o.muon_weight_decay,
+            o.weight_decay, o.grad_clip, s.warmup_steps, s.cooldown_frac, s.cooldown_shape) == (
+        "max_dim", 0.00036, 0.0036, 0.0, 0.95, 0, 0.0, 0.0, 1.0, 0, 0.29, "linear")
 
 
 def test_bench_recipe_remaps_to_the_most_frequent_tokens_and_reads_tokens_needed(tmp_path):
@@ -397,9 +392,10 @@ def test_bench_recipe_remaps_to_the_most_frequent_tokens_and_reads_tokens_needed
     # --compare: the record's settings are the recipe's (at the recipe's AdamW LR), and "before issue 32" at gpt2's
     # width and length is the recipe as it was (muon_lr 0.02 in the Muon README's convention, 100/300 warm-ups)
     compared = bench.compared_settings(0.0036, 768, 13352)
-    chain = TrainConfig(**{k: v for k, v in load_recipe().train.settings.items() if k in compared["record"]})
-    assert all(getattr(chain, k) == pytest.approx(v) for k, v in compared["record"].items() if k != "grad_clip")
-    assert (compared["record"]["grad_clip"], chain.grad_clip) == (0.0, 1.0)  # the record clips nothing; ours does
+    chain = TrainConfig.from_dict({k: v for k, v in load_recipe().train.settings.items() if k in compared["record"]})
+    settings = {k: v for section in chain.to_dict().values() for k, v in section.items()}
+    assert all(settings[k] == pytest.approx(v) for k, v in compared["record"].items() if k != "grad_clip")
+    assert (compared["record"]["grad_clip"], chain.optim.grad_clip) == (0.0, 1.0)  # the record clips nothing; ours does
     before = compared["before-issue-32"]
     assert before["muon_lr"] == pytest.approx(0.02, rel=0.01) and before["muon_scale"] == "shape"
     assert (before["warmup_steps"], before["muon_momentum_warmup_steps"], before["cooldown_frac"]) == (100, 300, 0.4)
@@ -409,13 +405,13 @@ def test_bench_recipe_remaps_to_the_most_frequent_tokens_and_reads_tokens_needed
 def test_muon_momentum_warms_up_linearly_then_holds():
     from shared.train.optim import muon_momentum_at
 
-    cfg = TrainConfig(optimizer="muon", muon_momentum_warmup_steps=300)
+    cfg = train_config(optimizer="muon", muon_momentum_warmup_steps=300)
     steps = torch.tensor([0.0, 150.0, 299.0, 300.0, 5000.0])
     expected = [0.85 + 0.10 * min(s / 300, 1.0) for s in steps.tolist()]  # the records' 0.85 -> 0.95 over 300
-    assert muon_momentum_at(steps, cfg).tolist() == pytest.approx(expected, abs=1e-7)
-    assert muon_momentum_at(torch.tensor(7.0), TrainConfig(optimizer="muon")).item() == pytest.approx(0.95)
+    assert muon_momentum_at(steps, cfg.optim).tolist() == pytest.approx(expected, abs=1e-7)
+    assert muon_momentum_at(torch.tensor(7.0), OptimizerSettings(optimizer="muon")).item() == pytest.approx(0.95)
     with pytest.raises(UserError, match="--muon-momentum-start must be in"):
-        TrainConfig(muon_momentum_start=1.0)
+        train_config(muon_momentum_start=1.0)
 
 
 def _two_muon_steps(momenta: list, as_tensor: bool) -> torch.Tensor:
@@ -461,7 +457,7 @@ def test_zero_initialised_projections_start_each_block_as_the_identity_and_still
     loss.backward()
     assert all(p.weight.grad.abs().sum() > 0 for p in projections)
     assert set(to_hf_state_dict(model)) == keys  # the export's layout is unchanged
-    assert TrainConfig(zero_init_projections=True).zero_init_projections
+    assert train_config(zero_init_projections=True).model.zero_init_projections
 
 
 # --- the stable phase and --extend ---------------------------------------------------------------------------
@@ -473,27 +469,27 @@ def test_zero_initialised_projections_start_each_block_as_the_identity_and_still
     (8, 1.0, 2, 1),  # decays from the start: only the first warm-up step agrees with a longer run
 ])
 def test_the_stable_phase_ends_where_the_first_update_is_decayed(total_steps, cooldown_frac, warmup, expected):
-    cfg = TrainConfig(schedule="wsd", lr=6e-4, total_steps=total_steps, cooldown_frac=cooldown_frac,
-                      warmup_steps=warmup)
+    cfg = train_config(schedule="wsd", lr=6e-4, total_steps=total_steps, cooldown_frac=cooldown_frac,
+                       warmup_steps=warmup)
     assert stable_phase_end(cfg) == expected
     # directly: every update before it is made at the peak (or the warm-up's rate), the one at it below the peak
     lrs = [6e-4 * min((s + 1) / warmup, 1.0, (total_steps - s) / (cooldown_frac * total_steps))
            for s in range(total_steps)]
     held = [6e-4 * min((s + 1) / warmup, 1.0) for s in range(total_steps)]
     assert lrs[:expected] == pytest.approx(held[:expected]) and lrs[expected] < held[expected] * (1 - 1e-6)
-    assert stable_phase_end(replace(cfg, schedule="cosine")) is None
+    assert stable_phase_end(cfg.replace(schedule="cosine")) is None
 
 
 def test_a_longer_wsd_schedule_agrees_with_a_shorter_one_until_its_stable_phase_ends():
-    short = TrainConfig(schedule="wsd", total_steps=8, cooldown_frac=0.5, warmup_steps=2, optimizer="muon",
-                        muon_momentum_warmup_steps=3)
-    longer = replace(short, total_steps=12)
+    short = train_config(schedule="wsd", total_steps=8, cooldown_frac=0.5, warmup_steps=2, optimizer="muon",
+                         muon_momentum_warmup_steps=3)
+    longer = short.replace(total_steps=12)
     assert same_schedule_until(short, longer, 5) and not same_schedule_until(short, longer, 6)
-    assert not same_schedule_until(short, replace(longer, muon_lr=0.01), 1)
-    assert not same_schedule_until(short, replace(longer, muon_momentum_start=0.9), 1)
-    cosine = replace(short, schedule="cosine")
+    assert not same_schedule_until(short, longer.replace(muon_lr=0.01), 1)
+    assert not same_schedule_until(short, longer.replace(muon_momentum_start=0.9), 1)
+    cosine = short.replace(schedule="cosine")
     # cosine depends on total_steps from the first step after its peak (step 2 here)
-    assert same_schedule_until(cosine, replace(cosine, total_steps=12), 3)
-    assert not same_schedule_until(cosine, replace(cosine, total_steps=12), 4)
+    assert same_schedule_until(cosine, cosine.replace(total_steps=12), 3)
+    assert not same_schedule_until(cosine, cosine.replace(total_steps=12), 4)
     with pytest.raises(UserError, match=r"^--extend needs --schedule wsd"):
-        replace(cosine, extend=True)
+        cosine.replace(extend=True)

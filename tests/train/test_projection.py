@@ -5,14 +5,12 @@ print (issues 32, 48)."""
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import numpy as np
 import pytest
-from helpers import small_config, train_in_process
+from helpers import small_config, train_config, train_in_process
 
 from scripts.projection_coverage import simulate
-from shared.config import TrainConfig
 from shared.train.metrics import GPT2_124M_VAL_LOSS, GPT2_HELLASWAG, read_metrics
 from shared.train.optim import stable_phase_end
 from shared.train.projection import (
@@ -31,7 +29,7 @@ from shared.train.projection import (
     t_quantile,
 )
 
-RECIPE = TrainConfig(preset="gpt2", optimizer="muon", schedule="wsd", total_steps=10000, cooldown_frac=0.3)
+RECIPE = train_config(preset="gpt2", optimizer="muon", schedule="wsd", total_steps=10000, cooldown_frac=0.3)
 
 
 def test_the_published_decays_give_a_drop_of_about_fourteen_percent_per_unit_of_cooldown():
@@ -133,7 +131,7 @@ def test_a_trailing_run_is_sized_from_its_stable_phase_trend():
     expected = math.ceil(end * math.exp((stable_needed - losses[end]) / -0.3) / 0.7)
     assert found.steps_needed == found.steps_for_loss == expected and found.binds == "loss"
     # --extend to that length: the stable phase's loss carried on to the new stable end projects onto the target
-    longer = replace(RECIPE, total_steps=expected)
+    longer = RECIPE.replace(total_steps=expected)
     again = project(_records(losses), longer, end, stable_phase_end(longer))
     assert again.final_loss.mid == pytest.approx(GPT2_124M_VAL_LOSS, abs=2e-3)
 
@@ -187,7 +185,7 @@ def test_an_interval_straddling_the_target_says_it_cannot_decide_and_sizes_from_
     found = project(_records(losses, {s: 0.60 - 0.095 * v + noise[s] for s, v in losses.items()}), RECIPE, end, end)
     assert found.hellaswag.low < GPT2_HELLASWAG < found.hellaswag.high and found.hellaswag.mid < GPT2_HELLASWAG
     assert found.verdict == "cannot decide yet" and found.reason == "HellaSwag's interval straddles 0.2945"
-    assert found.binds == "HellaSwag" and found.steps_needed > RECIPE.total_steps
+    assert found.binds == "HellaSwag" and found.steps_needed > RECIPE.lr_schedule.total_steps
 
 
 def test_hellaswag_at_chance_early_on_does_not_bend_the_line_through_the_later_evals():
@@ -233,7 +231,7 @@ def test_a_wsd_run_logs_its_projection_at_the_stable_phases_end_and_extend_print
     assert logged["verdict"] == expected.verdict == "behind"  # a tiny model far above GPT-2's loss
     assert any(line.startswith(f"projection from the stable phase (step {end}, ") for line in lines)
     assert any(line.startswith("recommendation: behind (even the loss") for line in lines)
-    _, lines = train_in_process(replace(cfg, total_steps=20, extend=True, stop_after_steps=1))
+    _, lines = train_in_process(cfg.replace(total_steps=20, extend=True, stop_after_steps=1))
     assert any(line.startswith(f"projection from the stable phase (step {end}, ") for line in lines)
 
 

@@ -8,8 +8,8 @@ import json
 import math
 
 import pytest
+from helpers import train_config
 
-from shared.config import TrainConfig
 from shared.eval.report import reference_section
 from shared.train import reference as ref
 from shared.train.metrics import MetricsLogger, plot_loss, read_metrics
@@ -89,12 +89,12 @@ def test_no_check_before_half_a_billion_tokens_or_past_the_references_end_and_no
 def test_a_gpt2_eval_is_logged_recorded_drawn_reported_and_summed_up_for_the_chain(tmp_path):
     lines: list[str] = []
     logger = MetricsLogger(tmp_path, 26_024, 0, {}, progress=False, log=lines.append)
-    cfg = TrainConfig(preset="gpt2", total_steps=26_024)
+    cfg = train_config(preset="gpt2", total_steps=26_024)
     log_reference_check(cfg, logger, 500, {"val_loss": 4.5})  # 0.26B tokens: nothing yet
     log_reference_check(cfg, logger, 2_000, {"val_loss": 3.55})
     log_reference_check(cfg, logger, 4_000, {"val_loss": 3.3041, "hellaswag_acc_norm": 0.279,
                                              "hellaswag_examples": 10_042})
-    log_reference_check(TrainConfig(preset="tiny", total_steps=26_024), logger, 4_000, {"val_loss": 3.3})
+    log_reference_check(train_config(preset="tiny", total_steps=26_024), logger, 4_000, {"val_loss": 3.3})
     records = read_metrics(logger.path)
     assert [r["step"] for r in records] == [2_000, 4_000] and all(r["event"] == "reference" for r in records)
     assert "reference_verdict" not in records[0] and records[1]["reference_verdict"] == "go on"

@@ -5,6 +5,7 @@ in (splash, flash, SDPA), each kept only where its probe passes."""
 import numpy as np
 import pytest
 import torch
+from helpers import train_config
 
 import shared.train.attention_select as attention_select
 from shared.tpu import TPU_GENERATIONS
@@ -62,17 +63,16 @@ def test_without_gradients_splash_runs_its_plain_forward_and_writes_no_logsumexp
 
 @pytest.mark.slow
 def test_a_step_with_splash_attention_gives_sdpas_loss_and_gradients(xla_runtime):
-    from shared.config import TrainConfig
     from shared.train.attention import SDPA_CHOICE, SPLASH, kernel_choice
     from shared.train.model import GPT
 
-    cfg = TrainConfig(preset="tiny", seq_len=256)
+    cfg = train_config(preset="tiny", seq_len=256)
     tokens = np.random.default_rng(0).integers(0, 50257, (2, 8, 257)).astype(np.int32)  # 2 micro-steps of 8
     results = []
     splash = kernel_choice(SPLASH, splash_attention(xla_runtime.mesh, interpret=True), 256)  # as a session's
     for attention in (splash, SDPA_CHOICE):
         torch.manual_seed(0)
-        model = xla_runtime.prepare_model(GPT(cfg.model, attention), fsdp=False)
+        model = xla_runtime.prepare_model(GPT(cfg.model.shape, attention), fsdp=False)
         loss = xla_runtime.forward_backward(model, tokens, bf16=False, scaler=None)
         xla_runtime.sync()
         results.append((loss.item(), [p.grad.detach().cpu() for p in model.parameters()]))

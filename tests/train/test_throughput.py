@@ -134,7 +134,7 @@ def test_a_real_xla_session_reports_the_tokens_its_steps_trained_over_their_wall
     # syncs.times[k - 1]: step k's launch returned, so step k - 1 had finished; the loop makes one sync a step (the
     # eval-free, checkpoint-free run here), and the final checkpoint's syncs come after them.
     wall = syncs.times[steps - 1] - syncs.times[anchor - 1]
-    truth = (steps - anchor) * cfg.total_batch_tokens / wall
+    truth = (steps - anchor) * cfg.step.total_batch_tokens / wall
     assert found.steps >= steps - anchor - log_every
     assert found.tokens_per_s == pytest.approx(truth, rel=0.1)
 

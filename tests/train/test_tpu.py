@@ -3,8 +3,8 @@ no TPU here): the generation, its peak FLOP/s, whether the Pallas flash-attentio
 step settings chosen from them."""
 
 import pytest
+from helpers import train_config
 
-from shared.config import TrainConfig
 from shared.errors import UserError
 from shared.tpu import (
     TPU_GENERATIONS,
@@ -96,7 +96,7 @@ class FakeRuntime:
 
 def one_micro_step(preset: str) -> dict:
     """Settings for a step of one micro-step (no accumulation) of 64 sequences."""
-    return {"micro_batch": 64, "total_batch_tokens": 64 * TrainConfig(preset=preset).model.block_size}
+    return {"micro_batch": 64, "total_batch_tokens": 64 * train_config(preset=preset).model.shape.block_size}
 
 
 @pytest.mark.parametrize("preset, generation, attention, checkpointing, scan", [
@@ -110,33 +110,33 @@ def one_micro_step(preset: str) -> dict:
 ])
 def test_auto_step_plan_per_preset_and_tpu(preset, generation, attention, checkpointing, scan):
     runtime = FakeRuntime(generation)
-    single = plan_step(TrainConfig(preset=preset, **one_micro_step(preset)), runtime, attention, scan_available=True)
+    single = plan_step(train_config(preset=preset, **one_micro_step(preset)), runtime, attention, scan_available=True)
     assert (single.activation_checkpointing, single.scan_layers, single.accum_loop) == (checkpointing, scan, False)
     # With accumulation the step is one graph (the XLA loop), and the scan, wrong inside that loop, stays off.
-    accumulating = plan_step(TrainConfig(preset=preset), runtime, attention, scan_available=True)
-    assert TrainConfig(preset=preset).grad_accum_steps > 1
+    accumulating = plan_step(train_config(preset=preset), runtime, attention, scan_available=True)
+    assert train_config(preset=preset).grad_accum_steps > 1
     assert (accumulating.activation_checkpointing, accumulating.scan_layers, accumulating.accum_loop) == (
         checkpointing, False, True)
-    no_loop = plan_step(TrainConfig(preset=preset, grad_accum_loop=False), runtime, attention, scan_available=True)
+    no_loop = plan_step(train_config(preset=preset, grad_accum_loop=False), runtime, attention, scan_available=True)
     assert (no_loop.scan_layers, no_loop.accum_loop) == (scan, False)
     # Without jax/torchax the scan is never chosen; explicit settings win over auto.
-    without_jax = plan_step(TrainConfig(preset=preset, **one_micro_step(preset)), runtime, attention,
+    without_jax = plan_step(train_config(preset=preset, **one_micro_step(preset)), runtime, attention,
                             scan_available=False)
     assert not without_jax.scan_layers
-    forced = plan_step(TrainConfig(preset=preset, activation_checkpointing="on", scan_layers="off",
-                                   grad_accum_loop=False), runtime, attention, scan_available=True)
+    forced = plan_step(train_config(preset=preset, activation_checkpointing="on", scan_layers="off",
+                                    grad_accum_loop=False), runtime, attention, scan_available=True)
     assert (forced.activation_checkpointing, forced.scan_layers, forced.accum_loop) == (True, False, False)
 
 
 def test_scan_layers_on_is_refused_where_it_cannot_run():
     with pytest.raises(UserError, match="--scan-layers on needs the xla backend"):
-        plan_step(TrainConfig(scan_layers="on"), FakeRuntime(name="torch"), scan_available=True)
+        plan_step(train_config(scan_layers="on"), FakeRuntime(name="torch"), scan_available=True)
     with pytest.raises(UserError, match="jax\\+torchax not importable"):
-        plan_step(TrainConfig(scan_layers="on"), FakeRuntime("v3"), scan_available=False)
+        plan_step(train_config(scan_layers="on"), FakeRuntime("v3"), scan_available=False)
     with pytest.raises(UserError, match="wrong losses inside torch_xla's gradient-accumulation loop"):
-        plan_step(TrainConfig(scan_layers="on"), FakeRuntime("v3"), scan_available=True)
+        plan_step(train_config(scan_layers="on"), FakeRuntime("v3"), scan_available=True)
     with pytest.raises(UserError, match="--activation-checkpointing must be auto, on or off"):
-        TrainConfig(activation_checkpointing="yes").validate()
+        train_config(activation_checkpointing="yes").validate()
 
 
 def test_scan_availability_is_what_torch_xla_can_import_and_asked_only_where_it_could_run(monkeypatch):
@@ -156,9 +156,9 @@ def test_scan_availability_is_what_torch_xla_can_import_and_asked_only_where_it_
 
     monkeypatch.setattr(xla_runtime, "scan_layers_available", must_not_ask)
     for preset, generation in (("gpt2", "v3"), ("gpt2-xl", None), ("tiny", "v5e")):
-        assert not plan_step(TrainConfig(preset=preset, grad_accum_loop=False), FakeRuntime(generation)).scan_layers
+        assert not plan_step(train_config(preset=preset, grad_accum_loop=False), FakeRuntime(generation)).scan_layers
     monkeypatch.setattr(xla_runtime, "scan_layers_available", lambda: True)
-    assert plan_step(TrainConfig(preset="gpt2-medium", grad_accum_loop=False), FakeRuntime("v3")).scan_layers
+    assert plan_step(train_config(preset="gpt2-medium", grad_accum_loop=False), FakeRuntime("v3")).scan_layers
 
 
 # --- the attention kernel's probe: forward and backward against SDPA, at the session's shapes -----------------
@@ -337,9 +337,9 @@ def test_the_trainer_probes_the_kernel_at_its_own_shapes_sharded_per_device(flas
     monkeypatch.setattr(attention_select, "flash_attention_kernel", lambda mesh: recording_kernel)
     monkeypatch.setattr(trainer, "select_attention_and_micro_batch", select_then_stop)
     write_shard(tmp_path / "t_train_000000.bin", np.arange(20_000) % 1000)
-    cfg = TrainConfig(preset="tiny", data_dir=str(tmp_path), out_dir=str(tmp_path / "out"), seq_len=128,
-                      micro_batch=16, total_batch_tokens=16 * 128, eval_every=0, progress=False, wandb_project="",
-                      xla_cache=False, attention="flash")
+    cfg = train_config(preset="tiny", data_dir=str(tmp_path), out_dir=str(tmp_path / "out"), seq_len=128,
+                       micro_batch=16, total_batch_tokens=16 * 128, eval_every=0, progress=False, wandb_project="",
+                       xla_cache=False, attention="flash")
     with pytest.raises(Probed, match="pallas-flash"):
         train(cfg, flash_host, log=lambda *a: None)
     # The tiny preset's 4 heads of 128 / 4 = 32 over 128 tokens; 16 sequences, 2 on each of the 8 devices. Called
@@ -362,7 +362,7 @@ def test_the_trainer_probes_the_kernel_at_its_own_shapes_sharded_per_device(flas
 def test_auto_micro_batch_from_the_memory_arithmetic(generation, attention, preset, checkpointing, expected):
     from shared.tpu import HBM_USABLE_FRACTION, activation_bytes_per_sequence, auto_micro_batch
 
-    model = TrainConfig(preset=preset).model
+    model = train_config(preset=preset).model.shape
     assert auto_micro_batch(generation, attention, model, 1024, 8, checkpointing) == expected
     # gpt2 by hand: 22 bytes per parameter static; per sequence 12 layers x 1024 tokens x 38 x 768 bytes plus
     # the head's chunk, 1024 x 50,304 x 2, plus 12 layers x 12 heads x 1024^2 x 6 without flash attention.
@@ -389,13 +389,14 @@ def test_auto_micro_batch_from_the_memory_arithmetic(generation, attention, pres
 def test_micro_batch_auto_for_the_large_presets_is_what_the_tpu_compiler_accepted(generation, fsdp, expected):
     from shared.tpu import micro_batch_for, smallest_step_bytes
 
-    got = tuple(micro_batch_for(TrainConfig(preset=p, fsdp=fsdp), generation, "pallas-flash", 8)
+    got = tuple(micro_batch_for(train_config(preset=p, fsdp=fsdp), generation, "pallas-flash", 8)
                 for p in ("gpt2-large", "gpt2-xl"))
     assert got == expected
     if not fsdp:  # where auto's floor of 1 a chip is left, --plan refuses the step: one sequence is over the margin
         for preset, size in zip(("gpt2-large", "gpt2-xl"), got, strict=True):
-            needed, usable = smallest_step_bytes(generation, "pallas-flash", TrainConfig(preset=preset).model, 1024,
-                                                 8, activation_checkpointing=True)
+            shape = train_config(preset=preset).model.shape
+            needed, usable = smallest_step_bytes(generation, "pallas-flash", shape, 1024, 8,
+                                                 activation_checkpointing=True)
             assert (needed > usable) == (size == 8)
 
 
@@ -412,14 +413,14 @@ def test_micro_batch_auto_with_default_settings_matches_the_docs_table(generatio
     without; on a 32 GB v6e chip it does not, and gpt2-large does."""
     from shared.tpu import auto_micro_batch, micro_batch_for
 
-    got = tuple(micro_batch_for(TrainConfig(preset=p), generation, attention, 8)
+    got = tuple(micro_batch_for(train_config(preset=p), generation, attention, 8)
                 for p in ("gpt2", "gpt2-medium", "gpt2-large"))
     assert got == expected
     for preset, size in zip(("gpt2-medium", "gpt2-large"), expected[1:], strict=True):
-        cfg = TrainConfig(preset=preset)
+        cfg = train_config(preset=preset)
         step = plan_step(cfg, FakeRuntime(generation), attention, scan_available=False)
         # 512 sequences a step: every power of two up to it divides them, so nothing is lowered
-        assert auto_micro_batch(generation, attention, cfg.model, 1024, 8, step.activation_checkpointing) == size
+        assert auto_micro_batch(generation, attention, cfg.model.shape, 1024, 8, step.activation_checkpointing) == size
 
 
 class _ProbedRuntime:
@@ -451,19 +452,18 @@ class _ProbedRuntime:
 ])
 def test_micro_batch_auto_follows_the_attention_kernel_that_passed(preset, generation, flash_up_to, probed, chosen,
                                                                     attention):
-    from shared.config import TrainConfig
     from shared.train.step import select_attention_and_micro_batch
 
     runtime = _ProbedRuntime(generation, flash_up_to)
     lines = []
-    cfg, choice = select_attention_and_micro_batch(TrainConfig(preset=preset, micro_batch="auto"), runtime,
+    cfg, choice = select_attention_and_micro_batch(train_config(preset=preset, micro_batch="auto"), runtime,
                                                    lines.append)
-    assert (runtime.probed, cfg.micro_batch, choice.kind) == (probed, chosen, attention)
+    assert (runtime.probed, cfg.step.micro_batch, choice.kind) == (probed, chosen, attention)
     assert cfg.grad_accum_steps == 512 // chosen
     assert lines == [f"micro-batch auto: {chosen} ({chosen // 8} a device; TPU {generation or 'none'}, {attention} "
                      "attention)"]
-    fixed, _ = select_attention_and_micro_batch(TrainConfig(preset="gpt2", micro_batch=32), runtime, lines.append)
-    assert fixed.micro_batch == 32 and runtime.probed[-1] == 32 and len(lines) == 1
+    fixed, _ = select_attention_and_micro_batch(train_config(preset="gpt2", micro_batch=32), runtime, lines.append)
+    assert fixed.step.micro_batch == 32 and runtime.probed[-1] == 32 and len(lines) == 1
 
 
 def test_a_kernel_libtpu_refuses_for_its_mosaic_version_is_lowered_at_the_version_it_names_and_probed_again(

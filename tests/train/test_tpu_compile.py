@@ -11,9 +11,7 @@ import json
 import re
 
 import pytest
-from helpers import REPO, error_lines, run_script
-
-from shared.config import TrainConfig
+from helpers import REPO, error_lines, run_script, train_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not (REPO / ".venv-tpu" / "bin" / "python").exists(),
                                                    reason="no .venv-tpu: run bash scripts/setup.sh")]
@@ -30,14 +28,14 @@ def test_tinys_step_compiles_for_v5e_8_and_v6e_8_in_line_with_the_step_and_the_s
     assert [(r["tpu"], r["device_kind"], r["devices"]) for r in reports] == [
         ("v5e-8", "TPU v5 lite", 8), ("v6e-8", "TPU v6 lite", 8)]
     assert [r["versions"] for r in reports] == [{"jax": "0.7.2", "libtpu": "0.0.17"}] * 2  # Kaggle's image's pins
-    cfg = TrainConfig(preset="tiny", micro_batch=16, total_batch_tokens=8192)
-    params = cfg.model.num_params()
+    cfg = train_config(preset="tiny", micro_batch=16, total_batch_tokens=8192)
+    params = cfg.model.shape.num_params()
     for r, hbm_gib in zip(reports, (16, 32), strict=True):
         # The step a session runs where its flash probe passes: the Pallas kernel lowered for the TPU here, at the
         # Mosaic version libtpu 0.0.17 reads (jax would serialize a newer one), one forward and two backward
         # kernels a layer a micro-step.
         assert (r["micro_batch"], r["grad_accum_steps"], r["attention"]) == (16, 2, "pallas-flash")
-        assert r["mosaic_version"] == 4 and r["kernel_calls"] == 3 * cfg.model.n_layer * 2
+        assert r["mosaic_version"] == 4 and r["kernel_calls"] == 3 * cfg.model.shape.n_layer * 2
         assert r["hbm_bytes"] == hbm_gib * 2**30 and 0 < r["peak_bytes"] < r["hbm_bytes"] and r["fits"]
         memory = r["memory"]
         # Replicated over the chips: each holds the fp32 weights and both AdamW moments (and the token batch),
@@ -49,8 +47,8 @@ def test_tinys_step_compiles_for_v5e_8_and_v6e_8_in_line_with_the_step_and_the_s
         # The step's matmul FLOPs per chip, counted in the optimized HLO with the loop's 2 trips: 6N + 12LCT a token
         # (6N counts the position embedding and the LayerNorms as matmul weights: the HLO has a little less).
         # The kernels' FLOPs are opaque to the HLO: what it counts is the model's less attention's 12LCT.
-        assert r["model_flops"] == cfg.model.flops_per_token() * 8192 / 8
-        attention = 12 * cfg.model.n_layer * cfg.model.n_embd * cfg.model.block_size * 8192 / 8
+        assert r["model_flops"] == cfg.model.shape.flops_per_token() * 8192 / 8
+        attention = 12 * cfg.model.shape.n_layer * cfg.model.shape.n_embd * cfg.model.shape.block_size * 8192 / 8
         assert 0.97 * (r["model_flops"] - attention) <= r["flops"] <= 1.03 * (r["model_flops"] - attention)
         assert r["kernel_flops"] == attention
         assert r["loops"] == [2]
@@ -68,7 +66,7 @@ def test_tinys_step_compiles_for_v5e_8_and_v6e_8_in_line_with_the_step_and_the_s
     assert splash.returncode == 0, splash.stderr[-3000:]
     (s,) = json.loads(splash.stdout)
     assert (s["attention"], s["mosaic_version"], s["micro_batch"]) == ("pallas-splash", 4, 16)
-    assert s["kernel_calls"] == 2 * cfg.model.n_layer * 2 and s["fits"]
+    assert s["kernel_calls"] == 2 * cfg.model.shape.n_layer * 2 and s["fits"]
     assert s["peak_bytes"] <= reports[1]["peak_bytes"] and s["kernel_flops"] == reports[1]["kernel_flops"]
     assert [g for g in s["collectives"] if g["where"] == "inside"] == []
     # The lines scripts read, then the same again from the cache.

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -23,12 +22,13 @@ from helpers import (
     run_script,
     small_config,
     train_cli,
+    train_config,
     train_in_process,
 )
 
-from shared.config import TrainConfig
 from shared.data import find_shards, write_shard
 from shared.errors import UserError
+from shared.fsutil import sha256_file
 from shared.train.checkpoint import list_checkpoints
 from shared.train.metrics import read_metrics
 
@@ -104,7 +104,7 @@ def test_no_recompilation_after_step_two(demo_data, tmp_path):
     # Between the logs of steps 8 and 9 lie the eval after step 8 and step 9 itself: host-to-device the step's
     # tokens, one batch per eval batch and the health check's rows; device-to-host the three logged scalars, the
     # eval's mean loss, and the health check's two reads (the weight RMS by kind, the attention logits by layer).
-    assert records[9]["h2d_transfers"] - records[8]["h2d_transfers"] == 1 + cfg.eval_batches + 1
+    assert records[9]["h2d_transfers"] - records[8]["h2d_transfers"] == 1 + cfg.evals.eval_batches + 1
     assert records[9]["d2h_transfers"] - records[8]["d2h_transfers"] == 3 + 1 + 2
     val = [(r["step"], r["val_loss"]) for r in read_metrics(tmp_path / "metrics.jsonl") if "val_loss" in r]
     # At the session start, after steps 2, 4, 6, 8, and at the run's last step, 9, though 9 is no multiple of 2.
@@ -147,7 +147,7 @@ def test_fsdp_shards_parameters_and_matches_replicated_training(demo_data, tmp_p
     from shared.train.model import GPT
 
     runtime = make_runtime("xla")
-    model = runtime.prepare_model(GPT(small_config(demo_data, tmp_path).model), fsdp=True)
+    model = runtime.prepare_model(GPT(small_config(demo_data, tmp_path).model.shape), fsdp=True)
     spec = torch_xla._XLAC._get_xla_sharding_spec(model.transformer.wte.weight)
     assert "devices=[8,1]" in spec
     runtime._fsdp = False
@@ -316,7 +316,7 @@ def test_the_accumulation_loop_is_traced_once_and_never_waits_for_the_device():
 
     runtime = make_runtime("xla")
     torch.manual_seed(0)
-    model = runtime.prepare_model(GPT(TrainConfig(preset="tiny", seq_len=32).model), fsdp=False)
+    model = runtime.prepare_model(GPT(train_config(preset="tiny", seq_len=32).model.shape), fsdp=False)
     runtime.sync()
     rng, losses, waits = np.random.default_rng(0), [], count_device_waits()
     for _ in range(3):
@@ -396,8 +396,8 @@ def test_extend_with_no_checkpoint_at_all_starts_at_step_zero(tmp_path):
     # A chain's first session (or its smoke run) with train.extend set: nothing to extend, nothing refused.
     from shared.train.session import resume_point
 
-    cfg = TrainConfig(preset="tiny", seq_len=32, micro_batch=8, total_batch_tokens=256, total_steps=8, schedule="wsd",
-                      extend=True, resume_from=str(tmp_path / "mount"))
+    cfg = train_config(preset="tiny", seq_len=32, micro_batch=8, total_batch_tokens=256, total_steps=8, schedule="wsd",
+                       extend=True, resume_from=str(tmp_path / "mount"))
     lines = []
     assert resume_point(cfg, tmp_path / "checkpoints", log=lines.append) is None
     assert lines == [f"--extend: no checkpoint yet in {tmp_path / 'checkpoints'}, {tmp_path / 'mount'}, "
@@ -419,7 +419,7 @@ def test_extend_trains_on_from_the_stable_phase_as_a_longer_run_would_bit_exactl
         train_in_process(small_config(demo_data, extended, total_steps=6, extend=True, **wsd))
     assert [p.name for p in list_checkpoints(checkpoints)] == ["step_000008"]
     longer = small_config(demo_data, extended, total_steps=12, extend=True, **wsd)
-    first, lines = train_in_process(replace(longer, stop_after_steps=2))
+    first, lines = train_in_process(longer.replace(stop_after_steps=2))
     assert first.step == 7
     ended, stable = checkpoints / "step_000008", checkpoints / "stable" / "step_000005"
     assert lines[:2] == [f"notice: --extend: {ended} (step 8 of a 8-step wsd schedule) holds updates --total-steps 12 "
@@ -429,3 +429,29 @@ def test_extend_trains_on_from_the_stable_phase_as_a_longer_run_would_bit_exactl
     assert second.step == 12 and any("resuming at step 7" in line for line in lines)
     assert [p.name for p in list_checkpoints(checkpoints / "stable")] == ["step_000007"]  # the 12-step run's own
     assert_identical_runs(straight, extended, 12)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_written_with_flat_settings_resumes_and_extends(demo_data, tmp_path):
+    """Checkpoints from before TrainConfig's sections were objects carry its settings flat in state.json (a run's
+    length as max_steps before that): a later session resumes from one, --extend reading its schedule, and writes
+    its own checkpoints nested."""
+    wsd = {"schedule": "wsd", "cooldown_frac": 0.5, "lr": 3e-3}
+    run = tmp_path / "run"
+    train_in_process(small_config(demo_data, run, total_steps=8, **wsd))
+    states = sorted((run / "checkpoints").rglob("state.json"))
+    assert len(states) == 2  # step 8, and step 5 where the stable phase ended
+    for path in states:
+        state = json.loads(path.read_text())
+        flat = {key: value for section in state["config"]["train"].values() for key, value in section.items()}
+        flat["max_steps"] = flat.pop("total_steps")
+        path.write_text(json.dumps({**state, "config": {**state["config"], "train": flat}}))
+        manifest = json.loads((path.parent / "checkpoint.json").read_text())  # as such a checkpoint's own says
+        manifest["files"]["state.json"] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+        (path.parent / "checkpoint.json").write_text(json.dumps(manifest))
+    checkpoints = run / "checkpoints"
+    result, lines = train_in_process(small_config(demo_data, run, total_steps=12, extend=True, **wsd))
+    assert lines[1] == f"--extend: training on from step 5 ({checkpoints / 'stable' / 'step_000005'}) to step 12"
+    assert result.step == 12 and any("resuming at step 5" in line for line in lines)
+    written = json.loads((checkpoints / "step_000012" / "state.json").read_text())["config"]["train"]
+    assert written["lr_schedule"]["total_steps"] == 12 and "total_steps" not in written
