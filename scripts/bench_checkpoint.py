@@ -26,11 +26,11 @@ def main() -> None:
     import torch
 
     from shared.config import NINE_HOURS, TrainConfig
+    from shared.model.model import GPT
+    from shared.runtime.optim import make_optimizer, optimizer_tensors
+    from shared.runtime.runtime import Runtime
     from shared.session_clock import default_time_budget, estimate_checkpoint_seconds
     from shared.train.checkpoint import latest_checkpoint, save_checkpoint
-    from shared.train.model import GPT
-    from shared.train.optim import make_optimizer, optimizer_tensors
-    from shared.train.runtime import Runtime
 
     cfg = TrainConfig.from_dict(dict(preset=args.preset))
     model = GPT(cfg.model.shape)

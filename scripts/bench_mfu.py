@@ -9,7 +9,7 @@ of the same model in the same run (eager, torch.optim.AdamW defaults, same micro
 MFU = tokens/s x FLOPs per token / bf16 peak FLOP/s, with FLOPs per token = 6 N + 12 n_layer n_embd T
 (nanoGPT / PaLM appendix B: forward + backward of the weights' matmuls, plus attention's QK^T and AV),
 N counted as the trainer counts it (every parameter, the tied embedding once), peaks from
-shared.train.runtime.PEAK_BF16_FLOPS.
+shared.runtime.runtime.PEAK_BF16_FLOPS.
 """
 
 import argparse
@@ -57,11 +57,11 @@ def chain_step(devices: int, seq_len: int, generation: str | None = None,
                attention: str | None = None) -> tuple[int, int]:
     """(micro-batch per device, accumulation) of the gpt2 chain config (examples/chain-gpt2-124m.json): what a
     real session runs (`auto` as the session would choose it on TPU `generation`, with the first attention kernel
-    it tries there for the `attention` setting, default the config's, passing its probe: shared/train/attention.py)."""
+    it tries there for the `attention` setting, default the config's, passing its probe: shared/model/attention.py)."""
 
     from shared.config import AUTO, TrainConfig
+    from shared.model.attention import candidates
     from shared.tpu import micro_batch_for
-    from shared.train.attention import candidates
 
     train = chain_train_settings()
     kept = {k: v for k, v in train.items() if k in ("micro_batch", "total_batch_tokens", "attention")}
@@ -184,8 +184,8 @@ def reference_loop(model_cfg, runtime, micro: int, warmup: int, steps: int,
     import numpy as np
     import torch
 
+    from shared.model.model import GPT
     from shared.model_shape import GPT2_VOCAB_SIZE
-    from shared.train.model import GPT
 
     torch.manual_seed(seed)
     model = GPT(model_cfg).to(runtime.device)  # SDPA: the runtime's kernel is the trainer's model's alone
@@ -255,7 +255,7 @@ def main() -> None:
                         help="the trainer's optimizer (default adamw; the reference loop always runs torch's AdamW)")
     parser.add_argument("--attention", choices=ATTENTION_SETTINGS,
                         help="the trainer's attention setting (default: the gpt2 chain config's, else auto: the "
-                        "first kernel a session tries; shared/train/attention.py); the reference loop runs SDPA")
+                        "first kernel a session tries; shared/model/attention.py); the reference loop runs SDPA")
     args = parser.parse_args()
 
     backend = pick_backend(args.backend)
@@ -266,10 +266,10 @@ def main() -> None:
     import torch
 
     from shared.config import TrainConfig
+    from shared.model.model import GPT
     from shared.model_shape import GPT2_VOCAB_SIZE
-    from shared.train.device import make_runtime
+    from shared.runtime.device import make_runtime
     from shared.train.metrics import read_metrics
-    from shared.train.model import GPT
     from shared.train.trainer import train
 
     if backend == "cuda" and not torch.cuda.is_available():
@@ -300,7 +300,7 @@ def main() -> None:
             else runtime.description)
 
     say(f"device: {runtime.description}{f' ({name})' if name != runtime.description else ''}; bf16 peak "
-        + (f"{peak_one / 1e12:.1f} TFLOP/s per device (shared.train.runtime.PEAK_BF16_FLOPS)" if peak_one
+        + (f"{peak_one / 1e12:.1f} TFLOP/s per device (shared.runtime.runtime.PEAK_BF16_FLOPS)" if peak_one
            else "unknown"))
     say(f"model: {args.preset} ({num_params / 1e6:.2f}M params), T={model_cfg.block_size}, micro-batch {micro} "
         f"per device x {accum} micro-steps per optimizer step; FLOPs/token = 6N + 12*L*C*T = 6*{num_params:,} + "

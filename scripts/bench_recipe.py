@@ -257,7 +257,7 @@ def compared_settings(adamw_lr: float, n_embd: int, steps: int) -> dict[str, dic
 def compare(base, args, steps: int, out_root: Path) -> str:
     """Every setting of compared_settings on the same seeds (paired): final val loss per run, each one's difference
     from the record's seed by seed, and the record runs' decay gain (docs/recipe.md section 5)."""
-    from shared.train.optim import stable_phase_end
+    from shared.runtime.optim import stable_phase_end
 
     settings = compared_settings(args.adamw_lr, args.n_embd, steps)
     finals: dict[str, list[float]] = {name: [] for name in settings}

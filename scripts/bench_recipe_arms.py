@@ -142,7 +142,7 @@ def paired_interval(diffs: list[float]) -> tuple[float, float]:
 @contextlib.contextmanager
 def attention_output_scaled(scale: float):
     """Every CausalSelfAttention's output multiplied by scale while inside (this process only)."""
-    from shared.train.model import CausalSelfAttention
+    from shared.model.model import CausalSelfAttention
 
     if scale == 1.0:
         yield

@@ -30,7 +30,7 @@ from shared.train.projection import Decay, project
 
 RECIPE = TrainConfig.from_dict({"preset": "gpt2", "optimizer": "muon", "schedule": "wsd", "total_steps": 13352,
                                 "cooldown_frac": 0.29})
-STABLE_END = 9480  # shared/train/optim.py stable_phase_end(RECIPE)
+STABLE_END = 9480  # shared/runtime/optim.py stable_phase_end(RECIPE)
 VAL_NOISE = 0.001  # a val-loss eval's own noise (the same val tokens each time: small)
 
 

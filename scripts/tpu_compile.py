@@ -14,10 +14,10 @@ a measurement.
 The step is traced with torch_xla on 8 CPU devices, never run (its state is placeholders), and compiled in the
 TPU compiler's virtualenv (.venv-tpu, made by scripts/setup.sh: jax and libtpu as Kaggle's TPU image pins them).
 Attention is the kernel a session on that TPU tries first at the step's sequence length for the train setting
-`attention` (`--attention`; default: the config's, else auto; shared/train/attention.py decides for both): jax's
+`attention` (`--attention`; default: the config's, else auto; shared/model/attention.py decides for both): jax's
 splash attention where its blocks tile the sequence, else torch_xla's Pallas flash kernel where its do, else SDPA
 (gpt2-demo's 32 tokens), a Pallas kernel lowered by jax for the TPU platform here, without a TPU
-(shared/train/step_trace.py); `micro_batch: auto` is resolved as a session whose probe of that kernel passes
+(shared/runtime/step_trace.py); `micro_batch: auto` is resolved as a session whose probe of that kernel passes
 resolves it. `--attention flash` compiles the step a session falls back to where its splash probe fails,
 `--attention sdpa` the step where every probe fails; a kernel a session would not try at that length is not
 compiled, the one it would try instead is (the report's `attention` names it). `--plan` compiles the first, then

@@ -1,4 +1,4 @@
-"""Compile a traced train step (shared/train/step_trace.py's files) for a TPU topology with libtpu's compile-only
+"""Compile a traced train step (shared/runtime/step_trace.py's files) for a TPU topology with libtpu's compile-only
 client, and write what the compiler says: memory per chip, the TPU-optimized HLO (as its dump writes it), the
 compile time.
 

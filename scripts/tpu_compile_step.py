@@ -20,10 +20,10 @@ from pathlib import Path
 
 from scripts.tpu_compile_report import mxu_lines
 from shared.errors import UserError
-from shared.train.attention import SDPA, SETTING_OF
-from shared.train.mosaic_version import libtpu_build_date, version_for_libtpu
-from shared.train.mosaic_version import readable_version as readable_mosaic_version
-from shared.train.step_trace import MOSAIC_VERSION_ENV
+from shared.model.attention import SDPA, SETTING_OF
+from shared.runtime.mosaic_version import libtpu_build_date, version_for_libtpu
+from shared.runtime.mosaic_version import readable_version as readable_mosaic_version
+from shared.runtime.step_trace import MOSAIC_VERSION_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE_DIR = Path(os.environ.get("TPU_COMPILE_CACHE") or Path.home() / ".cache" / "gpt2-on-kaggle" / "tpu-compile")
@@ -76,10 +76,10 @@ def cache_key(settings: dict, tpu: str, compiler: str) -> str:
 
 def traced_attention(settings: dict, generation: str) -> str:
     """The kernel the step of train `settings` is traced with on TPU `generation`: the first a session tries at its
-    sequence length for the settings' `attention` (shared/train/attention.py), so a step no session runs (flash at
+    sequence length for the settings' `attention` (shared/model/attention.py), so a step no session runs (flash at
     32 tokens) is never traced: the one it runs instead is."""
     from shared.config import TrainConfig
-    from shared.train.attention import candidates
+    from shared.model.attention import candidates
 
     cfg = TrainConfig.from_dict(settings)
     return candidates(generation, cfg.model.shape.block_size, cfg.step.attention)[0]
@@ -120,7 +120,7 @@ def compile_step(settings: dict, tpu: str, log=print, cache_dir: Path = CACHE_DI
         log(f"tracing the step for {tpu} (torch_xla, {chips(target)} CPU devices, nothing run) ...")
         env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(chips(target)),
                "PYTHONPATH": str(REPO)}
-        trace = [sys.executable, "-m", "shared.train.step_trace", str(work / "settings.json"), str(work / "trace"),
+        trace = [sys.executable, "-m", "shared.runtime.step_trace", str(work / "settings.json"), str(work / "trace"),
                  target["generation"]]
         bounds = ",".join(str(b) for b in target["chips_per_host"])
         compile_cmd = [str(python), str(REPO / "scripts" / "tpu_compile_libtpu.py"), str(work / "trace"),
@@ -143,7 +143,7 @@ def compile_step(settings: dict, tpu: str, log=print, cache_dir: Path = CACHE_DI
             if mosaic_version is None:
                 raise
             # jax serialized the Pallas kernel newer than this libtpu reads (its build date unread, or the ladder
-            # wrong for it): as a session's probe falls back to (shared/train/mosaic_version.py), lower it at the
+            # wrong for it): as a session's probe falls back to (shared/runtime/mosaic_version.py), lower it at the
             # version libtpu names.
             log(f"libtpu reads Pallas kernels up to Mosaic version {mosaic_version}: tracing again with the kernel "
                 f"lowered at {mosaic_version}, as a session does where libtpu refuses its first probe ...")

@@ -5,6 +5,7 @@ settings' model section (shared/train_sections.py ModelSettings) names a preset 
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 from shared.errors import UserError
@@ -72,3 +73,9 @@ def model_preset(name: str) -> ModelConfig:
     if name not in MODEL_PRESETS:
         raise UserError(f"--preset: unknown preset {name!r}; choose one of {', '.join(MODEL_PRESETS)}")
     return MODEL_PRESETS[name]
+
+
+def different_shape_error(source: str | os.PathLike, differences: dict[str, tuple]) -> UserError:
+    """The one-line error for a checkpoint of another model shape: {field or tensor: (checkpoint's, run's)}."""
+    listed = ", ".join(f"{name}={saved} (run asks {asked})" for name, (saved, asked) in differences.items())
+    return UserError(f"{source}: checkpoint is a different model shape: {listed}")

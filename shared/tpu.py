@@ -140,7 +140,7 @@ STATIC_BYTES_PER_PARAM = 22
 # per layer and token, in units of C: LayerNorm inputs (fp32) 8, matmul inputs (bf16) 14, attention 8, GELU 8
 ACTIVATION_BYTES_PER_LAYER_TOKEN_PER_C = 38
 # The head per token per vocabulary entry, and without flash attention per head per T x T (the scores and
-# probabilities). The chunked loss head (shared/train/loss_head.py) keeps no [tokens x vocab] for the backward: 2
+# probabilities). The chunked loss head (shared/model/loss_head.py) keeps no [tokens x vocab] for the backward: 2
 # bytes cover a bf16 chunk of logits in flight. Checked against the TPU compiler's own totals (docs/tpu-throughput.md
 # section 10): gpt2's step grows 0.25 GiB (v5e) and 0.32 GiB (v6e) a sequence a chip with flash, under the 0.43 GiB
 # counted here; with activation checkpointing, gpt2-medium's and gpt2-large's picks rise a power of two (8 to 16 a
@@ -218,7 +218,8 @@ def _hbm_budget(gen, attention: str, model, seq_len: int, num_devices: int, acti
 def activation_checkpointing_on(setting: str, n_layer: int, generation: str | None) -> bool:
     """--activation-checkpointing as the step runs it: on or off as set; auto turns it on where the TPU's memory
     needs it (24+ layers, gpt2-medium up, on 16 GB devices; 36+, gpt2-large up, on larger ones), never without a
-    TPU. The step (shared.train.step.plan_step) and the micro-batch it is sized for (micro_batch_for) both ask here."""
+    TPU. The step (shared.runtime.step.plan_step) and the micro-batch it is sized for (micro_batch_for) both ask
+    here."""
     if setting != "auto":
         return setting == "on"
     gen = TPU_GENERATIONS.get(generation or "")

@@ -17,9 +17,9 @@ from shared.model_shape import MODEL_PRESETS, ModelConfig, model_preset
 
 AUTO = "auto"
 BACKENDS = ("auto", "xla", "cuda", "cpu")
-# The attention setting's words: auto, or the kernel a session tries first (shared/train/attention.py owns the order).
+# The attention setting's words: auto, or the kernel a session tries first (shared/model/attention.py owns the order).
 ATTENTION_SETTINGS = ("auto", "splash", "flash", "sdpa")
-OPTIMIZERS = ("adamw", "muon")  # shared/train/optim.py
+OPTIMIZERS = ("adamw", "muon")  # shared/runtime/optim.py
 SCHEDULES = ("cosine", "wsd")
 # Settings renamed, by their old names: a run's length was `max_steps` in the train kernel and `total_steps` in the
 # chain; it is total_steps everywhere now. Old configs (a user's, a checkpoint's carried one) and the old flag still
@@ -191,7 +191,7 @@ class StepSettings(Section):
     attention: str = field(default="auto", metadata={
         "help": "the attention kernel a TPU session tries first, each probed and the next tried where it fails: auto "
                 "(splash, then flash, then SDPA), splash, flash (skips splash) or sdpa (no Pallas kernel); a kernel "
-                "the TPU or the sequence length rules out is skipped (shared/train/attention.py)"})
+                "the TPU or the sequence length rules out is skipped (shared/model/attention.py)"})
 
     def check(self) -> None:
         positive(self, "total_batch_tokens")

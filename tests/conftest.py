@@ -28,7 +28,7 @@ def suite_xla_runtime():
     its per-device queues at the first backward pass, and a backend whose devices appear after that (torch_xla's)
     then fails its first backward: train/ and eval/, which mix CPU and XLA runs in one process, start it before
     their first test (their conftest.py), and no other folder starts it."""
-    from shared.train.device import make_runtime
+    from shared.runtime.device import make_runtime
 
     return make_runtime("xla")
 

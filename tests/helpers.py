@@ -76,7 +76,7 @@ def small_config(data_dir, out_dir, **overrides) -> TrainConfig:
 
 def train_in_process(cfg: TrainConfig, attention=None):
     """A session on the suite's XLA runtime; `attention`: an AttentionChoice to train with (None: selected)."""
-    from shared.train.device import make_runtime
+    from shared.runtime.device import make_runtime
     from shared.train.trainer import train
 
     lines = []

@@ -8,7 +8,8 @@ import re
 from pathlib import Path
 
 SHARED = Path(__file__).resolve().parents[1] / "shared"
-STAGES = ("tokenize", "train", "eval")  # pipeline order; shared/kaggle is the session's platform, beside them
+# pipeline order, each importing only those before it; shared/kaggle is the session's platform, beside them
+STAGES = ("tokenize", "model", "runtime", "train", "eval")
 
 
 def shared_imports(path: Path) -> set[str]:
@@ -79,11 +80,11 @@ def test_a_backward_import_is_reported_even_inside_a_function(tmp_path):
     (root / "train").mkdir(parents=True)
     (root / "tokenize").mkdir()
     (root / "train" / "loop.py").write_text("def f():\n    from shared.eval.report import write\n")
-    (root / "tokenize" / "part.py").write_text("import shared.train.model\nfrom shared.config import X\n")
+    (root / "tokenize" / "part.py").write_text("import shared.model.model\nfrom shared.config import X\n")
     (root / "common.py").write_text("from shared.tokenize.tokenizer import gpt2_encoding\nfrom shared import eval\n")
     (root / "train" / "ok.py").write_text("from shared.tokenize import manifest\nfrom shared.kaggle.env import x\n")
     assert sorted(backward_imports(root)) == ["shared/common -> shared.eval",
-                                              "shared/tokenize/part -> shared.train.model",
+                                              "shared/tokenize/part -> shared.model.model",
                                               "shared/train/loop -> shared.eval.report"]
 
 

@@ -1,11 +1,11 @@
 """A kernel a session found hung or failed is carried forward: the chain starts the next session from the attention
 kernel after it (train.attention), and says so, instead of pushing the same settings again. A hung probe stops its
-session before training (shared/train/attention_probe.py `ProbeHung`), after up to the probes' 15-minute budget
+session before training (shared/runtime/attention_probe.py `ProbeHung`), after up to the probes' 15-minute budget
 plus start-up; pushed again unchanged, every later session would pay the same until max_failed_sessions. A probe
 that failed costs its session a probe and a fallback, again in every session.
 
 What a session found is read from its facts (shared/kaggle/facts.py: `attention_probes`, each probed kernel's
-result, written by shared/train/xla_runtime.py) and, where those did not come back, from its last error line (the
+result, written by shared/runtime/xla_runtime.py) and, where those did not come back, from its last error line (the
 hung probe's, `hung_kernel`)."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from shared.train.attention import FIRST_KERNEL, KERNELS, SETTING_OF, hung_kernel
+from shared.model.attention import FIRST_KERNEL, KERNELS, SETTING_OF, hung_kernel
 
-PROBES_FACT = "attention_probes"  # the facts' section (shared/train/xla_runtime.py writes it)
+PROBES_FACT = "attention_probes"  # the facts' section (shared/runtime/xla_runtime.py writes it)
 SKIPPED = ("hung", "failed")  # the results that carry a kernel forward ("passed" does not)
 
 

@@ -6,8 +6,8 @@ scripts/hlo_cost.py `mxu_efficiency`); docs/tpu-throughput.md, "The kernels at t
 
 from __future__ import annotations
 
+from shared.model.attention import SDPA
 from shared.model_shape import ModelConfig
-from shared.train.attention import SDPA
 
 # The share of the compiled step's MFU ceiling (the head-dim-aware one where the step has Pallas kernels) a plan
 # assumes a session reaches, for the kernel it expects and for the SDPA a session falls back to. The roofline

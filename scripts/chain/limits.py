@@ -54,7 +54,7 @@ ASSUMED_UPLOAD_BYTES_PER_S = 10 * 10**6
 MIDWAY_PUBLISH_MIN_S = 3600.0
 # A train session's start-up on a TPU, to the end of its first step, by part: what a fixed-length session's
 # startup_margin_s must cover (ChainConfig, SMOKE_DEFAULTS), as its deadline, the limit less publishing, counts
-# from the process's start. The attention probes' whole budget (PROBE_BUDGET_S, shared/train/attention_probe.py);
+# from the process's start. The attention probes' whole budget (PROBE_BUDGET_S, shared/runtime/attention_probe.py);
 # gpt2's step compile at the slow end of the 70-145 s libtpu took for it (docs/tpu-throughput.md section 10, "What
 # the compiler needed": a 2-core machine; on a TPU host not measured); the baseline eval's graphs (validation and
 # HellaSwag forwards, the sample's decode step: not measured on a TPU; each a forward without the step's backward

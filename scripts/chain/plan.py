@@ -39,7 +39,7 @@ from scripts.chain.sizing import MIN_STEPS, training_s
 from scripts.chain.storage import disk_line, room_line, storage_line, storage_plan
 from shared.config import AUTO, HELLASWAG_VALIDATION_EXAMPLES, TrainConfig
 from shared.errors import UserError
-from shared.train.attention import FLASH, SDPA, SETTING_OF, SPLASH, candidates, untiled_kernels
+from shared.model.attention import FLASH, SDPA, SETTING_OF, SPLASH, candidates, untiled_kernels
 from shared.train_sections import EvalSettings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,7 +57,7 @@ WEEKLY_QUOTA_S = {"tpu": 20 * 3600.0, "gpu": 30 * 3600.0}
 # HellaSwag's validation split: examples x 4 endings, ~ tokens a row (context + ending), for the eval estimate.
 HELLASWAG_ROWS, HELLASWAG_TOKENS_PER_ROW = HELLASWAG_VALIDATION_EXAMPLES * 4, 100
 
-# The attention kernels (shared/train/attention.py) as the plan names their steps, and as scripts/tpu_compile.py
+# The attention kernels (shared/model/attention.py) as the plan names their steps, and as scripts/tpu_compile.py
 # names them.
 STEP_NAMES = {SPLASH: "splash", FLASH: "flash", SDPA: "SDPA"}  # each attention kernel's step, as the plan says it
 
@@ -116,7 +116,7 @@ def train_throughput(cfg: ChainConfig, train: TrainConfig, measured_path: Path =
 
 def planned_train(cfg: ChainConfig) -> tuple[TrainConfig, str]:
     """The train settings a session will run with, `micro_batch: auto` resolved as the session would on the
-    chain's machine (with the first attention kernel it tries there, shared/train/attention.py, passing its
+    chain's machine (with the first attention kernel it tries there, shared/model/attention.py, passing its
     probe), and a note saying so, with what a fallback kernel would take where it differs ('' if not auto)."""
     train = cfg.train.config
     if train.step.micro_batch != AUTO:
@@ -410,7 +410,7 @@ def check_arithmetic_fit(cfg: ChainConfig, generation: str) -> None:
 def compiled_fit(cfg: ChainConfig, log=print) -> tuple[dict | None, str]:
     """The chain's train step compiled for its TPU board by libtpu (scripts/tpu_compile_step.py; cached by settings and
     versions), and one line on it: the step compiled (the first kernel a session tries at this sequence length,
-    shared/train/attention.py), HBM per chip, the loop's all-reduces, the MFU ceiling, then what each fallback a
+    shared/model/attention.py), HBM per chip, the loop's all-reduces, the MFU ceiling, then what each fallback a
     session takes where a probe fails needs. A step that does not fit is one UserError naming the fix; a step that
     does not compile is a clause of the line (the primary's: HBM checked by arithmetic instead). Without a TPU board,
     or without the compiler, (None, why)."""

@@ -175,7 +175,7 @@ def roofline_row(settings: dict, start: dict, throughput: Throughput | None, loc
     from scripts.tpu_compile_step import KAGGLE_TPUS, TPUS
     from scripts.tpu_compile_step import compile_step as compile_tool
     from shared.config import TrainConfig
-    from shared.train.attention import SDPA, SETTING_OF
+    from shared.model.attention import SDPA, SETTING_OF
 
     tpu = next((name for name in KAGGLE_TPUS if TPUS[name]["generation"] == start["tpu"]), None)
     if tpu is None:
@@ -241,8 +241,8 @@ def _device_row(smoke: ChainConfig, start: dict, local: bool) -> Row:
 
 def _jax_row(start: dict, local: bool) -> Row:
     """The TPU image's jax, jaxlib and libtpu against those the Pallas kernels are written against (shared/tpu.py
-    PLAN_TPU_VERSIONS: splash's backward rule is jax's private one, shared/train/splash.py; the Mosaic version
-    ladder is jax's, shared/train/mosaic_version.py). The image leaves jax unpinned (docs/kaggle-tpu.md, section 1):
+    PLAN_TPU_VERSIONS: splash's backward rule is jax's private one, shared/model/splash.py; the Mosaic version
+    ladder is jax's, shared/runtime/mosaic_version.py). The image leaves jax unpinned (docs/kaggle-tpu.md, section 1):
     a rebuild that moves it is a ✗ here, not only a notice in the session's log."""
     from shared.tpu import PLAN_TPU_VERSIONS
 

@@ -387,7 +387,7 @@ def extend_start(ctx: StageContext, ref: str, version: int, cfg: ChainConfig) ->
     """The step a train.extend session resumes from, as its trainer will choose it (shared/train/trainer.py
     `resume_point`): the newer of version `version`'s checkpoint and the stable-phase one it carries that agrees
     with the longer schedule. Neither agreeing is one line here, before any session is pushed."""
-    from shared.train.optim import same_schedule_until, saved_schedule
+    from shared.runtime.optim import same_schedule_until, saved_schedule
 
     train = cfg.train.config
     seen = []

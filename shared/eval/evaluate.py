@@ -98,10 +98,10 @@ def run_eval(cfg: EvalConfig, runtime=None, log=print) -> dict:
     from shared.errors import UserError
     from shared.eval.hf import export_hf, load_hf
     from shared.eval.report import write_report
+    from shared.model.model import GPT
+    from shared.runtime.device import make_runtime
     from shared.tokenize.tokenizer import gpt2_encoding
-    from shared.train.device import make_runtime
     from shared.train.metrics import MetricsLogger
-    from shared.train.model import GPT
 
     started = time.monotonic()
     out = Path(cfg.out_dir)

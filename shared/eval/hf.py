@@ -19,9 +19,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from shared.errors import UserError
+from shared.model.model import GPT
 from shared.model_shape import GPT2_VOCAB_SIZE, PADDED_VOCAB_SIZE, ModelConfig
 from shared.train.checkpoint import checkpoint_at
-from shared.train.model import GPT
 
 # HF's GPT-2 uses Conv1D (weights stored as in x out); ours are nn.Linear (out x in): these four transpose.
 _HF_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")

@@ -117,7 +117,7 @@ def check_tpu_present(machine_shape: str, kernel: str) -> None:
 
 
 def check_session_device(device_type: str) -> None:
-    """Once the runtime has started (shared.train.device.make_runtime, for train and eval alike): a session built
+    """Once the runtime has started (shared.runtime.device.make_runtime, for train and eval alike): a session built
     for a TPU whose runtime runs on `device_type` other than "TPU" stops in one line. Chips on the host are no
     proof that torch_xla uses them (PJRT_DEVICE set to CPU, or torch_xla falling back to CPU on its own).
 

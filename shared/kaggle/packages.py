@@ -67,7 +67,7 @@ PACKAGES = {
                             "webencodings==0.6.1", "python-dotenv==1.2.4", "python-slugify==9.2.0",
                             "text-unidecode==1.3", "python-dateutil==4.0.0", "tzdata==2026.6")),
     "wandb": Package("wandb", ("wandb==0.31.0",), "W&B logging"),
-    # torch_xla's call_jax (jax's splash attention, shared/train/splash.py) needs it beside jax. torch_xla's wheel
+    # torch_xla's call_jax (jax's splash attention, shared/model/splash.py) needs it beside jax. torch_xla's wheel
     # carries a copy (which imports with the TPU image's torch_xla 2.8.0 and jax 0.7.2: docs/tpu-throughput.md).
     "torchax": Package("torchax", ("torchax==0.0.13",), "jax's splash attention (torch_xla's call_jax)"),
 }

@@ -40,6 +40,7 @@ from shared.checkpoint_names import (
 )
 from shared.errors import UserError
 from shared.fsutil import atomic_write_bytes, fsync_dir, sha256_file
+from shared.model_shape import different_shape_error
 
 FORMAT_VERSION = 1
 _CORRUPT_PREFIX = "corrupt-"  # a set-aside checkpoint: list_checkpoints ignores it, nothing deletes it
@@ -270,12 +271,6 @@ def set_aside_checkpoint(path: Path, reason: str, prefix: str = SUPERSEDED_PREFI
         log(f"{level}: {reason} (could not set it aside: {err.strerror or err})")
     else:
         log(f"{level}: {reason}; set aside as {moved}")
-
-
-def different_shape_error(source: str | os.PathLike, differences: dict[str, tuple]) -> UserError:
-    """The one-line error for a checkpoint of another model shape: {field or tensor: (checkpoint's, run's)}."""
-    listed = ", ".join(f"{name}={saved} (run asks {asked})" for name, (saved, asked) in differences.items())
-    return UserError(f"{source}: checkpoint is a different model shape: {listed}")
 
 
 def check_same_shape(ckpt: LoadedCheckpoint, model_config: dict) -> None:

@@ -14,12 +14,12 @@ from pathlib import Path
 from shared.checkpoint_names import STABLE_DIR
 from shared.config import TrainConfig
 from shared.data import TokenLoader
+from shared.model.model import GPT
+from shared.runtime.optim import optimizer_tensors, stable_phase_end
+from shared.runtime.runtime import Runtime
+from shared.runtime.step import TrainStep
 from shared.train.checkpoint import METRICS_FILE, LoadedCheckpoint, checkpoint_name, save_checkpoint
 from shared.train.metrics import BackgroundCalls, MetricsLogger
-from shared.train.model import GPT
-from shared.train.optim import optimizer_tensors, stable_phase_end
-from shared.train.runtime import Runtime
-from shared.train.step import TrainStep
 
 XLA_CACHE_DIR = "xla_cache"  # inside out_dir, and inside each checkpoint (XLA's persistent compilation cache)
 

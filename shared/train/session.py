@@ -14,6 +14,14 @@ from shared.checkpoint_names import STABLE_DIR
 from shared.config import TrainConfig
 from shared.data import TokenLoader
 from shared.errors import UserError
+from shared.model.model import GPT
+from shared.runtime.optim import (
+    optimizer_of_state,
+    same_schedule_until,
+    saved_schedule,
+    stable_phase_end,
+)
+from shared.runtime.runtime import Runtime
 from shared.train.checkpoint import (
     LoadedCheckpoint,
     check_same_shape,
@@ -22,16 +30,8 @@ from shared.train.checkpoint import (
     set_aside_checkpoint,
 )
 from shared.train.metrics import BackgroundCalls, MetricsLogger, read_metrics
-from shared.train.model import GPT
-from shared.train.optim import (
-    optimizer_of_state,
-    same_schedule_until,
-    saved_schedule,
-    stable_phase_end,
-)
 from shared.train.projection import project, projection_lines, projection_record
 from shared.train.reference import check, check_lines, check_record
-from shared.train.runtime import Runtime
 from shared.train.validation import periodic_eval
 
 

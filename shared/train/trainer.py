@@ -21,8 +21,14 @@ import torch
 from shared.config import TrainConfig
 from shared.data import LoaderState, TokenLoader, find_shards
 from shared.errors import UserError
+from shared.model.attention import AttentionChoice
+from shared.model.model import GPT
+from shared.runtime.device import make_runtime
+from shared.runtime.optim import stable_phase_end
+from shared.runtime.runtime import Runtime, plan_versions_notice, runtime_versions
+from shared.runtime.step import build_step, select_attention_and_micro_batch
+from shared.runtime.xla_notices import runtime_notices
 from shared.session_clock import SessionClock, default_time_budget, estimate_checkpoint_seconds
-from shared.train.attention import AttentionChoice
 from shared.train.checkpoint import METRICS_FILE, LoadedCheckpoint
 from shared.train.checkpoint_writer import (
     Checkpointer,
@@ -31,15 +37,9 @@ from shared.train.checkpoint_writer import (
     OnSave,
     restore_compile_cache,
 )
-from shared.train.device import make_runtime
 from shared.train.metrics import BackgroundCalls, MetricsLogger, plot_loss, read_metrics
-from shared.train.model import GPT
-from shared.train.optim import stable_phase_end
 from shared.train.reference import published_curve
-from shared.train.runtime import Runtime, plan_versions_notice, runtime_versions
 from shared.train.session import Evaluator, StepLog, StepProfiler, log_projection, resume_point
-from shared.train.step import build_step, select_attention_and_micro_batch
-from shared.train.xla_notices import runtime_notices
 from shared.train_sections import SessionSettings
 
 

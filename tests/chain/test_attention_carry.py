@@ -13,7 +13,7 @@ from helpers import REPO
 
 from scripts.chain.attention_carry import carried_attention, probe_results
 from shared.errors import UserError
-from shared.train.attention_probe import hung_line
+from shared.runtime.attention_probe import hung_line
 
 HUNG = ("error: stopping before training: the splash-attention kernel's probe gave no answer within 15 minutes "
         "(what was left of the session's budget for its kernel probes); its compile or run may still hold the TPU, "

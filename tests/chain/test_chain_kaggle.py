@@ -418,7 +418,7 @@ def test_templates_ask_for_the_tpu_their_machine_shape_names(tmp_path):
 
 
 def test_model_config_counts_checkpoint_bytes_like_the_model():
-    from shared.train.model import GPT
+    from shared.model.model import GPT
 
     for preset in ("tiny", "gpt2"):
         model = GPT(MODEL_PRESETS[preset])

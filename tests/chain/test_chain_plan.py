@@ -104,8 +104,8 @@ def test_a_config_changed_after_it_was_built_is_checked_again():
 def test_flops_per_token_counts_the_real_models_parameters():
     import torch
 
+    from shared.model.model import GPT
     from shared.model_shape import MODEL_PRESETS
-    from shared.train.model import GPT
 
     with torch.device("meta"):
         model = GPT(MODEL_PRESETS["gpt2"])

@@ -56,7 +56,7 @@ def test_the_gpt2_smokes_sessions_train_their_whole_budget_after_up_to_900_s_of_
     import time
 
     from scripts.chain.limits import TPU_STARTUP_MARGIN_S, TPU_STARTUP_S
-    from shared.train.attention_probe import PROBE_BUDGET_S
+    from shared.runtime.attention_probe import PROBE_BUDGET_S
     from shared.train.trainer import session_clock
 
     smoke = smoke_config(load_config(REPO / "examples" / "chain-gpt2-124m.json"))

@@ -13,12 +13,12 @@ from helpers import error_lines, made_once, run_script, train_config
 
 from shared.data import TokenLoader, find_shards
 from shared.eval.hf import export_hf
+from shared.model.model import GPT
 from shared.model_shape import ModelConfig
+from shared.runtime.device import make_runtime
+from shared.runtime.runtime import Runtime
 from shared.train.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
-from shared.train.device import make_runtime
 from shared.train.metrics import read_metrics
-from shared.train.model import GPT
-from shared.train.runtime import Runtime
 from shared.train.sampling import generate_tokens, sample_text
 from shared.train.validation import validation_loss
 

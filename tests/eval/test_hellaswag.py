@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from shared.eval.hf import export_hf
+from shared.model.model import GPT
 from shared.model_shape import ModelConfig
+from shared.runtime.device import make_runtime
+from shared.runtime.runtime import Runtime
 from shared.train import hellaswag as hs
-from shared.train.device import make_runtime
-from shared.train.model import GPT
-from shared.train.runtime import Runtime
 
 transformers = pytest.importorskip("transformers")
 

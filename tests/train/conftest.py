@@ -12,6 +12,6 @@ def xla_runtime_first(suite_xla_runtime):
 @pytest.fixture
 def xla_runtime():
     """The suite's XLA runtime (8 CPU devices); it keeps no attention choice, so each test's selection is its own."""
-    from shared.train.device import make_runtime
+    from shared.runtime.device import make_runtime
 
     return make_runtime("xla")

@@ -1,4 +1,4 @@
-"""Which attention kernels a session tries, in order, is one decision (shared/train/attention.py): the table of
+"""Which attention kernels a session tries, in order, is one decision (shared/model/attention.py): the table of
 TPU generation x sequence length x the `attention` setting, and the session's runtime (`XlaRuntime.select_attention`,
 its probes faked, with the micro-batch auto picks then), the step tracer (`TraceRuntime.select_attention`, which
 --plan's compiles run), --plan's micro-batch, the compile tool's traced kernel and bench_mfu's default step following
@@ -11,11 +11,10 @@ import types
 import pytest
 from helpers import train_config
 
-import shared.train.attention_select as attention_select
+import shared.runtime.attention_select as attention_select
 from shared.config import TrainConfig
 from shared.errors import UserError
-from shared.tpu import TPU_GENERATIONS
-from shared.train.attention import (
+from shared.model.attention import (
     FIRST_KERNEL,
     SDPA_CHOICE,
     SETTING_OF,
@@ -24,6 +23,7 @@ from shared.train.attention import (
     splash_fits,
     untiled_kernels,
 )
+from shared.tpu import TPU_GENERATIONS
 from shared.train_sections import ATTENTION_SETTINGS
 
 S, F, D = "pallas-splash", "pallas-flash", "sdpa"
@@ -75,8 +75,8 @@ def test_the_session_plan_compile_tool_and_bench_pick_the_same_step(xla_runtime,
     from scripts.chain.config import config_from_dict
     from scripts.chain.plan import planned_train
     from scripts.tpu_compile_step import traced_attention
+    from shared.runtime.step import select_attention_and_micro_batch
     from shared.tpu import micro_batch_for
-    from shared.train.step import select_attention_and_micro_batch
 
     assert xla_runtime.num_devices == 8  # as the v5e-8 and v6e-8 machines
     _kernels(monkeypatch, [], passing=("splash", "flash"))
@@ -137,7 +137,7 @@ def test_the_session_probes_the_candidates_in_order_and_keeps_the_first_that_pas
 
 @pytest.mark.parametrize("setting", ATTENTION_SETTINGS)
 def test_the_step_tracer_traces_the_first_candidate(monkeypatch, setting):
-    import shared.train.step_trace as step_trace
+    import shared.runtime.step_trace as step_trace
 
     lowered = []
     monkeypatch.setattr(step_trace, "lower_pallas_for_tpu", lambda: lowered.append(True))
@@ -156,7 +156,7 @@ def test_the_step_tracer_traces_the_first_candidate(monkeypatch, setting):
 
 
 class _Loop:
-    """Fakes for shared/train/attention.py `choose`: kernels by name (None: it does not import), probe answers by
+    """Fakes for shared/model/attention.py `choose`: kernels by name (None: it does not import), probe answers by
     the setting's word (None: passes; a line: why not; False: not probed), and what the loop asked and said."""
 
     def __init__(self, kernels: dict, answers: dict):
@@ -176,7 +176,7 @@ class _Loop:
         return answer
 
     def choose(self, kinds=(S, F, D), probe=True, batch_for=None):
-        from shared.train.attention import choose
+        from shared.model.attention import choose
 
         return choose(kinds, (16, 12, 1024, 64), self.make, self.probe if probe else None, start=self.started.append,
                       devices=8, log=self.lines.append, batch_for=batch_for)
@@ -228,7 +228,7 @@ def test_the_loop_keeps_the_first_kernel_made_without_a_probe_and_stops_on_a_pro
     loop = _Loop({F: "flash-kernel", S: None}, {})  # the step tracer's: no probe
     choice = loop.choose(probe=False)
     assert (choice.kind, choice.kernel, loop.started) == (F, "flash-kernel", [["flash"]])
-    from shared.train.attention_probe import ProbeHung
+    from shared.runtime.attention_probe import ProbeHung
 
     hung = ProbeHung("stopping before training: the splash-attention kernel's probe gave no answer")
     loop = _Loop({F: "flash-kernel", S: "splash-kernel"}, {"splash": hung, "flash": None})
@@ -252,8 +252,8 @@ def test_the_loop_probes_each_kernel_once_at_the_micro_batch_it_would_train_at()
 
 
 def test_a_session_at_micro_batch_auto_probes_each_kernel_once_at_the_batch_it_trains_at(xla_runtime, monkeypatch):
+    from shared.runtime.step import select_attention_and_micro_batch
     from shared.tpu import micro_batch_for
-    from shared.train.step import select_attention_and_micro_batch
 
     probed = []
 

@@ -11,8 +11,8 @@ from helpers import REPO, train_config
 from safetensors.torch import load_file
 
 from shared.config import TrainConfig
+from shared.runtime.device import make_runtime
 from shared.train.checkpoint import list_checkpoints
-from shared.train.device import make_runtime
 from shared.train.metrics import read_metrics
 from shared.train.trainer import train
 

@@ -5,7 +5,7 @@ import importlib.util
 import pytest
 from helpers import REPO, run_script, train_config
 
-from shared.train.model import GPT
+from shared.model.model import GPT
 
 
 def load_bench():

@@ -26,8 +26,8 @@ from scripts.bench_recipe_arms import (
 from shared.config import TrainConfig
 from shared.data import find_shards, read_shard, write_shard
 from shared.errors import UserError
+from shared.model.model import GPT
 from shared.model_shape import ModelConfig
-from shared.train.model import GPT
 
 
 def test_the_shipped_arm_is_the_example_files_optimizer_and_schedule(tmp_path):

@@ -14,6 +14,7 @@ import torch
 import shared.train.checkpoint
 from shared.errors import UserError
 from shared.fsutil import sha256_file
+from shared.model.model import GPT
 from shared.model_shape import ModelConfig
 from shared.train.checkpoint import (
     check_same_shape,
@@ -23,7 +24,6 @@ from shared.train.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from shared.train.model import GPT
 
 
 def _tensors(step):

@@ -13,9 +13,9 @@ import pytest
 from helpers import REPO, SMALL_ARGS, error_lines, run_script, small_config, train_in_process
 
 from shared.errors import UserError
+from shared.runtime.xla_notices import PALLAS_NOTICE, _SayOnce, runtime_notices
 from shared.session_clock import SessionClock, estimate_checkpoint_seconds, startup_line
 from shared.train.metrics import read_metrics
-from shared.train.xla_notices import PALLAS_NOTICE, _SayOnce, runtime_notices
 
 
 def test_a_start_up_that_ate_20_s_ends_training_20_s_earlier_under_the_deadline():
@@ -115,7 +115,7 @@ def test_the_gpt2_smokes_session_trains_its_budget_after_600_s_of_probes_and_com
     import shared.train.trainer as trainer
     from scripts.chain.config import load_config
     from scripts.chain.smoke import smoke_config
-    from shared.train.device import make_runtime
+    from shared.runtime.device import make_runtime
 
     smoke = smoke_config(load_config(REPO / "examples" / "chain-gpt2-124m.json"))
     settings = smoke.session_clock(smoke.session_limit_s)

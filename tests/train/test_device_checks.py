@@ -9,7 +9,7 @@ import pytest
 from shared import tpu
 from shared.errors import UserError, run_cli
 from shared.kaggle import env
-from shared.train.device import make_runtime
+from shared.runtime.device import make_runtime
 
 
 @pytest.fixture

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
+from shared.model.model import GPT
 from shared.model_shape import ModelConfig
+from shared.runtime.runtime import Runtime
 from shared.train.health import MATRIX_KINDS, attention_logit_max, block_weight_rms, health_record
-from shared.train.model import GPT
-from shared.train.runtime import Runtime
 
 
 def tiny_gpt(seed: int = 0) -> GPT:

@@ -1,4 +1,4 @@
-"""The chunked loss head (shared/train/loss_head.py) against plain PyTorch's: the tied projection then
+"""The chunked loss head (shared/model/loss_head.py) against plain PyTorch's: the tied projection then
 F.cross_entropy over fp32 logits with the padded columns masked, as the model computed its loss before."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared.train.loss_head import CHUNK_POSITIONS, head_loss
+from shared.model.loss_head import CHUNK_POSITIONS, head_loss
 
 B, C, V, REAL_V = 3, 48, 700, 690
 T = 2 * CHUNK_POSITIONS + 41  # three chunks, the last one short
@@ -64,8 +64,8 @@ def test_the_production_step_trains_as_with_plain_pytorchs_head(demo_data, tmp_p
     positions here) give the losses of the same run with the plain head, within bf16's rounding."""
     from helpers import small_config, train_in_process
 
-    import shared.train.loss_head as loss_head
-    import shared.train.model as model
+    import shared.model.loss_head as loss_head
+    import shared.model.model as model
     from shared.train.metrics import read_metrics
 
     monkeypatch.setattr(loss_head, "CHUNK_POSITIONS", 8)

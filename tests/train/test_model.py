@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from shared.eval.hf import export_hf, load_hf
+from shared.model.model import GPT
 from shared.model_shape import GPT2_VOCAB_SIZE, MODEL_PRESETS, PADDED_VOCAB_SIZE, ModelConfig
-from shared.train.model import GPT
 
 transformers = pytest.importorskip("transformers")
 
@@ -86,7 +86,7 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients():
 
 @pytest.mark.parametrize("layout", ["BHTD", "BHDT"])
 def test_for_a_kernels_layout_the_attention_makes_q_k_v_by_einsum_with_the_same_loss_and_gradients(layout):
-    from shared.train.attention import AttentionChoice
+    from shared.model.attention import AttentionChoice
 
     seen = []
 

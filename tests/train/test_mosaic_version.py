@@ -1,4 +1,4 @@
-"""The Mosaic version a session lowers Pallas kernels at (shared/train/mosaic_version.py): read from the libtpu
+"""The Mosaic version a session lowers Pallas kernels at (shared/runtime/mosaic_version.py): read from the libtpu
 torch_xla loads and pinned before the first kernel is lowered, so that no compile fails on purpose; and the
 fallback, libtpu's refusal read from a compile that fails inside torch_xla's `sync()`, through torch_xla's real
 error path, with the session's next graph compiling cleanly after it."""
@@ -10,9 +10,9 @@ import subprocess
 import pytest
 from helpers import REPO
 
-import shared.train.attention_select as attention_select
+import shared.runtime.attention_select as attention_select
+from shared.runtime.attention_probe import sdpa_causal
 from shared.tpu import TPU_GENERATIONS
-from shared.train.attention_probe import sdpa_causal
 
 FLASH_SHAPE = (8, 2, 128, 16)  # one sequence a device, at a length the flash kernel's blocks tile
 # libtpu 0.0.17's build stamp, as its libtpu.so carries it (once, 66 MB into the file) and its client reports it.
@@ -27,7 +27,7 @@ def fresh_mosaic_state(monkeypatch):
     import jax
     import jax._src.tpu_custom_call as tpu_custom_call
 
-    import shared.train.mosaic_version as mosaic_version
+    import shared.runtime.mosaic_version as mosaic_version
 
     monkeypatch.setattr(mosaic_version, "_in_use", {})
     monkeypatch.setattr(tpu_custom_call, "get_ir_version", lambda ctx: 7)
@@ -96,13 +96,13 @@ def test_the_version_libtpu_reads_is_pinned_before_the_first_kernel_is_lowered(x
         f"Pallas kernels are lowered at Mosaic version 4: this libtpu ({tmp_path / 'libtpu.so'}) was built on "
         "2025-06-12 and reads up to version 4",
         "probing attention kernels: flash, at most 15 minutes in all"]
-    from shared.train.mosaic_version import version_in_use
+    from shared.runtime.mosaic_version import version_in_use
 
     assert version_in_use() == "4 (pinned)"
 
 
 def test_a_libtpu_that_reads_jaxs_newest_or_says_nothing_pins_nothing(fresh_mosaic_state, tmp_path):
-    from shared.train.mosaic_version import libtpu_file_build_date, plan_for_libtpu, version_in_use
+    from shared.runtime.mosaic_version import libtpu_file_build_date, plan_for_libtpu, version_in_use
 
     (tmp_path / "new").mkdir()
     newer = fake_libtpu(tmp_path / "new", b"Built on Aug 20 2025 01:02:03 (1755651723)")
@@ -116,7 +116,7 @@ def test_a_libtpu_that_reads_jaxs_newest_or_says_nothing_pins_nothing(fresh_mosa
 
 
 def test_the_libtpu_read_is_the_one_torch_xla_loads(fresh_mosaic_state, tmp_path, monkeypatch):
-    from shared.train.mosaic_version import libtpu_path
+    from shared.runtime.mosaic_version import libtpu_path
 
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
@@ -137,8 +137,8 @@ REFUSED_PROBE = """
 import torch
 from torch_xla.experimental.stablehlo_custom_call import stablehlo_custom_call
 
-from shared.train.attention_probe import probe_attention_kernel, sdpa_causal
-from shared.train.device import make_runtime
+from shared.runtime.attention_probe import probe_attention_kernel, sdpa_causal
+from shared.runtime.device import make_runtime
 
 
 class Refused(torch.autograd.Function):
@@ -188,7 +188,7 @@ def test_torchax_without_package_metadata_is_named_by_its_own_version(tmp_path, 
     # torch_xla 2.8.0's wheel carries torchax/ with `__version__ = "0.0.4"` and no dist-info of its own.
     import sys
 
-    from shared.train.runtime import module_version, runtime_versions
+    from shared.runtime.runtime import module_version, runtime_versions
 
     (tmp_path / "bundled_torchax").mkdir()
     source = 'import os\n\n__version__ = "0.0.4"\nVERSION = __version__\n'

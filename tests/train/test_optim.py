@@ -11,9 +11,8 @@ from helpers import assert_identical_runs, loss_history, small_config, train_cli
 
 from shared.config import OptimizerSettings, TrainConfig
 from shared.errors import UserError
-from shared.train.metrics import read_metrics
-from shared.train.model import GPT
-from shared.train.optim import (
+from shared.model.model import GPT
+from shared.runtime.optim import (
     NS_COEFFICIENTS,
     MuonAdamW,
     clip_grad_norm,
@@ -25,7 +24,8 @@ from shared.train.optim import (
     same_schedule_until,
     stable_phase_end,
 )
-from shared.train.runtime import Runtime
+from shared.runtime.runtime import Runtime
+from shared.train.metrics import read_metrics
 
 MUON = ("--optimizer", "muon", "--schedule", "wsd", "--lr", "3e-3", "--muon-lr", "0.03")
 
@@ -119,7 +119,7 @@ def test_muon_update_matches_a_direct_computation(scale, muon_lr):
 def test_muon_orthogonalises_each_shape_of_matrix_once_a_step_as_a_batch(monkeypatch):
     """Under XLA every op of the update is traced from Python each step: the matrices of one shape (one a layer)
     go through Newton-Schulz as one batch, so tiny's 8 matrices (4 shapes x 2 layers) take 4 calls, not 8."""
-    import shared.train.optim as optim
+    import shared.runtime.optim as optim
 
     batches = []
     real = optim.newton_schulz
@@ -285,7 +285,7 @@ def test_muon_under_fsdp_steps_as_replicated(demo_data, tmp_path):
     """Under fsdp each matrix is sharded over the 8 devices and Muon orthogonalises the gathered whole: one step
     from the same gradients gives the replicated run's parameters (float32 Newton-Schulz: to rounding; bf16
     differs by its rounding only), and a short fsdp training run follows the replicated one."""
-    from shared.train.device import make_runtime
+    from shared.runtime.device import make_runtime
 
     runtime = make_runtime("xla")
     cfg = train_config(preset="tiny", optimizer="muon", lr=1e-3, muon_lr=0.05)
@@ -403,7 +403,7 @@ def test_bench_recipe_remaps_to_the_most_frequent_tokens_and_reads_tokens_needed
 
 
 def test_muon_momentum_warms_up_linearly_then_holds():
-    from shared.train.optim import muon_momentum_at
+    from shared.runtime.optim import muon_momentum_at
 
     cfg = train_config(optimizer="muon", muon_momentum_warmup_steps=300)
     steps = torch.tensor([0.0, 150.0, 299.0, 300.0, 5000.0])

@@ -1,5 +1,5 @@
-"""The attention kernels' probes as a session runs them (shared/train/attention_probe.py, and
-shared/train/attention_select.py `MeshProbes`): one budget for all of them, a probe that hangs stopping the session
+"""The attention kernels' probes as a session runs them (shared/runtime/attention_probe.py, and
+shared/runtime/attention_select.py `MeshProbes`): one budget for all of them, a probe that hangs stopping the session
 (and its exit not waiting for the device), the forward without gradients probed too, the Mosaic re-pin lowering
 the kernel afresh, and the versions a session logs against those --plan compiled with."""
 
@@ -10,9 +10,9 @@ import threading
 import pytest
 import torch
 
-import shared.train.attention_select as attention_select
+import shared.runtime.attention_select as attention_select
+from shared.runtime.attention_probe import sdpa_causal
 from shared.tpu import TPU_GENERATIONS
-from shared.train.attention_probe import sdpa_causal
 
 SHAPE = (8, 2, 256, 64)  # one sequence a device; 256 tokens: both Pallas kernels' blocks tile it
 
@@ -22,7 +22,7 @@ def fresh_mosaic_state(monkeypatch):
     """No Mosaic version pinned or seen in this process (a pin lasts the process), restored afterwards."""
     import jax
 
-    import shared.train.mosaic_version as mosaic_version
+    import shared.runtime.mosaic_version as mosaic_version
 
     monkeypatch.setattr(mosaic_version, "_in_use", {})
     jax.clear_caches()  # no kernel lowered before: each test's first lowering is its own
@@ -81,7 +81,7 @@ def test_a_repin_after_libtpu_refuses_the_version_lowers_the_kernel_afresh(xla_r
     probes.start(["flash"])
     assert probes.probe("flash", kaggle_flash, SHAPE, "using SDPA") is None
     assert payloads[0] == 7 and payloads[1:] and set(payloads[1:]) == {4}  # each call after the pin lowered anew
-    from shared.train.runtime import runtime_versions
+    from shared.runtime.runtime import runtime_versions
 
     assert runtime_versions()["mosaic"] == "4 (pinned)"
     assert capsys.readouterr().out.splitlines()[1:] == [
@@ -92,7 +92,7 @@ def test_a_repin_after_libtpu_refuses_the_version_lowers_the_kernel_afresh(xla_r
 def test_the_mosaic_version_logged_is_jaxs_own_choice_until_one_is_pinned(monkeypatch, fresh_mosaic_state):
     import jax._src.tpu_custom_call as tpu_custom_call
 
-    from shared.train.mosaic_version import pin_version, version_in_use, watch_version
+    from shared.runtime.mosaic_version import pin_version, version_in_use, watch_version
 
     monkeypatch.setattr(tpu_custom_call, "get_ir_version", lambda ctx: 7)  # jax 0.7.2 for libtpu 0.0.17
     assert version_in_use() is None  # nothing lowered yet
@@ -115,8 +115,8 @@ def hanging_kernel(released: threading.Event, calls: list):
 
 def test_a_probe_that_hangs_costs_at_most_the_budget_and_stops_the_session_before_training(
         xla_runtime, monkeypatch, capsys):
-    import shared.train.attention_probe as attention_probe
-    from shared.train.attention_probe import ProbeHung
+    import shared.runtime.attention_probe as attention_probe
+    from shared.runtime.attention_probe import ProbeHung
 
     monkeypatch.setattr(attention_probe, "PROBE_BUDGET_S", 0.5)
     monkeypatch.setattr(attention_probe, "PROBE_FLOOR_S", 0.0)
@@ -152,7 +152,7 @@ def test_a_spent_budget_skips_the_later_probes_with_a_notice_and_keeps_sdpa(xla_
     # with less than a minute left, and SDPA trains.
     import functools
 
-    from shared.train.attention_probe import ProbeBudget
+    from shared.runtime.attention_probe import ProbeBudget
 
     now = [0.0]
     monkeypatch.setattr(attention_select, "ProbeBudget", functools.partial(ProbeBudget, clock=lambda: now[0]))
@@ -186,7 +186,7 @@ def test_a_hung_probes_session_exits_without_waiting_for_the_device():
 import atexit
 atexit.register(lambda: print("waited for the device", flush=True))
 from shared.errors import UserError, run_cli
-from shared.train.attention_probe import end_at_exit_without_device_wait
+from shared.runtime.attention_probe import end_at_exit_without_device_wait
 
 def main():
     end_at_exit_without_device_wait()
@@ -207,7 +207,7 @@ def test_a_kernel_whose_forward_without_gradients_is_wrong_fails_its_probe(xla_r
 
     import torch.nn.functional as F
 
-    from shared.train.attention_probe import probe_attention_kernel
+    from shared.runtime.attention_probe import probe_attention_kernel
 
     def eval_not_causal(q, k, v):  # right with gradients; an eval's forward forgets the mask
         return sdpa_causal(q, k, v) if torch.is_grad_enabled() else F.scaled_dot_product_attention(q, k, v)
@@ -222,8 +222,8 @@ def test_splash_with_a_wrong_plain_forward_fails_its_probe(xla_runtime, monkeypa
     # splash's forward without gradients is a kernel call of its own (no logsumexp): its fault alone fails the probe.
     import functools
 
-    from shared.train import splash
-    from shared.train.attention_probe import probe_attention_kernel
+    from shared.model import splash
+    from shared.runtime.attention_probe import probe_attention_kernel
 
     def wrong_plain_forward(q, k, v, interpret=True):
         return splash._forward(q, k, v, interpret=interpret) * 1.1
@@ -236,8 +236,8 @@ def test_splash_with_a_wrong_plain_forward_fails_its_probe(xla_runtime, monkeypa
 
 
 def test_the_versions_a_session_logs_and_where_they_differ_from_the_plans(fresh_mosaic_state):
+    from shared.runtime.runtime import plan_versions_notice, runtime_versions
     from shared.tpu import PLAN_TPU_VERSIONS
-    from shared.train.runtime import plan_versions_notice, runtime_versions
 
     versions = runtime_versions()
     assert list(versions) == ["python", "torch", "torch_xla", "jax", "jaxlib", "libtpu", "torchax", "mosaic"]

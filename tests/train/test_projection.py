@@ -11,8 +11,8 @@ import pytest
 from helpers import small_config, train_config, train_in_process
 
 from scripts.projection_coverage import simulate
+from shared.runtime.optim import stable_phase_end
 from shared.train.metrics import GPT2_124M_VAL_LOSS, GPT2_HELLASWAG, read_metrics
-from shared.train.optim import stable_phase_end
 from shared.train.projection import (
     LEVEL,
     PUBLISHED_DECAYS,

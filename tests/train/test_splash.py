@@ -1,4 +1,4 @@
-"""jax's splash attention in the train step (shared/train/splash.py): its numerics, run in Pallas's interpreter on
+"""jax's splash attention in the train step (shared/model/splash.py): its numerics, run in Pallas's interpreter on
 the 8 XLA CPU devices with the batch sharded as training shards it, and the order a TPU session tries the kernels
 in (splash, flash, SDPA), each kept only where its probe passes."""
 
@@ -7,11 +7,11 @@ import pytest
 import torch
 from helpers import train_config
 
-import shared.train.attention_select as attention_select
+import shared.runtime.attention_select as attention_select
+from shared.model.attention import splash_fits
+from shared.model.splash import splash_attention
+from shared.runtime.attention_probe import probe_attention_kernel, sdpa_causal
 from shared.tpu import TPU_GENERATIONS
-from shared.train.attention import splash_fits
-from shared.train.attention_probe import probe_attention_kernel, sdpa_causal
-from shared.train.splash import splash_attention
 
 SHAPE = (8, 2, 256, 64)  # one sequence a device; 256 tokens: one block
 
@@ -45,7 +45,7 @@ def test_splash_attention_equals_sdpa_forward_and_backward_with_the_batch_sharde
 def test_without_gradients_splash_runs_its_plain_forward_and_writes_no_logsumexp(xla_runtime, monkeypatch):
     import torch_xla.core.xla_builder as xb
 
-    from shared.train import splash
+    from shared.model import splash
 
     called = []
     call_jax = xb.call_jax
@@ -63,8 +63,8 @@ def test_without_gradients_splash_runs_its_plain_forward_and_writes_no_logsumexp
 
 @pytest.mark.slow
 def test_a_step_with_splash_attention_gives_sdpas_loss_and_gradients(xla_runtime):
-    from shared.train.attention import SDPA_CHOICE, SPLASH, kernel_choice
-    from shared.train.model import GPT
+    from shared.model.attention import SDPA_CHOICE, SPLASH, kernel_choice
+    from shared.model.model import GPT
 
     cfg = train_config(preset="tiny", seq_len=256)
     tokens = np.random.default_rng(0).integers(0, 50257, (2, 8, 257)).astype(np.int32)  # 2 micro-steps of 8
@@ -136,7 +136,7 @@ def test_the_backward_from_residuals_equals_the_recomputed_one_over_gpt2s_blocks
     import jax
     import jax.numpy as jnp
 
-    from shared.train.splash import _backward, _backward_from_residuals, _forward_saving
+    from shared.model.splash import _backward, _backward_from_residuals, _forward_saving
 
     keys = jax.random.split(jax.random.PRNGKey(0), 4)
     q, k, v, grad = (jax.random.normal(key, (1, 2, 1024, 64), jnp.float32) for key in keys)
@@ -160,7 +160,7 @@ def test_the_backward_from_residuals_equals_the_recomputed_one_over_gpt2s_blocks
 def test_the_backward_reads_the_forwards_residuals_only_where_jaxs_private_rule_takes_them(monkeypatch):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel
 
-    from shared.train.splash import backward_rule_usable
+    from shared.model.splash import backward_rule_usable
 
     assert backward_rule_usable()  # this jax (0.7.x): the backward runs two kernels, not three
     real = kernel._splash_attention_bwd
@@ -185,7 +185,7 @@ def test_the_kernel_runs_only_at_the_length_its_probe_passed_and_sdpa_takes_the_
     # The in-training HellaSwag eval's rows are shorter than the training sequence (the longest row rounded up to
     # 32), and a Pallas kernel's blocks may not tile them (splash at 192 tokens: "bkv_compute=192 must be a
     # multiple of 128"): those calls take SDPA.
-    import shared.train.model as model
+    import shared.model.model as model
 
     calls = []
 
@@ -225,8 +225,8 @@ def test_training_with_splash_compiles_nothing_after_step_two_and_follows_sdpas_
     # from the forward's residuals), the kernel run by Pallas's interpreter on the 8 XLA CPU devices.
     from helpers import small_config, train_in_process
 
-    from shared.train.attention import SPLASH, kernel_choice
-    from shared.train.device import make_runtime
+    from shared.model.attention import SPLASH, kernel_choice
+    from shared.runtime.device import make_runtime
     from shared.train.metrics import read_metrics
 
     splash = kernel_choice(SPLASH, splash_attention(make_runtime("xla").mesh, interpret=True), 128)

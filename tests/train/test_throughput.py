@@ -120,7 +120,7 @@ def test_a_real_xla_session_reports_the_tokens_its_steps_trained_over_their_wall
     # time the loop itself saw between step launches (each returns once the step before it has finished).
     from helpers import small_config
 
-    from shared.train.device import make_runtime
+    from shared.runtime.device import make_runtime
     from shared.train.trainer import train
 
     cfg = small_config(demo_data, tmp_path, total_steps=steps, log_every=log_every)

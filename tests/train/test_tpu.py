@@ -6,6 +6,7 @@ import pytest
 from helpers import train_config
 
 from shared.errors import UserError
+from shared.runtime.step import plan_step
 from shared.tpu import (
     TPU_GENERATIONS,
     detect_tpu_generation,
@@ -13,7 +14,6 @@ from shared.tpu import (
     tpu_devices_present,
     tpu_pci_devices,
 )
-from shared.train.step import plan_step
 
 # What torch_xla's PJRT client reports for device 0 of a TPU: core_on_chip, num_cores, coords, name; no
 # device_kind (docs/kaggle-tpu.md cites the source).
@@ -142,7 +142,7 @@ def test_scan_layers_on_is_refused_where_it_cannot_run():
 def test_scan_availability_is_what_torch_xla_can_import_and_asked_only_where_it_could_run(monkeypatch):
     import torch_xla._internal.jax_workarounds as workarounds
 
-    from shared.train import xla_runtime
+    from shared.runtime import xla_runtime
 
     # torch_xla's wheel carries a torchax that imports flax: found by find_spec, unusable by torch_xla.
     monkeypatch.setattr(workarounds, "maybe_get_torchax", lambda: None)
@@ -170,7 +170,7 @@ FLASH_SHAPE = (8, 2, 128, 16)  # the same at a length the flash kernel's blocks 
 @pytest.fixture
 def flash_host(xla_runtime, monkeypatch):
     """The suite's runtime on a TPU that compiles the flash kernel (a v5e): a session that tries it
-    (shared/train/attention.py) at FLASH_SHAPE with the setting "flash" (splash skipped)."""
+    (shared/model/attention.py) at FLASH_SHAPE with the setting "flash" (splash skipped)."""
     monkeypatch.setattr(xla_runtime, "tpu_generation", TPU_GENERATIONS["v5e"])
     return xla_runtime
 
@@ -189,7 +189,7 @@ def wrong_dk_kernel(scale: float):
     """A kernel whose forward is exact attention and whose backward returns dk times `scale` (dq, dv exact)."""
     import torch
 
-    from shared.train.attention_probe import sdpa_causal
+    from shared.runtime.attention_probe import sdpa_causal
 
     class WrongDk(torch.autograd.Function):
         @staticmethod
@@ -218,7 +218,7 @@ def test_the_runtimes_device_type_is_what_its_client_reports_not_the_pjrt_device
 
 
 def test_attention_probe_accepts_exact_kernels_sharded_as_training_shards(xla_runtime):
-    from shared.train.attention_probe import probe_attention_kernel, sdpa_causal
+    from shared.runtime.attention_probe import probe_attention_kernel, sdpa_causal
 
     for kernel in (sdpa_causal, manual_attention):
         assert probe_attention_kernel(kernel, PROBE_SHAPE, xla_runtime.device, xla_runtime.shard_batch,
@@ -229,7 +229,7 @@ def test_attention_probe_accepts_exact_kernels_sharded_as_training_shards(xla_ru
 def test_attention_probe_rejects_a_wrong_gradient_and_names_it(xla_runtime):
     import re
 
-    from shared.train.attention_probe import ATTENTION_PROBE_TOLERANCE, probe_attention_kernel
+    from shared.runtime.attention_probe import ATTENTION_PROBE_TOLERANCE, probe_attention_kernel
 
     failure = probe_attention_kernel(wrong_dk_kernel(1.1), PROBE_SHAPE, xla_runtime.device, xla_runtime.shard_batch,
                                      xla_runtime.sync)
@@ -250,7 +250,7 @@ def test_attention_probe_rejects_a_wrong_gradient_and_names_it(xla_runtime):
 
 
 def test_attention_probe_reports_a_failing_kernel_in_one_line():
-    from shared.train.attention_probe import probe_attention_kernel
+    from shared.runtime.attention_probe import probe_attention_kernel
 
     def broken(q, k, v):
         raise RuntimeError("Mosaic failed to compile TPU kernel: Unsupported matmul\nmore detail")
@@ -265,7 +265,7 @@ def test_an_import_of_jax_that_hangs_leaves_sdpa_with_one_line(xla_runtime, monk
     import sys
     import threading
 
-    import shared.train.attention_select as attention_select
+    import shared.runtime.attention_select as attention_select
 
     released = threading.Event()
 
@@ -288,7 +288,7 @@ def test_an_import_of_jax_that_hangs_leaves_sdpa_with_one_line(xla_runtime, monk
 
 
 def test_the_runtime_keeps_sdpa_with_a_notice_when_the_kernel_is_wrong(flash_host, monkeypatch, capsys):
-    import shared.train.attention_select as attention_select
+    import shared.runtime.attention_select as attention_select
 
     xla_runtime = flash_host
     monkeypatch.setattr(attention_select, "flash_attention_kernel", lambda mesh: wrong_dk_kernel(1.5))
@@ -313,10 +313,10 @@ def test_the_trainer_probes_the_kernel_at_its_own_shapes_sharded_per_device(flas
     import numpy as np
     import torch_xla
 
-    import shared.train.attention_select as attention_select
+    import shared.runtime.attention_select as attention_select
     import shared.train.trainer as trainer
     from shared.data import write_shard
-    from shared.train.attention_probe import sdpa_causal
+    from shared.runtime.attention_probe import sdpa_causal
     from shared.train.trainer import train
 
     calls = []
@@ -435,7 +435,7 @@ class _ProbedRuntime:
     def select_attention(self, batch: int, n_head: int, seq_len: int, head_dim: int, setting: str = "auto",
                          batch_for=None):
         # As XlaRuntime's: the Pallas kernel probed once, at the micro-batch it would train at (`batch_for`).
-        from shared.train.attention import AttentionChoice
+        from shared.model.attention import AttentionChoice
 
         flash = self.tpu_generation is not None and self.tpu_generation.pallas_flash_attention
         at = batch_for("pallas-flash") if flash and batch_for else batch
@@ -452,7 +452,7 @@ class _ProbedRuntime:
 ])
 def test_micro_batch_auto_follows_the_attention_kernel_that_passed(preset, generation, flash_up_to, probed, chosen,
                                                                     attention):
-    from shared.train.step import select_attention_and_micro_batch
+    from shared.runtime.step import select_attention_and_micro_batch
 
     runtime = _ProbedRuntime(generation, flash_up_to)
     lines = []
@@ -473,7 +473,7 @@ def test_a_kernel_libtpu_refuses_for_its_mosaic_version_is_lowered_at_the_versio
     # in a long error, until jax's hook says 4.
     import jax._src.tpu_custom_call as tpu_custom_call
 
-    from shared.train.attention_probe import sdpa_causal
+    from shared.runtime.attention_probe import sdpa_causal
 
     monkeypatch.setattr(tpu_custom_call, "get_ir_version", lambda ctx: 7)  # restored after the test
     calls = []
@@ -485,7 +485,7 @@ def test_a_kernel_libtpu_refuses_for_its_mosaic_version_is_lowered_at_the_versio
                                f"INTERNAL: Unsupported version: expected <= 4 but got {calls[-1]}\n(stack)")
         return sdpa_causal(q, k, v)
 
-    import shared.train.attention_select as attention_select
+    import shared.runtime.attention_select as attention_select
 
     xla_runtime = flash_host
     monkeypatch.setattr(attention_select, "flash_attention_kernel", lambda mesh: kaggle_flash)
@@ -507,7 +507,7 @@ def test_a_kernel_that_fails_at_the_pinned_version_too_leaves_sdpa_with_libtpus_
     def refused(q, k, v):
         raise RuntimeError("INTERNAL: Unsupported version: expected <= 3 but got 8")
 
-    import shared.train.attention_select as attention_select
+    import shared.runtime.attention_select as attention_select
 
     xla_runtime = flash_host
     monkeypatch.setattr(attention_select, "flash_attention_kernel", lambda mesh: refused)
@@ -521,7 +521,7 @@ def test_a_kernel_that_fails_at_the_pinned_version_too_leaves_sdpa_with_libtpus_
 def test_the_mosaic_version_a_libtpu_reads_follows_its_build_date():
     import datetime
 
-    from shared.train.mosaic_version import libtpu_build_date, readable_version, version_for_libtpu
+    from shared.runtime.mosaic_version import libtpu_build_date, readable_version, version_for_libtpu
 
     # libtpu 0.0.17's compile-only client, as Kaggle's image pins it.
     built = libtpu_build_date("TFRT TPU v5 lite\nBuilt on Jun 12 2025 16:39:57 (1749771597) cl/769337304")

@@ -53,12 +53,12 @@ def test_tinys_step_compiles_for_v5e_8_and_v6e_8_in_line_with_the_step_and_the_s
         assert r["kernel_flops"] == attention
         assert r["loops"] == [2]
         # Every gradient is all-reduced once a step (bf16 or fp32), after the accumulation loop: none inside it,
-        # where it would run every micro-step (the tied wte's two parts included: shared/train/accum_loop.py).
+        # where it would run every micro-step (the tied wte's two parts included: shared/runtime/accum_loop.py).
         inside = [g for g in r["collectives"] if g["where"] == "inside"]
         outside = sum(g["bytes"] for g in r["collectives"] if g["where"] == "outside" and g["kind"] == "all-reduce")
         assert inside == [] and outside >= 2 * params
         assert 0 < r["mfu_ceiling"] < 1 and r["step_s"] > r["roofline_ops_s"] > 0
-    # The step a session tries first: jax's splash attention through call_jax (shared/train/splash.py), lowered for
+    # The step a session tries first: jax's splash attention through call_jax (shared/model/splash.py), lowered for
     # the TPU here too. Two kernels a layer a micro-step (the forward, saving its logsumexp, and the fused backward
     # reading it: the forward is not run again), and no more HBM than the flash step's.
     splash = run_script("scripts/tpu_compile.py", *args[:-1], "v6e-8", "--attention", "splash", "--json", env=env,

@@ -74,7 +74,7 @@ def test_sigterm_ends_the_session_with_a_checkpoint(demo_data, tmp_path):
 def test_no_recompilation_after_step_two(demo_data, tmp_path):
     # Warm-up into cosine decay (the LR changes every step), evals and checkpoints inside the run.
     from shared.checkpoint_names import MANIFEST_FILE
-    from shared.train.device import make_runtime
+    from shared.runtime.device import make_runtime
     from shared.train.trainer import train
 
     cfg = small_config(demo_data, tmp_path, total_steps=9, warmup_steps=3, eval_every=2, eval_batches=2,
@@ -143,8 +143,8 @@ def test_time_budget_stops_cleanly_with_a_checkpoint(demo_data, tmp_path):
 def test_fsdp_shards_parameters_and_matches_replicated_training(demo_data, tmp_path):
     import torch_xla
 
-    from shared.train.device import make_runtime
-    from shared.train.model import GPT
+    from shared.model.model import GPT
+    from shared.runtime.device import make_runtime
 
     runtime = make_runtime("xla")
     model = runtime.prepare_model(GPT(small_config(demo_data, tmp_path).model.shape), fsdp=True)
@@ -308,11 +308,11 @@ def test_step_structures_train_the_same_model(demo_data, tmp_path):
 
 @pytest.mark.slow
 def test_the_accumulation_loop_is_traced_once_and_never_waits_for_the_device():
-    # The project's loop (shared/train/accum_loop.py) is traced on the first step and reused after: three steps
+    # The project's loop (shared/runtime/accum_loop.py) is traced on the first step and reused after: three steps
     # build its body once and wait for the device (wait_device_ops) not once.
-    from shared.train.device import make_runtime
-    from shared.train.model import GPT
-    from shared.train.xla_runtime import count_device_waits
+    from shared.model.model import GPT
+    from shared.runtime.device import make_runtime
+    from shared.runtime.xla_runtime import count_device_waits
 
     runtime = make_runtime("xla")
     torch.manual_seed(0)
@@ -336,8 +336,8 @@ def test_the_accumulation_loop_is_traced_once_and_never_waits_for_the_device():
 def test_foreach_adamw_and_clip_equal_torchs_bit_for_bit():
     # ForeachAdamW and clip_grad_norm trace a few foreach calls instead of ~17 ops per parameter; the arithmetic
     # is torch's single-tensor capturable AdamW and per-tensor clip_grad_norm_, so the results are identical.
-    from shared.train.device import make_runtime
-    from shared.train.optim import ForeachAdamW, clip_grad_norm
+    from shared.runtime.device import make_runtime
+    from shared.runtime.optim import ForeachAdamW, clip_grad_norm
 
     runtime = make_runtime("xla")
     device = runtime.device

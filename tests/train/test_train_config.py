@@ -215,7 +215,7 @@ def test_a_checkpoints_config_reads_the_same_written_flat_nested_or_under_old_na
     """Checkpoints written before the sections were objects carry the train settings flat (a run's length as
     max_steps before that, and maybe a setting since removed): a resume (saved_schedule) and an eval (saved_settings)
     read them as they read today's nested ones."""
-    from shared.train.optim import saved_schedule
+    from shared.runtime.optim import saved_schedule
     from shared.train_sections import saved_settings
 
     run = TrainConfig.from_dict({"schedule": "wsd", "total_steps": 8, "cooldown_frac": 0.5, "optimizer": "muon",

@@ -2,8 +2,8 @@
 the session's attention selection sees a v5e, and every Pallas kernel's probe hangs, as a kernel whose compile or
 run never comes back on a TPU does: the probe's thread blocks for ever inside the kernel, on the session's own XLA
 devices, and the session's probe budget (3 s here, 15 minutes on Kaggle) runs out. Nothing else in the session is
-changed: the patch goes in when the session imports shared/train/xla_runtime.py (the copy its bootstrap unpacked),
-on it and on shared/train/attention_select.py (which makes the kernels), and the generation is the v5e's only
+changed: the patch goes in when the session imports shared/runtime/xla_runtime.py (the copy its bootstrap unpacked),
+on it and on shared/runtime/attention_select.py (which makes the kernels), and the generation is the v5e's only
 while the kernels are chosen."""
 
 import importlib.abc
@@ -16,8 +16,8 @@ PROBE_BUDGET_S = 3.0
 
 
 def _patch(module) -> None:
-    import shared.train.attention_probe as attention_probe
-    import shared.train.attention_select as attention_select
+    import shared.runtime.attention_probe as attention_probe
+    import shared.runtime.attention_select as attention_select
     from shared.tpu import TPU_GENERATIONS
 
     attention_probe.PROBE_BUDGET_S, attention_probe.PROBE_FLOOR_S = PROBE_BUDGET_S, 0.0
@@ -57,7 +57,7 @@ class _PatchingLoader(importlib.abc.Loader):
 
 class _PatchRuntimeOnImport(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name != "shared.train.xla_runtime":
+        if name != "shared.runtime.xla_runtime":
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)

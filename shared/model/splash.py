@@ -25,8 +25,8 @@ from collections.abc import Callable
 
 import torch
 
-# Query and key blocks; where they tile a sequence is `splash_fits`, beside flash's rule (shared/train/attention.py).
-from shared.train.attention import SPLASH_BLOCK as BLOCK
+# Query and key blocks; where they tile a sequence is `splash_fits`, beside flash's rule (shared/model/attention.py).
+from shared.model.attention import SPLASH_BLOCK as BLOCK
 
 
 def _kernel(n_head: int, seq_len: int, interpret: bool, save_residuals: bool = False):

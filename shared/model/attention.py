@@ -1,9 +1,9 @@
 """The one owner of attention: which kernels a session tries on a TPU generation at a sequence length, in order,
 for the `attention` setting (TrainConfig.attention: auto, splash, flash, sdpa) (`candidates`), the loop that tries
 them (`choose`: each made, probed, the first that passes kept, why the others did not said), and the choice a model
-is built with (`AttentionChoice`). One decision, asked by the session (shared/train/attention_select.py, which gives
-`choose` its mesh's kernels and its probe, shared/train/attention_probe.py), the step tracer
-(`shared.train.step_trace`, which gives it no probe: it traces the first kernel made), `--plan`
+is built with (`AttentionChoice`). One decision, asked by the session (shared/runtime/attention_select.py, which gives
+`choose` its mesh's kernels and its probe, shared/runtime/attention_probe.py), the step tracer
+(`shared.runtime.step_trace`, which gives it no probe: it traces the first kernel made), `--plan`
 (scripts/chain/plan.py, which compiles the first and then each fallback), scripts/tpu_compile.py and
 scripts/bench_mfu.py. `candidates` is pure: the generation's name, the length and the setting in, kernel names out;
 whether jax and torchax import, and whether a kernel passes its probe, is the session's to find out.
@@ -26,10 +26,10 @@ KERNELS = (SPLASH, FLASH, SDPA)  # the order a session tries them in, SDPA last 
 # Each kernel's word in the `attention` setting; `auto` starts from the first of KERNELS.
 SETTING_OF = {SPLASH: "splash", FLASH: "flash", SDPA: "sdpa"}
 FIRST_KERNEL = {"auto": KERNELS[0], **{word: kernel for kernel, word in SETTING_OF.items()}}
-# The layout each Pallas kernel reads q, k and v in, which the attention makes them in (shared/train/model.py):
-# splash reads them sequence-minor (shared/train/splash.py), torch_xla's flash kernel (B, H, T, D).
+# The layout each Pallas kernel reads q, k and v in, which the attention makes them in (shared/model/model.py):
+# splash reads them sequence-minor (shared/model/splash.py), torch_xla's flash kernel (B, H, T, D).
 QKV_LAYOUTS = {SPLASH: "BHDT", FLASH: "BHTD"}
-# Splash's query and key blocks (shared/train/splash.py): the causal mask's blocks above the diagonal are skipped whole.
+# Splash's query and key blocks (shared/model/splash.py): the causal mask's blocks above the diagonal are skipped whole.
 SPLASH_BLOCK = 512
 # torch_xla's flash wrapper takes each block as min(its default, T) (torch_xla 2.8.0 and 2.9.0,
 # torch_xla/experimental/custom_kernel.py `FlashAttention.DEFAULT_BLOCK_SIZES`, and the min()s in
@@ -83,7 +83,7 @@ def _from_setting(generation: str | None, setting: str) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class AttentionChoice:
-    """The attention a model runs, given to it when built (shared/train/model.py `GPT(cfg, attention)`): `kind`
+    """The attention a model runs, given to it when built (shared/model/model.py `GPT(cfg, attention)`): `kind`
     (one of KERNELS), the causal `kernel` (q, k, v) -> out of shape (B, H, T, D) (None: SDPA), the `seq_len` it
     runs at (the length its probe passed at; other lengths, such as the in-training HellaSwag eval's rows, take
     SDPA, as a Pallas kernel's blocks may not tile them; None: any), and `qkv_layout`, the memory layout the
@@ -108,7 +108,7 @@ def kernel_choice(kind: str, kernel: Callable, seq_len: int) -> AttentionChoice:
     return AttentionChoice(kind, kernel, seq_len, QKV_LAYOUTS[kind])
 
 
-# How the line a session stops on where a kernel's probe hung begins (shared/train/attention_probe.py `hung_line`);
+# How the line a session stops on where a kernel's probe hung begins (shared/runtime/attention_probe.py `hung_line`);
 # the chain reads it back to start the next session past that kernel (scripts/chain/attention_carry.py).
 HUNG_PROBE_LINE = "stopping before training: the {word}-attention kernel's probe gave "
 _HUNG_PROBE = re.compile(re.escape(HUNG_PROBE_LINE).replace(re.escape("{word}"), r"(\w+)"))

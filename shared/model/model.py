@@ -14,10 +14,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from shared.errors import UserError
-from shared.model_shape import GPT2_VOCAB_SIZE, ModelConfig
-from shared.train.attention import SDPA_CHOICE, AttentionChoice
-from shared.train.checkpoint import different_shape_error
-from shared.train.loss_head import head_loss
+from shared.model.attention import SDPA_CHOICE, AttentionChoice
+from shared.model.loss_head import head_loss
+from shared.model_shape import GPT2_VOCAB_SIZE, ModelConfig, different_shape_error
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -127,7 +126,7 @@ class Block(nn.Module):
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig, attention: AttentionChoice = SDPA_CHOICE):
         """`attention`: the kernel the session chose for its shapes (`select_attention_and_micro_batch`,
-        shared/train/step.py; shared/train/attention.py); SDPA by default."""
+        shared/runtime/step.py; shared/model/attention.py); SDPA by default."""
         super().__init__()
         self.config = cfg
         self.attention = attention
@@ -142,7 +141,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied embeddings
         self.apply(self._init_weights)
-        # How the block stack runs, set by the runtime (prepare_model, shared/train/runtime.py): a checkpoint
+        # How the block stack runs, set by the runtime (prepare_model, shared/runtime/runtime.py): a checkpoint
         # function (block, x) -> x that recomputes a block's activations in the backward pass, and/or a runner
         # (blocks, x) -> x for the whole stack (XLA's scan: one block compiled once). None: a plain loop.
         self.block_checkpoint = None
@@ -158,7 +157,7 @@ class GPT(nn.Module):
         of into wte.weight.grad beside the tied head's. Under SPMD each of the two is all-reduced; XLA's
         WhileLoopAllReduceCodeMotion moves an all-reduce out of the accumulation loop only when it reaches an
         accumulator of its own through adds, so the loop keeps two sums for wte and adds them after it
-        (shared/train/accum_loop.py): its gradient is then all-reduced once a step, not every micro-step."""
+        (shared/runtime/accum_loop.py): its gradient is then all-reduced once a step, not every micro-step."""
         weight = self.transformer.wte.weight
         self._embedding_grad_apart = torch.empty_like(weight).requires_grad_()  # never read: only its .grad
         try:
@@ -257,6 +256,6 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         if targets is None:
             return self.lm_head(x)[..., : min(self.config.vocab_size, GPT2_VOCAB_SIZE)], None
-        # With targets only the loss comes back, made a chunk of positions at a time (shared/train/loss_head.py):
+        # With targets only the loss comes back, made a chunk of positions at a time (shared/model/loss_head.py):
         # no [tokens x vocab] logits are kept for the backward pass or as an output of the step.
         return None, head_loss(x, self.lm_head.weight, targets, self.vocab_padding)

@@ -1,6 +1,6 @@
 """Where the math runs, in plain torch: `Runtime` (one device, CPU or CUDA), the interface every runtime keeps so
 the training loop reads the same on every backend, and `DdpRuntime` (torchrun's processes under DDP). The XLA
-runtime is `shared.train.xla_runtime`; `shared.train.device.make_runtime` picks one."""
+runtime is `shared.runtime.xla_runtime`; `shared.runtime.device.make_runtime` picks one."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from shared.model.attention import SDPA_CHOICE, AttentionChoice
 from shared.tpu import TpuGeneration
-from shared.train.attention import SDPA_CHOICE, AttentionChoice
 
 # bf16 peak FLOP/s per GPU, matched against torch.cuda.get_device_name.
 PEAK_BF16_FLOPS = {
@@ -69,7 +69,7 @@ class Runtime:
         asks once the model config is known, before the model is built, and gives the choice to its model and its
         step; no runtime keeps it); `setting`: TrainConfig.attention, the kernel to start from. `batch_for(kind)`:
         the micro-batch each kernel would train at (`--micro-batch auto`), which its one probe runs at instead of
-        `batch`. Which kernels, and the loop that tries them, are shared/train/attention.py's (`candidates`,
+        `batch`. Which kernels, and the loop that tries them, are shared/model/attention.py's (`candidates`,
         `choose`); here, without a TPU, it is SDPA alone."""
         return SDPA_CHOICE
 
@@ -237,11 +237,11 @@ class DdpRuntime(Runtime):
 def runtime_versions() -> dict[str, str | None]:
     """Python, torch, torch_xla, jax, jaxlib, libtpu and torchax as installed (None: absent), read without importing
     jax; and the Mosaic version this process lowers Pallas kernels at ("mosaic": pinned, or jax's own choice at
-    its last lowering; None before any, shared/train/mosaic_version.py)."""
+    its last lowering; None before any, shared/runtime/mosaic_version.py)."""
     import platform
     from importlib import metadata
 
-    from shared.train.mosaic_version import version_in_use
+    from shared.runtime.mosaic_version import version_in_use
 
     def version(*dists: str) -> str | None:
         for dist in dists:

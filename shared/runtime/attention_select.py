@@ -2,8 +2,8 @@
 the mesh (jax's splash attention, torch_xla's flash attention), each probed once at the session's own shapes within
 the session's probe budget, and the `AttentionChoice` returned, which the session gives its model and its step.
 Nothing of it is kept on the runtime (which is process-wide): each selection has its own budget. Which kernels, in
-which order, and the loop that tries them, are shared/train/attention.py's; the probe itself is
-shared/train/attention_probe.py's.
+which order, and the loop that tries them, are shared/model/attention.py's; the probe itself is
+shared/runtime/attention_probe.py's.
 
 The image's jax may not be the one this torch_xla was built against (Kaggle's TPU image pairs torch_xla 2.8.0 with
 jax 0.7.x, docs/kaggle-tpu.md), and Mosaic compiles a kernel per shape: each kernel runs forward and backward at the
@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 from shared.errors import UserError, describe_error, within
 from shared.kaggle.facts import record_fact
-from shared.train.attention import FLASH, AttentionChoice, candidates, choose
-from shared.train.attention_probe import (
+from shared.model.attention import FLASH, AttentionChoice, candidates, choose
+from shared.runtime.attention_probe import (
     PROBE_TIMEOUT_S,
     ProbeBudget,
     ProbeHung,
@@ -25,9 +25,9 @@ from shared.train.attention_probe import (
     hung_line,
     probe_attention_kernel,
 )
-from shared.train.mosaic_version import pin_version as pin_mosaic_version
-from shared.train.mosaic_version import plan_for_libtpu as plan_mosaic_for_libtpu
-from shared.train.mosaic_version import readable_version as readable_mosaic_version
+from shared.runtime.mosaic_version import pin_version as pin_mosaic_version
+from shared.runtime.mosaic_version import plan_for_libtpu as plan_mosaic_for_libtpu
+from shared.runtime.mosaic_version import readable_version as readable_mosaic_version
 
 Shape = tuple[int, int, int, int]
 
@@ -79,7 +79,7 @@ class MeshProbes:
 
     def probe(self, name: str, kernel: Callable, shape: Shape, instead: str) -> str | None | bool:
         """None where `kernel` runs and agrees with SDPA at `shape`; else why not, in a line (the attention loop,
-        shared/train/attention.py `choose`, says it). Within what is left of the selection's probe budget: none
+        shared/model/attention.py `choose`, says it). Within what is left of the selection's probe budget: none
         left, a notice ending with `instead` and False; a probe that outlasts it stops the session (ProbeHung: its
         graph may hold the device, docs/tpu-throughput.md)."""
         budget = self.budget = self.budget or ProbeBudget()
@@ -115,12 +115,12 @@ def make_kernel(mesh, kind: str, instead: str) -> Callable | None:
 
 
 def splash_attention_kernel(mesh, instead: str = "trying the flash-attention kernel") -> Callable | None:
-    """jax's splash attention (q, k, v) -> out over `mesh` (shared/train/splash.py), or None where it may not run.
-    Asked only where shared/train/attention.py puts it (its TPU, switches and sequence length) and the flash
+    """jax's splash attention (q, k, v) -> out over `mesh` (shared/model/splash.py), or None where it may not run.
+    Asked only where shared/model/attention.py puts it (its TPU, switches and sequence length) and the flash
     kernel's jax came: here torchax for `call_jax` (installed in a session whose image has none; one that does not
     import is a notice ending with `instead`)."""
     from shared.kaggle.packages import provide
-    from shared.train.splash import splash_attention
+    from shared.model.splash import splash_attention
 
     problem = provide("torchax", "jax's splash attention")
     if problem:
@@ -142,7 +142,7 @@ def splash_attention_kernel(mesh, instead: str = "trying the flash-attention ker
 
 def flash_attention_kernel(mesh) -> Callable | None:
     """torch_xla's Pallas flash attention (q, k, v) -> out over `mesh`, or None where jax (torch_xla[pallas]) does
-    not import. Asked only where shared/train/attention.py puts a Pallas kernel (a generation whose Mosaic compiles
+    not import. Asked only where shared/model/attention.py puts a Pallas kernel (a generation whose Mosaic compiles
     it: not v2/v3, nor an unknown TPU, nor a CPU)."""
 
     def import_kernel():

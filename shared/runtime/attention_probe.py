@@ -2,8 +2,8 @@
 output and gradients against SDPA's, and its forward without gradients (an eval's), once, before a session trusts
 it; all of a session's probes within one budget (`ProbeBudget`), and a probe that outlasts it stops the session
 (`ProbeHung`: docs/tpu-throughput.md, "The kernel probes' budget"). The loop that probes the candidates in order,
-keeping the first that passes as the session's `AttentionChoice`, is shared/train/attention.py `choose`;
-shared/train/attention_select.py gives it the kernels (which need the mesh) and their probe within this budget."""
+keeping the first that passes as the session's `AttentionChoice`, is shared/model/attention.py `choose`;
+shared/runtime/attention_select.py gives it the kernels (which need the mesh) and their probe within this budget."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from collections.abc import Callable
 import torch
 
 from shared.errors import UserError, duration_text, within
-from shared.train.attention import HUNG_PROBE_LINE
-from shared.train.mosaic_version import before_lowering, refusal_line
+from shared.model.attention import HUNG_PROBE_LINE
+from shared.runtime.mosaic_version import before_lowering, refusal_line
 
 # How far a candidate attention kernel may be from SDPA: max |candidate - reference| over max |reference|, for the
 # output and each of dq, dk, dv. The candidate runs in bf16 (8 significant bits: one rounding is up to 2^-9, 0.2%),
@@ -28,10 +28,10 @@ from shared.train.mosaic_version import before_lowering, refusal_line
 # more. Normalising by the largest value, not elementwise, keeps near-zero entries (whose relative error means
 # nothing) from failing a correct kernel.
 ATTENTION_PROBE_TOLERANCE = 3e-2
-# "no-grad output": the kernel's forward without gradients, which splash (shared/train/splash.py) and torch_xla's
+# "no-grad output": the kernel's forward without gradients, which splash (shared/model/splash.py) and torch_xla's
 # flash kernel (custom_kernel.py `save_residuals`, 2.8.0 L327-328) run as a kernel of its own, against SDPA's output.
 PROBE_RESULTS = ("output", "dq", "dk", "dv", "no-grad output")
-# Importing a kernel's jax (shared/train/xla_runtime.py): ten minutes without an answer is a hang.
+# Importing a kernel's jax (shared/runtime/xla_runtime.py): ten minutes without an answer is a hang.
 PROBE_TIMEOUT_S = 600.0
 # A probe compiles and runs three small graphs' worth (the kernel's and SDPA's, forward and backward, and the
 # kernel's forward alone): seconds to a couple of minutes on a TPU. All of a session's probes (up to two kernels,

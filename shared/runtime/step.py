@@ -1,6 +1,6 @@
 """The optimizer step a session runs, built once: how it runs on this runtime (StepPlan), the model laid out on the
 devices, the schedule's scalars on the device, the optimizer with its state, and the step itself as one call. The
-trainer calls it in its loop; `shared.train.step_trace` traces the same step for a TPU compiler without running it.
+trainer calls it in its loop; `shared.runtime.step_trace` traces the same step for a TPU compiler without running it.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import torch
 
 from shared.config import AUTO, TrainConfig
 from shared.errors import UserError
+from shared.model.attention import SDPA, AttentionChoice
+from shared.runtime.optim import clip_grad_norm, lr_at, make_optimizer, muon_momentum_at
+from shared.runtime.runtime import Runtime
 from shared.tpu import activation_checkpointing_on, micro_batch_for
-from shared.train.attention import SDPA, AttentionChoice
-from shared.train.optim import clip_grad_norm, lr_at, make_optimizer, muon_momentum_at
-from shared.train.runtime import Runtime
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ def plan_step(cfg: TrainConfig, runtime: Runtime, attention: str = SDPA,
     slower on the XLA CPU compiler: docs/tpu-throughput.md) on a TPU running SDPA attention (the Pallas kernel is
     untested inside scan) when the step has no accumulation loop: inside torch_xla 2.9's loop the scan computed
     wrong losses (tests/train/test_train.py shows it), so the two are never combined."""
-    from shared.train.xla_runtime import scan_layers_available
+    from shared.runtime.xla_runtime import scan_layers_available
 
     n_layer, gen, xla = cfg.model.shape.n_layer, runtime.tpu_generation, runtime.name == "xla"
     loop = cfg.step.grad_accum_loop and xla and cfg.grad_accum_steps > 1

@@ -144,7 +144,7 @@ def pin_version(version: int) -> bool:
         custom_kernel.trace_pallas_arg_to_payload.clear()  # its cache of payloads does not key on the version
     except (ImportError, AttributeError):
         pass
-    try:  # nor does call_jax's (jax's splash attention, shared/train/splash.py)
+    try:  # nor does call_jax's (jax's splash attention, shared/model/splash.py)
         from torch_xla.core import xla_builder
 
         xla_builder._JAX_TO_XLA_COMPUTATION_CACHE.clear()

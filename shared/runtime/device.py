@@ -1,6 +1,6 @@
 """Where the math runs: one small interface over torch_xla SPMD (TPU, or 8 virtual CPU devices) and plain
 torch (CPU/CUDA), so the training loop reads the same on every backend. `make_runtime` picks one:
-`shared.train.runtime` (plain torch, DDP) or `shared.train.xla_runtime` (torch_xla SPMD).
+`shared.runtime.runtime` (plain torch, DDP) or `shared.runtime.xla_runtime` (torch_xla SPMD).
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import os
 
 import torch
 
-from shared.train.runtime import DdpRuntime, Runtime
-from shared.train.xla_runtime import XlaRuntime
+from shared.runtime.runtime import DdpRuntime, Runtime
+from shared.runtime.xla_runtime import XlaRuntime
 
 _xla_runtime: XlaRuntime | None = None
 

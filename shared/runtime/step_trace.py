@@ -1,13 +1,13 @@
 """The session's optimizer step traced for a TPU's compiler, never run: `trace_step(cfg, "v5e")` builds the step as
-a session on that TPU would (shared.train.step: the micro-batch `auto` picks there, accumulation loop, activation
+a session on that TPU would (shared.runtime.step: the micro-batch `auto` picks there, accumulation loop, activation
 checkpointing, scan, optimizer, fsdp) on torch_xla's SPMD CPU devices, with every parameter and optimizer state a
 placeholder (device data with no buffer: gpt2-xl's 18 GB of state is never allocated), and returns the step's HLO
 module (before optimization, shardings on its parameters) with what the compiler needs beside it.
 
 Run in a process whose torch_xla has as many CPU devices as the TPU has chips (`PJRT_DEVICE=CPU
-CPU_NUM_DEVICES=8`): `python -m shared.train.step_trace SETTINGS.json OUT_DIR TPU` (scripts/tpu_compile.py does).
+CPU_NUM_DEVICES=8`): `python -m shared.runtime.step_trace SETTINGS.json OUT_DIR TPU` (scripts/tpu_compile.py does).
 Attention is the first kernel a session on that TPU tries at the step's sequence length for the settings'
-`attention` (shared/train/attention.py, which the session asks too), as it runs when its probe passes: jax's
+`attention` (shared/model/attention.py, which the session asks too), as it runs when its probe passes: jax's
 splash attention (through call_jax, with torchax), else torch_xla's Pallas flash-attention kernel, where the
 generation compiles them, their blocks tile the sequence and jax is here (lowered by jax for the TPU platform,
 which this process does not have: `lower_pallas_for_tpu`), else SDPA. A step no session runs is not traced:
@@ -27,9 +27,9 @@ import numpy as np
 import torch
 
 from shared.config import TrainConfig
-from shared.train.attention import AttentionChoice
-from shared.train.mosaic_version import pin_version as pin_mosaic_version
-from shared.train.xla_runtime import XlaRuntime
+from shared.model.attention import AttentionChoice
+from shared.runtime.mosaic_version import pin_version as pin_mosaic_version
+from shared.runtime.xla_runtime import XlaRuntime
 
 HLO_FILE, SPEC_FILE = "step.hlo.pb", "step.json"
 MOSAIC_VERSION_ENV = "GPT2K_MOSAIC_VERSION"
@@ -59,10 +59,10 @@ class TraceRuntime(XlaRuntime):
     def select_attention(self, batch: int, n_head: int, seq_len: int, head_dim: int, setting: str = "auto",
                          batch_for: Callable[[str], int] | None = None) -> AttentionChoice:
         """The first kernel a session on this TPU tries at `seq_len` for `setting`, by the session's own loop
-        (shared/train/attention.py `choose`) without its probe (which runs the kernel): a kernel whose jax or
+        (shared/model/attention.py `choose`) without its probe (which runs the kernel): a kernel whose jax or
         torchax does not import here gives way to the next, as in a session."""
-        from shared.train.attention import candidates, choose
-        from shared.train.attention_select import make_kernel
+        from shared.model.attention import candidates, choose
+        from shared.runtime.attention_select import make_kernel
 
         chosen = choose(candidates(self.tpu_generation.name, seq_len, setting), (batch, n_head, seq_len, head_dim),
                         lambda kind, instead: make_kernel(self.mesh, kind, instead))
@@ -121,7 +121,7 @@ def lower_pallas_for_tpu() -> None:
     `jit(...).trace(...).lower(lowering_platforms=("tpu",))` gives the same Mosaic payload a TPU host would, which
     the tpu_custom_call node carries to the TPU compiler. Only in this process, which never runs the step.
     Here jax has no TPU backend to pick the Mosaic version from: its latest, unless MOSAIC_VERSION_ENV names the
-    one the target's libtpu reads (as a session pins it after its probe, shared/train/mosaic_version.py)."""
+    one the target's libtpu reads (as a session pins it after its probe, shared/runtime/mosaic_version.py)."""
     import torch_xla.experimental.custom_kernel as custom_kernel
 
     if os.environ.get(MOSAIC_VERSION_ENV):  # the version the target's libtpu reads (scripts/tpu_compile.py)
@@ -142,7 +142,7 @@ def lower_pallas_for_tpu() -> None:
 
 def _lower_call_jax_for_tpu() -> None:
     """The same for torch_xla's `call_jax` (torch_xla/core/xla_builder.py `JaxCallable.specialize`, 2.8.0 and
-    2.9.0), through which jax's splash attention comes (shared/train/splash.py): its function lowered for the TPU
+    2.9.0), through which jax's splash attention comes (shared/model/splash.py): its function lowered for the TPU
     platform, the rest as torch_xla does it."""
     import torch_xla.core.xla_builder as xb
     from jax.experimental.pallas import tpu as _pallas_tpu  # noqa: F401  (before the registration: import order)
@@ -166,8 +166,8 @@ def trace_step(cfg: TrainConfig, generation: str) -> tuple[bytes, dict]:
     update an input in place (donated, as torch_xla donates them), and the settings the step was built with."""
     import torch_xla
 
-    from shared.train.model import GPT
-    from shared.train.step import build_step, select_attention_and_micro_batch
+    from shared.model.model import GPT
+    from shared.runtime.step import build_step, select_attention_and_micro_batch
 
     runtime = TraceRuntime(generation)
     cfg.validate(runtime.num_devices)

@@ -12,11 +12,11 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from shared.model.attention import AttentionChoice
+from shared.runtime.attention_select import select_on_mesh
+from shared.runtime.runtime import Runtime
+from shared.runtime.xla_notices import quiet_known_messages
 from shared.tpu import TPU_GENERATIONS, default_xla_env, detect_tpu_generation
-from shared.train.attention import AttentionChoice
-from shared.train.attention_select import select_on_mesh
-from shared.train.runtime import Runtime
-from shared.train.xla_notices import quiet_known_messages
 
 
 class XlaRuntime(Runtime):
@@ -75,7 +75,7 @@ class XlaRuntime(Runtime):
     def select_attention(self, batch: int, n_head: int, seq_len: int, head_dim: int, setting: str = "auto",
                          batch_for: Callable[[str], int] | None = None) -> AttentionChoice:
         """The attention for these shapes: the Pallas kernels over this mesh, each probed once at the micro-batch it
-        would train at (`batch_for`), within the session's budget (shared/train/attention_select.py); kept nowhere
+        would train at (`batch_for`), within the session's budget (shared/runtime/attention_select.py); kept nowhere
         here, the session gives it to its model and its step."""
         return select_on_mesh(self, batch, n_head, seq_len, head_dim, setting, batch_for)
 
@@ -98,7 +98,7 @@ class XlaRuntime(Runtime):
     def forward_backward(self, model: torch.nn.Module, tokens: np.ndarray, bf16: bool, scaler,
                          accum_loop: bool = True) -> torch.Tensor:
         """One optimizer step's gradients as one graph: the (accum, B, T+1) tokens go to the device once and the
-        micro-steps run as an XLA While loop over their first dimension (`shared.train.accum_loop`: traced on the
+        micro-steps run as an XLA While loop over their first dimension (`shared.runtime.accum_loop`: traced on the
         first step, no device wait).
         accum_loop=False: one graph per micro-step, each micro-batch sent on its own (the earlier structure)."""
         accum = tokens.shape[0]
@@ -113,7 +113,7 @@ class XlaRuntime(Runtime):
         # It divides each micro-step's loss by accum and sums: the returned loss is the step's mean. The loop is
         # traced on the first step and reused after; it is kept per model and autocast setting.
         if self._accum_loop is None or self._accum_loop[:2] != (model, bf16):
-            from shared.train.accum_loop import AccumulationLoop
+            from shared.runtime.accum_loop import AccumulationLoop
 
             loop = AccumulationLoop(micro_step, list(model.parameters()), place_slice=self.shard_batch,
                                     grad_apart=getattr(model, "embedding_grad_apart", None))
