@@ -74,10 +74,10 @@ def chain_step(devices: int, seq_len: int, generation: str | None = None,
 
 
 def chain_train_settings() -> dict:
-    """The gpt2 chain config's train settings, flat (the file nests them by section)."""
-    from shared.train_sections import flatten_sections
+    """The gpt2 chain config's train settings, flat, as the chain reads them (whichever shape the file writes)."""
+    from scripts.chain.config import load_config
 
-    return flatten_sections(json.loads(CHAIN_CONFIG.read_text())["train"], f"{CHAIN_CONFIG}: train")
+    return load_config(CHAIN_CONFIG).train.settings
 
 
 def default_settings(backend: str, on_tpu: bool, devices: int, seq_len: int, generation: str | None = None,

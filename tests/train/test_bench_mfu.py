@@ -24,6 +24,21 @@ def test_flops_per_token_gpt2_hand_count():
     assert fpt == 6 * 124_475_904 + 12 * 12 * 768 * 1024 == 860_101_632
 
 
+
+def test_the_bench_reads_the_chains_train_settings_in_either_shape_the_file_writes(tmp_path, monkeypatch):
+    # The shipped example writes its train settings by section; a config may also give them under `settings`, as
+    # tokenize and eval do (scripts/chain/config.py): the bench's default step is the chain's either way.
+    import json
+
+    bench = load_bench()
+    shipped = bench.chain_train_settings()
+    assert shipped["preset"] == "gpt2" and shipped["micro_batch"] == "auto" and "optim" not in shipped
+    raw = json.loads(bench.CHAIN_CONFIG.read_text())
+    config = tmp_path / "chain.json"
+    config.write_text(json.dumps({**raw, "train": {"settings": shipped}}))
+    monkeypatch.setattr(bench, "CHAIN_CONFIG", config)
+    assert bench.chain_train_settings() == shipped
+
 @pytest.mark.slow
 def test_cpu_run_prints_table_and_notice():
     proc = run_script("scripts/bench_mfu.py", "--backend", "cpu", "--preset", "tiny", "--seq-len", "64",
