@@ -55,6 +55,15 @@ def _section(cls: type):
     return field(default_factory=cls)
 
 
+def _by_section(flat: dict) -> dict[str, dict]:
+    """Settings by setting name (each one section's, checked by the caller), grouped under their sections' names."""
+    owner = section_fields()
+    by_section: dict[str, dict] = {name: {} for name in TRAIN_SECTIONS}
+    for key, value in flat.items():
+        by_section[owner[key]][key] = value
+    return by_section
+
+
 @dataclass
 class TrainConfig:
     """One train session's settings, one object per section (TRAIN_SECTIONS): `cfg.optim.lr`,
@@ -79,22 +88,15 @@ class TrainConfig:
     def from_dict(cls, settings: dict, where: str = "train") -> TrainConfig:
         """Settings as JSON writes them: nested by section (`to_dict`), flat (`{"lr": ...}`, as configs and
         checkpoints before the sections were objects), or both, under current names or old (`flatten_sections`)."""
-        by_section: dict[str, dict] = {name: {} for name in TRAIN_SECTIONS}
-        owner = section_fields()
-        for key, value in flatten_sections(settings, where).items():
-            by_section[owner[key]][key] = value
+        by_section = _by_section(flatten_sections(settings, where))
         return cls(**{name: TRAIN_SECTIONS[name](**values) for name, values in by_section.items()})
 
     def replace(self, **changes) -> TrainConfig:
         """A copy with `changes` by setting name (`micro_batch=8`: each name is one section's), checked again. Every
         section is copied, so setting a field of the copy's leaves this config as it is."""
-        owner = section_fields()
-        check_known(changes, owner, "TrainConfig.replace", "train")
-        by_section: dict[str, dict] = {name: {} for name in TRAIN_SECTIONS}
-        for key, value in changes.items():
-            by_section[owner[key]][key] = value
+        check_known(changes, section_fields(), "TrainConfig.replace", "train")
         return dataclasses.replace(self, **{name: dataclasses.replace(getattr(self, name), **values)
-                                            for name, values in by_section.items()})
+                                            for name, values in _by_section(changes).items()})
 
     @property
     def tokens_per_micro_step(self) -> int:
