@@ -73,3 +73,25 @@ def test_the_recorded_durations_name_only_tests_that_exist():
         assert (REPO / path).exists(), nodeid
         name = nodeid.split("::", 1)[1].split("[", 1)[0]
         assert f"def {name}(" in Path(REPO / path).read_text(), nodeid
+
+
+def test_ci_says_how_busy_the_cores_were_over_the_tests_from_proc_stat(tmp_path):
+    # .ci/run's own functions, sourced, over two /proc/stat readings: user nice system idle iowait irq softirq steal
+    # guest guest_nice, in ticks. Between them: 600 busy ticks (guest's 50 counted in user already) and 200 idle
+    # or waiting, so 75% busy.
+    stat = tmp_path / "stat"
+    first = "cpu  1000 0 500 8000 100 0 0 0 0 0\ncpu0 1 2 3 4 5 6 7 8 9 10\n"
+    later = "cpu  1450 0 600 8150 150 20 30 0 50 0\ncpu0 1 2 3 4 5 6 7 8 9 10\n"
+    script = (f"source {REPO / '.ci' / 'run'}; stat={stat}; cat {stat}.1 > $stat; read -r t i < <(cpu_ticks); "
+              f"echo $t $i; cat {stat}.2 > $stat; busy_since $t $i")
+    stat.with_suffix(".1").write_text(first)
+    stat.with_suffix(".2").write_text(later)
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", "PROC_STAT": str(stat)})
+    assert proc.returncode == 0, proc.stderr
+    ticks, line = proc.stdout.splitlines()
+    assert ticks == "9600 8100"
+    hz = int(subprocess.run(["getconf", "CLK_TCK"], capture_output=True, text=True).stdout)
+    cores = int(subprocess.run(["nproc"], capture_output=True, text=True).stdout)
+    assert line == (f"ci: over the tests the {cores} cores were 75% busy: {600 / hz:.0f} of the {800 / hz:.0f} "
+                    "CPU-seconds they had")
