@@ -34,7 +34,8 @@ def test_the_shipped_arm_is_the_example_files_optimizer_and_schedule(tmp_path):
     example = example_config("chain-gpt2-124m-muon.json")["train"]
     shipped = shipped_settings()
     assert {k: shipped[k] for k in shipped if k in example} == {k: example[k] for k in shipped if k in example}
-    assert shipped["aux_lr"] == TrainConfig().optim.aux_lr  # left out of the example: the trainer's default
+    assert shipped["aux_lr"] == 6e-4  # the example's own
+    assert shipped["min_lr_ratio"] == TrainConfig().lr_schedule.min_lr_ratio  # left out of the example: the default
     changed = tmp_path / "example.json"
     changed.write_text(json.dumps({"train": {**example, "muon_lr": 0.0009}}))
     assert shipped_settings(changed)["muon_lr"] == 0.0009
@@ -43,19 +44,23 @@ def test_the_shipped_arm_is_the_example_files_optimizer_and_schedule(tmp_path):
 def test_each_arm_changes_only_its_own_settings():
     shipped = shipped_settings()
     arms = recipe_arms(shipped, steps=500, n_layer=4)
-    assert list(arms) == ["shipped", "aux-lr-6e-4", "warmup", "muon-decay", "attn-scale", "no-clip",
+    assert list(arms) == ["shipped", "aux-lr-at-lr", "warmup", "muon-decay", "attn-scale", "no-clip",
                           "adamw-build-nanogpt"]
     changes = {name: {k: v for k, v in settings.items() if shipped[k] != v} for name, (settings, _) in arms.items()}
     assert changes["shipped"] == {} and changes["attn-scale"] == {}
-    assert changes["aux-lr-6e-4"] == {"aux_lr": 6e-4}  # `lr`, the tied embedding's, stays as shipped
+    # The example sets the position embedding's, biases' and gains' rate: the arm puts them back at `lr` (0: the
+    # record's one AdamW rate); `lr`, the tied embedding's, stays as shipped.
+    assert changes["aux-lr-at-lr"] == {"aux_lr": 0.0}
     assert changes["warmup"] == {"warmup_steps": 19}  # 715 of 19,073 steps
     assert changes["muon-decay"] == {"muon_weight_decay": 0.5}  # Moonlight's strength per step, whatever the length
     assert recipe_arms(shipped, steps=5000, n_layer=4)["muon-decay"][0]["muon_weight_decay"] == 0.5
     assert changes["no-clip"] == {"grad_clip": 0.0}  # the example clips at 1.0: the arm is the other side
-    assert changes["adamw-build-nanogpt"] == {"optimizer": "adamw", "lr": 6e-4, "weight_decay": 0.1,
+    assert changes["adamw-build-nanogpt"] == {"optimizer": "adamw", "lr": 6e-4, "aux_lr": 0.0, "weight_decay": 0.1,
                                               "schedule": "cosine", "warmup_steps": 19}
-    unclipped = recipe_arms({**shipped, "grad_clip": 0.0}, steps=500, n_layer=4)  # as the bench ran it
+    unclipped = recipe_arms({**shipped, "grad_clip": 0.0}, steps=500, n_layer=4)  # as the 2-seed bench ran it
     assert "clip" in unclipped and unclipped["clip"][0]["grad_clip"] == 1.0
+    record_rates = recipe_arms({**shipped, "aux_lr": 0.0}, steps=500, n_layer=4)  # as the 4-seed bench ran it
+    assert record_rates["aux-lr-6e-4"][0] == {**shipped, "aux_lr": 6e-4}
     assert arms["attn-scale"][1] == pytest.approx(8 ** -0.5) and {a[1] for n, a in arms.items() if n != "attn-scale"} \
         == {1.0}
     for settings, _ in arms.values():  # every arm is a config the trainer accepts
