@@ -12,8 +12,8 @@ as two real runs would, and the difference between an arm and `shipped` is paire
 The arms, each the shipped settings (examples/chain-gpt2-124m-muon.json's optimizer and schedule, read from the
 file, so the bench runs what ships) with one change:
 
-- `shipped`: as shipped (Muon at the 2024-10-10 record's settings; AdamW 0.0036 for the rest, no warm-up, no clip,
-  no decay of any kind).
+- `shipped`: as shipped (Muon at the 2024-10-10 record's settings; AdamW 0.0036 for the token embedding and 6e-4
+  for the position embedding, biases and gains; a clip at 1.0; no warm-up, no decay of any kind).
 - `aux-lr-6e-4` (or `aux-lr-at-lr` where the example sets `aux_lr`): the position embeddings, biases and gains at
   build-nanogpt's 6e-4 (or back at `lr`, the record's one AdamW rate); the token embedding (so the tied head) keeps
   the shipped LR.
