@@ -12,8 +12,8 @@ as two real runs would, and the difference between an arm and `shipped` is paire
 The arms, each the shipped settings (examples/chain-gpt2-124m-muon.json's optimizer and schedule, read from the
 file, so the bench runs what ships) with one change:
 
-- `shipped`: as shipped (Muon at the 2024-10-10 record's settings; AdamW 0.0036 for the token embedding and 6e-4
-  for the position embedding, biases and gains; a clip at 1.0; no warm-up, no decay of any kind).
+- `shipped`: as shipped (the example's settings as the file has them now; docs/recipe.md section 1 gives each
+  one and its source).
 - `aux-lr-6e-4` (or `aux-lr-at-lr` where the example sets `aux_lr`): the position embeddings, biases and gains at
   build-nanogpt's 6e-4 (or back at `lr`, the record's one AdamW rate); the token embedding (so the tied head) keeps
   the shipped LR.
@@ -74,13 +74,14 @@ def shipped_settings(path: Path = SHIPPED_EXAMPLE) -> dict:
 def recipe_arms(shipped: dict, steps: int, n_layer: int) -> dict[str, tuple[dict, float]]:
     """Each arm's settings and its attention-output multiplier (1.0: none), keyed by the run folders' names."""
     warmup = max(1, round(steps * BUILD_NANOGPT_WARMUP_SHARE))
-    clip_arm = "no-clip" if shipped["grad_clip"] else "clip"  # the other side of each of the example's choices
-    aux_arm = ("aux-lr-at-lr", 0.0) if shipped["aux_lr"] else ("aux-lr-6e-4", BUILD_NANOGPT_LR)
+    # The clip's and the aux rate's arms take the other side of the example's choice.
+    clip_arm = "no-clip" if shipped["grad_clip"] else "clip"
+    aux_arm, aux_lr = ("aux-lr-at-lr", 0.0) if shipped["aux_lr"] else ("aux-lr-6e-4", BUILD_NANOGPT_LR)
     adamw = {**shipped, "optimizer": "adamw", "lr": BUILD_NANOGPT_LR, "aux_lr": 0.0, "matrix_lr": 0.0,
              "weight_decay": 0.1, "grad_clip": 1.0, "schedule": "cosine", "warmup_steps": warmup, "min_lr_ratio": 0.1}
     return {
         "shipped": (shipped, 1.0),
-        aux_arm[0]: ({**shipped, "aux_lr": aux_arm[1]}, 1.0),  # `lr` is the tied embedding's: kept
+        aux_arm: ({**shipped, "aux_lr": aux_lr}, 1.0),  # `lr` is the tied embedding's: kept
         "warmup": ({**shipped, "warmup_steps": warmup}, 1.0),
         "muon-decay": ({**shipped, "muon_weight_decay": MOONLIGHT_DECAY}, 1.0),
         "attn-scale": (shipped, (2 * n_layer) ** -0.5),
