@@ -117,15 +117,14 @@ def local_demo(args) -> dict:
 
 def session_words(cfg) -> str:
     """How long the train sessions last, in words."""
-    from scripts.chain.sizing import HEADROOM, MIN_STEPS, STARTUP_EXTRA_S
+    from scripts.chain.sizing import MIN_STEPS
 
     if not cfg.session_train_s:
         return f"train sessions of {cfg.session_limit_s:g} s"
-    return (f"each train session lasts its start-up as measured (x{HEADROOM:g} + {STARTUP_EXTRA_S:g} s) + "
-            f"{cfg.session_train_s:g} s of training (more where {MIN_STEPS} steps take longer) + "
-            f"{cfg.publish_margin_s:g} s to publish, at most {cfg.session_limit_s:g} s; the first, before anything "
-            f"is measured, up to {cfg.session_limit_s:g} s and {MIN_STEPS} steps: start-up here (packages, imports, "
-            "compilation) is most of a session, and varies with the machine's load")
+    return (f"each train session trains {cfg.session_train_s:g} s (more where {MIN_STEPS} steps take longer) from the "
+            f"end of its first step, whatever its start-up takes, then {cfg.publish_margin_s:g} s to publish, within "
+            f"{cfg.session_limit_s:g} s; the first, before anything is measured, {MIN_STEPS} steps: start-up here "
+            "(packages, imports, compilation) is most of a session, and varies with the machine's load")
 
 
 def check_step_fits(cfg) -> None:

@@ -1,12 +1,10 @@
 """Fixtures every test folder may use: the environment of torch_xla's CPU backend (8 devices; the runtime itself
 starts only in the folders that train or evaluate in this process: train/ and eval/), GPT-2 ranks from the
 package index, a real-text corpus in llm.c shards, one uninterrupted training run, the Kaggle image
-stand-ins, and a busy core beside a test. Plain helpers live in helpers.py."""
+stand-ins, and a core taken from a test. Plain helpers live in helpers.py."""
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +17,7 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 # (tests/train/test_tpu_compile.py) turn the TPU compiler on.
 os.environ.setdefault("TPU_COMPILER_PYTHON", "off")
 
-from helpers import IMAGE_PYTHONS, long_tests_first, made_once, run_lock, train_cli  # noqa: E402
+from helpers import IMAGE_PYTHONS, BusyCore, long_tests_first, made_once, run_lock, train_cli  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -72,17 +70,17 @@ def image_pythons() -> dict[str, Path]:
 
 
 @pytest.fixture
-def cpu_hog(tmp_path_factory):
-    """A busy loop on one core beside the test (a laptop busy with something else), from the test's start until
-    the test kills it (`cpu_hog.kill()`) or ends. One such test runs at a time: two at once on a 2-core machine
-    would be four loads on two cores, and the suite's time would depend on that chance. The tests that use it
-    share an xdist group (one worker runs them in turn, see `pytest_collection_modifyitems`); the lock holds that
-    however the suite is run."""
+def busy_core(tmp_path_factory):
+    """One core taken from the test (helpers.BusyCore), from its start until the test calls `busy_core.end()` or
+    ends. One such test runs at a time: two at once on a 2-core machine would share the one core left, and the
+    suite's time would depend on that chance. The tests that use it share an xdist group (one worker runs them in
+    turn, see `pytest_collection_modifyitems`); the lock holds that however the suite is run."""
     with run_lock(tmp_path_factory, "busy-core"):
-        hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-        yield hog
-        hog.kill()
-        hog.wait()
+        taken = BusyCore()
+        try:
+            yield taken
+        finally:
+            taken.end()
 
 
 # Where the suite's time goes: each test's measured seconds (setup, call and teardown), from an idle run of the
@@ -100,7 +98,7 @@ def pytest_addoption(parser):
 @pytest.hookimpl(tryfirst=True)  # before xdist adds the group to the test's id
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if "cpu_hog" in getattr(item, "fixturenames", ()):
+        if "busy_core" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("busy_core"))
     measured = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
     items[:] = long_tests_first(items, measured, LONG_TEST_S)

@@ -1,7 +1,7 @@
 """Helpers the test folders share: running repo scripts as a user would (a new process), the Kaggle image
 stand-ins' interpreters, a kernel's `error:` lines, test_train's small training runs (used by train, chain and
-eval tests alike), and `made_once` for a fixture's run that both xdist workers read. Importable from every test
-module: pyproject puts tests/ on sys.path."""
+eval tests alike), `made_once` for a fixture's run that both xdist workers read, and `BusyCore` (a core taken from
+a test). Importable from every test module: pyproject puts tests/ on sys.path."""
 
 import fcntl
 import os
@@ -149,3 +149,55 @@ def made_once(tmp_path_factory, name: str, make: Callable[[Path], None]) -> Path
                 raise
             done.touch()
     return out
+
+
+class BusyCore:
+    """One of the machine's cores taken from a test (a laptop busy with something else) by CPU affinity, not by a
+    busy loop: every thread of this process and of each process under it, and so each process they start, runs
+    on the other cores until `end()`. As harsh for the test as a loop spinning on that core (never kinder: a loop
+    would leave the test the core's share it wins from it), and it burns no CPU the suite's other worker needs.
+    On a one-core machine nothing is taken."""
+
+    def __init__(self):
+        self.allowed = os.sched_getaffinity(0)
+        self.left = set(sorted(self.allowed)[1:]) or self.allowed
+        self._pin(self.left)
+
+    def end(self) -> None:
+        """Every core back, to this process and each under it still running."""
+        self._pin(self.allowed)
+
+    @staticmethod
+    def _pin(cpus: set[int]) -> None:
+        for pid in (os.getpid(), *descendants(os.getpid())):
+            for tid in threads_of(pid):
+                try:
+                    os.sched_setaffinity(tid, cpus)
+                except (ProcessLookupError, PermissionError):  # ended since it was listed, or not ours to move
+                    pass
+
+
+def threads_of(pid: int) -> list[int]:
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except FileNotFoundError:
+        return []
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes under `pid` (children, theirs, ...), from /proc."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])  # after the command's name, which may hold spaces
+            parents.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found

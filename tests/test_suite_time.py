@@ -2,12 +2,16 @@
 record where its time went (tests/conftest.py)."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
-from helpers import REPO, long_tests_first
+import pytest
+from helpers import REPO, BusyCore, descendants, long_tests_first
 
 # Two tests with a busy core beside them and two without, each noting when it ran and on which worker; the busy
 # ones first, where two free workers would each take one.
@@ -20,10 +24,10 @@ def note(name):
     time.sleep(1.5)
     Path(name + ".json").write_text(repr((os.environ.get("PYTEST_XDIST_WORKER"), start, time.monotonic())))
 
-def test_busy_a(cpu_hog):
+def test_busy_a(busy_core):
     note("busy_a")
 
-def test_busy_b(cpu_hog):
+def test_busy_b(busy_core):
     note("busy_b")
 
 def test_plain_a():
@@ -32,6 +36,45 @@ def test_plain_a():
 def test_plain_b():
     note("plain_b")
 '''
+
+
+def test_a_busy_core_takes_one_core_from_the_tests_threads_and_processes_and_gives_it_back():
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        pytest.skip("one core: none to take")
+    left = set(sorted(allowed)[1:])
+    # Started before the core is taken: a thread of this process, a child and the child's own child.
+    started, stop = threading.Event(), threading.Event()
+    native = []
+    thread = threading.Thread(target=lambda: (native.append(threading.get_native_id()), started.set(), stop.wait()))
+    thread.start()
+    started.wait()
+    child = subprocess.Popen(["sh", "-c", "sleep 60 & wait"])
+    try:
+        for _ in range(100):  # the shell starts its sleep
+            if descendants(child.pid):
+                break
+            threading.Event().wait(0.05)
+        (grandchild,) = descendants(child.pid)
+        taken = BusyCore()
+        try:
+            assert os.sched_getaffinity(0) == left and os.sched_getaffinity(native[0]) == left
+            assert os.sched_getaffinity(child.pid) == left and os.sched_getaffinity(grandchild) == left
+            # ... and a process started after: it inherits the cores left.
+            after = subprocess.run([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+                                   capture_output=True, text=True, check=True)
+            assert after.stdout.strip() == str(sorted(left))
+        finally:
+            taken.end()
+        for pid in (0, native[0], child.pid, grandchild):
+            assert os.sched_getaffinity(pid) == allowed, pid
+    finally:
+        for pid in descendants(child.pid):
+            os.kill(pid, signal.SIGKILL)
+        child.kill()
+        child.wait()
+        stop.set()
+        thread.join()
 
 
 def test_the_busy_core_tests_run_in_turn_on_one_worker_while_the_other_worker_runs_the_rest(tmp_path):

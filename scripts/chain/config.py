@@ -83,10 +83,10 @@ class ChainConfig:
     # TPU's, by part, in scripts/chain/limits.py TPU_STARTUP_S
     startup_margin_s: float = TPU_STARTUP_MARGIN_S
     publish_margin_s: float = 0  # the final checkpoint's upload (0: sized from the checkpoint, at least 1200 s)
-    # Size each train session from what its sessions measured instead (0: every one lasts session_limit_s): the
-    # longest start-up seen so far x1.5 + 10 s, + this much training (more where 10 steps at the step time measured
-    # need it), + publish_margin_s, up to session_limit_s; the first, before anything is measured, up to
-    # session_limit_s and 10 steps (scripts/chain/sizing.py). For local runs (the demo, tests), whose start-up is
+    # Size each train session from what its sessions measured instead (0: each trains session_limit_s less both
+    # margins): this much training (more where 10 steps at the step time measured need it), counted from the end of
+    # its first step, whatever start-up takes, then publish_margin_s, within session_limit_s; the first, before
+    # anything is measured, 10 steps (scripts/chain/sizing.py). For local runs (the demo, tests), whose start-up is
     # most of a session; startup_margin_s is then the plan's guess at it.
     session_train_s: float = 0
     max_train_sessions: int = 0  # stop training after this many sessions, then evaluate (0: until total_steps)
@@ -189,7 +189,7 @@ class ChainConfig:
         checkpoint (shared/kaggle/publish.py MidwayPublish); a short one has little to lose."""
         return (limit_s - self.publish_margin_s) / 2 if limit_s >= MIDWAY_PUBLISH_MIN_S else 0.0
 
-    def session_clock(self, limit_s: float) -> dict:
+    def session_clock(self, limit_s: float, train_s: float = 0) -> dict:
         """A train session's time settings, for a session of `limit_s`: training stops by the limit less the publish
         margin counted from the session's start (--session-deadline), and, in a session of the fixed length, after
         the limit less both margins of training (--time-budget, which the trainer counts from the end of the first
@@ -197,10 +197,11 @@ class ChainConfig:
         budget, one past it is cut by the deadline alone; a session trains what was planned and ends, rather than
         training on to the deadline for however long start-up happened to leave (the smoke's quota, a run sized to
         one session's decay), and the margin start-up did not use is slack before Kaggle's kill, whose clock may
-        start before the process (not verified). A session sized from measured start-up (session_train_s) has only
-        the deadline."""
+        start before the process (not verified). A session sized from what its sessions measured (session_train_s)
+        trains `train_s` from the end of its first step, or until the deadline where it has none (the first)."""
         deadline = limit_s - self.publish_margin_s
-        budget = deadline if self.session_train_s else limit_s - self.startup_margin_s - self.publish_margin_s
+        fixed = limit_s - self.startup_margin_s - self.publish_margin_s
+        budget = (train_s or deadline) if self.session_train_s else fixed
         return {"time_budget": budget, "session_deadline": deadline}
 
     @property

@@ -268,9 +268,9 @@ def plan_lines(cfg: ChainConfig, plan: dict, source: str = "") -> list[str]:
                  f"{plan['tokens_per_s_source']}")
     if cfg.session_train_s:
         lines.append(f"sessions    each its start-up as measured (~{cfg.startup_margin_s:g} s) + "
-                     f"{cfg.session_train_s:g} s of training (session_train_s) + {cfg.publish_margin_s:g} s to "
-                     f"publish, at most {_hours(cfg.session_limit_s)}; the first up to {_hours(cfg.session_limit_s)} "
-                     f"and {MIN_STEPS} steps")
+                     f"{cfg.session_train_s:g} s of training (session_train_s) from the end of its first step + "
+                     f"{cfg.publish_margin_s:g} s to publish, at most {_hours(cfg.session_limit_s)}; the first "
+                     f"{MIN_STEPS} steps")
     else:
         lines.append(f"sessions    each {_hours(cfg.session_limit_s)}: {_hours(cfg.time_budget)} of training after "
                      f"{cfg.startup_margin_s:g} s start-up and {cfg.publish_margin_s:g} s publish margins")

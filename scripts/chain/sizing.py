@@ -1,9 +1,11 @@
 """How long each train session lasts where the chain sizes it from what its sessions measured (session_train_s:
 the local demo and tests, whose start-up is most of a session and varies with the machine's load): the first,
-before anything is measured, may last the longest a session may (session_limit_s) and ends after MIN_STEPS
-steps; each later one long enough for the start-up the sessions took, with headroom, and for at least MIN_STEPS
-steps at the step time they took. What a session's own records say of those. And how much of a session's budget
-trains, once its checkpoint writes are out (`training_s`: the plan's and fill's session)."""
+before anything is measured, ends after MIN_STEPS steps; each later one trains long enough for at least MIN_STEPS
+steps at the step time they took, counted from the end of its first step, so that however much longer its
+start-up takes than the sessions' before it, training is never cut short. Every sized session may last
+session_limit_s: its time limit stays real (the deadline, that less publish_margin_s, ends a start-up that runs
+past it) without being a guess at start-up. What a session's own records say of those. And how much of a
+session's budget trains, once its checkpoint writes are out (`training_s`: the plan's and fill's session)."""
 
 from __future__ import annotations
 
@@ -15,49 +17,54 @@ from scripts.chain.config import ChainConfig
 from shared.config import TrainConfig
 from shared.session_clock import estimate_checkpoint_seconds
 
-# A measured time, times this: what the next session allows for it. Start-up on a loaded 2-core machine was
-# seen to grow 1.6x from one session to the next (33.8 s, then 53.5 s, in the test suite beside a busy core).
+# A measured step time, times this: what the next session allows for its steps.
 HEADROOM = 1.5
-STARTUP_EXTRA_S = 10.0  # and seconds more for start-up
 MIN_STEPS = 10  # steps a sized session trains at the least, at the step time measured
 END_STEPS = 2  # the trainer stops with the step in flight and one more unstarted (shared/train/trainer.py)
 
 
 class SessionLength(NamedTuple):
-    """A train session's time limit (seconds), why (where sized; '' for the fixed length), and the steps after
-    which it ends however much time is left (0: only its clock ends it)."""
+    """A train session's time limit (seconds), why (where sized; '' for the fixed length), the steps after which
+    it ends however much time is left (0: only its clock ends it), and its training in seconds counted from the
+    end of its first step (0: until the deadline)."""
 
     limit_s: float
     why: str
     stop_after_steps: int = 0
+    train_s: float = 0
 
 
 def session_length(cfg: ChainConfig, sessions: list) -> SessionLength:
-    """The next train session's length. Where sized (session_train_s): before any start-up was measured, the
-    longest a session may be, ending after MIN_STEPS steps (a guess at start-up that falls short on a busy machine
-    leaves a session of a step or two); after, the longest start-up a session of this chain took to the end of its
-    first step, with headroom; training of session_train_s, or longer where MIN_STEPS steps at the slowest step
-    time measured (and the checkpoint at the end) need it; publish_margin_s; at most session_limit_s."""
+    """The next train session's length. Where sized (session_train_s): before any start-up was measured, ending
+    after MIN_STEPS steps; after, training of session_train_s counted from the end of its first step, or longer
+    where MIN_STEPS steps at the slowest step time measured (and the checkpoint at the end) need it. Either may
+    last session_limit_s: a start-up measured before is no bound on the next one's (on CI's loaded machine one
+    outgrew 1.5x the one before + 10 s, the margin sessions were once cut to, and left its session 3 steps), so
+    none is cut to fit it; the longest start-up measured gives the length to expect."""
     if not cfg.session_train_s:
         return SessionLength(cfg.session_limit_s, "")
+    limit = cfg.session_limit_s
     startup = max(((s["startup_s"], s["n"]) for s in sessions if s.get("startup_s")), default=None)
     if not startup:
-        return SessionLength(cfg.session_limit_s, f"the longest a session may be (session_limit_s), ending after "
-                             f"{MIN_STEPS} steps: nothing is measured before it", MIN_STEPS)
-    allowance = math.ceil(HEADROOM * startup[0] + STARTUP_EXTRA_S)
-    source = f"{HEADROOM:g} x the {startup[0]:.1f} s session {startup[1]}'s took, + {STARTUP_EXTRA_S:g} s"
+        return SessionLength(limit, f"{MIN_STEPS} steps: nothing is measured before it", MIN_STEPS)
     training, why = cfg.session_train_s, "session_train_s"
+    # The room the trainer keeps for its final write: the write time its checkpoint carries, which is the estimate
+    # until a session has timed one before its last (shared/train/trainer.py session_clock).
+    checkpoint = max([s.get("checkpoint_s") or 0.0 for s in sessions]
+                     + [estimate_checkpoint_seconds(cfg.train.config.model.shape.num_params())])
     step = max(((s["step_s"], s["n"]) for s in sessions if s.get("step_s")), default=None)
-    if step:
-        checkpoint = max((s.get("checkpoint_s") or 0.0 for s in sessions), default=0.0)
-        needed = math.ceil(HEADROOM * ((MIN_STEPS + END_STEPS) * step[0] + 1.5 * checkpoint))
-        if needed > training:
-            training, why = needed, (f"{MIN_STEPS} steps at the {step[0]:.2f} s a step session {step[1]} took, "
-                                     f"x{HEADROOM:g}, with the steps and checkpoint that end a session")
-    limit = min(cfg.session_limit_s, math.ceil(allowance + training + cfg.publish_margin_s))
-    capped = " (capped at session_limit_s)" if limit == cfg.session_limit_s else ""
-    return SessionLength(limit, f"start-up {allowance:g} s ({source}) + {training:g} s of training ({why}) "
-                                f"+ {cfg.publish_margin_s:g} s to publish{capped}")
+    needed = math.ceil(HEADROOM * ((MIN_STEPS + END_STEPS) * (step[0] if step else 0.0) + 1.5 * checkpoint))
+    if needed > training:
+        training, why = needed, (f"{MIN_STEPS} steps at the {step[0]:.2f} s a step session {step[1]} took, "
+                                 f"x{HEADROOM:g}, with the steps and checkpoint that end a session" if step else
+                                 f"the final checkpoint's write, {checkpoint:.1f} s, x1.5, x{HEADROOM:g}")
+    expected = math.ceil(startup[0] + training + cfg.publish_margin_s)
+    cut = (f"; past the deadline, {limit - cfg.publish_margin_s:g} s from its start, which then ends its training"
+           if expected > limit else "")
+    return SessionLength(limit, f"{training:g} s of training ({why}) from the end of its "
+                                f"first step, whatever start-up takes, + {cfg.publish_margin_s:g} s to publish; "
+                                f"up to about {expected:g} s after a start-up like session {startup[1]}'s "
+                                f"({startup[0]:.1f} s){cut}", 0, training)
 
 
 def training_s(budget_s: float, train: TrainConfig, tokens_per_s: float, eval_share: float) -> float:

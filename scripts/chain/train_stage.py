@@ -99,7 +99,7 @@ class TrainStage:
             sess["version"] = ctx.push_once(sess["key"], ref, lambda pid, s=sess: self.build(
                 pid, s["step_before"], s.get("ckpt_version", 0), s.get("delete_old", False), s.get("limit_s"),
                 s.get("stop_after_steps", 0), s.get("midway", True), s.get("attention"), resume_ref=s.get("ckpt_ref"),
-                publish_ref=s.get("publish_ref")), limit_s=sess.get("limit_s"))
+                publish_ref=s.get("publish_ref"), train_s=s.get("train_s", 0)), limit_s=sess.get("limit_s"))
             ctx.state.save()
             status, message, secs = ctx.wait(ref, f"{ref} v{sess['version']}", sess["key"])
             version, new_step, info = self.after_session(ref, sess, sess.get("ckpt_ref") or refs[0])
@@ -125,7 +125,7 @@ class TrainStage:
         sessions = ctx.state.data["train_sessions"]
         length = session_length(self.cfg, sessions)
         if length.why:
-            ctx.log(f"train session {n} lasts {length.limit_s:g} s: {length.why}")
+            ctx.log(f"train session {n} lasts at most {length.limit_s:g} s (session_limit_s): {length.why}")
         resume = self.resume_ref or checkpoint_refs(ctx)[0]
         target = publish_target(ctx, resume if step else None)
         before = version if target == resume else ctx.client.dataset_version(target)[0]
@@ -138,6 +138,7 @@ class TrainStage:
                          "ckpt_version": version, "publish_ref": target, "publish_version": before,
                          "delete_old": delete_old, "midway": midway, "limit_s": length.limit_s,
                          **({"stop_after_steps": length.stop_after_steps} if length.stop_after_steps else {}),
+                         **({"train_s": length.train_s} if length.train_s else {}),
                          **({"attention": attention} if why else {})})
         self.ctx.state.save()
 
@@ -182,13 +183,15 @@ class TrainStage:
 
     def build(self, push_id: str, expect_step: int = 0, expect_version: int = 0, delete_old: bool = False,
               limit_s: float | None = None, stop_after_steps: int = 0, midway: bool = True,
-              attention: str | None = None, resume_ref: str | None = None, publish_ref: str | None = None) -> Path:
+              attention: str | None = None, resume_ref: str | None = None, publish_ref: str | None = None,
+              train_s: float = 0) -> Path:
         """The train kernel, expecting version `expect_version` of the checkpoint dataset at `expect_step`: a mount
         of an older version is replaced by that version, fetched, and it never starts over. `limit_s`: the session's
         time limit (default session_limit_s); `stop_after_steps`: the steps after which it ends (0: its clock);
         `midway`: whether a session long enough publishes midway too (False where the dataset quota has no room);
         `attention`: the kernel it starts from, where an earlier session's hung or failed (else train.attention);
-        `resume_ref`, `publish_ref`: the checkpoint datasets it resumes from and publishes to (default: the first).
+        `resume_ref`, `publish_ref`: the checkpoint datasets it resumes from and publishes to (default: the first);
+        `train_s`: a sized session's training, counted from the end of its first step (0: until its deadline).
         Both checkpoint datasets are attached."""
         ctx, cfg = self.ctx, self.cfg
         datasets, kernels, data_dir = data_sources(ctx)
@@ -196,7 +199,7 @@ class TrainStage:
         ckpts = list(dict.fromkeys([ckpt, publish_ref or ckpt, *checkpoint_refs(ctx)]))
         hellaswag = ctx.state.data.get("hellaswag_dataset")  # scripts/chain/hellaswag.py, made before session 1
         settings = {"progress": False, "run_name": cfg.name, **cfg.train_settings, "data_dir": data_dir,
-                    "out_dir": "{working}/train", **cfg.session_clock(limit_s or cfg.session_limit_s),
+                    "out_dir": "{working}/train", **cfg.session_clock(limit_s or cfg.session_limit_s, train_s),
                     "wandb_run_id": self.wandb_run_id(), **hellaswag_settings(ctx, hellaswag)}
         if stop_after_steps:  # the user's train.stop_after_steps, where lower, still holds
             settings["stop_after_steps"] = min(settings.get("stop_after_steps") or stop_after_steps, stop_after_steps)

@@ -28,30 +28,36 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-def token_embedding(weight: torch.Tensor, idx: torch.Tensor, grad_apart: torch.Tensor | None = None) -> torch.Tensor:
+def token_embedding(weight: torch.Tensor, idx: torch.Tensor, grad_apart: torch.Tensor | None = None,
+                    columns: bool = True) -> torch.Tensor:
     """The rows of `weight` (V, C) at `idx`. With `grad_apart` (a leaf of weight's shape), the lookup's gradient
-    goes to grad_apart.grad instead of weight.grad (see GPT.embedding_grad_apart)."""
+    goes to grad_apart.grad instead of weight.grad (see GPT.embedding_grad_apart), scattered into (C, V) columns
+    and transposed where `columns` (the form a TPU's compiler needs, below), else straight into (V, C) rows."""
     if grad_apart is None or not torch.is_grad_enabled():
         return F.embedding(idx, weight)
-    return _EmbeddingGradApart.apply(weight, idx, grad_apart)
+    return _EmbeddingGradApart.apply(weight, idx, grad_apart, columns)
 
 
 class _EmbeddingGradApart(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, weight, idx, grad_apart):
+    def forward(ctx, weight, idx, grad_apart, columns):
         ctx.save_for_backward(idx)
-        ctx.num_rows = weight.shape[0]
+        ctx.num_rows, ctx.columns = weight.shape[0], columns
         return F.embedding(idx, weight)
 
     @staticmethod
     def backward(ctx, grad_rows):
         (idx,) = ctx.saved_tensors
         width = grad_rows.shape[-1]
+        idx, grad_rows = idx.reshape(-1), grad_rows.reshape(-1, width)
+        if not ctx.columns:  # the same sums, without the (C, V) transpose
+            rows = torch.zeros(ctx.num_rows, width, dtype=grad_rows.dtype, device=grad_rows.device)
+            return None, None, rows.index_add(0, idx, grad_rows), None
         # The scatter-add runs into a (C, V) zeros, transposed after: XLA folds `accumulator + scatter(zeros, ..)`
         # into `scatter(accumulator, ..)` (its all-reduce then carries the accumulator and cannot leave the
         # loop), but not through a transpose.
         columns = torch.zeros(width, ctx.num_rows, dtype=grad_rows.dtype, device=grad_rows.device)
-        return None, None, columns.index_add(1, idx.reshape(-1), grad_rows.reshape(-1, width).t()).t()
+        return None, None, columns.index_add(1, idx, grad_rows.t()).t(), None
 
 
 class CausalSelfAttention(nn.Module):
@@ -147,23 +153,28 @@ class GPT(nn.Module):
         self.block_checkpoint = None
         self.block_stack = None
         self._embedding_grad_apart: torch.Tensor | None = None  # set inside embedding_grad_apart() only
+        self._lookup_grad_columns = True
         # Padded vocabulary columns are masked out of the loss (not sliced off) so the head's matmul keeps its
         # 128-aligned width: -inf logits add nothing to the softmax and get zero gradient.
         self.register_buffer("vocab_padding", self.vocab_padding_mask(), persistent=False)
 
     @contextlib.contextmanager
-    def embedding_grad_apart(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def embedding_grad_apart(self, columns: bool = True) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """While inside, the token lookup's gradient goes to a leaf of its own, yielded with wte's weight, instead
         of into wte.weight.grad beside the tied head's. Under SPMD each of the two is all-reduced; XLA's
         WhileLoopAllReduceCodeMotion moves an all-reduce out of the accumulation loop only when it reaches an
         accumulator of its own through adds, so the loop keeps two sums for wte and adds them after it
-        (shared/runtime/accum_loop.py): its gradient is then all-reduced once a step, not every micro-step."""
+        (shared/runtime/accum_loop.py): its gradient is then all-reduced once a step, not every micro-step.
+        `columns`: the lookup's gradient scattered into (C, V) and transposed, which that needs on a TPU
+        (`token_embedding`); False where no compiler moves an all-reduce out of a loop (XLA:CPU), where the
+        transpose only costs."""
         weight = self.transformer.wte.weight
         self._embedding_grad_apart = torch.empty_like(weight).requires_grad_()  # never read: only its .grad
+        self._lookup_grad_columns = columns
         try:
             yield weight, self._embedding_grad_apart
         finally:
-            self._embedding_grad_apart = None
+            self._embedding_grad_apart, self._lookup_grad_columns = None, True
 
     def vocab_padding_mask(self, device: torch.device | str | None = None) -> torch.Tensor:
         """True at the vocabulary's padded columns (past GPT-2's 50257 tokens)."""
@@ -243,8 +254,9 @@ class GPT(nn.Module):
         """(logits (B, T, 50257), None), or with targets (None, the mean cross-entropy over all positions)."""
         # The positions are a slice, not a lookup of arange(T): its gradient is the batch's sum, which XLA can
         # all-reduce once after the accumulation loop (a lookup's is a scatter it keeps inside).
-        x = (token_embedding(self.transformer.wte.weight, idx, self._embedding_grad_apart)
-             + self.transformer.wpe.weight[: idx.shape[1]])
+        lookup = token_embedding(self.transformer.wte.weight, idx, self._embedding_grad_apart,
+                                 self._lookup_grad_columns)
+        x = lookup + self.transformer.wpe.weight[: idx.shape[1]]
         if self.block_stack is not None:
             x = self.block_stack(self.transformer.h, x)
         else:

@@ -6,6 +6,7 @@ Which TPU a host has (generation, peaks, PCI probe) is `shared.tpu`."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Callable
 
@@ -51,6 +52,15 @@ class XlaRuntime(Runtime):
         self._hardware = xm.xla_device_hw(self.device)
         if self._hardware == "TPU":
             self._detect_tpu_generation()
+
+    @property
+    def lookup_grad_columns(self) -> bool:
+        """Whether the token lookup's gradient is scattered into (C, V) columns and transposed (GPT's
+        `embedding_grad_apart`): where a TPU's compiler reads the step (on a TPU, or tracing for one), which then
+        all-reduces it once after the accumulation loop. XLA:CPU moves no all-reduce out of a loop, and there the
+        transpose only costs: a 6-step tiny run of kernels/train.py took 16% less CPU without it
+        (docs/tpu-throughput.md)."""
+        return self._hardware != "CPU" or self.tpu_generation is not None
 
     @property
     def description(self) -> str:
@@ -115,8 +125,9 @@ class XlaRuntime(Runtime):
         if self._accum_loop is None or self._accum_loop[:2] != (model, bf16):
             from shared.runtime.accum_loop import AccumulationLoop
 
+            apart = getattr(model, "embedding_grad_apart", None)
             loop = AccumulationLoop(micro_step, list(model.parameters()), place_slice=self.shard_batch,
-                                    grad_apart=getattr(model, "embedding_grad_apart", None))
+                                    grad_apart=apart and functools.partial(apart, columns=self.lookup_grad_columns))
             self._accum_loop = (model, bf16, loop)
         return self._accum_loop[2](tokens_on_device)
 

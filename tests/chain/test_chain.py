@@ -106,14 +106,16 @@ def losses(metrics: Path) -> list[tuple]:
 
 @pytest.mark.slow
 def test_chain_end_to_end_resumes_bit_exactly_and_survives_a_kill(local_kaggle, tmp_path, gpt2_ranks,
-                                                                  image_pythons, cpu_hog):
-    """With a busy core beside it (cpu_hog) until the chain is done: start-up is slower, the sessions longer."""
+                                                                  image_pythons, busy_core):
+    """With a core taken from it (busy_core): start-up is slower, the sessions longer. The uninterrupted run it is
+    compared with runs with that core taken too: XLA:CPU compiles for the cores a process may use, and torch_xla
+    2.8's steps on one core and on two differ in their last bits (56 of tiny's 84 tensors after 20 steps)."""
     lk = local_kaggle
     files = chain_script().make_demo_corpus(tmp_path / "corpus", 400_000)
     upload(lk, tmp_path, "alice/gpt2-demo-corpus", {f.name: f.read_bytes() for f in files})
-    # Sessions sized as the demo's are: the first up to session_limit_s and 10 steps, each later one its start-up
-    # as measured, 20 s of training (more where 10 steps take longer), 20 s to publish (session_train_s: 82 MB at
-    # the assumed 10 MB/s, twice where the publish deletes the older versions).
+    # Sessions sized as the demo's are: the first 10 steps, each later one 20 s of training (session_train_s; more
+    # where 10 steps take longer) from the end of its first step, then 20 s to publish (82 MB at the assumed
+    # 10 MB/s, twice where the publish deletes the older versions), all within session_limit_s.
     config = write_config(tmp_path / "chain.json", publish_margin_s=20, session_train_s=20)
     assert DEMO["startup_margin_s"] == 90
     workdir = tmp_path / "chain"
@@ -189,11 +191,12 @@ def test_chain_end_to_end_resumes_bit_exactly_and_survives_a_kill(local_kaggle, 
     assert [s["version"] for s in state["train_sessions"]] == [2, 3, 4]
     assert [s.get("published_by") for s in state["train_sessions"]] == ["chain", "session", "session"]
 
-    cpu_hog.kill()
-    # The first session ended after its 10 steps, every later one by its time limit, sized from the start-up the
-    # sessions before it measured, each resuming from where the previous one published.
+    # The first session ended after its 10 steps, every later one by its clock, its training sized from the step
+    # time the sessions before it measured, each resuming from where the previous one published.
     assert [line.split(":")[0] for line in chain_output.splitlines() if " lasts " in line] == [
-        f"train session {n} lasts {s['limit_s']:g} s" for n, s in enumerate(state["train_sessions"], 1)]
+        f"train session {n} lasts at most {s['limit_s']:g} s (session_limit_s)"
+        for n, s in enumerate(state["train_sessions"], 1)]
+    assert all(s["train_s"] >= 20 for s in state["train_sessions"][1:])
     first_session = state["train_sessions"][0]
     assert first_session["limit_s"] == DEMO["session_limit_s"] and first_session["step_after"] == 10
     assert all(s["startup_s"] > 0 for s in state["train_sessions"])

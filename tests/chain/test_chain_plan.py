@@ -274,8 +274,8 @@ def test_plan_with_smoke_plans_the_smoke_chain_and_with_the_local_demo_starts_no
                       timeout=120, env=env)
     assert demo.returncode == 0, demo.stderr
     assert demo.stdout.startswith("plan for chain gpt2-demo (") and "local Kaggle" not in demo.stdout
-    assert ("sessions    each its start-up as measured (~90 s) + 30 s of training (session_train_s) + 20 s to "
-            "publish, at most 0.08 h; the first up to 0.08 h and 10 steps\n") in demo.stdout
+    assert ("sessions    each its start-up as measured (~90 s) + 30 s of training (session_train_s) from the end "
+            "of its first step + 20 s to publish, at most 0.08 h; the first 10 steps\n") in demo.stdout
     assert not (tmp_path / "demo").exists()  # no local Kaggle was started, nothing pushed
 
 

@@ -1,10 +1,11 @@
 """How long a train session lasts and when its training stops: a fixed length (Kaggle's 9 h) with its margins, or
-(session_train_s) each session sized from the start-up the chain's sessions measured; how much of it the plan
+(session_train_s) each session's training sized from what the chain's sessions measured; how much of it the plan
 counts as training; and what the chain does with a session that trained no step."""
 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from helpers import train_config
@@ -20,7 +21,7 @@ MEASURED = {**BASE, "session_limit_s": 300, "startup_margin_s": 60, "session_tra
 
 def test_a_fixed_session_stops_training_by_its_margins_and_never_past_its_limit_less_publishing():
     cfg = config_from_dict({**BASE, "session_limit_s": 3600, "startup_margin_s": 600, "publish_margin_s": 1200})
-    assert session_length(cfg, []) == (3600, "", 0)
+    assert session_length(cfg, []) == (3600, "", 0, 0)
     # The limit less both margins of training, which the trainer counts from the end of the first step (start-up is
     # not in it); from the session's start, never past limit - publish.
     assert cfg.session_clock(3600) == {"time_budget": 1800, "session_deadline": 2400}
@@ -40,27 +41,43 @@ def test_a_sessions_planned_training_is_its_budget_less_its_checkpoint_writes():
     assert training_s(10, gpt2, 524_288, 0.0) == 1.0  # a budget too short for the writes: the one step it trains
 
 
-def test_sessions_sized_from_measured_start_up_grow_with_the_longest_one_seen_up_to_session_limit_s():
+def test_sized_sessions_train_their_time_from_the_end_of_their_first_step_whatever_start_up_takes():
     cfg = config_from_dict(MEASURED)
-    # Before anything is measured, a guess at start-up falls short on a busy machine: as long as a session may
-    # be, ended after 10 steps (which measure the start-up and the step time).
-    assert session_length(cfg, []) == (300, "the longest a session may be (session_limit_s), ending after 10 steps: "
-                                            "nothing is measured before it", 10)
+    # Before anything is measured: 10 steps (which measure the start-up and the step time), within session_limit_s.
+    assert session_length(cfg, []) == (300, "10 steps: nothing is measured before it", 10, 0)
     assert session_length(cfg, [{"n": 1, "step_s": 1.0}]).stop_after_steps == 10  # no start-up measured yet
     sessions = [{"n": 1, "startup_s": 38.9}, {"n": 2, "startup_s": 52.2}, {"n": 3}]
-    # ceil(1.5 x 52.2 + 10) = 89: the longest start-up, with headroom for a busier machine.
-    assert session_length(cfg, sessions) == (139, "start-up 89 s (1.5 x the 52.2 s session 2's took, + 10 s) + "
-                                                   "30 s of training (session_train_s) + 20 s to publish", 0)
-    assert session_length(cfg, [{"n": 1, "startup_s": 250.0}])[0] == 300  # at most session_limit_s
+    # 30 s of training from the end of the first step, within session_limit_s: the longest start-up measured only
+    # says what to expect (ceil(52.2 + 30 + 20) = 103), as it is no bound on the next one's.
+    assert session_length(cfg, sessions) == (300, "30 s of training (session_train_s) from the end of its first "
+                                                   "step, whatever start-up takes, + 20 s to publish; up to about "
+                                                   "103 s after a start-up like session 2's (52.2 s)", 0, 30)
     # Steps slow enough that 30 s would not hold 10 of them: training grows to 10 steps, the 2 that end a session
-    # and 1.5 checkpoints, x1.5 (ceil(1.5 x (12 x 3.5 + 1.5 x 0.4)) = 64).
+    # and the room the trainer keeps for its final write (1.5 writes at its estimate, 6.65 s for these 6.87M
+    # parameters, while a session's own timed write, 0.4 s, is not carried), x1.5: ceil(1.5 x (12 x 3.5 + 1.5 x
+    # 6.648)) = 78.
     slow = [{"n": 1, "startup_s": 55.4, "step_s": 3.5, "checkpoint_s": 0.4}, {"n": 2, "step_s": 1.0}]
-    assert session_length(cfg, slow) == (178, "start-up 94 s (1.5 x the 55.4 s session 1's took, + 10 s) + 64 s of "
-                                              "training (10 steps at the 3.50 s a step session 1 took, x1.5, with the "
-                                              "steps and checkpoint that end a session) + 20 s to publish", 0)
-    assert session_length(cfg, [{"n": 1, "startup_s": 40.0, "step_s": 1.0, "checkpoint_s": 0.4}])[0] == 70 + 30 + 20
-    # Only training's end by the deadline: the allowance is an estimate, and start-up eats training, not the limit.
-    assert cfg.session_clock(113) == {"time_budget": 93, "session_deadline": 93}
+    assert cfg.train.config.model.shape.num_params() == 6_868_480
+    assert session_length(cfg, slow) == (300, "78 s of training (10 steps at the 3.50 s a step session 1 took, "
+                                              "x1.5, with the steps and checkpoint that end a session) from the end "
+                                              "of its first step, whatever start-up takes, + 20 s to publish; up "
+                                              "to about 154 s after a start-up like session 1's (55.4 s)", 0, 78)
+    # No step time measured (a session killed early): still room for the final write, whose 1.5 x 6.65 s (x1.5)
+    # would not fit a session_train_s this short, where the trainer would refuse the budget.
+    short = config_from_dict({**MEASURED, "session_train_s": 5})
+    assert session_length(short, [{"n": 1, "startup_s": 20.0}])[1:] == (
+        "15 s of training (the final checkpoint's write, 6.6 s, x1.5, x1.5) from the end of its first step, whatever "
+        "start-up takes, + 20 s to publish; up to about 55 s after a start-up like session 1's (20.0 s)", 0, 15)
+    # A timed write longer than the estimate is the one allowed for.
+    assert session_length(cfg, [{**slow[0], "checkpoint_s": 20.0}]).train_s == math.ceil(1.5 * (12 * 3.5 + 30))
+    # A start-up as long as that would run training past the deadline, which then ends it: said.
+    assert session_length(cfg, [{"n": 1, "startup_s": 260.0}]).why.endswith(
+        "up to about 310 s after a start-up like session 1's (260.0 s); past the deadline, 280 s from its start, which "
+        "then ends its training")
+    # The trainer's settings: the training, counted from the end of the first step, and the deadline from the
+    # session's start, which ends a start-up that runs past it; the first session has the deadline alone.
+    assert cfg.session_clock(300, 64) == {"time_budget": 64, "session_deadline": 280}
+    assert cfg.session_clock(300) == {"time_budget": 280, "session_deadline": 280}
 
 
 def test_session_train_s_must_fit_session_limit_s_with_the_margins():
@@ -112,12 +129,13 @@ def chain_with_sessions(tmp_path, cfg_dict: dict, sessions: list, log=None) -> C
 
 def test_a_session_that_trained_no_step_lengthens_the_next_or_stops_the_chain_in_one_line(tmp_path):
     lines = []
-    # Sized from start-up: a session whose start-up outgrew it is not a failure; the next one is longer.
+    # A sized session shorter than session_limit_s (a chain whose session_limit_s was raised since, or begun when
+    # sessions were cut to their measured start-up) whose start-up outgrew it: not a failure; the next is longer.
     short = {"n": 2, "limit_s": 102, "startup_s": 95.0, "stop_reason": "too_short"}
     chain = chain_with_sessions(tmp_path / "a", MEASURED, [short], lines.append)
     assert chain.train.no_progress(short) == 0
     assert lines == ["  session 2 trained no step in its 102 s after a 95-s start-up: the next session is longer"]
-    assert session_length(chain.cfg, [short])[0] == 153 + 30 + 20 > 102
+    assert session_length(chain.cfg, [short])[0] == 300 > 102
     # Already at session_limit_s: no longer session would do better, so one line at once, naming the setting.
     capped = {"n": 4, "limit_s": 300, "startup_s": 290.0, "stop_reason": "too_short"}
     with pytest.raises(UserError) as err:
@@ -139,7 +157,7 @@ def test_a_session_that_trained_no_step_lengthens_the_next_or_stops_the_chain_in
     killed = {"n": 1, "limit_s": 132, "seconds": 133.2, "ended": 1.0, "step_before": 0, "step_after": 0}
     chain = chain_with_sessions(tmp_path / "d", MEASURED, [killed])
     assert chain.train.no_progress(killed) == 0 and killed["startup_s"] == 112
-    assert session_length(chain.cfg, [killed])[0] == 178 + 30 + 20
+    assert session_length(chain.cfg, [killed])[0] == 300
     # After a restart those sessions still do not count against the chain; only the others do.
     from scripts.chain.train_stage import _trailing_failures
 

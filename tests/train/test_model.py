@@ -124,10 +124,12 @@ def test_for_a_kernels_layout_the_attention_makes_q_k_v_by_einsum_with_the_same_
         assert torch.allclose(p.grad, plain_grads[name], rtol=1e-5, atol=1e-7), name
 
 
-def test_the_token_lookups_gradient_kept_apart_adds_up_to_the_tied_weights_gradient():
+@pytest.mark.parametrize("columns", [True, False])
+def test_the_token_lookups_gradient_kept_apart_adds_up_to_the_tied_weights_gradient(columns):
     # Inside embedding_grad_apart the token lookup's gradient goes to a leaf of its own, and wte.weight.grad
     # keeps only the tied head's. Checked against the same model untied (the head a copy of wte, its own
     # Parameter), where autograd itself gives the two parts apart; and the two add up to the tied gradient.
+    # Scattered into (C, V) columns and transposed (a TPU's form) or straight into rows (XLA:CPU's): the same.
     torch.manual_seed(0)
     model = GPT(SMALL)
     idx = torch.randint(0, 40, (3, 17))  # a small range of token ids: many repeats
@@ -139,11 +141,11 @@ def test_the_token_lookups_gradient_kept_apart_adds_up_to_the_tied_weights_gradi
     untied.zero_grad()
     untied(idx[:, :-1], idx[:, 1:])[1].backward()
     model.zero_grad()
-    with model.embedding_grad_apart() as (weight, apart):
+    with model.embedding_grad_apart(columns=columns) as (weight, apart):
         assert weight is model.transformer.wte.weight and apart.shape == weight.shape
         _, loss = model(idx[:, :-1], idx[:, 1:])
         loss.backward()
-    assert model._embedding_grad_apart is None  # outside, the plain lookup again
+    assert model._embedding_grad_apart is None and model._lookup_grad_columns  # outside, the plain lookup again
     assert loss.item() == plain_loss.item()
     assert torch.allclose(apart.grad, untied.transformer.wte.weight.grad, atol=1e-7)
     assert apart.grad[40:].abs().max() == 0 and apart.grad[:40].abs().max() > 0  # only the tokens looked up
@@ -152,6 +154,22 @@ def test_the_token_lookups_gradient_kept_apart_adds_up_to_the_tied_weights_gradi
     for name, p in model.named_parameters():
         if name != "transformer.wte.weight":
             assert torch.equal(p.grad, plain[name]), name
+
+
+def test_the_lookups_gradient_takes_the_tpu_form_wherever_a_tpu_compiler_reads_the_step():
+    # On a TPU, or traced on CPU devices for one (scripts/tpu_compile.py's TraceRuntime): the (C, V) columns that
+    # let its all-reduce leave the accumulation loop. On XLA:CPU's own devices (the tests, the local demo): rows.
+    from types import SimpleNamespace
+
+    from shared.runtime.xla_runtime import XlaRuntime
+    from shared.tpu import TPU_GENERATIONS
+
+    columns = XlaRuntime.lookup_grad_columns.fget
+    v5e = TPU_GENERATIONS["v5e"]
+    assert columns(SimpleNamespace(_hardware="TPU", tpu_generation=v5e))
+    assert columns(SimpleNamespace(_hardware="CPU", tpu_generation=v5e))
+    assert not columns(SimpleNamespace(_hardware="CPU", tpu_generation=None))
+    assert columns(SimpleNamespace(_hardware="CUDA", tpu_generation=None))  # not measured there: as on a TPU
 
 
 def _random_tokens(n=3, t=20, seed=1):

@@ -331,6 +331,8 @@ def test_the_accumulation_loop_is_traced_once_and_never_waits_for_the_device():
     assert all(math.isfinite(loss) for loss in losses)
     assert count_device_waits() - waits == 0
     assert runtime._accum_loop[2].builds == 1
+    # On these CPU devices the token lookup's gradient goes straight into rows (no TPU compiler reads the step).
+    assert not runtime.lookup_grad_columns and runtime._accum_loop[2].grad_apart.keywords == {"columns": False}
 
 
 def test_foreach_adamw_and_clip_equal_torchs_bit_for_bit():
