@@ -357,13 +357,23 @@ def introspect_token(api, token: str) -> TokenFacts:
     return TokenFacts(bool(reply.active), reply.scope or "", int(reply.exp or 0))
 
 
+# How far Kaggle's clock (which sets `exp`, in whole seconds) and the session's own may disagree: a token expiring
+# this soon after the session's last publish may end is proven again before publishing too, since which clock is
+# right is not verified (the local Kaggle's two clocks agree to the millisecond; a real server's and VM's need not).
+CLOCK_LEEWAY_S = 60.0
+
+
 def expires_before(facts: TokenFacts, needed_until: float | None) -> str | None:
     """Where the token expires before `needed_until` (unix time: the session's last publish may run until then),
-    how much before; else None. A notice, never a refusal: where Kaggle's clock starts is not verified."""
-    if facts.expires and needed_until and facts.expires < needed_until:
-        return (f"it expires at {_utc(facts.expires)}, {duration_text(needed_until - facts.expires)} before the "
-                "session's last publish may end")
-    return None
+    or within `CLOCK_LEEWAY_S` after it, how close; else None. A notice, never a refusal: where Kaggle's clock
+    starts is not verified."""
+    if not (facts.expires and needed_until) or facts.expires >= needed_until + CLOCK_LEEWAY_S:
+        return None
+    when = f"it expires at {_utc(facts.expires)}"
+    if facts.expires < needed_until:
+        return f"{when}, {duration_text(needed_until - facts.expires)} before the session's last publish may end"
+    return (f"{when}, within {duration_text(CLOCK_LEEWAY_S)} of when the session's last publish may end (how far "
+            "Kaggle's clock and the session's may disagree)")
 
 
 def publish_until(deadline_s: float | None, publish_s: float = 0.0) -> float | None:

@@ -6,6 +6,7 @@ Signing in never swaps sys.stdout (a thread signs in while the trainer prints), 
 limit."""
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -18,7 +19,14 @@ from test_session_credential import DATASET, SESSION, run_session
 
 from shared.errors import UserError
 from shared.kaggle import credential, proof
-from shared.kaggle.credential import ATTACHED_KEY, NOTEBOOK_TOKEN, Choice, TokenFacts, expires_before
+from shared.kaggle.credential import (
+    ATTACHED_KEY,
+    CLOCK_LEEWAY_S,
+    NOTEBOOK_TOKEN,
+    Choice,
+    TokenFacts,
+    expires_before,
+)
 
 HOUR = 3600.0
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -41,6 +49,12 @@ def test_a_token_that_expires_before_the_sessions_last_publish_is_said_so_and_on
     assert short.startswith("it expires at ") and short.endswith(
         "60 minutes before the session's last publish may end")
     assert expires_before(TokenFacts(True, "resources.admin:*", int(now + 3 * HOUR)), now + 2 * HOUR) is None
+    # Just after it, by less than the two clocks may disagree: said too, as within that leeway.
+    close = expires_before(TokenFacts(True, "resources.admin:*", int(now) + 30), int(now))
+    assert close.startswith("it expires at ") and close.endswith(
+        "within 60 s of when the session's last publish may end (how far Kaggle's clock and the session's may "
+        "disagree)") and CLOCK_LEEWAY_S == 60
+    assert expires_before(TokenFacts(True, "resources.admin:*", int(now) + 60), int(now)) is None  # past the leeway
     assert expires_before(TokenFacts(True, "resources.admin:*", 0), now + 2 * HOUR) is None  # no exp: nothing
     assert expires_before(TokenFacts(True, "resources.admin:*", int(now + HOUR)), None) is None  # no deadline
 
@@ -198,9 +212,10 @@ def test_a_token_that_expires_at_the_sessions_end_and_no_key_publishes_with_a_no
     status, lines, record, versions = run_session(local_kaggle, tmp_path, secrets=False, session=DEADLINE_SESSION)
     assert status == "COMPLETE", lines
     (notice,) = [x for x in lines if x.startswith("notice:")]
-    assert notice.startswith(f"notice: {NOTEBOOK_TOKEN}: it expires at ") and notice.endswith(
-        "before the session's last publish may end; it is proven again just before each publish, with no other "
-        "credential to fall back on")
+    # Before it by the moments between the two starts, or, where the clocks disagree by more, within the leeway.
+    assert notice.startswith(f"notice: {NOTEBOOK_TOKEN}: it expires at ") and re.search(
+        r"(before the session's last publish may end|within 60 s of when the session's last publish may end \(.*\))"
+        "; it is proven again just before each publish, with no other credential to fall back on$", notice), notice
     (chosen,) = [x for x in lines if x.startswith("publishing to ")]
     assert chosen.startswith(f"publishing to {DATASET} with {NOTEBOOK_TOKEN} (scope resources.admin:*, expires ")
     assert f"publish: {NOTEBOOK_TOKEN} proven again, just before publishing to {DATASET}" in lines
