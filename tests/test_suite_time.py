@@ -138,3 +138,23 @@ def test_ci_says_how_busy_the_cores_were_over_the_tests_from_proc_stat(tmp_path)
     cores = int(subprocess.run(["nproc"], capture_output=True, text=True).stdout)
     assert line == (f"ci: over the tests the {cores} cores were 75% busy: {600 / hz:.0f} of the {800 / hz:.0f} "
                     "CPU-seconds they had")
+
+
+def test_ci_names_the_processes_that_used_the_cpu_before_the_tests_and_only_those():
+    # .ci/run's own `machine`, sourced, beside a busy loop it must name: a row for each process that used some CPU
+    # over top's second, none of the idle ones (an idle machine's kernel threads at 0.0).
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        proc = subprocess.run(["bash", "-c", f"source {REPO / '.ci' / 'run'}; machine"], capture_output=True,
+                              text=True, timeout=60)
+    finally:
+        busy.kill()
+        busy.wait()
+    assert proc.returncode == 0, proc.stderr
+    load, said, header, *rows = proc.stdout.splitlines()
+    assert load.startswith("ci: ") and " cores; load average (1, 5, 15 min): " in load
+    assert said == "ci: the processes using the most CPU over one second:"
+    assert header.split()[8] == "%CPU" and header.split()[-1] == "COMMAND"
+    assert 1 <= len(rows) <= 7
+    assert all(float(row.split()[8]) > 0 for row in rows), rows
+    assert any(row.split()[0] == str(busy.pid) for row in rows), rows
